@@ -1,0 +1,99 @@
+"""The attention-backend interface: what the model runner builds per step and what attention layers call.
+
+A backend is chosen by platform (see `selector.py`). The model runner fills a `CommonAttentionMetadata`
+once per step per KV-cache group; the backend's builder turns it into its own metadata; each attention
+layer then calls `impl.forward` with its slice of the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class AttentionType(str, enum.Enum):
+    DECODER = "decoder"
+    """Causal self-attention over a paged KV cache."""
+    ENCODER_ONLY = "encoder_only"
+    """Bidirectional self-attention within each sequence; no KV cache."""
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-step batch description, backend-independent. Requests are in persistent-batch order.
+
+    Token i of the flattened batch belongs to request r where query_start_loc[r] <= i < query_start_loc[r+1].
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    query_start_loc_cpu: torch.Tensor  # same, on CPU
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step's tokens, on device
+    seq_lens_cpu: torch.Tensor
+    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32: tokens already in the KV cache
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token, on device
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+
+class AttentionMetadataBuilder(ABC):
+    def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.device = device
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any: ...
+
+
+class AttentionImpl(ABC):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None,
+        attn_type: AttentionType,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.attn_type = attn_type
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_size]
+        key: torch.Tensor,  # [T, num_kv_heads, head_size]
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor | None,
+        attn_metadata: Any,
+        output: torch.Tensor,  # [T, num_heads, head_size], written in place
+    ) -> torch.Tensor: ...
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        ...

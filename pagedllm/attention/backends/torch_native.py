@@ -1,0 +1,165 @@
+"""Reference attention backend in pure PyTorch over the paged KV cache (the CPU path).
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
+Decode requests (one query token) run as one batched gather + matmul; prefill chunks (which may attend
+to a cached prefix) run one request at a time through scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int
+    q_end: int
+    context_len: int  # tokens already cached before this chunk
+    seq_len: int  # context_len + chunk length
+    blocks: torch.Tensor  # block ids covering seq_len
+
+
+@dataclass
+class TorchNativeMetadata:
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    causal: bool
+    # Decodes, batched.
+    decode_token_idx: torch.Tensor | None  # [D] positions in the flattened batch
+    decode_block_table: torch.Tensor | None  # [D, nb]
+    decode_seq_lens: torch.Tensor | None  # [D]
+    # Prefill chunks (query length > 1), one by one.
+    prefills: list[PrefillSpan]
+    # Encoder-only: plain sequence spans.
+    spans: list[tuple[int, int]]
+
+
+class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TorchNativeMetadata:
+        qsl = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        ctx = common.num_computed_tokens_cpu.tolist()
+        decode_rows: list[int] = []
+        prefills: list[PrefillSpan] = []
+        spans: list[tuple[int, int]] = []
+        bs = self.block_size
+        for r in range(common.num_reqs):
+            q0, q1 = qsl[r], qsl[r + 1]
+            spans.append((q0, q1))
+            if q1 - q0 == 1 and common.causal:
+                decode_rows.append(r)
+            elif q1 > q0:
+                nb = (seq_lens[r] + bs - 1) // bs
+                prefills.append(PrefillSpan(q0, q1, ctx[r], seq_lens[r], common.block_table[r, :nb]))
+        dec_idx = dec_bt = dec_sl = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=common.block_table.device)
+            dec_sl = common.seq_lens[rows]
+            nb = (max(seq_lens[r] for r in decode_rows) + bs - 1) // bs
+            dec_bt = common.block_table[rows, :nb].long()
+            dec_idx = common.query_start_loc[rows].long()
+        return TorchNativeMetadata(
+            slot_mapping=common.slot_mapping,
+            num_actual_tokens=common.num_actual_tokens,
+            causal=common.causal,
+            decode_token_idx=dec_idx,
+            decode_block_table=dec_bt,
+            decode_seq_lens=dec_sl,
+            prefills=prefills,
+            spans=spans,
+        )
+
+
+class TorchNativeAttentionImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output):
+        n = attn_metadata.num_actual_tokens
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            for q0, q1 in attn_metadata.spans:
+                output[q0:q1] = self._sdpa(query[q0:q1], key[q0:q1], value[q0:q1], None, causal=False)
+            return output
+        assert kv_cache is not None
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        kvh, hd = self.num_kv_heads, self.head_size
+        slots = attn_metadata.slot_mapping[:n]
+        k_cache.view(-1, kvh, hd)[slots] = key[:n].to(k_cache.dtype)
+        v_cache.view(-1, kvh, hd)[slots] = value[:n].to(v_cache.dtype)
+
+        for p in attn_metadata.prefills:
+            q = query[p.q_start : p.q_end]
+            if p.context_len == 0 and self.sliding_window is None:
+                # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed.
+                output[p.q_start : p.q_end] = self._sdpa(
+                    q, key[p.q_start : p.q_end], value[p.q_start : p.q_end], None, causal=True
+                )
+                continue
+            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            q_pos = torch.arange(p.context_len, p.seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(p.seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
+            output[p.q_start : p.q_end] = self._sdpa(q, k, v, mask, causal=False)
+
+        if attn_metadata.decode_token_idx is not None:
+            idx = attn_metadata.decode_token_idx
+            output[idx] = self._decode(query[idx], k_cache, v_cache, attn_metadata)
+        return output
+
+    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        # [L, H, D] -> [H, L, D]; GQA by repeating K/V heads (group sizes need not be powers of two).
+        g = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 1)
+        kh = k.transpose(0, 1).to(q.dtype)
+        vh = v.transpose(0, 1).to(q.dtype)
+        if g > 1:
+            kh = kh.repeat_interleave(g, dim=0)
+            vh = vh.repeat_interleave(g, dim=0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=self.scale)
+        return out.transpose(0, 1)
+
+    def _decode(self, q, k_cache, v_cache, md: TorchNativeMetadata) -> torch.Tensor:
+        d_reqs = q.shape[0]
+        kvh, hd, g = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
+        bt = md.decode_block_table
+        k = k_cache[bt].flatten(1, 2)  # [D, L, kvh, hd]
+        v = v_cache[bt].flatten(1, 2)
+        length = k.shape[1]
+        qg = q.view(d_reqs, kvh, g, hd).float()
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * self.scale  # [D, kvh, g, L]
+        pos = torch.arange(length, device=q.device)[None, :]
+        seq = md.decode_seq_lens[:, None].long()
+        valid = pos < seq
+        if self.sliding_window is not None:
+            valid &= pos >= seq - self.sliding_window
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [D, kvh, g, hd]
+        return out.reshape(d_reqs, self.num_heads, hd).to(q.dtype)
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchNativeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TorchNativeMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -1,0 +1,51 @@
+"""The attention layer models use: projects nothing, just routes q/k/v to the chosen backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.abstract import AttentionType
+from pagedllm.attention.selector import get_attn_backend
+from pagedllm.forward_context import get_attn_metadata
+
+
+class Attention(nn.Module):
+    """`kv_cache` is bound by the model runner after it allocates the cache (None until then).
+
+    `prefix` must be unique per layer (e.g. "model.layers.3.self_attn.attn"): the model runner finds
+    every Attention module by name to bind its cache and its per-step metadata.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        attn_type: AttentionType = AttentionType.DECODER,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.attn_type = attn_type
+        self.layer_name = prefix
+        self.kv_cache: torch.Tensor | None = None
+        self.backend = get_attn_backend(torch.get_default_device())
+        self.impl = self.backend.get_impl_cls()(
+            num_heads, head_size, scale, self.num_kv_heads, sliding_window, attn_type
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads*head_size], k/v: [T, num_kv_heads*head_size] -> [T, num_heads*head_size]."""
+        t = q.shape[0]
+        q3 = q.view(t, self.num_heads, self.head_size)
+        k3 = k.view(t, self.num_kv_heads, self.head_size)
+        v3 = v.view(t, self.num_kv_heads, self.head_size)
+        out = torch.empty_like(q3)
+        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out)
+        return out.view(t, self.num_heads * self.head_size)

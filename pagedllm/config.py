@@ -1,0 +1,211 @@
+"""Resolved engine configuration: what the engine runs with after `EngineArgs` defaults are applied.
+
+`EngineArgs` (engine/arg_utils.py) is the one user-facing definition; it builds these objects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from pagedllm.platforms import current_platform
+from pagedllm.transformers_utils.config import (
+    get_hf_config,
+    get_max_model_len_from_config,
+    get_sliding_window,
+    load_generation_config,
+    resolve_model_path,
+)
+
+_STR_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    tokenizer_mode: str
+    skip_tokenizer_init: bool
+    dtype: torch.dtype
+    seed: int | None
+    max_model_len: int
+    revision: str | None
+    hf_config: Any
+    gguf_file: str | None
+    """Absolute path of the .gguf file when the model is one, else None."""
+    model_dir: str
+    """Local directory holding the weights (or the .gguf file)."""
+    generation_config_mode: str
+    generation_defaults: dict[str, Any]
+    max_logprobs: int
+    sliding_window: int | None
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.hf_config, "head_dim", None)
+        return int(hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation_defaults.get("eos_token_id", getattr(self.hf_config, "eos_token_id", None))
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Sampling defaults from generation_config.json, as vLLM applies them (only when "auto")."""
+        if self.generation_config_mode == "vllm":
+            return {}
+        names = {
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "top_k": "top_k",
+            "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty",
+            "max_new_tokens": "max_tokens",
+        }
+        return {
+            ours: self.generation_defaults[hf]
+            for hf, ours in names.items()
+            if self.generation_defaults.get(hf) is not None
+        }
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+    num_blocks: int = 0
+    """Filled in by the engine once the worker has sized the KV cache."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    policy: Literal["fcfs", "priority"]
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+
+@dataclass
+class LoadConfig:
+    load_format: LoadFormat = "auto"
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    load_config: LoadConfig
+    device: str
+    enforce_eager: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu":
+            # As vLLM's CPU backend: bf16 only where the CPU computes it natively.
+            return torch.bfloat16 if current_platform.cpu_has_native_bf16() else torch.float32
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg, str):
+            cfg = _STR_DTYPE.get(cfg)
+        if cfg in (torch.float16, torch.bfloat16):
+            return cfg
+        return torch.bfloat16
+    if dtype not in _STR_DTYPE:
+        raise ValueError(f"dtype: unknown value {dtype!r}; expected one of auto, {', '.join(_STR_DTYPE)}")
+    return _STR_DTYPE[dtype]
+
+
+def build_model_config(
+    *,
+    model: str,
+    tokenizer: str | None,
+    tokenizer_mode: str,
+    skip_tokenizer_init: bool,
+    dtype: str,
+    seed: int | None,
+    max_model_len: int | None,
+    revision: str | None,
+    hf_overrides: dict[str, Any] | None,
+    generation_config: str,
+    max_logprobs: int,
+    device: str,
+    load_format: str,
+) -> ModelConfig:
+    model_dir, gguf_file = resolve_model_path(model, revision)
+    hf_config = get_hf_config(model_dir, gguf_file)
+    for k, v in (hf_overrides or {}).items():
+        setattr(hf_config, k, v)
+    derived = get_max_model_len_from_config(hf_config)
+    if max_model_len is None:
+        max_model_len = derived
+    elif max_model_len <= 0:
+        raise ValueError(f"max_model_len: must be positive, got {max_model_len}")
+    elif max_model_len > derived and not os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's maximum length {derived} "
+            "(max_position_embeddings); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to override."
+        )
+    if generation_config not in ("auto", "vllm") and not os.path.isdir(generation_config):
+        raise ValueError(f"generation_config: expected 'auto', 'vllm' or a directory, got {generation_config!r}")
+    gen_dir = model_dir if generation_config in ("auto", "vllm") else generation_config
+    return ModelConfig(
+        model=model,
+        tokenizer=tokenizer or model,
+        tokenizer_mode=tokenizer_mode,
+        skip_tokenizer_init=skip_tokenizer_init,
+        dtype=resolve_dtype(dtype, hf_config, device),
+        seed=seed,
+        max_model_len=int(max_model_len),
+        revision=revision,
+        hf_config=hf_config,
+        gguf_file=gguf_file,
+        model_dir=model_dir,
+        generation_config_mode=generation_config,
+        generation_defaults=load_generation_config(gen_dir, hf_config),
+        max_logprobs=max_logprobs,
+        sliding_window=get_sliding_window(hf_config),
+    )
