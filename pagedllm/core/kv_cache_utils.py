@@ -1,0 +1,91 @@
+"""Prefix-cache block hashing and the description of the KV cache per layer group."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+
+NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra_keys: bytes) -> bytes:
+    """sha256 over (parent hash, token ids, extra keys): stable across processes and runs, unlike hash()."""
+    h = hashlib.sha256(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(b"|")
+        h.update(extra_keys)
+    return h.digest()
+
+
+def request_extra_keys(request: Request, block_index: int) -> bytes:
+    """Anything besides the token ids that changes the KV of a block: the cache salt (first block: it
+    seeds the whole chain), the LoRA adapter, later multimodal inputs."""
+    keys = []
+    if block_index == 0 and request.cache_salt:
+        keys.append(b"salt:" + request.cache_salt.encode())
+    if request.lora_id is not None:
+        keys.append(b"lora:" + str(request.lora_id).encode())
+    return b";".join(keys)
+
+
+def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
+    """Returns a function computing the hashes of the request's not-yet-hashed full blocks."""
+
+    def hasher(request: Request) -> list[bytes]:
+        start = len(request.block_hashes)
+        parent = request.block_hashes[-1] if start else NONE_HASH
+        out: list[bytes] = []
+        tokens = request.all_token_ids
+        for i in range(start, len(tokens) // block_size):
+            parent = hash_block_tokens(
+                parent, tokens[i * block_size : (i + 1) * block_size], request_extra_keys(request, i)
+            )
+            out.append(parent)
+        return out
+
+    return hasher
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How one group of attention layers stores KV: full attention (sliding_window None) or a window."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block takes in one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class KVCacheGroup:
+    layer_names: list[str]
+    spec: KVCacheSpec
+
+
+@dataclass
+class KVCacheConfig:
+    num_blocks: int
+    groups: list[KVCacheGroup] = field(default_factory=list)
+
+
+def group_layers_by_spec(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
+    """Layers with identical specs share one group (and one block table)."""
+    groups: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        groups.setdefault(spec, []).append(name)
+    return [KVCacheGroup(names, spec) for spec, names in groups.items()]

@@ -1,0 +1,262 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, preemption by recompute.
+
+Each step: running requests first (a decode token, or the next chunk of a prefill), then waiting ones
+while budget, `max_num_seqs` and KV blocks allow. When a running request needs a block and none is
+free, the lowest-ranked running request (FCFS: latest arrival; priority: highest priority value, then
+latest arrival) is preempted: its blocks are freed and it is recomputed later.
+`num_computed_tokens` advances when a step is scheduled; the worker's sampled tokens come back through
+`update_from_output`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_groups: list[KVCacheGroup],
+        num_blocks: int,
+        enable_prefix_caching: bool,
+    ) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.kv = KVCacheManager(kv_groups, num_blocks, config.max_model_len, enable_prefix_caching)
+        self.block_size = self.kv.block_size
+        self.block_hasher = make_block_hasher(self.block_size) if enable_prefix_caching else None
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._new_to_worker: set[str] = set()
+        """Requests the worker has never seen (or dropped): sent as NewRequestData."""
+        self.num_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add_request(self, core_req: EngineCoreRequest) -> None:
+        if core_req.request_id in self.requests:
+            raise ValueError(f"request_id: {core_req.request_id!r} is already running")
+        req = Request.from_engine_core_request(core_req, self.max_model_len, self.block_hasher)
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+        self._new_to_worker.add(req.request_id)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or finish) requests wherever they are; unknown ids are ignored."""
+        out = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free_request(req)
+            out.append(req)
+        return out
+
+    def _free_request(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
+        self._new_to_worker.discard(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+        new_blocks_of: dict[str, KVCacheBlocks] = {}
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = self.kv.allocate_slots(req, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if blocks is None:
+                continue  # req itself was preempted; self.running shrank, i stays
+            num_scheduled[req.request_id] = num_new
+            new_blocks_of[req.request_id] = blocks
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (not in a step that had to preempt).
+        if not preempted:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting.peek()
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                blocks = self.kv.allocate_slots(req, num_new, num_hit, hit_blocks)
+                if blocks is None:
+                    break
+                self.waiting.pop()
+                self.kv.record_lookup(req, num_hit)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                resumed = req.status == RequestStatus.PREEMPTED
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                self.running.append(req)
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
+                if req.request_id in self._new_to_worker:
+                    self._new_to_worker.discard(req.request_id)
+                    new_reqs.append(
+                        NewRequestData(
+                            req.request_id,
+                            req.prompt_token_ids,
+                            list(req.output_token_ids),
+                            req.sampling_params,
+                            self.kv.get_block_ids(req.request_id),
+                            num_hit,
+                            req.lora_id,
+                        )
+                    )
+                else:
+                    assert resumed
+                    cached.req_ids.append(req.request_id)
+                    cached.resumed_from_preemption.append(True)
+                    cached.new_block_ids.append(self.kv.get_block_ids(req.request_id))
+                    cached.num_computed_tokens.append(num_hit)
+
+        # Running requests that were scheduled (and not preempted afterwards) are "cached" for the worker.
+        for rid, blocks in new_blocks_of.items():
+            if rid in preempted:
+                continue
+            req = self.requests[rid]
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(False)
+            ids = blocks.get_block_ids()
+            cached.new_block_ids.append(ids if any(ids) else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _pick_victim(self, current: int) -> Request:
+        """Only requests not yet scheduled this step (index >= current) are candidates, so a victim
+        never leaves behind prefix-cache blocks registered for KV that was not computed."""
+        if self.config.policy == "priority":
+            return max(self.running[current:], key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    # ---- results back --------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            req = self.requests.get(rid)
+            if req is None or not tokens or req.status != RequestStatus.RUNNING:
+                continue  # finished/aborted meanwhile, or a partial prefill chunk
+            new_tokens: list[int] = []
+            for tok in tokens:
+                req.append_output_token_ids([tok])
+                new_tokens.append(tok)
+                if self._check_stop(req, tok):
+                    break
+            if req.is_finished():
+                self.running.remove(req)
+                self._free_request(req)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_tokens,
+                    req.get_finished_reason(),
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and sp.eos_token_id is not None and token == sp.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in (sp.stop_token_ids or ()):
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        q, h = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=q - self._last_queries,
+            prefix_cache_hits=h - self._last_hits,
+            num_preemptions=self.num_preemptions,
+        )
+        self._last_queries, self._last_hits = q, h
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,64 @@
+"""The plain-data contract between the scheduler and the worker side (the only thing workers see)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    """Block ids per KV-cache group."""
+    num_computed_tokens: int
+    lora_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already knows (running, or resumed after preemption)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    """Blocks appended this step (for a resumed request: its whole new block list)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute per request this step (more than one for a running request is valid:
+    speculative decoding schedules the draft tokens too)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that finished or were aborted since the last step: the worker drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
+    """Per-request allowed-token bitmask for structured outputs (rows follow structured_output_request_ids)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request, in req_ids order: the tokens sampled this step ([] for a partial prefill chunk)."""
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.req_ids)}

@@ -1,0 +1,206 @@
+"""`EngineArgs`: the ONE definition of the engine's arguments. `LLM(**kwargs)` takes them, and the CLI
+flags (`--kebab-case`, booleans also as `--no-...`) are generated from the same dataclass fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from pagedllm.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    build_model_config,
+)
+from pagedllm.platforms import current_platform
+from pagedllm.transformers_utils.config import default_model_path
+
+
+def _help(text: str, group: str = "Model") -> dict[str, str]:
+    return {"help": text, "group": group}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = field(default=None, metadata=_help(
+        "Model directory, .gguf file or hub id. Default: the built-in SmolLM2-135M-Instruct."))
+    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer path (default: the model's)."))
+    tokenizer_mode: str = field(default="auto", metadata=_help("'auto', 'hf' or 'slow'."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help(
+        "Do not load a tokenizer: prompts must be token ids and outputs carry no text."))
+    trust_remote_code: bool = field(default=False, metadata=_help("Not supported (must stay False)."))
+    dtype: str = field(default="auto", metadata=_help(
+        "auto | float32 | bfloat16 | float16. auto: the model's 16-bit dtype on GPU; on CPU bfloat16 "
+        "where the CPU has native bf16 (AVX-512 BF16/AMX), else float32."))
+    seed: int | None = field(default=0, metadata=_help("Global random seed."))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Maximum context length (prompt + output). Default: the model's."))
+    hf_overrides: dict[str, Any] | None = field(default=None, metadata=_help(
+        "JSON dict of HF config attributes to override."))
+    revision: str | None = field(default=None, metadata=_help("Hub revision."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "'auto' (use the model's generation_config.json defaults), 'vllm' (ignore them) or a directory."))
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = field(default="auto", metadata=_help(
+        "Weight format; 'dummy' = random weights from the config (benchmarks)."))
+    max_logprobs: int = field(default=20, metadata=_help("Largest logprobs a request may ask for."))
+    block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block.", "Cache"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes.", "Cache"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of GPU memory the engine may use (weights + activations + KV cache).", "Cache"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
+        "KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
+        "Force the number of KV-cache blocks (testing/preemption).", "Cache"))
+    max_num_seqs: int | None = field(default=None, metadata=_help(
+        "Most requests in one step. Default: 1024 on GPU, 256 on CPU.", "Scheduler"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "Token budget per step. Default: 16384 on GPU, 4096 on CPU.", "Scheduler"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "Split long prompts across steps to fit the token budget.", "Scheduler"))
+    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
+        "'fcfs' or 'priority' (lower value first; preemption takes the lowest priority).", "Scheduler"))
+    enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
+    device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
+    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
+    served_model_name: list[str] | None = field(default=None, metadata=_help(
+        "Model name(s) the API answers to (default: the model argument).", "Frontend"))
+    disable_log_stats: bool = field(default=False, metadata=_help("No periodic stats log line.", "Frontend"))
+
+    # ---- validation and resolution -------------------------------------------------------------
+    def _validate(self) -> None:
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code: only False is supported (pagedllm runs no model-repo code)")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size: must be a power of two up to 256, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override: must be >= 2, got {self.num_gpu_blocks_override}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"{name}: must be positive, got {v}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
+            raise ValueError(f"load_format: unknown value {self.load_format!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: only 1 is supported for now")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if current_platform.is_cuda() else "cpu"
+        return self.device
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate()
+        device = self.resolved_device()
+        on_gpu = device.startswith("cuda")
+        model = self.model or os.environ.get("PAGEDLLM_DEFAULT_MODEL") or default_model_path()
+        hf_overrides = self.hf_overrides
+        if isinstance(hf_overrides, str):
+            hf_overrides = json.loads(hf_overrides)
+        mc = build_model_config(
+            model=model,
+            tokenizer=self.tokenizer,
+            tokenizer_mode=self.tokenizer_mode,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            revision=self.revision,
+            hf_overrides=hf_overrides,
+            generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
+            device=device,
+            load_format=self.load_format,
+        )
+        max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
+        max_batched = self.max_num_batched_tokens or (16384 if on_gpu else 4096)
+        if not self.enable_chunked_prefill and max_batched < mc.max_model_len:
+            # Without chunking a whole prompt must fit one step.
+            max_batched = mc.max_model_len
+        return EngineConfig(
+            model_config=mc,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=mc.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            load_config=LoadConfig(load_format=self.load_format),
+            device=device,
+            enforce_eager=self.enforce_eager,
+        )
+
+    # ---- CLI -----------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> argparse.ArgumentParser:
+        """One `--kebab-case` flag per field, grouped by the field's group."""
+        hints = get_type_hints(EngineArgs)
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(EngineArgs):
+            meta = f.metadata
+            gname = meta.get("group", "Model")
+            group = groups.get(gname) or groups.setdefault(gname, parser.add_argument_group(f"{gname} options"))
+            flag = "--" + f.name.replace("_", "-")
+            tp = hints[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else None
+            kw: dict[str, Any] = {"dest": f.name, "default": default, "help": meta.get("help", "")}
+            base, choices, nargs = _unwrap(tp)
+            if f.name == "model" and positional_model:
+                continue
+            if base is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+                continue
+            if base is dict:
+                kw["type"] = json.loads
+            elif base in (int, float, str):
+                kw["type"] = base
+            if choices:
+                kw["choices"] = choices
+            if nargs:
+                kw["nargs"] = "+"
+            group.add_argument(flag, **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def _unwrap(tp: Any) -> tuple[Any, list[Any] | None, bool]:
+    """(base type, choices for Literal, list?) of an annotation like `int | None` or `list[str] | None`."""
+    origin = get_origin(tp)
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if origin is Literal:
+        return str, list(get_args(tp)), False
+    if args and origin is not None and origin not in (list, dict):
+        return _unwrap(args[0])
+    if origin is list:
+        return _unwrap(args[0])[0], None, True
+    if origin is dict:
+        return dict, None, False
+    return tp, None, False

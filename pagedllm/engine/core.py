@@ -1,0 +1,67 @@
+"""The engine core: scheduler + executor. Takes EngineCoreRequests, returns EngineCoreOutputs per step.
+
+Plain data in and out, so it runs the same in-process (LLM) or in its own process (AsyncLLM).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor.abstract import Executor
+from pagedllm.logger import init_logger
+from pagedllm.sample.logits_processor import LogitsProcessor
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        executor_cls = Executor.get_class(config)
+        self.executor = executor_cls(config, logits_processors)  # type: ignore[call-arg]
+        num_blocks = self.executor.determine_num_blocks()
+        cc = config.cache_config
+        max_len = config.model_config.max_model_len
+        needed = cdiv(max_len, cc.block_size) + 1  # + the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {cc.block_size} tokens, fewer than the {needed} "
+                f"needed for one sequence of max_model_len={max_len}. Give the KV cache more memory "
+                "(kv_cache_memory_bytes / gpu_memory_utilization / num_gpu_blocks_override) or lower max_model_len."
+            )
+        kv_config = self.executor.initialize_kv_cache(num_blocks)
+        cc.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, kv_config.groups, num_blocks, cc.enable_prefix_caching)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%d layer group(s)); engine ready in %.2f s",
+            num_blocks - 1, cc.block_size, (num_blocks - 1) * cc.block_size, len(kv_config.groups),
+            time.perf_counter() - t0,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+        sched = self.scheduler.schedule()
+        result = self.executor.execute_model(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

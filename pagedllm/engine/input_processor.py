@@ -1,0 +1,100 @@
+"""Turns a user prompt + SamplingParams into a validated, tokenized EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.engine import EngineCoreRequest
+from pagedllm.inputs import PromptType
+from pagedllm.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        eos = model_config.eos_token_ids
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_id: int | None = int(tokenizer.eos_token_id)
+        else:
+            self.eos_token_id = eos[0] if eos else None
+        self.extra_eos_ids = [e for e in eos if e != self.eos_token_id]
+        """generation_config may list several EOS ids (Llama 3): the rest act as stop token ids."""
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(prompt text or None, token ids, cache salt)."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt), None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids: must be a list of integers")
+                return prompt.get("prompt"), list(ids), salt  # type: ignore[return-value]
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"]), salt
+        raise ValueError(
+            f"prompt: expected a string, a TextPrompt {{'prompt': str}} or a TokensPrompt "
+            f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True): pass token ids")
+        return list(self.tokenizer.encode(text))
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if prompt_token_ids is None:
+            prompt_text, prompt_token_ids, cache_salt = self.tokenize(prompt)
+        self.validate_prompt(prompt_token_ids)
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            # As vLLM: the output is capped by the context; the core enforces the cap.
+            pass
+        stop_ids = list(params.stop_token_ids or []) + self.extra_eos_ids
+        all_stop = list(dict.fromkeys(stop_ids + ([self.eos_token_id] if self.eos_token_id is not None else [])))
+        sp = params.clone(
+            stop_token_ids=stop_ids,
+            eos_token_id=self.eos_token_id,
+            all_stop_token_ids=all_stop,
+        )
+        if sp.detokenize and self.tokenizer is None:
+            sp = sp.clone(detokenize=False)
+        req = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=sp,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return req, prompt_text
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: the prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(it must leave room for at least one output token)"
+            )
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompt: token id {hi if hi >= self.vocab_size else lo} is out of the vocabulary "
+                             f"(size {self.vocab_size})")

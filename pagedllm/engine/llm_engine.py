@@ -1,0 +1,109 @@
+"""LLMEngine: input processor -> engine-core client -> output processor (vLLM's layer under `LLM`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import InprocClient
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.inputs import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    mc = config.model_config
+    if mc.skip_tokenizer_init:
+        return None
+    same = mc.tokenizer == mc.model
+    return get_tokenizer(
+        mc.model_dir if same else mc.tokenizer,
+        gguf_file=mc.gguf_file if same else None,
+        tokenizer_mode=mc.tokenizer_mode,
+        revision=mc.revision,
+    )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = False,
+        logits_processors: list[LogitsProcessor] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = load_tokenizer(config)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.engine_core = InprocClient(config, logits_processors)
+        self.last_scheduler_stats = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats, **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("tokenizer: not loaded (skip_tokenizer_init=True)")
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request. `n > 1` fans out into n child requests sharing the prompt's KV blocks
+        through the prefix cache; their outputs come back gathered under `request_id`."""
+        req, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        if params.n == 1:
+            self.output_processor.add_request(req, prompt_text)
+            self.engine_core.add_request(req)
+            return
+        parent = ParentRequest(request_id, req.sampling_params)
+        for idx in range(params.n):
+            child_id, child_params = parent.get_child_info(idx)
+            child = type(req)(
+                request_id=child_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling_params=child_params,
+                arrival_time=req.arrival_time,
+                priority=priority,
+                cache_salt=req.cache_salt,
+            )
+            self.output_processor.add_request(child, prompt_text, parent, idx)
+            self.engine_core.add_request(child)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        self.last_scheduler_stats = outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def now(self) -> float:
+        return time.monotonic()

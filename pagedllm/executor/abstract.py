@@ -1,0 +1,34 @@
+"""Executor interface: how the engine core reaches its worker(s)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        """Release workers (nothing to do in-process)."""
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        if config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        from pagedllm.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor

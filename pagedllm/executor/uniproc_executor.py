@@ -1,0 +1,26 @@
+"""Single worker in the engine core's own process."""
+
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.abstract import Executor
+from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
+        super().__init__(config)
+        self.worker = Worker(config, logits_processors)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
+        return self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,1 @@
+"""Model definitions, tensor-parallel layers and weight loading."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel-aware building blocks shared by the model definitions."""

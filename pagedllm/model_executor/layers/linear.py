@@ -1,0 +1,388 @@
+"""Tensor-parallel linear layers.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` attribute that takes the
+FULL checkpoint tensor and copies this rank's shard into the parameter. Sharded parameters also carry
+`output_dim` / `input_dim` attributes naming the dimension split across ranks.
+
+How the weights are stored and multiplied is delegated to a per-layer `quant_method`
+(`UnquantizedLinearMethod` by default) so quantized formats can plug in without touching the layers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any] | None) -> None:
+    """Attach loader metadata (weight_loader, output_dim, ...) to a parameter."""
+    for key, value in (attrs or {}).items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"{what}: shape mismatch, parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+class LinearMethodBase(ABC):
+    """Creates a linear layer's parameters and computes its matmul."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None: ...
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Called once all weights are loaded (repacking for kernels etc.)."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Plain dense weight [out_per_partition, in_per_partition] in params_dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method: LinearMethodBase = quant_method or UnquantizedLinearMethod()
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def _make_bias(self, size: int, attrs: dict[str, Any]) -> None:
+        bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
+        set_weight_attrs(bias, attrs)
+        self.register_parameter("bias", bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Full weight on every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_method, prefix)
+        self.quant_method.create_weights(
+            self,
+            input_size,
+            [output_size],
+            input_size,
+            output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        if bias:
+            self._make_bias(output_size, {"weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        _copy_checked(param.data, loaded_weight, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split by output columns: rank r holds rows [r*n/tp, (r+1)*n/tp) of the HF weight."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+        output_sizes: list[int] | None = None,
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_method, prefix)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        if output_sizes is None:
+            output_sizes = [output_size]
+        self.output_sizes = output_sizes
+        self.output_partition_sizes = self._partition_sizes()
+        self.quant_method.create_weights(
+            self,
+            input_size,
+            self.output_partition_sizes,
+            input_size,
+            output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        if bias:
+            self._make_bias(
+                self.output_size_per_partition, {"output_dim": 0, "weight_loader": self.weight_loader}
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def _partition_sizes(self) -> list[int]:
+        return [divide(s, self.tp_size) for s in self.output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is not None:
+            size = param.data.shape[output_dim]
+            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * size, size)
+        _copy_checked(param.data, loaded_weight, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.gather_output and self.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out, dim=-1)
+        return out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (e.g. gate_up_proj).
+
+    Each rank's weight is [shard of output 0; shard of output 1; ...]. `shard_id` is the index of the
+    sub-projection the loaded (full) weight belongs to; None means a checkpoint that already fuses them.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias,
+            gather_output,
+            params_dtype,
+            quant_method,
+            prefix,
+            output_sizes=list(output_sizes),
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            _copy_checked(param.data, loaded_weight, self.prefix)
+            return
+        if shard_id is None:
+            # Already fused in the checkpoint: split into the sub-projections and load each.
+            start = 0
+            for i, size in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(output_dim, start, size), i)
+                start += size
+            return
+        shard_id = int(shard_id)
+        part = self.output_partition_sizes[shard_id]
+        offset = sum(self.output_partition_sizes[:shard_id])
+        src = loaded_weight.narrow(output_dim, self.tp_rank * part, part)
+        _copy_checked(param.data.narrow(output_dim, offset, part), src, f"{self.prefix}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads.
+
+    Each rank holds num_heads/tp query heads and num_kv_heads/tp KV heads. When there are fewer KV heads
+    than ranks, every KV head is replicated on tp/num_kv_heads consecutive ranks (1 KV head per rank).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= self.total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        q_size = self.total_num_heads * head_size
+        kv_size = self.total_num_kv_heads * head_size
+        # output_size counts replicated KV heads, so that it divides evenly by tp_size.
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(
+            hidden_size,
+            output_size,
+            bias,
+            False,
+            params_dtype,
+            quant_method,
+            prefix,
+            output_sizes=[q_size, kv_size, kv_size],
+        )
+
+    def _partition_sizes(self) -> list[int]:
+        return [
+            self.num_heads * self.head_size,
+            self.num_kv_heads * self.head_size,
+            self.num_kv_heads * self.head_size,
+        ]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            _copy_checked(param.data, loaded_weight, self.prefix)
+            return
+        hd = self.head_size
+        if shard_id is None:
+            # Checkpoint with a fused qkv weight: split it and load each part.
+            sizes = {"q": self.total_num_heads * hd, "k": self.total_num_kv_heads * hd}
+            sizes["v"] = sizes["k"]
+            start = 0
+            for sid in ("q", "k", "v"):
+                self.weight_loader(param, loaded_weight.narrow(output_dim, start, sizes[sid]), sid)
+                start += sizes[sid]
+            return
+        q_part = self.num_heads * hd
+        kv_part = self.num_kv_heads * hd
+        if shard_id == "q":
+            offset, size, src_start = 0, q_part, self.tp_rank * q_part
+        elif shard_id in ("k", "v"):
+            offset = q_part if shard_id == "k" else q_part + kv_part
+            size = kv_part
+            src_start = (self.tp_rank // self.num_kv_head_replicas) * kv_part
+        else:
+            raise ValueError(f"{self.prefix}: unknown qkv shard id {shard_id!r}")
+        src = loaded_weight.narrow(output_dim, src_start, size)
+        _copy_checked(param.data.narrow(output_dim, offset, size), src, f"{self.prefix}[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split by input rows: rank r holds columns [r*n/tp, (r+1)*n/tp) of the HF weight.
+
+    The partial products are all-reduced; the (unsharded) bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethodBase | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_method, prefix)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.quant_method.create_weights(
+            self,
+            self.input_size_per_partition,
+            [output_size],
+            input_size,
+            output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        if bias:
+            self._make_bias(output_size, {"weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        input_dim = getattr(param, "input_dim", None)
+        if input_dim is not None:
+            size = param.data.shape[input_dim]
+            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * size, size)
+        _copy_checked(param.data, loaded_weight, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, None)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out

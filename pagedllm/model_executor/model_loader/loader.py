@@ -1,0 +1,131 @@
+"""Building a model from its config and filling in its weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.model_loader.gguf_loader import gguf_weights_iterator
+from pagedllm.model_executor.model_loader.weight_utils import (
+    get_pt_files,
+    get_safetensors_files,
+    initialize_dummy_weights,
+    pt_weights_iterator,
+    safetensors_weights_iterator,
+)
+from pagedllm.model_executor.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def get_architectures(hf_config: Any) -> list[str]:
+    """`hf_config.architectures`, or one inferred from `model_type` (GGUF-derived configs have none)."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        mt = getattr(hf_config, "model_type", None)
+        archs = [_MODEL_TYPE_TO_ARCH.get(mt, "LlamaForCausalLM")]
+    return archs
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):  # noqa: ANN202
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Instantiates the model (uninitialized weights) on `device` with parameters in `dtype`."""
+    model_cls = get_model_class(get_architectures(hf_config))
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config=hf_config, prefix="")
+    return model.eval()
+
+
+def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format: unknown value {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}"
+        )
+    if load_format != "auto":
+        return load_format
+    if model_config.gguf_file:
+        return "gguf"
+    if get_safetensors_files(model_config.model_dir):
+        return "safetensors"
+    if get_pt_files(model_config.model_dir):
+        return "pt"
+    raise ValueError(f"no weights found in {model_config.model_dir} (*.safetensors, *.bin or a .gguf file)")
+
+
+def get_weights_iterator(model_config: ModelConfig, load_format: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """HF-named CPU tensors of the checkpoint in `load_format` (not "auto"/"dummy")."""
+    model_dir = model_config.model_dir
+    if load_format == "gguf":
+        if not model_config.gguf_file:
+            raise ValueError("load_format 'gguf' needs a .gguf model file")
+        return gguf_weights_iterator(model_config.gguf_file, model_config.hf_config)
+    if load_format == "safetensors":
+        files = get_safetensors_files(model_dir)
+        if not files:
+            raise ValueError(f"load_format 'safetensors': no *.safetensors files in {model_dir}")
+        return safetensors_weights_iterator(files)
+    if load_format == "pt":
+        files = get_pt_files(model_dir)
+        if not files:
+            raise ValueError(f"load_format 'pt': no *.bin files in {model_dir}")
+        return pt_weights_iterator(files)
+    raise ValueError(f"no weight iterator for load_format {load_format!r}")
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise ValueError(f"weights missing from the checkpoint for these parameters: {shown}")
+
+
+def load_model(model_config: ModelConfig, load_format: str, device: torch.device | str) -> nn.Module:
+    """Builds the model for `model_config` on `device` in `model_config.dtype` and loads its weights.
+
+    load_format: "auto" (gguf if the model is a .gguf file, else safetensors if present, else *.bin),
+    "safetensors", "pt", "gguf", or "dummy" (deterministic random weights, nothing read from disk).
+    """
+    fmt = resolve_load_format(model_config, load_format)
+    model = build_model(model_config.hf_config, model_config.dtype, device)
+    with torch.no_grad():
+        if fmt == "dummy":
+            initialize_dummy_weights(model, seed=model_config.seed if model_config.seed is not None else 1234)
+        else:
+            loaded = model.load_weights(get_weights_iterator(model_config, fmt))  # type: ignore[operator]
+            check_all_loaded(model, loaded)
+        for module in model.modules():
+            qm = getattr(module, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(module)
+    logger.info(
+        "loaded %s (%s, %s) from %s",
+        type(model).__name__,
+        fmt,
+        model_config.dtype,
+        model_config.gguf_file or os.path.abspath(model_config.model_dir),
+    )
+    return model

@@ -1,0 +1,86 @@
+"""Finding checkpoint files and iterating over their tensors."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    """Copies a whole (unsharded) tensor into a parameter of the same shape."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def _files_from_index(model_dir: str, index_name: str) -> list[str] | None:
+    path = os.path.join(model_dir, index_name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        weight_map = json.load(f)["weight_map"]
+    return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+
+
+def get_safetensors_files(model_dir: str) -> list[str]:
+    """The shards listed in model.safetensors.index.json, else every *.safetensors file in the dir."""
+    files = _files_from_index(model_dir, SAFETENSORS_INDEX)
+    if files is None:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return files
+
+
+def get_pt_files(model_dir: str) -> list[str]:
+    files = _files_from_index(model_dir, PT_INDEX)
+    if files is None:
+        files = sorted(
+            f
+            for f in glob.glob(os.path.join(model_dir, "*.bin"))
+            if not os.path.basename(f).startswith("training_args")
+        )
+    return files
+
+
+def safetensors_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def pt_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+def initialize_dummy_weights(
+    model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234
+) -> None:
+    """Deterministic small uniform weights U(low, high) for every parameter (drawn on CPU, so equal on any
+    device); RMSNorm weights are set to 1 so activations keep a sane scale."""
+    from pagedllm.model_executor.layers.layernorm import RMSNorm
+
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for i, (_, param) in enumerate(model.named_parameters()):
+        if id(param) in norm_params:
+            param.data.fill_(1.0)
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(seed + i)
+        values = torch.empty(param.shape, dtype=torch.float32, device="cpu").uniform_(
+            low, high, generator=gen
+        )
+        param.data.copy_(values)

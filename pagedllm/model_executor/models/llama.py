@@ -1,0 +1,262 @@
+"""Llama-family decoder (also the base of the Mistral, Qwen2 and Qwen3 definitions).
+
+Input is the flattened token batch (no batch dim): `forward(input_ids [T], positions [T]) -> [T, hidden]`.
+Parameter names follow the HF checkpoint, except that q/k/v and gate/up are fused into `qkv_proj` and
+`gate_up_proj`; `load_weights` maps the HF names onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagedllm.model_executor.layers.activation import SiluAndMul
+from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedllm.model_executor.layers.rotary_embedding import get_rope
+from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
+from pagedllm.transformers_utils.config import get_rope_params, get_sliding_window
+
+logger = logging.getLogger(__name__)
+
+# (fused param name, HF name, shard id)
+STACKED_PARAMS_MAPPING: list[tuple[str, str, str | int]] = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+_SHARDS_PER_FUSED = {".qkv_proj": 3, ".gate_up_proj": 2}
+# Buffers some checkpoints carry that we recompute.
+_SKIP_SUBSTRINGS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def get_head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """Sliding window of layer `layer_idx`, honouring per-layer `layer_types` where the config has them."""
+    window = get_sliding_window(config)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_idx < len(layer_types):
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention. `qkv_bias` / `o_bias` add projection biases (Qwen2 has the first only); `qk_norm`
+    adds per-head RMSNorm on q and k before RoPE (Qwen3)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = get_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=qkv_bias,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        assert self.num_heads * tp_size == self.total_num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, self.hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj"
+        )
+        self.qk_norm = qk_norm
+        if qk_norm:
+            eps = float(getattr(config, "rms_norm_eps", 1e-6))
+            self.q_norm = RMSNorm(self.head_dim, eps=eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=eps)
+        theta, scaling = get_rope_params(config)
+        rotary_dim = int(self.head_dim * float(getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            rotary_dim,
+            int(getattr(config, "max_position_embeddings", 2048)),
+            theta,
+            scaling,
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            sliding_window=layer_sliding_window(config, layer_idx),
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_out = self.attn(q, k, v.contiguous())
+        return self.o_proj(attn_out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    @staticmethod
+    def attn_kwargs(config: Any) -> dict[str, Any]:
+        """Per-architecture LlamaAttention options (overridden by Qwen2 / Qwen3)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias}
+
+    def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config)
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            prefix=f"{prefix}.mlp",
+        )
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: Any, prefix: str = "model") -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=float(getattr(config, "rms_norm_eps", 1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM the model runner drives (see the module docstring for the interface)."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+
+    def __init__(self, hf_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf_config
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        self.model = self.model_cls(hf_config, prefix=model_prefix)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size, hf_config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads HF-named tensors; returns the names of the parameters fully loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused_shards: dict[str, set[str | int]] = {}
+        for name, tensor in weights:
+            if any(s in name for s in _SKIP_SUBSTRINGS):
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # tied to model.embed_tokens (some checkpoints still store a copy)
+            for fused, hf_name, shard_id in STACKED_PARAMS_MAPPING:
+                if hf_name not in name:
+                    continue
+                pname = name.replace(hf_name, fused)
+                if pname not in params:
+                    continue
+                param = params[pname]
+                param.weight_loader(param, tensor, shard_id)
+                shards = fused_shards.setdefault(pname, set())
+                shards.add(shard_id)
+                if len(shards) == _SHARDS_PER_FUSED[fused]:
+                    loaded.add(pname)
+                break
+            else:
+                if name not in params:
+                    logger.warning("load_weights: ignoring checkpoint tensor %s (no such parameter)", name)
+                    continue
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor)
+                loaded.add(name)
+        return loaded

@@ -1,0 +1,31 @@
+"""Maps HF `architectures` names to model classes (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def get_supported_archs() -> list[str]:
+    return list(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class of the first supported entry of `architectures`; ValueError if none is supported."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module_name, cls_name = _MODELS[arch]
+            module = importlib.import_module(f"pagedllm.model_executor.models.{module_name}")
+            return getattr(module, cls_name)
+    raise ValueError(
+        f"Model architectures {list(architectures or [])} are not supported. "
+        f"Supported architectures: {', '.join(_MODELS)}"
+    )

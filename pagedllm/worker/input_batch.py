@@ -1,0 +1,95 @@
+"""The persistent input batch: per-request state kept across steps in fixed rows, updated by the
+scheduler's diffs (new requests, appended blocks, finished/preempted ids) instead of rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    lora_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32) for _ in range(num_groups)]
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self.states: list[CachedRequestState | None] = [None] * max_num_reqs
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(self, st: CachedRequestState) -> int:
+        if st.req_id in self.req_id_to_row:
+            self.remove_request(st.req_id)
+        row = self._free_rows.pop()
+        self.req_ids[row] = st.req_id
+        self.req_id_to_row[st.req_id] = row
+        self.states[row] = st
+        n_prompt = len(st.prompt_token_ids)
+        n = st.num_tokens
+        self.token_ids[row, :n_prompt] = st.prompt_token_ids
+        self.token_ids[row, n_prompt:n] = st.output_token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = st.num_computed_tokens
+        for g, ids in enumerate(st.block_ids):
+            self.block_tables[g][row, : len(ids)] = ids
+            self.num_blocks[g, row] = len(ids)
+        sp = st.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        return row
+
+    def remove_request(self, req_id: str) -> CachedRequestState | None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return None
+        st = self.states[row]
+        self.req_ids[row] = None
+        self.states[row] = None
+        self._free_rows.append(row)
+        return st
+
+    def append_block_ids(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
+        for g, ids in enumerate(new_block_ids):
+            start = int(self.num_blocks[g, row])
+            self.block_tables[g][row, start : start + len(ids)] = ids
+            self.num_blocks[g, row] = start + len(ids)
+
+    def append_token(self, row: int, token: int) -> None:
+        n = int(self.num_tokens[row])
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token
+        self.num_tokens[row] = n + 1

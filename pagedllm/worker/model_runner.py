@@ -1,0 +1,284 @@
+"""Runs one scheduled step: applies the scheduler's diffs to the persistent batch, builds the flattened
+inputs and per-group attention metadata, runs the model, gathers the logits it needs and samples."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.layer import Attention
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec, group_layers_by_spec
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.forward_context import set_forward_context
+from pagedllm.logger import init_logger
+from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+
+logger = init_logger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        logits_processors: list[LogitsProcessor] | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.model_config = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.dtype = self.model_config.dtype
+        self.sampler = Sampler(logits_processors)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: dict[str, Attention] = {}
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.builders: list[Any] = []
+        self.input_batch: InputBatch | None = None
+        self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from pagedllm.model_executor.model_loader.loader import load_model
+
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_config, self.config.load_config.load_format, self.device)
+        self.model.eval()
+        self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return {
+            name: KVCacheSpec(self.block_size, layer.num_kv_heads, layer.head_size, self.dtype, layer.sliding_window)
+            for name, layer in self.attn_layers.items()
+            if layer.attn_type == "decoder"
+        }
+
+    def bytes_per_block(self) -> int:
+        """KV bytes one block id costs across all layers (every layer's tensor has every block id)."""
+        return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values())
+
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
+        specs = self.get_kv_cache_specs()
+        groups = group_layers_by_spec(specs)
+        self.kv_cache_config = KVCacheConfig(num_blocks, groups)
+        for name, spec in specs.items():
+            layer = self.attn_layers[name]
+            shape = layer.backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            self.kv_caches[name] = kv
+            layer.kv_cache = kv
+        backend: type[AttentionBackend] = next(iter(self.attn_layers.values())).backend
+        self.builders = [
+            backend.get_builder_cls()(g.spec.block_size, g.spec.sliding_window, self.device) for g in groups
+        ]
+        max_blocks = cdiv(self.max_model_len, self.block_size)
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks, len(groups))
+        return self.kv_cache_config
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        assert batch is not None
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove_request(rid)  # state kept (with its generator) for when it resumes
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(sp.seed)
+            st = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                sp,
+                gen,
+                [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens,
+                new.lora_id,
+            )
+            self.requests[new.req_id] = st
+            batch.add_request(st)
+        c = so.scheduled_cached_reqs
+        for rid, resumed, new_ids, num_computed in zip(
+            c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.num_computed_tokens
+        ):
+            st = self.requests[rid]
+            st.num_computed_tokens = num_computed
+            if resumed:
+                assert new_ids is not None
+                st.block_ids = [list(ids) for ids in new_ids]
+                batch.add_request(st)
+                continue
+            row = batch.req_id_to_row[rid]
+            batch.num_computed_tokens[row] = num_computed
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    st.block_ids[g].extend(ids)
+                batch.append_block_ids(row, new_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        batch = self.input_batch
+        assert batch is not None and self.model is not None and self.kv_cache_config is not None
+        rows_of = batch.req_id_to_row
+        req_ids = sorted(so.num_scheduled_tokens, key=rows_of.__getitem__)
+        rows = np.fromiter((rows_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_reqs = len(req_ids)
+        total = int(n_sched.sum())
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(n_sched, out=cu[1:])
+        computed = batch.num_computed_tokens[rows]
+        # Position of every token: computed + offset within its request's chunk.
+        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+        offsets = self._arange[:total] - np.repeat(cu[:-1], n_sched)
+        positions = np.repeat(computed, n_sched) + offsets
+        token_rows = rows[req_of_token]
+        input_ids = batch.token_ids[token_rows, positions]
+        seq_lens = computed + n_sched
+
+        dev = self.device
+        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        attn_metadata: dict[str, Any] = {}
+        for g, group in enumerate(self.kv_cache_config.groups):
+            bs = group.spec.block_size
+            bt = batch.block_tables[g][rows]
+            slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            max_blocks = cdiv(int(seq_lens.max()), bs)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=seq_cpu.to(dev, non_blocking=True),
+                seq_lens_cpu=seq_cpu,
+                num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
+                block_table=torch.from_numpy(np.ascontiguousarray(bt[:, :max_blocks])).to(dev, non_blocking=True),
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                num_reqs=num_reqs,
+                num_actual_tokens=total,
+                max_query_len=int(n_sched.max()),
+                max_seq_len=int(seq_lens.max()),
+            )
+            md = self.builders[g].build(common)
+            for name in group.layer_names:
+                attn_metadata[name] = md
+
+        with set_forward_context(attn_metadata):
+            hidden = self.model(input_ids_t, positions_t)
+
+        # Only requests whose known tokens are all computed after this step sample (not partial prefills).
+        sample_mask = seq_lens >= batch.num_tokens[rows]
+        sample_idx = np.nonzero(sample_mask)[0]
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        if len(sample_idx):
+            logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden[logits_idx])
+            md_s = self._sampling_metadata(rows[sample_idx])
+            sampled = self.sampler(logits, md_s).sampled_token_ids.tolist()
+            for j, i in enumerate(sample_idx.tolist()):
+                tok = sampled[j]
+                row = int(rows[i])
+                batch.append_token(row, tok)
+                st = batch.states[row]
+                assert st is not None
+                st.output_token_ids.append(tok)
+                sampled_lists[i] = [tok]
+        batch.num_computed_tokens[rows] = seq_lens
+        for r, rid in enumerate(req_ids):
+            self.requests[rid].num_computed_tokens = int(seq_lens[r])
+        return ModelRunnerOutput(req_ids, sampled_lists)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        assert batch is not None
+        dev = self.device
+        temp = batch.temperature[rows]
+        greedy = temp < 1e-5
+        top_p = batch.top_p[rows]
+        top_k = batch.top_k[rows]
+        min_p = batch.min_p[rows]
+        generators: dict[int, torch.Generator] = {}
+        min_tokens: dict[int, list[int]] = {}
+        out_ids: list[list[int]] = []
+        for i, row in enumerate(rows.tolist()):
+            st = batch.states[row]
+            assert st is not None
+            sp = st.sampling_params
+            if st.generator is not None and not greedy[i]:
+                generators[i] = st.generator
+            if sp.min_tokens and len(st.output_token_ids) < sp.min_tokens:
+                stops = list(sp.all_stop_token_ids or ())
+                if stops:
+                    min_tokens[i] = stops
+            out_ids.append(st.output_token_ids)
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temp).to(dev),
+            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1.0).any() else None,
+            top_k=torch.from_numpy(top_k).to(dev) if (top_k > 0).any() else None,
+            min_p=torch.from_numpy(min_p).to(dev) if (min_p > 0).any() else None,
+            all_greedy=bool(greedy.all()),
+            all_random=bool((~greedy).all()),
+            generators=generators,
+            min_tokens=min_tokens,
+            output_token_ids=out_ids,
+        )
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward over max_num_batched_tokens dummy tokens (no KV cache writes), for peak memory."""
+        assert self.model is not None
+        n = min(self.max_num_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            seq_lens_cpu=torch.tensor([n], dtype=torch.int32),
+            num_computed_tokens_cpu=torch.tensor([0], dtype=torch.int32),
+            block_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
+            num_reqs=1,
+            num_actual_tokens=n,
+            max_query_len=n,
+            max_seq_len=n,
+            causal=False,
+        )
+        from pagedllm.attention.backends.abstract import AttentionType
+
+        saved = {}
+        for name, layer in self.attn_layers.items():
+            saved[name] = layer.impl.attn_type
+            layer.impl.attn_type = AttentionType.ENCODER_ONLY
+        try:
+            backend = next(iter(self.attn_layers.values())).backend
+            md = backend.get_builder_cls()(self.block_size, None, self.device).build(common)
+            with set_forward_context({name: md for name in self.attn_layers}):
+                hidden = self.model(ids, pos)
+                self.model.compute_logits(hidden[-min(n, self.max_num_reqs):])
+        finally:
+            for name, layer in self.attn_layers.items():
+                layer.impl.attn_type = saved[name]

@@ -1,0 +1,71 @@
+"""A worker owns one device: sets it up, holds the model runner, sizes and allocates the KV cache."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.logger import init_logger
+from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+"""KV cache on the CPU when `kv_cache_memory_bytes` is not given (vLLM's CPU default is 4 GiB too)."""
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            threads = os.environ.get("PAGEDLLM_CPU_THREADS")
+            if threads:
+                torch.set_num_threads(int(threads))
+        else:
+            torch.cuda.set_device(self.device)
+        if config.model_config.seed is not None:
+            torch.manual_seed(config.model_config.seed)
+        self.model_runner = ModelRunner(config, self.device, logits_processors)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_specs()
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        per_block = self.model_runner.bytes_per_block()
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cpu":
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        else:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.model_runner.profile_run()
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            peak = torch.cuda.max_memory_allocated()
+            used_by_others = total - free - torch.cuda.memory_reserved()
+            budget = int(total * cc.gpu_memory_utilization) - peak - used_by_others
+            logger.info(
+                "Profiling: peak torch memory %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                peak / 2**30, used_by_others / 2**30, budget / 2**30,
+            )
+            torch.cuda.empty_cache()
+        return max(int(budget // per_block), 0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
+        return self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
