@@ -27,3 +27,68 @@ def smollm2_tokenizer(smollm2_path: str):  # noqa: ANN201 - a transformers token
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
     return get_tokenizer(smollm2_path)
+
+
+# ---- SmolLM2 engine + HF reference fixtures (loaded once per session) ----------------------------
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "The future of AI is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "List three colors:",
+    "In 1492, Columbus",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Q: What is 2 + 2?\nA:",
+    "Once upon a time, in a land far, far away, there lived a young princess who",
+    "Translate to French: I love bread.",
+    "The mitochondria is",
+    "import numpy as np\nx = np.arange(10)\n",
+    "My favourite food is",
+    "Explain gravity to a child in one sentence:",
+    "A haiku about autumn:",
+    "The three laws of robotics are",
+    "SELECT * FROM users WHERE",
+    "Water boils at",
+]
+CHAT = [{"role": "user", "content": "Tell me a joke about cats."}]
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompt_ids(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
+    """20 prompts of mixed lengths as token ids (one chat-formatted: it holds id 2, SmolLM2's EOS/pad)."""
+    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    chat = smollm2_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids.append(smollm2_tokenizer.encode(chat, add_special_tokens=False))
+    return ids
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path: str):  # noqa: ANN201
+    """HF transformers' own float32 SmolLM2 (same GGUF, dequantized by transformers)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_greedy(smollm2_hf_model, smollm2_prompt_ids) -> list[list[int]]:  # noqa: ANN001
+    """HF greedy references, 48 tokens per prompt, one prompt at a time (computed once per session)."""
+    from tests.hf_utils import hf_greedy
+
+    return [hf_greedy(smollm2_hf_model, ids, 48) for ids in smollm2_prompt_ids]
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: str):  # noqa: ANN201
+    """pagedllm's float32 SmolLM2 with default engine settings (shared by tests that don't change them)."""
+    from pagedllm import LLM
+
+    return LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20)

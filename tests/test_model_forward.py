@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.model_executor.model_loader import load_model
-from utils_model import TINY_VARIANTS, VOCAB, PagedModelRunner, make_model_config, make_tiny_hf_model
+from tests.utils_model import TINY_VARIANTS, VOCAB, PagedModelRunner, make_model_config, make_tiny_hf_model
 
 torch.set_num_threads(2)
 
@@ -89,13 +89,63 @@ def test_missing_weight_is_reported(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_pt_format(tmp_path) -> None:  # noqa: ANN001
+    """A sharded *.bin checkpoint with pytorch_model.bin.index.json."""
+    import json
+
     hf, ours, ids, ref = _load_pair("qwen2", tmp_path)
     pt_dir = tmp_path / "pt"
-    hf.save_pretrained(str(pt_dir), safe_serialization=False)
-    if not list(pt_dir.glob("*.bin")):
-        pytest.skip("this transformers version only writes safetensors")
-    m = load_model(make_model_config(str(pt_dir), hf.config), "pt", torch.device("cpu"))
+    pt_dir.mkdir()
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    names = sorted(sd)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        torch.save({k: sd[k] for k in keys}, pt_dir / fname)
+        weight_map.update(dict.fromkeys(keys, fname))
+    (pt_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    m = load_model(make_model_config(str(pt_dir), hf.config), "auto", torch.device("cpu"))
     torch.testing.assert_close(PagedModelRunner(m).step(ids), ref, atol=ATOL, rtol=0)
+
+
+def test_gguf_matches_transformers() -> None:
+    """SmolLM2 Q4_1 GGUF: our dequantized, un-permuted weights equal transformers' GGUF loading bit for bit,
+    and so do the logits (about 25 s)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.transformers_utils.config import default_model_path, get_hf_config
+
+    try:
+        path = default_model_path()
+    except RuntimeError:
+        pytest.skip("default SmolLM2 GGUF not installed")
+    model_dir = os.path.dirname(path)
+    hf_config = get_hf_config(model_dir, path)
+    cfg = make_model_config(model_dir, hf_config)
+    cfg.gguf_file = path
+    ours = load_model(cfg, "auto", torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    hf_sd = hf.state_dict()
+    vocab = hf_config.vocab_size
+    for name, p in ours.named_parameters():
+        for fused, parts in (
+            (".qkv_proj.", ("q_proj", "k_proj", "v_proj")),
+            (".gate_up_proj.", ("gate_proj", "up_proj")),
+        ):
+            if fused in name:
+                ref = torch.cat([hf_sd[name.replace(fused.strip("."), part)] for part in parts])
+                break
+        else:
+            ref = hf_sd[name]
+        assert torch.equal(p[: ref.shape[0]] if "embed_tokens" in name else p, ref), name
+    assert torch.equal(ours.lm_head.weight[:vocab], hf_sd["lm_head.weight"])
+    ids = torch.tensor([1, 504, 3458, 314, 4132, 282, 253, 1345, 30, 216, 504, 3458])
+    with torch.no_grad():
+        ref_logits = hf(ids[None]).logits[0]
+    torch.testing.assert_close(PagedModelRunner(ours).step(ids), ref_logits, atol=2e-3, rtol=1e-4)
 
 
 def test_unsupported_architecture() -> None:
@@ -103,3 +153,27 @@ def test_unsupported_architecture() -> None:
 
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         get_model_class(["GPT2LMHeadModel"])
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama3_tied", "llama_linear_rope_bias"])
+def test_rope_matches_hf(variant: str) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from pagedllm.model_executor.layers.rotary_embedding import get_rope
+    from pagedllm.transformers_utils.config import get_rope_params
+    from tests.utils_model import tiny_hf_config
+
+    cfg = tiny_hf_config(variant)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    theta, scaling = get_rope_params(cfg)
+    rope = get_rope(hd, hd, cfg.max_position_embeddings, theta, scaling)
+    pos = torch.tensor([0, 1, 5, 17, 63, 64, 200, 255])
+    q = torch.randn(len(pos), 4 * hd)
+    k = torch.randn(len(pos), 2 * hd)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q.view(1, -1, 4, hd).transpose(1, 2), k.view(1, -1, 2, hd).transpose(1, 2), cos, sin
+    )
+    q_out, k_out = rope(pos, q, k)
+    assert torch.equal(q_out, q_ref.transpose(1, 2).reshape(len(pos), -1))
+    assert torch.equal(k_out, k_ref.transpose(1, 2).reshape(len(pos), -1))

@@ -35,21 +35,27 @@ LLAMA3_ROPE = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
-    # Small so that the tiny head_dim's frequencies fall in all three llama3 regimes.
+    # With rope_theta=100 the tiny head_dim's frequencies fall in all three llama3 regimes.
     "original_max_position_embeddings": 64,
 }
 
 # name -> (HF config class name, overrides)
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
-    "llama3_tied": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 10000.0, "tie_word_embeddings": True}),
+    "llama3_tied": (
+        "LlamaConfig",
+        {"rope_scaling": LLAMA3_ROPE, "rope_theta": 100.0, "tie_word_embeddings": True},
+    ),
     "llama_linear_rope_bias": (
         "LlamaConfig",
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True, "mlp_bias": True},
     ),
     "mistral_sliding": ("MistralConfig", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
-    "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2_sliding": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     "qwen3_mqa": ("Qwen3Config", {"head_dim": 32, "num_key_value_heads": 1}),
 }
@@ -118,7 +124,9 @@ class PagedModelRunner:
             m.layer_name: m for m in model.modules() if isinstance(m, Attention)
         }
         for layer in self.layers.values():
-            shape = layer.backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            shape = layer.backend.get_kv_cache_shape(
+                num_blocks, block_size, layer.num_kv_heads, layer.head_size
+            )
             layer.kv_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.num_computed = 0
 

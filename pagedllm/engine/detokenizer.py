@@ -75,6 +75,7 @@ class IncrementalDetokenizer:
         """Chars kept back from non-final outputs: they might turn out to be the start of a stop string
         that the final text will not contain."""
         self._last_output_text_offset = 0
+        self.stop_string_hit: str | None = None
         self._decode: Callable[[list[int]], str] | None = None
         if tokenizer is not None and params.detokenize:
             self._decode = _make_decode_fn(
@@ -84,6 +85,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._emitted_past_read = 0
+        """Chars past the decode of ids[prefix_offset:read_offset] already in the text (emitted while
+        the window still ended in a partial character)."""
         if self._decode is not None and prompt_token_ids:
             context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
             # A prompt cut in the middle of a character would make the first output bytes complete a
@@ -113,8 +117,8 @@ class IncrementalDetokenizer:
         `include_stop_str_in_output`); the caller must finish the request.
         """
         self.token_ids.extend(new_token_ids)
-        if self._decode is None:
-            return None
+        if self._decode is None or self.stop_string_hit is not None:
+            return None  # after a stop string the text is final
         to_decode = new_token_ids
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
             to_decode = new_token_ids[:-1]
@@ -131,10 +135,20 @@ class IncrementalDetokenizer:
         assert self._decode is not None
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and (flush or not new_text.endswith(_REPLACEMENT_CHAR)):
-            self.output_text += new_text[len(prefix_text) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+        start = len(prefix_text) + self._emitted_past_read
+        if flush or not new_text.endswith(_REPLACEMENT_CHAR):
+            if len(new_text) > len(prefix_text):
+                self.output_text += new_text[start:]
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+                self._emitted_past_read = 0
+        else:
+            # Emit the complete characters before the trailing partial one now (a step may bring
+            # several tokens); the offsets stay until the character is complete.
+            stable = new_text.rstrip(_REPLACEMENT_CHAR)
+            if len(stable) > start:
+                self.output_text += stable[start:]
+                self._emitted_past_read = len(stable) - len(prefix_text)
 
     def _check_stop_strings(self, new_char_count: int) -> str | None:
         """Find the stop string that completes first within the new text; cut the text there.
@@ -158,6 +172,7 @@ class IncrementalDetokenizer:
             return None
         end, start, stop_str = best
         self.output_text = text[:end] if self.include_stop_str_in_output else text[:start]
+        self.stop_string_hit = stop_str
         return stop_str
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

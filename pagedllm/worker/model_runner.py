@@ -25,6 +25,17 @@ from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 logger = init_logger(__name__)
 
 
+def alloc_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed KV memory. On the CPU through numpy's calloc, so pages are only touched when written
+    (a 4 GiB cache then costs nothing at start-up); unwritten slots must read as zeros, not garbage,
+    because masked attention still multiplies them by zero probabilities."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    np_dtype = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]
+    return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -78,7 +89,7 @@ class ModelRunner:
         for name, spec in specs.items():
             layer = self.attn_layers[name]
             shape = layer.backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-            kv = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            kv = alloc_zeroed(shape, spec.dtype, self.device)
             self.kv_caches[name] = kv
             layer.kv_cache = kv
         backend: type[AttentionBackend] = next(iter(self.attn_layers.values())).backend

