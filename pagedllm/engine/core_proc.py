@@ -1,0 +1,212 @@
+"""The engine core in its own process (vLLM v1's EngineCoreProc).
+
+Wire protocol (ZMQ, msgspec msgpack), all multipart messages `[type byte, payload]`:
+
+- front end -> core (PUSH -> PULL, `input_addr`): `ADD` an `EngineCoreRequest`, `ABORT` a list of
+  request ids, `UTILITY` `(call_id, method, args)`, `SHUTDOWN`.
+- core -> front end (PUSH -> PULL, `output_addr`): `OUTPUTS` one `EngineCoreOutputs` per step,
+  `UTILITY_RESULT` `(call_id, ok, result_or_error)`.
+- core -> front end once at start (PUSH -> PULL, `handshake_addr`): `READY` a dict, or `FAILED` a message.
+
+Why a thread reads the input socket: the step loop must block when there is nothing to do (these machines
+have 2 cores; a spinning loop would take one from the tokenizer/HTTP process), yet never wait on the
+socket while requests are running. The thread turns socket reads into a `queue.Queue`, so the loop does a
+blocking `get()` when idle and `get_nowait()` between steps. Decoding happens in that thread too, so the
+loop only sees ready-made requests; per step the loop does one `core.step()` and one msgpack encode.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Message types (first frame).
+ADD = b"A"
+ABORT = b"X"
+UTILITY = b"U"
+SHUTDOWN = b"S"
+OUTPUTS = b"O"
+UTILITY_RESULT = b"R"
+READY = b"Y"
+FAILED = b"F"
+
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping"})
+"""EngineCore methods the front end may call remotely (plus `ping`, answered by the loop itself)."""
+
+
+class EngineCoreProc:
+    """Runs an `EngineCore` behind ZMQ sockets; one instance per core process."""
+
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, handshake_addr: str) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self.input_addr = input_addr
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.setsockopt(zmq.LINGER, 2000)
+        self.output_socket.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+
+        handshake = self.ctx.socket(zmq.PUSH)
+        handshake.setsockopt(zmq.LINGER, 5000)
+        handshake.connect(handshake_addr)
+        try:
+            from pagedllm.engine.core import EngineCore
+
+            self.core = EngineCore(config)
+        except BaseException as e:
+            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            handshake.send_multipart([FAILED, self.encoder.encode(msg)])
+            handshake.close()
+            raise
+        self._input_thread = threading.Thread(target=self._read_inputs, name="EngineCoreInput", daemon=True)
+        self._input_thread.start()
+        info = {
+            "pid": os.getpid(),
+            "num_blocks": config.cache_config.num_blocks,
+            "max_model_len": config.model_config.max_model_len,
+        }
+        handshake.send_multipart([READY, self.encoder.encode(info)])
+        handshake.close()
+
+    # ---- input thread -----------------------------------------------------------------------------
+    def _read_inputs(self) -> None:
+        """Socket -> decoded messages -> queue. Runs until SHUTDOWN (then the loop ends too)."""
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.input_addr)
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        any_decoder = msgspec.msgpack.Decoder()
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            kind = frames[0].bytes
+            payload = frames[1].buffer if len(frames) > 1 else b""
+            try:
+                if kind == ADD:
+                    self.input_queue.put((ADD, add_decoder.decode(payload)))
+                elif kind == ABORT:
+                    self.input_queue.put((ABORT, abort_decoder.decode(payload)))
+                elif kind == UTILITY:
+                    self.input_queue.put((UTILITY, any_decoder.decode(payload)))
+                elif kind == SHUTDOWN:
+                    self.input_queue.put((SHUTDOWN, None))
+                    return
+                else:
+                    logger.error("engine core: unknown message type %r dropped", kind)
+            except msgspec.DecodeError as e:
+                logger.error("engine core: undecodable %r message dropped: %s", kind, e)
+
+    # ---- step loop ------------------------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        core = self.core
+        stats_dirty = False
+        while True:
+            if not core.has_unfinished_requests() and not stats_dirty:
+                kind, payload = self.input_queue.get()  # idle: block, no spinning
+                if self._handle(kind, payload):
+                    return
+                stats_dirty = True
+            while True:
+                try:
+                    kind, payload = self.input_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if self._handle(kind, payload):
+                    return
+                stats_dirty = True
+            # With nothing left to run this still returns fresh stats (e.g. after the last abort), so
+            # the front end's gauges (running requests, KV usage) go back to idle values.
+            outputs = core.step()
+            self._send(outputs)
+            stats_dirty = False
+
+    def _handle(self, kind: bytes, payload: Any) -> bool:
+        """Apply one input message; True on SHUTDOWN."""
+        if kind == ADD:
+            try:
+                self.core.add_request(payload)
+            except Exception as e:  # a bad request must not kill the core: finish it as aborted
+                logger.error("engine core: request %s rejected: %s", payload.request_id, e)
+                self._send_abort_output(payload.request_id)
+        elif kind == ABORT:
+            self.core.abort_requests(payload)
+        elif kind == UTILITY:
+            call_id, method, args = payload
+            try:
+                if method not in UTILITY_METHODS:
+                    raise ValueError(f"unknown utility method {method!r}")
+                result = "pong" if method == "ping" else getattr(self.core, method)(*args)
+                reply = (call_id, True, result)
+            except Exception as e:
+                reply = (call_id, False, f"{type(e).__name__}: {e}")
+            self.output_socket.send_multipart([UTILITY_RESULT, self.encoder.encode(reply)])
+        elif kind == SHUTDOWN:
+            return True
+        return False
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.output_socket.send_multipart([OUTPUTS, self.encoder.encode(outputs)], copy=False)
+
+    def _send_abort_output(self, request_id: str) -> None:
+        from pagedllm.engine import EngineCoreOutput, FinishReason
+
+        out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT)
+        self._send(EngineCoreOutputs(outputs=[out], timestamp=time.monotonic()))
+
+    def shutdown(self) -> None:
+        try:
+            self.core.shutdown()
+        finally:
+            self.output_socket.close(linger=1000)
+
+
+def _exit_when_parent_dies() -> None:
+    """The front end may die without shutting us down (SIGKILL): don't outlive it holding the model."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, handshake_addr: str) -> None:
+    """Entry point of the spawned core process."""
+    # Ctrl-C reaches the whole process group; the front end shuts us down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _exit_when_parent_dies()
+    proc: EngineCoreProc | None = None
+    try:
+        proc = EngineCoreProc(config, input_addr, output_addr, handshake_addr)
+        proc.run_busy_loop()
+    except SystemExit:
+        raise
+    except BaseException:
+        logger.exception("engine core: fatal error, exiting")
+        sys.exit(1)
+    finally:
+        if proc is not None:
+            proc.shutdown()
