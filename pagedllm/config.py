@@ -50,6 +50,9 @@ class ModelConfig:
     generation_defaults: dict[str, Any]
     max_logprobs: int
     sliding_window: int | None
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs report: raw_logprobs | raw_logits (the model's) | processed_logprobs |
+    processed_logits (after penalties, processors, temperature, top-k/top-p), as vLLM."""
 
     @property
     def architectures(self) -> list[str]:
@@ -174,6 +177,7 @@ def build_model_config(
     max_logprobs: int,
     device: str,
     load_format: str,
+    logprobs_mode: str = "raw_logprobs",
 ) -> ModelConfig:
     model_dir, gguf_file = resolve_model_path(model, revision)
     hf_config = get_hf_config(model_dir, gguf_file)
@@ -208,4 +212,5 @@ def build_model_config(
         generation_defaults=load_generation_config(gen_dir, hf_config),
         max_logprobs=max_logprobs,
         sliding_window=get_sliding_window(hf_config),
+        logprobs_mode=logprobs_mode,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -11,7 +13,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    """Sum of the sampled tokens' logprobs (None unless the request asked for logprobs)."""
+    logprobs: SampleLogprobs | None = None
+    """Per generated token: token id -> Logprob(logprob, rank, decoded_token)."""
     finish_reason: str | None = None
     """"stop" (EOS, stop token or stop string), "length", or "abort"; None while running."""
     stop_reason: int | str | None = None
@@ -40,5 +44,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """Per prompt token (None for the first): token id -> Logprob, when the request asked for them."""
     extra: dict = field(default_factory=dict)

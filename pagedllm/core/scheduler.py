@@ -125,7 +125,9 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                # Prompt logprobs need logits at every prompt position: no prefix-cache hits for them.
+                use_cache = req.sampling_params.prompt_logprobs is None or req.num_output_tokens > 0
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req, use_cache=use_cache)
                 num_new = req.num_tokens - num_hit
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
@@ -206,7 +208,7 @@ class Scheduler:
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
-        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+        for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None or not tokens or req.status != RequestStatus.RUNNING:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
@@ -219,6 +221,9 @@ class Scheduler:
             if req.is_finished():
                 self.running.remove(req)
                 self._free_request(req)
+            lps = result.logprobs[idx] if result.logprobs is not None else None
+            if lps is not None and len(lps) > len(new_tokens):
+                lps = lps.slice(0, len(new_tokens))
             outputs.append(
                 EngineCoreOutput(
                     rid,
@@ -226,6 +231,8 @@ class Scheduler:
                     req.get_finished_reason(),
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
+                    new_logprobs=lps,
+                    new_prompt_logprobs=result.prompt_logprobs.get(rid),
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -58,6 +59,10 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     """Per request, in req_ids order: the tokens sampled this step ([] for a partial prefill chunk)."""
+    logprobs: list[LogprobsLists | None] | None = None
+    """Per request, in req_ids order: logprobs of the sampled tokens (None: not requested / no row asked)."""
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """Requests whose prompt logprobs were completed this step -> all of them (prompt positions 1..n-1)."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

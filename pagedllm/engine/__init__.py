@@ -7,6 +7,7 @@ import enum
 
 import msgspec
 
+from pagedllm.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -35,6 +36,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    """Logprobs of `new_token_ids` (one position each), when the request asked for them."""
+    new_prompt_logprobs: LogprobsLists | None = None
+    """All prompt logprobs (positions 1..n-1), sent once with the request's first output."""
 
     @property
     def finished(self) -> bool:

@@ -48,7 +48,12 @@ class EngineArgs:
         "'auto' (use the model's generation_config.json defaults), 'vllm' (ignore them) or a directory."))
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = field(default="auto", metadata=_help(
         "Weight format; 'dummy' = random weights from the config (benchmarks)."))
-    max_logprobs: int = field(default=20, metadata=_help("Largest logprobs a request may ask for."))
+    max_logprobs: int = field(default=20, metadata=_help(
+        "Largest logprobs / prompt_logprobs a request may ask for (-1: no limit)."))
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = field(
+        default="raw_logprobs", metadata=_help(
+            "What logprobs report: the model's raw logprobs/logits, or processed ones (after penalties, "
+            "logits processors, temperature and top-k/top-p)."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block.", "Cache"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes.", "Cache"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
@@ -84,10 +89,15 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(f"num_gpu_blocks_override: must be >= 2, got {self.num_gpu_blocks_override}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if v is not None and v < (0 if name == "max_logprobs" else 1):
+            if v is not None and v < 1:
                 raise ValueError(f"{name}: must be positive, got {v}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be -1 (no limit) or >= 0, got {self.max_logprobs}")
+        modes = get_args(get_type_hints(EngineArgs)["logprobs_mode"])
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode: expected one of {', '.join(modes)}, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
@@ -120,6 +130,7 @@ class EngineArgs:
             hf_overrides=hf_overrides,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             device=device,
             load_format=self.load_format,
         )

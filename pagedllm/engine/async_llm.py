@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -67,6 +67,8 @@ class AsyncLLM:
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
         self.engine_core = AsyncMPClient(config)
         self.engine_core.on_dead = self._fail_all_requests
+        self.dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        """Called (on the event loop) once the core process is found dead, after requests were failed."""
         self._output_handler: asyncio.Task[None] | None = None
         self._log_task: asyncio.Task[None] | None = None
         self._last_step_ts = 0.0
@@ -184,6 +186,18 @@ class AsyncLLM:
         frees its KV blocks. Raises `EngineDeadError` if the core process dies meanwhile.
         """
         queue = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
+        stream = self.stream_outputs(request_id, queue)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # closed at our yield: abort now rather than at garbage collection
+
+    async def stream_outputs(
+        self, request_id: str, queue: RequestOutputCollector
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a request queued by `add_request` (for callers that validate all their requests
+        before streaming any). Closing or cancelling the generator aborts the request."""
         finished = False
         try:
             while not finished:
@@ -284,6 +298,11 @@ class AsyncLLM:
                 pstate.queue.put(error)
         op.request_states.clear()
         op.parent_requests.clear()
+        for cb in self.dead_callbacks:
+            try:
+                cb(error)
+            except Exception:
+                logger.exception("engine-dead callback failed")
 
     # ---- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> None:

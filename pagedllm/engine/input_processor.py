@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import ModelConfig
@@ -12,8 +13,12 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any | None, logits_processors: Sequence[Any] | None = None
+    ) -> None:
         self.model_config = model_config
+        self.logits_processors = list(logits_processors or [])
+        """Custom logits processors: each request is checked with their `validate_params`."""
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
@@ -67,6 +72,7 @@ class InputProcessor:
         if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             # As vLLM: the output is capped by the context; the core enforces the cap.
             pass
+        self.validate_sampling(params)
         stop_ids = list(params.stop_token_ids or []) + self.extra_eos_ids
         all_stop = list(dict.fromkeys(stop_ids + ([self.eos_token_id] if self.eos_token_id is not None else [])))
         sp = params.clone(
@@ -74,6 +80,9 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             all_stop_token_ids=all_stop,
         )
+        if sp.bad_words:
+            sp.update_from_tokenizer(self.tokenizer)
+            sp.verify_against_vocab(self.vocab_size, self.model_config.max_logprobs)
         if sp.detokenize and self.tokenizer is None:
             sp = sp.clone(detokenize=False)
         req = EngineCoreRequest(
@@ -85,6 +94,14 @@ class InputProcessor:
             cache_salt=cache_salt,
         )
         return req, prompt_text
+
+    def validate_sampling(self, params: SamplingParams) -> None:
+        """Checks that need the model or the engine: vocabulary ranges, max_logprobs, custom processors."""
+        params.verify_against_vocab(self.vocab_size, self.model_config.max_logprobs)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: needs a tokenizer (skip_tokenizer_init=True)")
+        for proc in self.logits_processors:
+            proc.validate_params(params)
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -42,7 +42,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, logits_processors)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)
         self.last_scheduler_stats = None

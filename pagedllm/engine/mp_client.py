@@ -195,6 +195,7 @@ class AsyncMPClient:
                 pass
         if self._closed or self.dead:
             return
+        self.proc.join(1.0)  # reap it, so the exit code is known
         code = self.proc.exitcode
         logger.error("The engine core process (pid %s) died (exit code %s)", self.proc.pid, code)
         self.mark_dead(EngineDeadError(f"The engine core process died unexpectedly (exit code {code})."))

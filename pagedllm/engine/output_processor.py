@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.logprobs import Logprob, LogprobsLists, PromptLogprobs, SampleLogprobs
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -153,6 +154,42 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        sp = request.sampling_params
+        self.detokenizer_enabled = sp.detokenize
+        wants_lp = sp.logprobs is not None or bool(sp.logprob_token_ids)
+        self.logprobs: SampleLogprobs | None = [] if wants_lp else None
+        self.cumulative_logprob: float | None = 0.0 if wants_lp else None
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprobs_sent = False
+        self._num_new_logprobs = 0
+
+    def update_logprobs(
+        self, new: LogprobsLists | None, new_prompt: LogprobsLists | None, decode: _TokenDecoder | None
+    ) -> None:
+        """Fold this step's logprob lists into vLLM's dicts (later duplicates win, as in vLLM: a sampled
+        token that is also in the top-k gets its top-k rank)."""
+        self._num_new_logprobs = 0
+        if new is not None and self.logprobs is not None:
+            for ids, lps, ranks in zip(new.token_ids, new.logprobs, new.ranks):
+                self.logprobs.append(_make_dict(ids, lps, ranks, decode))
+                assert self.cumulative_logprob is not None
+                self.cumulative_logprob += lps[0]
+            self._num_new_logprobs = len(new)
+        if new_prompt is not None:
+            plp: PromptLogprobs = [None]
+            for ids, lps, ranks in zip(new_prompt.token_ids, new_prompt.logprobs, new_prompt.ranks):
+                plp.append(_make_dict(ids, lps, ranks, decode))
+            self.prompt_logprobs = plp
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """What RequestOutput.prompt_logprobs carries now (in DELTA mode: only the first time)."""
+        if self.prompt_logprobs is None:
+            return None
+        if self.output_kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def make_completion_output(self, new_token_ids: list[int], finished: bool) -> CompletionOutput | None:
         """This step's CompletionOutput per the output kind, or None when nothing is due."""
@@ -166,10 +203,15 @@ class RequestState:
             token_ids = list(new_token_ids)
         else:
             token_ids = list(self.detokenizer.token_ids)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[len(self.logprobs) - self._num_new_logprobs :] if delta else list(self.logprobs)
         return CompletionOutput(
             index=self.request_index,
             text=text,
             token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -183,6 +225,7 @@ class RequestState:
             finished=self.finish_reason is not None,
             num_cached_tokens=self.num_cached_tokens,
             metrics=copy.copy(self.metrics),
+            prompt_logprobs=self.take_prompt_logprobs(),
         )
 
 
@@ -203,8 +246,15 @@ class _ParentState:
         self.queue = queue
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: PromptLogprobs | None = None
+        """From the first child that reported them (all children share the prompt)."""
+        self.prompt_logprobs_sent = False
 
     def make_request_output(self, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        prompt_logprobs = self.prompt_logprobs
+        if self.parent.output_kind == RequestOutputKind.DELTA:
+            prompt_logprobs = None if self.prompt_logprobs_sent else prompt_logprobs
+            self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(
             request_id=self.parent.request_id,
             prompt=self.prompt,
@@ -213,6 +263,7 @@ class _ParentState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=copy.copy(self.metrics),
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -224,6 +275,7 @@ class OutputProcessor:
         self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, _ParentState] = {}
+        self._decoder = _TokenDecoder(tokenizer) if tokenizer is not None else None
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished core requests (each parallel-sampling child counts)."""
@@ -313,6 +365,9 @@ class OutputProcessor:
                 continue  # aborted while the core was still working on it
             new_token_ids = out.new_token_ids
             self._update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
+            if out.new_logprobs is not None or out.new_prompt_logprobs is not None or state.logprobs is not None:
+                decode = self._decoder if state.detokenizer_enabled else None
+                state.update_logprobs(out.new_logprobs, out.new_prompt_logprobs, decode)
 
             finish_reason = out.finish_reason
             stop_reason = out.stop_reason
@@ -338,6 +393,8 @@ class OutputProcessor:
                 if pstate is None:
                     continue
                 self._update_parent_metrics(pstate, state, new_token_ids, now)
+                if pstate.prompt_logprobs is None and state.prompt_logprobs is not None:
+                    pstate.prompt_logprobs = state.prompt_logprobs
                 if completion is not None:
                     pstate.parent.add_child_output(state.request_id, completion)
                 touched_parents[pstate.parent.request_id] = pstate
@@ -412,3 +469,28 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             ttft=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
         )
+
+
+class _TokenDecoder:
+    """Token id -> its text alone (Logprob.decoded_token), cached: the same ids recur across steps and
+    requests, and logprobs=-1 asks for the whole vocabulary at every position."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.cache[token_id] = text
+        return text
+
+
+def _make_dict(
+    ids: list[int], lps: list[float], ranks: list[int], decode: _TokenDecoder | None
+) -> dict[int, Logprob]:
+    return {
+        t: Logprob(logprob=lp, rank=r, decoded_token=decode(t) if decode is not None else None)
+        for t, lp, r in zip(ids, lps, ranks)
+    }

@@ -65,6 +65,9 @@ class ParentRequest:
             else:  # two updates of one child in one step (should not happen, but lose nothing)
                 prev.text += output.text
                 prev.token_ids = prev.token_ids + output.token_ids
+                if output.logprobs is not None:
+                    prev.logprobs = (prev.logprobs or []) + output.logprobs
+                prev.cumulative_logprob = output.cumulative_logprob
                 prev.finish_reason, prev.stop_reason = output.finish_reason, output.stop_reason
         else:
             self._latest[output.index] = output

@@ -9,13 +9,19 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.inputs import PromptType, TokensPrompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -66,6 +72,76 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, priority)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's): per prompt the `beam_width` best sequences by
+        cumulative logprob / len(prompt + output) ** length_penalty (a final EOS not counted), best first.
+
+        All beams of all prompts advance together, one engine pass per generated token; each beam is a
+        one-token request for 2 * beam_width logprobs, and beams share their common prefix's KV blocks
+        through the prefix cache. A beam that produces EOS is complete (unless `ignore_eos`).
+        """
+        width = params.beam_width
+        engine = self.llm_engine
+        eos = engine.input_processor.eos_token_id
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        step_params = SamplingParams(
+            logprobs=2 * width,
+            max_tokens=1,
+            temperature=params.temperature,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        instances: list[BeamSearchInstance] = []
+        for p in prompts:
+            _, ids, _ = engine.input_processor.tokenize(p)
+            instances.append(BeamSearchInstance(list(ids)))
+        max_len = engine.model_config.max_model_len
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            live = [(inst, beam) for inst in instances for beam in inst.beams if len(beam.tokens) < max_len]
+            if not live:
+                break
+            outs = self._run(
+                [TokensPrompt(prompt_token_ids=beam.tokens) for _, beam in live],
+                [step_params] * len(live),
+                False,
+                None,
+            )
+            new_beams: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
+            for (inst, beam), out in zip(live, outs):
+                step_lps = out.outputs[0].logprobs
+                if not step_lps:
+                    continue
+                cands = step_lps[0]
+                for tok, lp in cands.items():
+                    seq = BeamSearchSequence(
+                        tokens=beam.tokens + [tok],
+                        logprobs=beam.logprobs + [cands],
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if tok == eos and not params.ignore_eos:
+                        seq.finish_reason, seq.stop_reason = "stop", None
+                        inst.completed.append(seq)
+                    else:
+                        new_beams[id(inst)].append(seq)
+            for inst in instances:
+                inst.beams = sorted(new_beams[id(inst)], key=sort_key, reverse=True)[:width]
+        tok = engine.tokenizer
+        results = []
+        for inst in instances:
+            for beam in inst.beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
+            for beam in best:
+                if tok is not None:
+                    beam.text = tok.decode(beam.tokens, skip_special_tokens=not params.include_stop_str_in_output)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def chat(
         self,

@@ -1,10 +1,18 @@
-"""Per-step sampling parameters of the rows that sample, as tensors (built by the model runner)."""
+"""Per-step sampling parameters of the rows that sample, as tensors (built by the model runner).
+
+Row i of every per-row field is row i of the logits handed to the sampler. Optional features are
+sparse in rows: `*_rows` index tensors name the rows that use the feature, so a batch where only a
+few requests use penalties or logprobs pays for those rows only.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -20,4 +28,134 @@ class SamplingMetadata:
     min_tokens: dict[int, list[int]] = field(default_factory=dict)
     """Row index -> stop token ids to mask because the row has not reached min_tokens yet."""
     output_token_ids: list[list[int]] = field(default_factory=list)
-    """Per row, the tokens generated so far (for logits processors that need history)."""
+    """Per row, the tokens generated so far (the live list: it grows as the request generates)."""
+    req_ids: list[str] = field(default_factory=list)
+    """Per row, the request id (custom logits processors key their per-request state by it)."""
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    """Per row, the prompt token ids (may be empty when the builder did not fill it)."""
+
+    # ---- penalties: rows `penalty_rows` only -------------------------------------------------
+    penalty_rows: torch.Tensor | None = None  # [P] int64 indices into the N rows
+    presence_penalties: torch.Tensor | None = None  # [P] float32
+    frequency_penalties: torch.Tensor | None = None  # [P] float32
+    repetition_penalties: torch.Tensor | None = None  # [P] float32
+    prompt_token_mask: torch.Tensor | None = None  # [P, V] bool: the token occurs in the prompt
+    output_token_counts: torch.Tensor | None = None  # [P, V] int32: occurrences in the output
+
+    # ---- logit bias / allowed tokens / bad words ----------------------------------------------
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids, biases), flat over all (row, token) pairs."""
+    allowed_rows: torch.Tensor | None = None  # [A] int64
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(index into allowed_rows, token id) pairs: the only tokens those rows may produce."""
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Row index -> tokenized bad words (blocked at their last token when the output ends with the rest)."""
+
+    # ---- logprobs: rows `logprob_rows` only ---------------------------------------------------
+    logprob_rows: torch.Tensor | None = None  # [L] int64
+    num_logprobs: list[int] = field(default_factory=list)
+    """Per logprob row: top-k to report (-1 = the whole vocabulary)."""
+    logprob_token_ids: list[list[int]] = field(default_factory=list)
+    """Per logprob row: extra token ids to report."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+    prompt_token_ids: Sequence[list[int]] | None = None,
+    output_token_ids: Sequence[list[int]] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    req_ids: Sequence[str] | None = None,
+    device: torch.device | str = "cpu",
+) -> SamplingMetadata:
+    """SamplingMetadata straight from SamplingParams and token lists (tests, benchmarks and callers
+    without a persistent batch; the model runner builds the same thing from its InputBatch)."""
+    n = len(params)
+    prompts = [list(p) for p in prompt_token_ids] if prompt_token_ids is not None else [[] for _ in range(n)]
+    outputs = list(output_token_ids) if output_token_ids is not None else [[] for _ in range(n)]
+    dev = torch.device(device)
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    greedy = [p.sampling_type_greedy for p in params]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+    min_tokens: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.min_tokens and len(outputs[i]) < p.min_tokens and p.all_stop_token_ids:
+            min_tokens[i] = list(p.all_stop_token_ids)
+    md = SamplingMetadata(
+        temperature=temp,
+        top_p=top_p if bool((top_p < 1.0).any()) else None,
+        top_k=top_k if bool((top_k > 0).any()) else None,
+        min_p=min_p if bool((min_p > 0).any()) else None,
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        generators=dict(generators or {}),
+        min_tokens=min_tokens,
+        output_token_ids=outputs,
+        req_ids=list(req_ids) if req_ids is not None else [str(i) for i in range(n)],
+        prompt_token_ids=prompts,
+    )
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    if pen:
+        mask = torch.zeros(len(pen), vocab_size, dtype=torch.bool, device=dev)
+        counts = torch.zeros(len(pen), vocab_size, dtype=torch.int32, device=dev)
+        for j, i in enumerate(pen):
+            if prompts[i]:
+                mask[j, torch.tensor(prompts[i], device=dev)] = True
+            if outputs[i]:
+                counts[j].index_add_(
+                    0, torch.tensor(outputs[i], device=dev), torch.ones(len(outputs[i]), dtype=torch.int32, device=dev)
+                )
+        md.penalty_rows = torch.tensor(pen, dtype=torch.int64, device=dev)
+        md.presence_penalties = torch.tensor([params[i].presence_penalty for i in pen], device=dev)
+        md.frequency_penalties = torch.tensor([params[i].frequency_penalty for i in pen], device=dev)
+        md.repetition_penalties = torch.tensor([params[i].repetition_penalty for i in pen], device=dev)
+        md.prompt_token_mask = mask
+        md.output_token_counts = counts
+    fill_sparse_fields(md, params, dev)
+    return md
+
+
+def fill_sparse_fields(md: SamplingMetadata, params: Sequence[SamplingParams], device: torch.device) -> None:
+    """Logit bias, allowed token ids, bad words and logprob requests of `params` (row order) into `md`."""
+    lb_rows: list[int] = []
+    lb_ids: list[int] = []
+    lb_vals: list[float] = []
+    al_rows: list[int] = []
+    al_idx: list[int] = []
+    al_ids: list[int] = []
+    lp_rows: list[int] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            lb_rows.extend([i] * len(p.logit_bias))
+            lb_ids.extend(p.logit_bias.keys())
+            lb_vals.extend(p.logit_bias.values())
+        if p.allowed_token_ids is not None:
+            al_idx.extend([len(al_rows)] * len(p.allowed_token_ids))
+            al_ids.extend(p.allowed_token_ids)
+            al_rows.append(i)
+        if p.bad_words_token_ids:
+            md.bad_words_token_ids[i] = p.bad_words_token_ids
+        if p.logprobs is not None or p.logprob_token_ids:
+            lp_rows.append(i)
+            md.num_logprobs.append(p.logprobs if p.logprobs is not None else 0)
+            md.logprob_token_ids.append(list(p.logprob_token_ids or ()))
+    if lb_rows:
+        md.logit_bias = (
+            torch.tensor(lb_rows, dtype=torch.int64, device=device),
+            torch.tensor(lb_ids, dtype=torch.int64, device=device),
+            torch.tensor(lb_vals, dtype=torch.float32, device=device),
+        )
+    if al_rows:
+        md.allowed_rows = torch.tensor(al_rows, dtype=torch.int64, device=device)
+        md.allowed_token_ids = (
+            torch.tensor(al_idx, dtype=torch.int64, device=device),
+            torch.tensor(al_ids, dtype=torch.int64, device=device),
+        )
+    if lp_rows:
+        md.logprob_rows = torch.tensor(lp_rows, dtype=torch.int64, device=device)

@@ -1,58 +1,167 @@
-"""The one batched, device-agnostic sampler: greedy, temperature, min-p, top-k, top-p, seeded rows.
+"""The one batched, device-agnostic sampler.
 
-All rows are processed together with tensor ops; per-request parameters come in as tensors. Random
-rows sample with the exponential-race trick (argmax of probs / Exp(1) noise), which lets rows with
-their own seeded generator draw their noise separately while everything else stays batched.
+One pass over the [N, vocab] logits of the rows that sample, all rows together with tensor ops and
+per-request parameters as tensors (features used by few rows are applied to those rows only):
+
+1. logprobs of the raw logits, for rows requesting them (logprobs_mode raw_logprobs / raw_logits);
+2. allowed_token_ids, bad_words, the non-argmax-invariant logits processors (min_tokens, logit_bias,
+   custom ones), presence/frequency/repetition penalties;
+3. greedy rows: argmax. Random rows: temperature, min_p and argmax-invariant processors, top-k/top-p,
+   then the exponential race (argmax of probs / Exp(1) noise), which lets rows with their own seeded
+   generator draw their noise separately while everything else stays batched;
+4. logprobs gathered once for all requesting rows: one topk, the sampled token's logprob by gather and
+   its rank by a comparison count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from pagedllm.sample.logits_processor import LogitsProcessor, MinTokensLogitsProcessor
+from pagedllm.logprobs import LogprobsLists
+from pagedllm.sample.logits_processor import (
+    LogitBiasLogitsProcessor,
+    LogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+    apply_min_p,
+)
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.penalties import apply_penalties
+from pagedllm.sampling_params import SamplingParams
 
 _EPS = 1e-5
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+__all__ = ["Sampler", "SamplerOutput", "apply_min_p", "apply_top_k_top_p", "gather_logprobs", "random_sample"]
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsLists | None = None
+    """One position per row of `metadata.logprob_rows`, in that order (None when no row asked)."""
 
 
 class Sampler(nn.Module):
-    def __init__(self, logits_processors: list[LogitsProcessor] | None = None) -> None:
+    def __init__(
+        self, logits_processors: list[LogitsProcessor] | None = None, logprobs_mode: str = "raw_logprobs"
+    ) -> None:
         super().__init__()
-        self.logits_processors: list[LogitsProcessor] = [MinTokensLogitsProcessor(), *(logits_processors or [])]
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: expected one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        builtin: list[LogitsProcessor] = [MinTokensLogitsProcessor(), LogitBiasLogitsProcessor(), MinPLogitsProcessor()]
+        self.custom_processors: list[LogitsProcessor] = list(logits_processors or [])
+        all_procs = [*builtin, *self.custom_processors]
+        self.logits_processors = all_procs
+        self.non_argmax_invariant = [p for p in all_procs if not p.is_argmax_invariant()]
+        self.argmax_invariant = [p for p in all_procs if p.is_argmax_invariant()]
 
+    # ---- per-request hooks of custom processors ------------------------------------------------
+    def validate_params(self, params: SamplingParams) -> None:
+        for p in self.custom_processors:
+            p.validate_params(params)
+
+    def add_request(
+        self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]
+    ) -> None:
+        for p in self.custom_processors:
+            p.add_request(req_id, params, prompt_token_ids, output_token_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        for p in self.custom_processors:
+            p.remove_request(req_id)
+
+    # ---- the pass ------------------------------------------------------------------------------
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        for proc in self.logits_processors:
+        lp_src: torch.Tensor | None = None
+        want_lp = md.logprob_rows is not None
+        if want_lp and self.logprobs_mode.startswith("raw"):
+            sel = logits[md.logprob_rows]  # a copy: later in-place edits do not reach it
+            lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" else sel
+        logits = self.apply_logits_processors(logits, md)
+        sampled, processed = self.sample(logits, md)
+        if not want_lp:
+            return SamplerOutput(sampled)
+        if lp_src is None:
+            sel = processed[md.logprob_rows]
+            lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "processed_logprobs" else sel
+        assert md.logprob_rows is not None
+        lists = gather_logprobs(lp_src, md.num_logprobs, sampled[md.logprob_rows], md.logprob_token_ids)
+        return SamplerOutput(sampled, lists)
+
+    def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Everything that may change the argmax (the "processed logits" of a greedy row)."""
+        if md.allowed_rows is not None and md.allowed_token_ids is not None:
+            idx, ids = md.allowed_token_ids
+            blocked = torch.ones(md.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+            blocked[idx, ids] = False
+            logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(blocked, -float("inf"))
+        if md.bad_words_token_ids:
+            apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
+        for proc in self.non_argmax_invariant:
             logits = proc.apply(logits, md)
-        greedy = logits.argmax(dim=-1)
+        if md.penalty_rows is not None:
+            assert md.prompt_token_mask is not None and md.output_token_counts is not None
+            assert md.presence_penalties is not None and md.frequency_penalties is not None
+            assert md.repetition_penalties is not None
+            rows = md.penalty_rows
+            logits[rows] = apply_penalties(
+                logits[rows],
+                md.prompt_token_mask,
+                md.output_token_counts,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+            )
+        return logits
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled ids, processed logits: for random rows after temperature/min_p/top-k/top-p)."""
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return SamplerOutput(greedy)
-        temp = torch.where(md.temperature < _EPS, torch.ones_like(md.temperature), md.temperature)
+            assert greedy is not None
+            return greedy, logits
+        temp = md.temperature
+        if not md.all_random:
+            temp = torch.where(temp < _EPS, torch.ones_like(temp), temp)
         logits = logits / temp.unsqueeze(1)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
+        for proc in self.argmax_invariant:
+            logits = proc.apply(logits, md)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        sampled = random_sample(probs, md.generators)
-        if md.all_random:
-            return SamplerOutput(sampled)
-        return SamplerOutput(torch.where(md.temperature < _EPS, greedy, sampled))
+        sampled = random_sample(logits.softmax(dim=-1), md.generators)
+        if greedy is None:
+            return sampled, logits
+        return torch.where(md.temperature < _EPS, greedy, sampled), logits
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's probability."""
-    probs = logits.softmax(dim=-1)
-    top = probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < min_p.unsqueeze(1) * top, -float("inf"))
+def apply_bad_words(
+    logits: torch.Tensor, bad_words: dict[int, list[list[int]]], output_token_ids: list[list[int]]
+) -> None:
+    """Block each bad word's last token where the row's output ends with the word's other tokens (vLLM:
+    only generated tokens count, a one-token word is always blocked). One indexed write for the batch."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, words in bad_words.items():
+        past = output_token_ids[row] if row < len(output_token_ids) else []
+        for word in words:
+            k = len(word) - 1
+            if k > len(past):
+                continue
+            if k == 0 or past[-k:] == word[:-1]:
+                rows.append(row)
+                cols.append(word[-1])
+    if rows:
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -float("inf")
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -81,9 +190,61 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i]. A seeded row draws
+    its own noise from its generator (vocab draws per step), whatever else is in the batch."""
     q = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
         q.exponential_()
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
-    return probs.div(q).argmax(dim=-1)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor,
+    num_logprobs: list[int],
+    token_ids: torch.Tensor,
+    extra_token_ids: list[list[int]] | None = None,
+) -> LogprobsLists:
+    """Per row of `logprobs` [R, V]: token_ids[r] first (with its rank), then the top num_logprobs[r]
+    (-1 = all V) with ranks 1..k, then extra_token_ids[r]. One topk over all rows (k = the largest)."""
+    r, vocab = logprobs.shape
+    ks = [vocab if k == -1 else min(k, vocab) for k in num_logprobs]
+    max_k = max(ks, default=0)
+    tok = token_ids.view(-1, 1).to(torch.int64)
+    tok_lp = logprobs.gather(1, tok)
+    tok_rank = (logprobs >= tok_lp).sum(dim=-1)
+    ids_cols = [tok]
+    lp_cols = [tok_lp]
+    if max_k > 0:
+        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
+        ids_cols.append(top_ids)
+        lp_cols.append(top_lp)
+    extras = extra_token_ids or [[] for _ in range(r)]
+    max_e = max((len(e) for e in extras), default=0)
+    ex_rank = None
+    if max_e:
+        ex = torch.tensor([e + [0] * (max_e - len(e)) for e in extras], dtype=torch.int64, device=logprobs.device)
+        ex_lp = logprobs.gather(1, ex)
+        ex_rank = torch.stack([(logprobs >= ex_lp[:, j : j + 1]).sum(dim=-1) for j in range(max_e)], dim=1)
+        ids_cols.append(ex)
+        lp_cols.append(ex_lp)
+    all_ids = torch.cat(ids_cols, dim=1).tolist()
+    all_lp = torch.cat(lp_cols, dim=1).tolist()
+    ranks0 = tok_rank.tolist()
+    ex_ranks = ex_rank.tolist() if ex_rank is not None else None
+    out = LogprobsLists()
+    top_ranks = list(range(1, max_k + 1))
+    for i in range(r):
+        k, e = ks[i], len(extras[i])
+        cols = [0, *range(1, 1 + k)]
+        ranks = [ranks0[i], *top_ranks[:k]]
+        if e:
+            cols.extend(range(1 + max_k, 1 + max_k + e))
+            assert ex_ranks is not None
+            ranks.extend(ex_ranks[i][:e])
+        ids_i, lp_i = all_ids[i], all_lp[i]
+        out.token_ids.append([ids_i[c] for c in cols])
+        out.logprobs.append([lp_i[c] for c in cols])
+        out.ranks.append(ranks)
+    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.sample.penalties import TokenCountSlots
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -29,7 +30,15 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        num_groups: int,
+        vocab_size: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -41,6 +50,14 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        # Penalties: scalars per row; token counts only for rows that use them (a slot of `token_counts`,
+        # filled from the prompt/output at add time, then incremented per sampled token).
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.penalty_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.vocab_size = vocab_size
+        self.token_counts = TokenCountSlots(vocab_size, max_num_reqs, device or torch.device("cpu"))
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
@@ -70,6 +87,11 @@ class InputBatch:
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k
         self.min_p[row] = sp.min_p
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        if sp.has_penalties:
+            self.penalty_slot[row] = self.token_counts.acquire(st.prompt_token_ids, st.output_token_ids)
         return row
 
     def remove_request(self, req_id: str) -> CachedRequestState | None:
@@ -77,6 +99,9 @@ class InputBatch:
         if row is None:
             return None
         st = self.states[row]
+        if self.penalty_slot[row] >= 0:
+            self.token_counts.release(int(self.penalty_slot[row]))
+            self.penalty_slot[row] = -1
         self.req_ids[row] = None
         self.states[row] = None
         self._free_rows.append(row)
@@ -93,3 +118,10 @@ class InputBatch:
         if n < self.max_model_len:
             self.token_ids[row, n] = token
         self.num_tokens[row] = n + 1
+
+    def count_output_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Add this step's sampled tokens to the output counts of the penalized rows among `rows`."""
+        slots = self.penalty_slot[rows]
+        keep = slots >= 0
+        if keep.any():
+            self.token_counts.add_tokens(slots[keep], np.asarray(tokens)[keep])

@@ -17,9 +17,10 @@ from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec, group_layer
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
+from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
+from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
@@ -51,7 +52,9 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.dtype = self.model_config.dtype
-        self.sampler = Sampler(logits_processors)
+        self.sampler = Sampler(logits_processors, getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
+        self.prompt_logprobs: dict[str, LogprobsLists] = {}
+        """Requests whose prompt logprobs are not complete yet -> what the chunks so far gave."""
         self.requests: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
@@ -97,7 +100,9 @@ class ModelRunner:
             backend.get_builder_cls()(g.spec.block_size, g.spec.sliding_window, self.device) for g in groups
         ]
         max_blocks = cdiv(self.max_model_len, self.block_size)
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks, len(groups))
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, max_blocks, len(groups), self.model_config.vocab_size, self.device
+        )
         return self.kv_cache_config
 
     # ---- one step ------------------------------------------------------------------------------
@@ -107,6 +112,8 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             batch.remove_request(rid)
+            self.prompt_logprobs.pop(rid, None)
+            self.sampler.remove_request(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)  # state kept (with its generator) for when it resumes
         for new in so.scheduled_new_reqs:
@@ -127,6 +134,9 @@ class ModelRunner:
             )
             self.requests[new.req_id] = st
             batch.add_request(st)
+            self.sampler.add_request(new.req_id, sp, st.prompt_token_ids, st.output_token_ids)
+            if sp.prompt_logprobs is not None and not st.output_token_ids:
+                self.prompt_logprobs[new.req_id] = LogprobsLists()
         c = so.scheduled_cached_reqs
         for rid, resumed, new_ids, num_computed in zip(
             c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.num_computed_tokens
@@ -200,15 +210,20 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             hidden = self.model(input_ids_t, positions_t)
 
+        prompt_lp_done = self._gather_prompt_logprobs(req_ids, rows, computed, seq_lens, cu, hidden)
+
         # Only requests whose known tokens are all computed after this step sample (not partial prefills).
         sample_mask = seq_lens >= batch.num_tokens[rows]
         sample_idx = np.nonzero(sample_mask)[0]
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs_lists: list[LogprobsLists | None] | None = None
         if len(sample_idx):
             logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_idx])
-            md_s = self._sampling_metadata(rows[sample_idx])
-            sampled = self.sampler(logits, md_s).sampled_token_ids.tolist()
+            sample_rows = rows[sample_idx]
+            md_s = self._sampling_metadata(sample_rows)
+            out = self.sampler(logits, md_s)
+            sampled = out.sampled_token_ids.tolist()
             for j, i in enumerate(sample_idx.tolist()):
                 tok = sampled[j]
                 row = int(rows[i])
@@ -217,10 +232,56 @@ class ModelRunner:
                 assert st is not None
                 st.output_token_ids.append(tok)
                 sampled_lists[i] = [tok]
+            batch.count_output_tokens(sample_rows, np.asarray(sampled, dtype=np.int64))
+            if out.logprobs is not None and md_s.logprob_rows is not None:
+                logprobs_lists = [None] * num_reqs
+                for pos, j in enumerate(md_s.logprob_rows.tolist()):
+                    logprobs_lists[int(sample_idx[j])] = out.logprobs.slice(pos, pos + 1)
         batch.num_computed_tokens[rows] = seq_lens
         for r, rid in enumerate(req_ids):
             self.requests[rid].num_computed_tokens = int(seq_lens[r])
-        return ModelRunnerOutput(req_ids, sampled_lists)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists, prompt_lp_done)
+
+    def _gather_prompt_logprobs(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunks predict (position p predicts token p + 1;
+        the last prompt position predicts the first output token, which the sampler handles). Returns
+        the requests whose prompt logprobs became complete this step."""
+        done: dict[str, LogprobsLists] = {}
+        if not self.prompt_logprobs:
+            return done
+        batch = self.input_batch
+        assert batch is not None and self.model is not None
+        for i, rid in enumerate(req_ids):
+            acc = self.prompt_logprobs.get(rid)
+            if acc is None:
+                continue
+            st = self.requests[rid]
+            n_prompt = len(st.prompt_token_ids)
+            start, end = int(computed[i]), min(int(seq_lens[i]), n_prompt - 1)
+            if start == 0:
+                acc = self.prompt_logprobs[rid] = LogprobsLists()  # (re)started from scratch
+            sp = st.sampling_params
+            k = sp.prompt_logprobs if sp.prompt_logprobs is not None else 0
+            extra = list(sp.logprob_token_ids or ())
+            chunk = 512  # bounds the [positions, vocab] logits held at once
+            for a in range(start, end, chunk):
+                b = min(end, a + chunk)
+                h_idx = torch.arange(int(cu[i]) + a - start, int(cu[i]) + b - start, device=hidden.device)
+                logits = self.model.compute_logits(hidden[h_idx]).float()
+                lp = logits if self.sampler.logprobs_mode == "raw_logits" else logits.log_softmax(dim=-1)
+                targets = torch.from_numpy(batch.token_ids[int(rows[i]), a + 1 : b + 1].copy()).to(lp.device)
+                acc.extend(gather_logprobs(lp, [k] * (b - a), targets, [extra] * (b - a)))
+            if int(seq_lens[i]) >= n_prompt:
+                done[rid] = self.prompt_logprobs.pop(rid)
+        return done
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self.input_batch
@@ -234,10 +295,14 @@ class ModelRunner:
         generators: dict[int, torch.Generator] = {}
         min_tokens: dict[int, list[int]] = {}
         out_ids: list[list[int]] = []
+        prompt_ids: list[list[int]] = []
+        req_ids: list[str] = []
+        params = []
         for i, row in enumerate(rows.tolist()):
             st = batch.states[row]
             assert st is not None
             sp = st.sampling_params
+            params.append(sp)
             if st.generator is not None and not greedy[i]:
                 generators[i] = st.generator
             if sp.min_tokens and len(st.output_token_ids) < sp.min_tokens:
@@ -245,7 +310,9 @@ class ModelRunner:
                 if stops:
                     min_tokens[i] = stops
             out_ids.append(st.output_token_ids)
-        return SamplingMetadata(
+            prompt_ids.append(st.prompt_token_ids)
+            req_ids.append(st.req_id)
+        md = SamplingMetadata(
             temperature=torch.from_numpy(temp).to(dev),
             top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1.0).any() else None,
             top_k=torch.from_numpy(top_k).to(dev) if (top_k > 0).any() else None,
@@ -255,7 +322,23 @@ class ModelRunner:
             generators=generators,
             min_tokens=min_tokens,
             output_token_ids=out_ids,
+            req_ids=req_ids,
+            prompt_token_ids=prompt_ids,
         )
+        slots = batch.penalty_slot[rows]
+        pen = np.nonzero(slots >= 0)[0]
+        if len(pen):
+            # Penalty state comes from the persistent per-request slots (gathered, not rebuilt).
+            slot_t = torch.from_numpy(slots[pen]).to(dev)
+            prow = rows[pen]
+            md.penalty_rows = torch.from_numpy(pen).to(dev)
+            md.presence_penalties = torch.from_numpy(batch.presence_penalty[prow]).to(dev)
+            md.frequency_penalties = torch.from_numpy(batch.frequency_penalty[prow]).to(dev)
+            md.repetition_penalties = torch.from_numpy(batch.repetition_penalty[prow]).to(dev)
+            md.prompt_token_mask = batch.token_counts.prompt_mask[slot_t]
+            md.output_token_counts = batch.token_counts.output_counts[slot_t]
+        fill_sparse_fields(md, params, dev)
+        return md
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -1,0 +1,147 @@
+"""Triton attention backend (the CUDA path): one kernel launch per layer for a whole mixed batch.
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size], as the CPU backend.
+The metadata is the step's device tensors as the model runner gives them plus a few host ints; the
+builder does no per-request work and never reads a device tensor back, so building is O(1).
+
+CUDA graphs (pure decode): every tensor the kernels read is a fixed-shape input the runner can keep
+in persistent buffers (query_start_loc, seq_lens, block_table, slot_mapping). Padded requests are
+fine: a request with seq_len 0 yields zeros, and slot -1 tokens are not written to the cache. The
+kernel variant depends only on host ints fixed per captured batch size (num_reqs, max_query_len == 1,
+num_actual_tokens), never on context lengths.
+
+Raises ImportError at import when Triton is missing, so the selector falls back to torch_native.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from pagedllm.attention.ops.triton_paged_attn import (
+    HAS_TRITON,
+    choose_num_splits,
+    paged_attention,
+    reshape_and_cache,
+)
+
+if not HAS_TRITON:
+    raise ImportError("the Triton attention backend needs the triton package")
+
+
+@dataclass
+class TritonAttentionMetadata:
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    query_start_loc_cpu: torch.Tensor  # host copy (encoder-only spans)
+    seq_lens: torch.Tensor  # [num_reqs] int32, device
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device; -1 = don't write
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool
+    num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
+    workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        bt = common.block_table
+        if bt.dtype != torch.int32:
+            bt = bt.to(torch.int32)
+        return TritonAttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            query_start_loc_cpu=common.query_start_loc_cpu,
+            seq_lens=common.seq_lens,
+            block_table=bt,
+            slot_mapping=common.slot_mapping,
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=common.num_reqs,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            causal=common.causal,
+        )
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        n = md.num_actual_tokens
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return self._encoder_forward(query, key, value, md, output)
+        assert kv_cache is not None, "decoder attention needs its KV cache"
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
+        num_splits = md.num_splits
+        if num_splits is None:
+            num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
+        paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            output,
+            md.block_table,
+            md.seq_lens,
+            md.query_start_loc,
+            num_actual_tokens=n,
+            num_reqs=md.num_reqs,
+            max_query_len=md.max_query_len,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            causal=md.causal,
+            num_splits=num_splits,
+            workspace=md.workspace,
+        )
+        return output
+
+    def _encoder_forward(self, query, key, value, md: TritonAttentionMetadata, output):
+        """Bidirectional attention within each sequence, no cache: SDPA per sequence (host spans only)."""
+        qsl = md.query_start_loc_cpu.tolist()
+        gqa = self.num_heads != self.num_kv_heads
+        for r in range(md.num_reqs):
+            q0, q1 = qsl[r], qsl[r + 1]
+            if q1 <= q0:
+                continue
+            out = F.scaled_dot_product_attention(
+                query[q0:q1].transpose(0, 1),
+                key[q0:q1].transpose(0, 1),
+                value[q0:q1].transpose(0, 1),
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            output[q0:q1] = out.transpose(0, 1)
+        return output
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -1,0 +1,462 @@
+"""Triton kernels for paged attention: KV-cache writes and one attention kernel for mixed batches.
+
+Cache layout (one layer): `k_cache`, `v_cache` are each `[num_blocks, block_size, num_kv_heads, head_size]`
+(the two halves of the backend's `[2, num_blocks, block_size, num_kv_heads, head_size]` tensor).
+
+`paged_attention` runs a whole batch in one launch: every request is a run of query tokens
+(`query_start_loc`) whose last token sits at position `seq_len - 1`; a prefill chunk attends to its
+cached prefix plus itself (causal), a decode is a run of length 1. One program owns one tile of query
+rows for ONE kv head: rows are (query token, q head of that kv head's group) pairs, so each K/V tile is
+read once for all q heads sharing it (GQA/MQA), which is what makes decode bandwidth-efficient.
+Programs are numbered so that request r's tiles start at `query_start_loc[r] // BLOCK_Q + r`; a program
+finds its request by binary search over `query_start_loc` -- no host-side per-request work.
+
+With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
+segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum);
+a second kernel merges them. That path exists for batches with few (kv head, request) pairs and long
+contexts, where one program per pair cannot fill the GPU.
+
+Importing this module never calls Triton (the kernels compile on first launch) and works without
+Triton installed (`HAS_TRITON` is then False and the launchers raise).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the torch_native backend is used instead.
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _reshape_and_cache_kernel(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kcb,
+        stride_kct,
+        stride_kch,
+        stride_vcb,
+        stride_vct,
+        stride_vch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        KVH_PAD: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot < 0:  # padded token (e.g. CUDA-graph padding): nothing to write
+            return
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, KVH_PAD)
+        d = tl.arange(0, HEAD_PAD)
+        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_SIZE)[None, :]
+        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        kc = k_cache_ptr + blk * stride_kcb + off * stride_kct + h[:, None] * stride_kch + d[None, :]
+        vc = v_cache_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + d[None, :]
+        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+        """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (request r's first tile index)."""
+        lo = 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            if start <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _paged_attn_kernel(
+        out_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        qsl_ptr,
+        part_out_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        qk_scale,
+        num_reqs,
+        num_heads,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_bt,
+        GROUP: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        TILE_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seg = tl.program_id(2)
+
+        req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        qb = pid_q - (q_start // BLOCK_Q + req)
+        if qb * BLOCK_Q >= q_len:  # grid is an upper bound; this tile holds no query
+            return
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx = seq_len - q_len  # tokens cached before this step's chunk
+
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = qb * BLOCK_Q + offs_m // GROUP  # query token within the request's chunk
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        tok_g = (q_start + tok).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        q_pos = ctx + tok
+
+        # Key range this query tile needs: [kv_lo, kv_hi).
+        if CAUSAL:
+            kv_hi = ctx + tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+        else:
+            kv_hi = seq_len
+        kv_lo = 0
+        if USE_WINDOW:
+            kv_lo = tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0)
+        tile_lo = kv_lo // TILE_N
+        tile_hi = (kv_hi + TILE_N - 1) // TILE_N
+        if NUM_SEGMENTS > 1:
+            per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+            t0 = tile_lo + seg * per_seg
+            t1 = tl.minimum(t0 + per_seg, tile_hi)
+        else:
+            t0 = tile_lo
+            t1 = tile_hi
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        offs_n = tl.arange(0, TILE_N)
+        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+        for t in range(t0, t1):
+            k_pos = t * TILE_N + offs_n
+            k_ok = k_pos < kv_hi
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            in_blk = k_pos % BLOCK_SIZE
+            k_off = blk * stride_kb + in_blk * stride_kt + kvh * stride_kh
+            v_off = blk * stride_vb + in_blk * stride_vt + kvh * stride_vh
+            k = tl.load(
+                k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
+            )  # [HEAD_PAD, TILE_N]
+            s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
+            ok = k_ok[None, :]
+            if CAUSAL:
+                ok = ok & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
+            )  # [TILE_N, HEAD_PAD]
+            v = v.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        if NUM_SEGMENTS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: empty row (padding) -> zeros
+            tl.store(
+                out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+        else:
+            part = (tok_g * num_heads + head) * NUM_SEGMENTS + seg
+            tl.store(part_m_ptr + part, m_i, mask=row_ok)
+            tl.store(part_l_ptr + part, l_i, mask=row_ok)
+            tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_segments_kernel(
+        out_ptr,
+        part_out_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        num_heads,
+        stride_ot,
+        stride_oh,
+        HEAD_SIZE: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        base = (t * num_heads + h) * NUM_SEGMENTS
+        offs_s = tl.arange(0, NUM_SEGMENTS)
+        offs_d = tl.arange(0, HEAD_PAD)
+        m = tl.load(part_m_ptr + base + offs_s)
+        l_s = tl.load(part_l_ptr + base + offs_s)
+        m_max = tl.max(m, 0)
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - m_use)  # empty segments: exp2(-inf) = 0
+        l_tot = tl.sum(l_s * w, 0)
+        acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+        out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+        dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed: the Triton attention kernels are unavailable")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_size], last dim contiguous
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [>= T] int64; negative entries are skipped
+) -> None:
+    """Write the new tokens' K/V into their cache slots (slot = block_id * block_size + offset)."""
+    _require_triton()
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_SIZE=head_size,
+        KVH_PAD=_next_pow2(num_kv_heads),
+        HEAD_PAD=_next_pow2(head_size),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Segments per query tile for the split-KV path: >1 only for pure-decode batches too small to fill the GPU.
+
+    Depends on host-known batch shape only (never on context lengths), so a CUDA graph captured for a
+    batch size stays a good choice for any lengths replayed through it.
+    """
+    if max_query_len != 1 or device.type != "cuda":
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    programs = max(1, num_reqs * num_kv_heads)
+    if programs >= sms:  # already about one wave of programs (W1: 256 x 8 = 2048)
+        return 1
+    return min(16, _next_pow2(math.ceil(2 * sms / programs)))
+
+
+def launch_config(
+    head_size: int, group: int, dtype: torch.dtype, max_query_len: int
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) for a batch; BLOCK_M counts (token, q head) rows."""
+    head_pad = _next_pow2(head_size)
+    wide = dtype == torch.float32 or head_pad > 128  # bigger per-row footprint: smaller tiles
+    min_m = max(16, _next_pow2(group))
+    if max_query_len * group <= 16:  # decode-dominated: a single 16-row tile per request
+        block_m = min_m
+        tile_n = 32 if wide else 64
+        return block_m, tile_n, 4, 3 if not wide else 2
+    block_m = max(min_m, 64 if wide else 128)
+    tile_n = 32 if wide else 64
+    return block_m, tile_n, 8 if block_m >= 128 or wide else 4, 2
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_size]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: torch.Tensor,
+    output: torch.Tensor,  # [T, num_heads, head_size], written for the first num_actual_tokens rows
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= num_reqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    *,
+    num_actual_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    causal: bool = True,
+    num_splits: int = 1,
+    workspace: dict | None = None,
+    block_m: int | None = None,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of every query token over its request's paged K/V (see the module docstring).
+
+    `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
+    block_m/tile_n/num_warps/num_stages override the heuristics (benchmarks).
+    """
+    _require_triton()
+    if num_actual_tokens == 0 or num_reqs == 0:
+        return output
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert query.stride(-1) == 1 and output.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    head_pad = _next_pow2(head_size)
+    bm, tn, nw, ns = launch_config(head_size, group, query.dtype, max_query_len)
+    bm = block_m or bm
+    tn = tile_n or tn
+    nw = num_warps or nw
+    ns = num_stages or ns
+    assert bm >= group and bm >= 16 and tn >= 16
+    block_q = bm // group
+    num_q_tiles = num_actual_tokens // block_q + num_reqs  # upper bound; surplus programs exit at once
+    num_splits = max(1, _next_pow2(num_splits))
+    use_window = sliding_window is not None and sliding_window > 0
+    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
+
+    if num_splits > 1:
+        key = (num_actual_tokens, num_heads, num_splits, head_pad, query.device)
+        bufs = workspace.get(key) if workspace is not None else None
+        if bufs is None:
+            n_part = num_actual_tokens * num_heads * num_splits
+            bufs = (
+                torch.empty(n_part * head_pad, dtype=torch.float32, device=query.device),
+                torch.empty(n_part, dtype=torch.float32, device=query.device),
+                torch.empty(n_part, dtype=torch.float32, device=query.device),
+            )
+            if workspace is not None:
+                workspace[key] = bufs
+        part_out, part_m, part_l = bufs
+    else:
+        part_out = part_m = part_l = output  # unused by the kernel
+
+    _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        output,
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_m,
+        part_l,
+        scale * _LOG2E,
+        num_reqs,
+        num_heads,
+        sliding_window if use_window else 0,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=bm,
+        BLOCK_Q=block_q,
+        TILE_N=tn,
+        CAUSAL=causal,
+        USE_WINDOW=use_window,
+        NUM_SEGMENTS=num_splits,
+        DOT_PREC=dot_prec,
+        num_warps=nw,
+        num_stages=ns,
+    )
+    if num_splits > 1:
+        _merge_segments_kernel[(num_actual_tokens, num_heads)](
+            output,
+            part_out,
+            part_m,
+            part_l,
+            num_heads,
+            output.stride(0),
+            output.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            NUM_SEGMENTS=num_splits,
+            num_warps=4 if head_pad >= 128 else 2,
+        )
+    return output

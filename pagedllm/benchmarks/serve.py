@@ -1,0 +1,224 @@
+"""`pagedllm bench serve`: an online load generator for an OpenAI-compatible server (vLLM's
+benchmark_serving, reduced): Poisson arrivals at `--request-rate` (or all at once with `inf`), at most
+`--max-concurrency` requests in flight, streamed completions; reports request throughput, output tok/s,
+TTFT / TPOT / ITL (mean, p50, p90, p99) as a table and optionally as JSON (`--save-result`).
+
+Prompts of the `random` dataset are random token ids sent as `prompt: [ids]`, so the input length is
+exact and no tokenizer is needed; `ignore_eos` makes every output exactly `--output-len` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server URL (without /v1).")
+    p.add_argument("--model", default=None, help="Model name to send (default: the server's first model).")
+    p.add_argument("--api-key", default=None, help="Bearer token (default: PAGEDLLM_API_KEY / none).")
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random"],
+                   help="Prompt source: random token ids.")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
+    p.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="Lengths drawn uniformly from [len*(1-r), len*(1+r)].")
+    p.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], metavar=("LO", "HI"),
+                   help="Random prompt token ids are drawn from [LO, HI).")
+    p.add_argument("--request-rate", type=str, default="inf", help="Requests per second (Poisson), or 'inf'.")
+    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1 = Poisson).")
+    p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentiles", default="50,90,99", help="Comma-separated percentiles to report.")
+    p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write the results as JSON.")
+    p.add_argument("--timeout", type=float, default=6 * 3600, help="Per-request timeout in seconds.")
+    return p
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    ins = _lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
+    outs = _lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    lo, hi = args.vocab_range
+    return [([rng.randrange(lo, hi) for _ in range(i)], o) for i, o in zip(ins, outs)]
+
+
+async def _one(session: Any, url: str, headers: dict[str, str], model: str, prompt: list[int], max_tokens: int,
+               timeout: float) -> RequestResult:
+    import aiohttp
+
+    res = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = start
+    try:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            async for raw in resp.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except Exception as e:  # network errors are results too
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    f = int(k)
+    c = min(f + 1, len(s) - 1)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    pcts = [float(x) for x in args.percentiles.split(",") if x.strip()]
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    e2es = [r.latency for r in ok]
+    total_out = sum(r.output_tokens for r in ok)
+    total_in = sum(r.prompt_len for r in ok)
+    out: dict[str, Any] = {
+        "base_url": args.base_url, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+    }
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
+        out[f"mean_{name}_ms"] = 1000 * sum(vals) / len(vals) if vals else 0.0
+        for p in pcts:
+            out[f"p{p:g}_{name}_ms"] = 1000 * _pct(vals, p)
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        out["errors"] = errors[:10]
+    return out
+
+
+def print_table(s: dict[str, Any], pcts: list[str]) -> None:
+    w = 50
+    print("=" * w + "\n" + " Serving Benchmark Result ".center(w, "=") + "\n" + "=" * w)
+    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+            ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
+            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    for k, v in rows:
+        print(f"{k:<36}{v:>14}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print(f" {title} ".center(w, "-"))
+        print(f"{'Mean ' + name.upper() + ' (ms):':<36}{s[f'mean_{name}_ms']:>14.2f}")
+        for p in pcts:
+            print(f"{f'P{p} {name.upper()} (ms):':<36}{s[f'p{p}_{name}_ms']:>14.2f}")
+    print("=" * w)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import os
+
+    import aiohttp
+
+    base = args.base_url.rstrip("/")
+    key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    rate = float("inf") if args.request_rate == "inf" else float(args.request_rate)
+    requests = make_requests(args)
+    rng = random.Random(args.seed + 1)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        model = args.model
+        if model is None:
+            async with session.get(f"{base}/v1/models", headers=headers) as r:
+                r.raise_for_status()
+                model = (await r.json())["data"][0]["id"]
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        url = f"{base}/v1/completions"
+
+        async def limited(prompt: list[int], out_len: int) -> RequestResult:
+            if sem is None:
+                return await _one(session, url, headers, model, prompt, out_len, args.timeout)
+            async with sem:
+                return await _one(session, url, headers, model, prompt, out_len, args.timeout)
+
+        tasks: list[asyncio.Task[RequestResult]] = []
+        start = time.perf_counter()
+        for prompt, out_len in requests:
+            tasks.append(asyncio.create_task(limited(prompt, out_len)))
+            if rate != float("inf"):
+                # Gamma inter-arrival times with mean 1/rate (shape 1 = Poisson process).
+                await asyncio.sleep(rng.gammavariate(args.burstiness, 1.0 / (rate * args.burstiness)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(list(results), duration, args)
+    summary["model"] = model
+    return summary
+
+
+def main(args: argparse.Namespace) -> int:
+    summary = asyncio.run(run(args))
+    print_table(summary, [p.strip() for p in args.percentiles.split(",") if p.strip()])
+    if args.save_result:
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        print(f"Results saved to {args.save_result}")
+    if summary["completed"] == 0:
+        print("error: no request succeeded: " + "; ".join(summary.get("errors", [])), file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["RequestResult", "add_cli_args", "main", "run", "summarize"]

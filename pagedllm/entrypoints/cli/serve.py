@@ -1,0 +1,102 @@
+"""`pagedllm serve [MODEL]`: the OpenAI-compatible server.
+
+Every engine argument comes from `EngineArgs.add_cli_args` (the one definition); `--config FILE.yaml`
+supplies any flag as a YAML key (`max-model-len: 4096` or `max_model_len: 4096`), and flags given on
+the command line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+# Fail at import (main.py then leaves `serve` out) when the serving extras are missing.
+import fastapi  # noqa: F401, E402  # isort: skip
+import uvicorn  # noqa: F401, E402  # isort: skip
+import zmq  # noqa: F401, E402  # isort: skip
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("model", nargs="?", default=None,
+                   help="Model directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct).")
+    g = p.add_argument_group("Server options")
+    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; 0.0.0.0 for all).")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' (also from PAGEDLLM_API_KEY).")
+    g.add_argument("--chat-template", default=None, help="Chat template file or Jinja text (default: the model's).")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="Larger request bodies get 413 (default 8 MiB).")
+    g.add_argument("--config", default=None, help="YAML file of flags (keys as the flag names); CLI flags win.")
+    EngineArgs.add_cli_args(p, positional_model=True)
+    return p
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations given on the command line (parsed again with every default suppressed)."""
+    saved = {a.dest: a.default for a in parser._actions}
+    try:
+        for a in parser._actions:
+            a.default = argparse.SUPPRESS
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        for a in parser._actions:
+            a.default = saved[a.dest]
+    return set(vars(ns))
+
+
+def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Merge the YAML `--config` into `args` under the flags given on the command line."""
+    import yaml
+
+    with open(args.config, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {args.config}: expected a mapping of flag names to values")
+    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    explicit = _explicit_dests(parser, argv) if argv is not None else set()
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = dests.get(dest)
+        if action is None:
+            raise ValueError(f"--config {args.config}: unknown option {key!r}")
+        if dest in explicit:
+            continue
+        if argv is None and getattr(args, dest) != action.default:
+            continue  # no argv to check against: a non-default value must have come from the CLI
+        if action.nargs in ("+", "*") and not isinstance(value, list):
+            value = [value]
+        if action.type is not None and not isinstance(value, (list, dict, bool)) and value is not None:
+            value = action.type(value)
+        setattr(args, dest, value)
+
+
+def _serve_argv() -> list[str] | None:
+    """The arguments after `serve` on this process's command line, if it was invoked that way."""
+    argv = sys.argv[1:]
+    return argv[argv.index("serve") + 1:] if "serve" in argv else None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args._serve_parser
+    del args._serve_parser
+    if args.config:
+        apply_config_file(parser, args, _serve_argv())
+    from pagedllm.entrypoints.openai.api_server import serve_main
+
+    return serve_main(args)
+
+
+def register(sub: Any, handlers: dict[str, Callable[[argparse.Namespace], int]]) -> None:
+    p = sub.add_parser("serve", help="Start the OpenAI-compatible API server.",
+                       description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_args(p)
+    p.set_defaults(_serve_parser=p)
+    handlers["serve"] = cmd_serve

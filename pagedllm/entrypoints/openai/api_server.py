@@ -1,0 +1,385 @@
+"""The OpenAI-compatible HTTP server: app factory, routes, error handlers, auth and body-size middleware,
+and `run_server` (engine first, then bind: the port opens only once the model is loaded, as vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagedllm
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.mp_client import EngineDeadError
+from pagedllm.entrypoints.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    OpenAIServingError,
+    SSEStream,
+    engine_dead_error,
+    error_body,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.logger import init_logger
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+"""Request bodies above this get a 413 (8 MiB: a full context of text fits many times over)."""
+
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+    503: {"model": ErrorResponse},
+}
+
+
+# ---- middleware (pure ASGI: BaseHTTPMiddleware would break streaming and disconnect detection) ---------
+async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class AuthMiddleware:
+    """`Authorization: Bearer <key>` on every route but the public ones; keys compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [f"Bearer {k}".encode() for k in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        ok = False
+        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            await _send_json(send, 401, error_body("Unauthorized: a valid API key is required "
+                                                   "(header 'Authorization: Bearer <key>')", 401),
+                             [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over `max_bytes`: checked on Content-Length up front, and counted while reading
+    (chunked uploads), so a huge body is never buffered whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return f"Request body too large: the limit is {self.max_bytes} bytes"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await _send_json(send, 413, error_body(self._message(), 413))
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self._message())
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await _send_json(send, 413, error_body(self._message(), 413))
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """Streams while listening for the client's disconnect whatever the ASGI spec version (Starlette only
+    listens below 2.4 and otherwise notices a gone client at the next write, which may be many tokens
+    away). On disconnect the body iterator is cancelled and closed, which aborts the engine request; the
+    `on_close` callback then aborts whatever the iterator never got to start."""
+
+    def __init__(self, stream: SSEStream, on_close: Callable[[list[str]], None]) -> None:
+        super().__init__(stream.iterator, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._request_ids = stream.request_ids
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(streaming, watching, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    pass
+            self._on_close(self._request_ids)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, coro: Awaitable[T]) -> T | None:
+    """Await `coro` unless the client disconnects first; then cancel it (aborting its engine requests)
+    and return None. The body has already been read, so the next ASGI message is the disconnect."""
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (handler, watcher):
+            if not task.done():
+                task.cancel()
+    if handler.done() and not handler.cancelled():
+        return handler.result()
+    await asyncio.gather(handler, return_exceptions=True)
+    return None
+
+
+# ---- app ---------------------------------------------------------------------------------------
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    by_field: dict[str, list[str]] = {}
+    param: str | None = None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"Invalid JSON in request body: {ctx.get('error', err.get('msg'))}", None
+        # Union members add the member type to the location ("prompt.list[int]"): keep the field path only.
+        field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-")) and x != "list")
+        if param is None and loc:
+            param = loc[0]
+        msgs = by_field.setdefault(field or "body", [])
+        if err.get("msg") not in msgs:
+            msgs.append(str(err.get("msg")))
+    parts = [f"{f}: {' or '.join(m)}" for f, m in list(by_field.items())[:5]]
+    return "; ".join(parts), param
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    *,
+    api_keys: list[str] | None = None,
+    chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    prometheus: PrometheusStatLogger | None = None,
+    log_requests: bool = True,
+) -> FastAPI:
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
+    completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    tokenization = OpenAIServingTokenization(engine, served_model_names, chat_template)
+    app.state.engine = engine
+
+    @app.exception_handler(OpenAIServingError)
+    async def _openai_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
+        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return JSONResponse(error_body(msg, 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cause = exc.__cause__
+        if isinstance(cause, BodyTooLarge):
+            return JSONResponse(error_body(str(cause), 413), status_code=413)
+        if isinstance(cause, UnicodeDecodeError):
+            return JSONResponse(error_body(f"Request body is not valid UTF-8: {cause}", 400), status_code=400)
+        detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return JSONResponse(error_body(detail, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(engine_dead_error(exc).to_response().model_dump(), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, SSEStream):
+            return DisconnectAwareStreamingResponse(result, engine.abort)
+        return JSONResponse(result.model_dump())
+
+    def log_request(kind: str, req: Any) -> None:
+        if log_requests:
+            logger.info("Received %s request: model=%s stream=%s n=%s max_tokens=%s", kind, req.model,
+                        bool(req.stream), req.n, getattr(req, "max_completion_tokens", None) or req.max_tokens)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.errored:
+            return JSONResponse(error_body(str(engine.dead_error), 503), status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        body = prometheus.render() if prometheus is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        root = engine.model_config.model
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len)
+                               for name in served_model_names])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        log_request("completion", body)
+        result = await run_until_disconnect(raw_request, completion.create_completion(body))
+        return respond(result) if result is not None else Response(status_code=499)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        log_request("chat completion", body)
+        result = await run_until_disconnect(raw_request, chat.create_chat_completion(body))
+        return respond(result) if result is not None else Response(status_code=499)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
+
+    if api_keys:
+        app.add_middleware(AuthMiddleware, api_keys=api_keys)  # type: ignore[arg-type]
+    # Added last = outermost: oversized bodies are refused before anything else reads them.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)  # type: ignore[arg-type]
+    return app
+
+
+# ---- server ------------------------------------------------------------------------------------
+async def run_server(args: argparse.Namespace) -> int:
+    """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
+    when the engine core died."""
+    engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+    api_keys = [args.api_key] if args.api_key else []
+    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
+        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    config = engine_args.create_engine_config()
+    served = list(engine_args.served_model_name or []) or [engine_args.model or "SmolLM2-135M-Instruct"]
+    prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)
+    stat_loggers: list[Any] = [prometheus]
+    engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    try:
+        app = build_app(engine, served, api_keys=api_keys, chat_template=chat_template,
+                        max_body_bytes=args.max_request_body_bytes, prometheus=prometheus,
+                        log_requests=not args.disable_log_requests)
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                   timeout_graceful_shutdown=3, timeout_keep_alive=5, access_log=False)
+        server = uvicorn.Server(uv_config)
+        engine.start()
+        loop = asyncio.get_running_loop()
+
+        def on_dead(error: EngineDeadError) -> None:
+            logger.error("%s Shutting down the server.", error)
+            # Give in-flight streams a moment to send their error event, then stop.
+            loop.call_later(0.5, setattr, server, "should_exit", True)
+
+        engine.dead_callbacks.append(on_dead)
+        logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(served), args.host, args.port)
+        await server.serve()
+        return 1 if engine.errored else 0
+    finally:
+        engine.shutdown()
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn replaces it while serving
+    try:
+        return asyncio.run(run_server(args))
+    except KeyboardInterrupt:
+        return 0

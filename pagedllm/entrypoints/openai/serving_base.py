@@ -1,0 +1,292 @@
+"""Shared plumbing of the OpenAI handlers: errors, model-name checks, sampling parameters, prompt
+length checks, SSE helpers, and merging of several prompts' output streams."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.mp_client import EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    TopLogprob,
+    UsageInfo,
+    _SamplingRequest,
+)
+from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+_PARAM_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIServingError(Exception):
+    """Raised by handlers; rendered as `{"error": {...}}` with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", ""))
+
+    @classmethod
+    def from_value_error(cls, e: Exception) -> OpenAIServingError:
+        """Engine ValueErrors read "field: message"; the field becomes the error's `param`."""
+        msg = str(e)
+        m = _PARAM_RE.match(msg)
+        return cls(msg, 400, m.group(1) if m else None)
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type, param=self.param,
+                                             code=self.status))
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return OpenAIServingError(message, status, param).to_response().model_dump()
+
+
+def engine_dead_error(e: EngineDeadError | None = None) -> OpenAIServingError:
+    return OpenAIServingError(str(e or EngineDeadError()), 503)
+
+
+def sampling_supports(field: str) -> bool:
+    return field in SamplingParams.__struct_fields__
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.chat_template = chat_template
+        self.max_model_len = engine.model_config.max_model_len
+        self.default_sampling = engine.get_default_sampling_params()
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report; 404 for a model this server does not serve."""
+        if self.engine.errored:
+            raise engine_dead_error(self.engine.dead_error)
+        if model is None or model == "":
+            return self.model_name
+        if model not in self.served_model_names:
+            raise OpenAIServingError(
+                f"The model `{model}` does not exist. Served models: {', '.join(self.served_model_names)}.",
+                404, "model", "NotFoundError")
+        return model
+
+    def check_prompt_len(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> int:
+        """Validates the prompt against the context; returns max_tokens (default: the rest of the context)."""
+        if num_prompt_tokens == 0:
+            raise OpenAIServingError(f"{what}: the prompt is empty (no tokens)", 400, what)
+        if num_prompt_tokens >= self.max_model_len:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{num_prompt_tokens} input tokens, which leaves no room for output. Please reduce the length of "
+                f"the input.", 400, what)
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the input, {max_tokens} in the "
+                f"completion). Please reduce the length of the input or the completion.", 400, "max_tokens")
+        return max_tokens
+
+    def build_sampling_params(
+        self,
+        req: _SamplingRequest,
+        max_tokens: int,
+        stream: bool,
+        logprobs: int | None = None,
+    ) -> SamplingParams:
+        """SamplingParams from a request: request value, else the model's generation_config default, else
+        OpenAI's default. Unsupported features give a 400 naming them, never a silent ignore."""
+        d = self.default_sampling
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name)
+            if v and not sampling_supports(name):
+                raise OpenAIServingError(f"{name}: not supported yet (only 0 is accepted)", 400, name)
+            if v is not None and not -2.0 <= v <= 2.0:
+                raise OpenAIServingError(f"{name}: must be in [-2, 2], got {v}", 400, name)
+        if req.repetition_penalty not in (None, 1.0) and not sampling_supports("repetition_penalty"):
+            raise OpenAIServingError("repetition_penalty: not supported yet (only 1.0 is accepted)", 400,
+                                     "repetition_penalty")
+        if logprobs is not None and not sampling_supports("logprobs"):
+            raise OpenAIServingError("logprobs: not supported yet", 400, "logprobs")
+        logit_bias: dict[int, float] | None = None
+        if req.logit_bias:
+            if not sampling_supports("logit_bias"):
+                raise OpenAIServingError("logit_bias: not supported yet", 400, "logit_bias")
+            try:
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise OpenAIServingError("logit_bias: keys must be token ids (integers as strings)", 400,
+                                         "logit_bias") from None
+        kwargs: dict[str, Any] = {
+            "n": req.n,
+            "temperature": req.temperature if req.temperature is not None else d.get("temperature", 1.0),
+            "top_p": req.top_p if req.top_p is not None else d.get("top_p", 1.0),
+            "top_k": req.top_k if req.top_k is not None else d.get("top_k", 0),
+            "min_p": req.min_p if req.min_p is not None else d.get("min_p", 0.0),
+            "seed": req.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": req.min_tokens,
+            "stop": req.stop,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens,
+            "output_kind": RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        }
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(req, name)
+            if v is None and name == "repetition_penalty":
+                v = d.get("repetition_penalty")
+            if v is not None and sampling_supports(name):
+                kwargs[name] = v
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        if logit_bias:
+            kwargs["logit_bias"] = logit_bias
+        if req.n > 16:
+            raise OpenAIServingError(f"n: at most 16 choices per request, got {req.n}", 400, "n")
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise OpenAIServingError.from_value_error(e) from None
+
+    def token_text(self, token_id: int, lp: Any) -> str:
+        decoded = getattr(lp, "decoded_token", None)
+        return decoded if decoded is not None else self.engine.get_tokenizer().decode([token_id])
+
+    def completion_logprobs(self, out: CompletionOutput, text_offset0: int) -> CompletionLogProbs | None:
+        """OpenAI's legacy completion logprobs of `out`'s tokens (offsets from `text_offset0`)."""
+        if out.logprobs is None:
+            return None
+        res = CompletionLogProbs()
+        offset = text_offset0
+        for tid, pos in zip(out.token_ids, out.logprobs):
+            lp = pos.get(tid)
+            tok = self.token_text(tid, lp)
+            res.tokens.append(tok)
+            res.token_logprobs.append(_lp_value(lp))
+            res.top_logprobs.append({self.token_text(t, v): _lp_value(v) for t, v in pos.items()})
+            res.text_offset.append(offset)
+            offset += len(tok)
+        return res
+
+    def chat_logprobs(self, out: CompletionOutput, top: int) -> ChatCompletionLogProbs | None:
+        if out.logprobs is None:
+            return None
+        content: list[ChatCompletionLogProb] = []
+        for tid, pos in zip(out.token_ids, out.logprobs):
+            lp = pos.get(tid)
+            tok = self.token_text(tid, lp)
+            tops = sorted(pos.items(), key=lambda kv: -_lp_value(kv[1]))[:top]
+            content.append(ChatCompletionLogProb(
+                token=tok, logprob=_lp_value(lp), bytes=list(tok.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=(t := self.token_text(i, v)), logprob=_lp_value(v),
+                                         bytes=list(t.encode("utf-8"))) for i, v in tops]))
+        return ChatCompletionLogProbs(content=content)
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+
+@dataclass
+class SSEStream:
+    """A streamed response: its SSE text chunks, and the engine requests to abort when it ends (a client
+    that disconnects before the first chunk never starts the iterator, so closing it aborts nothing)."""
+
+    iterator: AsyncIterator[str]
+    request_ids: list[str] = field(default_factory=list)
+
+
+def _lp_value(lp: Any) -> float:
+    if lp is None:
+        return float("-inf")
+    v = float(getattr(lp, "logprob", lp))
+    return max(v, -9999.0)  # JSON has no -inf; OpenAI clients expect a number
+
+
+def finish_reason_of(out: CompletionOutput) -> str | None:
+    """OpenAI's finish_reason ("abort" only reaches clients that are already gone)."""
+    return out.finish_reason
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: OpenAIServingError) -> str:
+    return sse(e.to_response().model_dump_json())
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index. Closing the
+    merged iterator (disconnect) cancels the producers, so each one aborts its request."""
+    if len(iterators) == 1:
+        it = iterators[0]
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()  # closed at our yield: abort the request now, not at garbage collection
+        return
+    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
+
+    async def drain(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as e:
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(drain(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,176 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from pagedllm.engine.mp_client import EngineDeadError
+from pagedllm.entrypoints.chat_utils import apply_chat_template, normalize_conversation
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    OpenAIServing,
+    OpenAIServingError,
+    SSEStream,
+    engine_dead_error,
+    merge_async_iterators,
+    sse,
+    sse_error,
+)
+from pagedllm.inputs import TokensPrompt
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+
+logger = init_logger(__name__)
+
+LARGE_CONVERSATION_CHARS = 4096
+
+
+class OpenAIServingChat(OpenAIServing):
+    def request_chat_template(self, template: str | None) -> str | None:
+        """A request may send template text, never a path: the server must not read files for clients."""
+        if template is None:
+            return self.chat_template
+        if os.path.exists(template) or ("{" not in template and "\n" not in template):
+            raise OpenAIServingError("chat_template: must be Jinja template text (file paths are only accepted "
+                                     "by the server's --chat-template)", 400, "chat_template")
+        return template
+
+    async def render_messages(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+        add_special_tokens: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Chat template -> (prompt text, token ids). Large conversations render off the event loop."""
+        tok = self.engine.get_tokenizer()
+        template = self.request_chat_template(chat_template)
+
+        def render() -> str:
+            return apply_chat_template(
+                tok, messages, chat_template=template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                tools=tools)
+
+        try:
+            normalize_conversation(messages)  # cheap validation first: clear 400s for bad roles/content
+            size = sum(len(str(m.get("content") or "")) for m in messages)
+            text = render() if size <= LARGE_CONVERSATION_CHARS else await self.engine.run_in_worker(render)
+        except ValueError as e:
+            err = OpenAIServingError.from_value_error(e)
+            if err.param is None:
+                err.param = "messages"
+            raise err from None
+        ids = await self.engine.encode_text(text, add_special_tokens)
+        return text, ids
+
+    async def create_chat_completion(
+        self, req: ChatCompletionRequest, request_id: str | None = None
+    ) -> ChatCompletionResponse | SSEStream:
+        model = self.check_model(req.model)
+        if not req.messages:
+            raise OpenAIServingError("messages: must contain at least one message", 400, "messages")
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIServingError("stream_options: only allowed when stream=true", 400, "stream_options")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise OpenAIServingError("response_format: only {'type': 'text'} is supported", 400, "response_format")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise OpenAIServingError("tool_choice: tool calling is not supported", 400, "tool_choice")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise OpenAIServingError(f"{name}: must be at least 1, got {max_tokens}", 400, name)
+        text, ids = await self.render_messages(
+            req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs, req.add_special_tokens, req.tools)
+        max_tokens = self.check_prompt_len(len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sp = self.build_sampling_params(req, max_tokens, bool(req.stream), logprobs)
+        rid = request_id or req.request_id or f"chatcmpl-{random_uuid()}"
+        try:
+            q = await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids, prompt=text), sp,
+                                              priority=req.priority)
+        except ValueError as e:
+            raise OpenAIServingError.from_value_error(e) from None
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from None
+        stream = self.engine.stream_outputs(rid, q)
+        created = int(time.time())
+        echo = ""
+        if req.echo and req.messages and req.messages[-1].get("role") == "assistant":
+            echo = str(normalize_conversation(req.messages[-1:])[0]["content"])
+        if req.stream:
+            return SSEStream(self._stream(req, rid, created, model, stream, len(ids), echo), [rid])
+        return await self._full(req, rid, created, model, stream, len(ids), echo)
+
+    async def _full(self, req: ChatCompletionRequest, rid: str, created: int, model: str,
+                    stream: AsyncIterator[RequestOutput], num_prompt_tokens: int, echo: str) -> ChatCompletionResponse:
+        final: RequestOutput | None = None
+        try:
+            async for _, res in merge_async_iterators(stream):
+                final = res
+        except EngineDeadError as e:
+            raise engine_dead_error(e) from None
+        assert final is not None
+        choices = [
+            ChatCompletionResponseChoice(
+                index=out.index, message=ChatMessage(role="assistant", content=echo + out.text),
+                logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            for out in sorted(final.outputs, key=lambda o: o.index)
+        ]
+        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=self.usage(num_prompt_tokens, completion_tokens))
+
+    async def _stream(self, req: ChatCompletionRequest, rid: str, created: int, model: str,
+                      stream: AsyncIterator[RequestOutput], num_prompt_tokens: int,
+                      echo: str) -> AsyncGenerator[str, None]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        completion_tokens = 0
+
+        def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
+            c = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices)
+            if continuous:
+                c.usage = self.usage(num_prompt_tokens, completion_tokens)
+            return sse(c.model_dump_json())
+
+        try:
+            # As OpenAI and vLLM: a first chunk per choice carrying the role (and echoed text, if any).
+            for i in range(req.n):
+                yield chunk([ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=echo))])
+            async for _, res in merge_async_iterators(stream):
+                for out in res.outputs:
+                    completion_tokens += len(out.token_ids)
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=out.index, delta=DeltaMessage(content=out.text),
+                        logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+            if include_usage:
+                final = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                     usage=self.usage(num_prompt_tokens, completion_tokens))
+                yield sse(final.model_dump_json())
+        except EngineDeadError as e:
+            yield sse_error(engine_dead_error(e))
+        except Exception as e:
+            logger.exception("chat stream %s failed", rid)
+            yield sse_error(OpenAIServingError(f"{type(e).__name__}: {e}", 500))
+        yield sse("[DONE]")

@@ -1,0 +1,44 @@
+"""POST /tokenize and /detokenize (vLLM's extensions)."""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving_base import OpenAIServingError
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+LARGE_DECODE_TOKENS = 4096
+
+
+class OpenAIServingTokenization(OpenAIServingChat):
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            if not req.messages:
+                raise OpenAIServingError("messages: must contain at least one message", 400, "messages")
+            _, ids = await self.render_messages(
+                req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message,
+                req.chat_template_kwargs, req.add_special_tokens)
+        else:
+            ids = await self.engine.encode_text(req.prompt, req.add_special_tokens)
+        strs = self.engine.get_tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.engine.model_config.vocab_size
+        tok = self.engine.get_tokenizer()
+        limit = max(vocab, len(tok))
+        bad = next((t for t in req.tokens if not 0 <= t < limit), None)
+        if bad is not None:
+            raise OpenAIServingError(f"tokens: token id {bad} is out of the vocabulary (size {limit})", 400, "tokens")
+        if len(req.tokens) > LARGE_DECODE_TOKENS:
+            text = await self.engine.run_in_worker(tok.decode, req.tokens)
+        else:
+            text = tok.decode(req.tokens)
+        return DetokenizeResponse(prompt=text)
