@@ -92,3 +92,16 @@ def smollm2_llm(smollm2_path: str):  # noqa: ANN201
     from pagedllm import LLM
 
     return LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+
+
+# ---- Sampling surface (logprobs, seeds): an engine that chunks every prompt -----------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm_chunked(smollm2_path: str):  # noqa: ANN201
+    """float32 SmolLM2 with a 16-token step budget (every prompt over 16 tokens is prefilled in chunks)
+    and no logprobs limit (max_logprobs=-1, so logprobs=-1 is allowed)."""
+    from pagedllm import LLM
+
+    return LLM(smollm2_path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+               max_num_batched_tokens=16, max_logprobs=-1)

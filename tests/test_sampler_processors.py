@@ -270,6 +270,8 @@ def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt
     assert results["g"].outputs[0].token_ids == base
     assert results["b"].outputs[0].token_ids[0] != base[0]
     assert len(results["l"].outputs[0].logprobs) == 6
+    # Finished ids reach the worker with the next step: one more request delivers them.
+    llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1), use_tqdm=False)
     assert "b" in rec.removed and "b" not in rec.banned
 
 

@@ -191,12 +191,16 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i]. A seeded row draws
-    its own noise from its generator (vocab draws per step), whatever else is in the batch."""
-    q = torch.empty_like(probs)
+    its own noise from its generator (vocab draws per step), whatever else is in the batch.
+
+    q = -log(U), U ~ Uniform[tiny, 1): on the CPU `Tensor.exponential_` is ~30x slower than `rand` + `log`.
+    """
+    u = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
-        q.exponential_()
+        u.uniform_()
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
+        u[row].uniform_(generator=gen)
+    q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
     return probs.div_(q).argmax(dim=-1)
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 BENCHMARKS: list[tuple[str, str, str]] = [
     # (subcommand, module, help)
+    ("throughput", "pagedllm.benchmarks.throughput", "Offline throughput (random lengths or --workload W1..W4)."),
+    ("latency", "pagedllm.benchmarks.latency", "Per-token decode latency of one batch."),
     ("serve", "pagedllm.benchmarks.serve", "Load-test an OpenAI-compatible server (TTFT/TPOT/ITL, throughput)."),
 ]
 

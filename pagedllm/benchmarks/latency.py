@@ -1,0 +1,65 @@
+"""`pagedllm bench latency`: per-token decode latency of one batch.
+
+Time per output token = (median wall of an output-len request batch - median wall of a 1-token batch)
+/ (output_len - 1), as W3 defines it; also percentiles of the full-request wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--num-iters-warmup", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams, TokensPrompt
+
+    ea = EngineArgs.from_cli_args(args)
+    if ea.load_format == "dummy":
+        ea.skip_tokenizer_init = True
+    llm = LLM(**{k: getattr(ea, k) for k in EngineArgs.field_names()})
+    rng = random.Random(3)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(args.input_len)])
+               for _ in range(args.batch_size)]
+
+    def run(n: int) -> float:
+        llm.reset_prefix_cache()
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    for _ in range(args.num_iters_warmup):
+        run(args.output_len)
+    full = sorted(run(args.output_len) for _ in range(args.num_iters))
+    one = sorted(run(1) for _ in range(args.num_iters))
+    tpot = (statistics.median(full) - statistics.median(one)) / max(args.output_len - 1, 1)
+    result = {
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "median_request_s": statistics.median(full),
+        "median_1token_s": statistics.median(one),
+        "p90_request_s": full[int(0.9 * (len(full) - 1))],
+        "time_per_output_token_ms": tpot * 1e3,
+    }
+    print(f"Time per output token: {tpot * 1e3:.3f} ms (median request {result['median_request_s']:.3f} s, "
+          f"1-token {result['median_1token_s']:.4f} s)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

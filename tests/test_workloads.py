@@ -1,0 +1,55 @@
+"""The benchmark workloads build exactly the published request lists (token totals from their README)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "workloads")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("pagedllm_bench_workloads", os.path.join(ROOT, "workloads.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+EXPECTED = {
+    "W1": ("qwen3-0.6b", 256, 142_827, 133_966),
+    "W2": ("llama-3.1-8b", 1000, 1_024_000, 128_000),
+    "W3": ("llama-3.1-8b", 1, 128, 256),
+    "W4": ("qwen3-0.6b", 64, 131_200, 2_048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_workload_token_totals(name: str) -> None:
+    wl = _load()
+    model, n, tok_in, tok_out = EXPECTED[name]
+    w = wl.WORKLOADS[name]
+    assert w["model"] == model
+    reqs = w["make"]()
+    assert wl.summary(reqs) == dict(num_requests=n, input_tokens=tok_in, output_tokens=tok_out)
+    assert all(0 <= t <= 10000 for prompt, _ in reqs for t in prompt)
+
+
+def test_w1_length_ranges_and_w4_shared_prefix() -> None:
+    wl = _load()
+    w1 = wl.w1()
+    assert all(100 <= len(p) <= 1024 and 100 <= o <= 1024 for p, o in w1)
+    w4 = wl.w4()
+    prefix = w4[0][0][:2000]
+    assert all(len(p) == 2050 and p[:2000] == prefix for p, _ in w4)
+    assert len({tuple(p[2000:]) for p, _ in w4}) == 64
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_model_configs_present(model: str) -> None:
+    with open(os.path.join(ROOT, model, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
