@@ -120,6 +120,66 @@ def long_batch(n: int, ctx: int, record) -> None:
         record(f"{n}x{ctx} decode split={s}{tag}", b, bench(lambda s=s: b.run(num_splits=s)))
 
 
+def mixed_batch() -> dict:
+    """W1-like mixed step: 255 decodes (contexts U[500,1500]) + one 512-token chunk after a 512-token prefix.
+
+    One launch with chunk-sized tiles for all vs two launches (decode tiles for the decodes), and the
+    two parts alone.
+    """
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randint(500, 1501, (256,), generator=g).tolist()
+    q_lens = [1] * 256
+    ctx[100], q_lens[100] = 512, 512
+    seq = [c + q for c, q in zip(ctx, q_lens)]
+    bs = 16
+    nblk = [math.ceil(x / bs) for x in seq]
+    perm = torch.randperm(sum(nblk) + 1, generator=g)
+    bt = torch.zeros(256, max(nblk), dtype=torch.int32)
+    i = 0
+    for r, k in enumerate(nblk):
+        bt[r, :k] = perm[i : i + k].to(torch.int32)
+        i += k
+    bt = bt.cuda()
+    shape = (sum(nblk) + 1, bs, KVH, D)
+    kc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    vc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    t = sum(q_lens)
+    q = torch.randn(t, H, D, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    sl = torch.tensor(seq, dtype=torch.int32, device="cuda")
+
+    def run(num_decodes):
+        return paged_attention(q, kc, vc, out, bt, sl, qsl, num_actual_tokens=t, num_reqs=256, max_query_len=512,
+                               scale=D**-0.5, num_decodes=num_decodes)
+
+    one = run(None).clone()
+    two = run(255).clone()
+    res = {"rel_err_one_vs_two": rel_err(one, two)}
+    assert res["rel_err_one_vs_two"] < 1e-2
+    res["one_launch_ms"] = bench(lambda: run(None), graph=False, reps=3)
+    res["two_launches_ms"] = bench(lambda: run(255), graph=False, reps=3)
+    # The chunk alone (its request only) and the decodes alone (max_query_len 1), same buffers.
+    sel = [r for r in range(256) if r != 100]
+    dq = torch.arange(256, device="cuda")[torch.tensor(sel, device="cuda")]
+    d_qsl = torch.arange(256, dtype=torch.int32, device="cuda")
+    d_q = q[qsl[dq].long()].contiguous()
+    d_out = torch.empty_like(d_q)
+    d_bt, d_sl = bt[dq].contiguous(), sl[dq].contiguous()
+    res["decodes_alone_ms"] = bench(lambda: paged_attention(
+        d_q, kc, vc, d_out, d_bt, d_sl, d_qsl, num_actual_tokens=255, num_reqs=255, max_query_len=1,
+        scale=D**-0.5), graph=False, reps=3)
+    c_qsl = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
+    c_q = q[100:612].contiguous()
+    c_out = torch.empty_like(c_q)
+    res["chunk_alone_ms"] = bench(lambda: paged_attention(
+        c_q, kc, vc, c_out, bt[100:101].contiguous(), sl[100:101].contiguous(), c_qsl, num_actual_tokens=512,
+        num_reqs=1, max_query_len=512, scale=D**-0.5), graph=False, reps=3)
+    print("mixed 255 decodes + 512-token chunk: " + ", ".join(
+        f"{k} {v * 1e3:.1f} us" for k, v in res.items() if k.endswith("_ms")), flush=True)
+    return res
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -162,10 +222,10 @@ def main() -> None:
     record("W1 decode default", w1, bench(lambda: w1.run()))
     record("W1 decode default (repeat)", w1, bench(lambda: w1.run()))
     variants = [
-        dict(tile_n=16), dict(tile_n=32), dict(tile_n=128),
+        dict(tile_n=32), dict(tile_n=64), dict(tile_n=256),
+        dict(num_stages=3), dict(num_stages=4),
         dict(num_warps=2), dict(num_warps=8),
-        dict(num_stages=2), dict(num_stages=4),
-        dict(tile_n=128, num_warps=8), dict(tile_n=32, num_warps=2),
+        dict(tile_n=64, num_stages=3),
     ]
     if args.quick:
         variants = variants[:3]
@@ -185,6 +245,8 @@ def main() -> None:
     # ---- few long requests: where split-KV matters --------------------------------------------
     for n, ctx in ((8, 8000), (32, 4000)):
         long_batch(n, ctx, record)
+
+    res["mixed"] = mixed_batch()
 
     # ---- prefill: 16 fresh 1024-token prompts ---------------------------------------------------
     n, L = 16, 1024
@@ -218,9 +280,18 @@ def main() -> None:
     e = rel_err(prefill().view(n, L, H, D).transpose(1, 2), sdpa())
     assert e < 2e-2, e
     pre = {"rel_err_vs_sdpa": e, "default_config": launch_config(D, H // KVH, torch.bfloat16, L)}
-    for name, fn in (("triton default", prefill), ("triton block_m=64", lambda: prefill(block_m=64)),
-                     ("torch SDPA (dense, causal)", sdpa)):
-        ms = bench(fn, graph=False, reps=3)
+    pre_variants: list[tuple[str, object]] = [("triton default", prefill)]
+    for bm, tn, nw, ns in ((128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 4),
+                           (128, 16, 8, 3)):
+        cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
+        pre_variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
+    pre_variants.append(("torch SDPA (dense, causal)", sdpa))
+    for name, fn in pre_variants:
+        try:
+            ms = bench(fn, graph=False, reps=3)
+        except Exception as e:  # an out-of-resources config: report, go on
+            print(f"prefill {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
         pre[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
         print(f"prefill 16x1024 {name:32s} {ms * 1e3:9.1f} us {pre[name]['TFLOPs']:6.1f} TFLOP/s", flush=True)
     res["prefill_16x1024"] = pre
@@ -239,9 +310,12 @@ def main() -> None:
         print(f"| {r['case']} | {r['ms'] * 1e3:.1f} | {r['GBps']:.0f} | {r['pct_copy']:.1f} |")
     print(f"floors: copy {copy:.0f} GB/s; bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
           f"reshape_and_cache {res['reshape_and_cache_16k_tokens']['GBps']:.0f} GB/s")
-    for name in ("triton default", "triton block_m=64", "torch SDPA (dense, causal)"):
-        print(f"prefill 16x1024 {name}: {pre[name]['ms'] * 1e3:.0f} us, {pre[name]['TFLOPs']:.0f} TFLOP/s")
-
+    mx = res["mixed"]
+    print("mixed 255 decodes + 512 chunk (us): " + ", ".join(
+        f"{k[:-3]} {v * 1e3:.1f}" for k, v in mx.items() if k.endswith("_ms")))
+    for name, r in pre.items():
+        if isinstance(r, dict):
+            print(f"prefill 16x1024 {name}: {r['ms'] * 1e3:.0f} us, {r['TFLOPs']:.0f} TFLOP/s")
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,8 @@ if os.path.exists(bench):
     summary["floors"] = b.get("floors")
     summary["decode"] = {r["case"]: [round(r["ms"] * 1e3, 1), round(r["GBps"]), round(r["pct_copy"], 1)]
                          for r in b.get("decode", [])}
+    summary["prefill_16x1024_TFLOPs"] = {k: round(v["TFLOPs"], 1) for k, v in b.get("prefill_16x1024", {}).items()
+                                         if isinstance(v, dict)}
 json.dump(summary, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
 print("\n==== gpu_check summary ====")
 print("device:", summary.get("device"))
@@ -69,6 +71,8 @@ if summary.get("floors"):
     print(f"floors: copy {f['copy_GBps']:.0f} GB/s, bf16 matmul {f['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
 for k, (us, gbs, pct) in (summary.get("decode") or {}).items():
     print(f"{k:48s} {us:9.1f} us {gbs:6d} GB/s {pct:5.1f}%")
+for k, v in (summary.get("prefill_16x1024_TFLOPs") or {}).items():
+    print(f"prefill 16x1024 {k:32s} {v:6.1f} TFLOP/s")
 print(f"rc: tests {tests_rc}, bench {bench_rc}")
 EOF
 [ "$tests_rc" -le 0 ] && [ "$bench_rc" -le 0 ]

@@ -34,7 +34,7 @@ def check_position(d: dict[int, Logprob], ref: torch.Tensor, k: int, actual: int
 
 def test_sample_and_prompt_logprobs_match_hf(smollm2_llm, smollm2_hf_model, smollm2_prompt_ids,
                                              smollm2_tokenizer) -> None:  # noqa: ANN001
-    prompts = [smollm2_prompt_ids[i] for i in (1, 7, 20)]
+    prompts = [smollm2_prompt_ids[i] for i in (1, 7, -1)]
     params = [
         SamplingParams(temperature=0.8, seed=11, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=0, ignore_eos=True),
@@ -66,7 +66,7 @@ def test_sample_and_prompt_logprobs_match_hf(smollm2_llm, smollm2_hf_model, smol
 
 
 def test_prompt_logprobs_skip_prefix_cache(smollm2_llm, smollm2_prompt_ids) -> None:  # noqa: ANN001
-    p = smollm2_prompt_ids[20]  # the chat prompt, > 2 blocks
+    p = smollm2_prompt_ids[-1]  # the chat prompt, > 2 blocks
     assert len(p) > 32
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     first = smollm2_llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
@@ -81,7 +81,7 @@ def test_prompt_logprobs_skip_prefix_cache(smollm2_llm, smollm2_prompt_ids) -> N
 
 
 def test_chunked_prefill_and_full_vocab(smollm2_llm_chunked, smollm2_hf_model, smollm2_prompt_ids) -> None:  # noqa: ANN001
-    p = smollm2_prompt_ids[20] + smollm2_prompt_ids[9]  # ~60 tokens: 4 chunks of 16
+    p = smollm2_prompt_ids[-1] + smollm2_prompt_ids[9]  # ~60 tokens: 4 chunks of 16
     assert len(p) > 48
     sp = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=3, ignore_eos=True)
     out = smollm2_llm_chunked.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]

@@ -294,3 +294,20 @@ def test_repetition_penalty_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_pr
         finally:
             model.generation_config.eos_token_id = saved
         assert list(o.outputs[0].token_ids) == ref
+
+
+def test_top_p_candidate_path_equals_full_sort() -> None:
+    """The topk-candidate top-p (large vocabularies) keeps exactly the tokens the full sort keeps."""
+    from pagedllm.sample.sampler import _sorted_top_k_top_p, _top_p_by_candidates
+
+    g = torch.Generator().manual_seed(6)
+    vocab = 40_000
+    logits = torch.randn(8, vocab, generator=g) * 2
+    logits[:4, :20] += 9.0  # peaked rows: decided among the first candidates
+    # rows 4..7 are flat: the nucleus spans thousands of tokens (candidate growth / sort fallback)
+    p = torch.tensor([0.9, 0.5, 0.99, 0.3, 0.9, 0.5, 0.95, 0.2])
+    k = torch.tensor([0, 10, 0, 300, 0, 0, 1000, 0])
+    got = _top_p_by_candidates(logits.clone(), k, p)
+    ref = _sorted_top_k_top_p(logits.clone(), k, p)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])

@@ -68,7 +68,8 @@ class KVCacheSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block takes in one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
 
 @dataclass

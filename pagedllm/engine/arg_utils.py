@@ -114,7 +114,7 @@ class EngineArgs:
         self._validate()
         device = self.resolved_device()
         on_gpu = device.startswith("cuda")
-        model = self.model or os.environ.get("PAGEDLLM_DEFAULT_MODEL") or default_model_path()
+        model = self.model or default_model_path()
         hf_overrides = self.hf_overrides
         if isinstance(hf_overrides, str):
             hf_overrides = json.loads(hf_overrides)

@@ -22,7 +22,7 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process
         """Release workers (nothing to do in-process)."""
 
     @staticmethod

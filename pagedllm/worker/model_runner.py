@@ -21,6 +21,7 @@ from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
 from pagedllm.sample.sampler import Sampler, gather_logprobs
+from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
@@ -62,6 +63,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.builders: list[Any] = []
         self.input_batch: InputBatch | None = None
+        self.cuda_graphs: CudaGraphRunner | None = None
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -104,6 +106,22 @@ class ModelRunner:
             self.max_num_reqs, self.max_model_len, max_blocks, len(groups), self.model_config.vocab_size, self.device
         )
         return self.kv_cache_config
+
+    def capture_cuda_graphs(self) -> None:
+        """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend whose
+        metadata lives in fixed device buffers (Triton)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.attn_layers:
+            return
+        backend = next(iter(self.attn_layers.values())).backend
+        if backend.name != "triton":
+            logger.info("CUDA graphs off: attention backend %s cannot be captured", backend.name)
+            return
+        assert self.kv_cache_config is not None and self.model is not None
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.kv_cache_config.groups, self.builders, self.max_num_reqs,
+            cdiv(self.max_model_len, self.block_size), self.max_model_len, self.device,
+        )
+        self.cuda_graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -180,35 +198,19 @@ class ModelRunner:
         seq_lens = computed + n_sched
 
         dev = self.device
-        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        attn_metadata: dict[str, Any] = {}
-        for g, group in enumerate(self.kv_cache_config.groups):
-            bs = group.spec.block_size
-            bt = batch.block_tables[g][rows]
-            slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-            max_blocks = cdiv(int(seq_lens.max()), bs)
-            common = CommonAttentionMetadata(
-                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-                query_start_loc_cpu=qsl_cpu,
-                seq_lens=seq_cpu.to(dev, non_blocking=True),
-                seq_lens_cpu=seq_cpu,
-                num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
-                block_table=torch.from_numpy(np.ascontiguousarray(bt[:, :max_blocks])).to(dev, non_blocking=True),
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                num_reqs=num_reqs,
-                num_actual_tokens=total,
-                max_query_len=int(n_sched.max()),
-                max_seq_len=int(seq_lens.max()),
-            )
-            md = self.builders[g].build(common)
-            for name in group.layer_names:
-                attn_metadata[name] = md
-
-        with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids_t, positions_t)
+        max_query_len = int(n_sched.max())
+        graphs = self.cuda_graphs
+        if graphs is not None and max_query_len == 1 and graphs.can_run(num_reqs):
+            slots_g, bts = [], []
+            for g, group in enumerate(self.kv_cache_config.groups):
+                bs = group.spec.block_size
+                bt = batch.block_tables[g][rows]
+                slots_g.append(bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
+                bts.append(np.ascontiguousarray(bt[:, : cdiv(int(seq_lens.max()), bs)]))
+            hidden = graphs.run(input_ids, positions, seq_lens.astype(np.int32), slots_g, bts)
+        else:
+            hidden = self._run_eager(batch, rows, computed, seq_lens, cu, n_sched, req_of_token, positions,
+                                     input_ids, total, max_query_len)
 
         prompt_lp_done = self._gather_prompt_logprobs(req_ids, rows, computed, seq_lens, cu, hidden)
 
@@ -241,6 +243,42 @@ class ModelRunner:
         for r, rid in enumerate(req_ids):
             self.requests[rid].num_computed_tokens = int(seq_lens[r])
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists, prompt_lp_done)
+
+    def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
+                   cu: np.ndarray, n_sched: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
+                   input_ids: np.ndarray, total: int, max_query_len: int) -> torch.Tensor:
+        assert self.model is not None and self.kv_cache_config is not None
+        num_reqs = len(rows)
+        dev = self.device
+        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        attn_metadata: dict[str, Any] = {}
+        for g, group in enumerate(self.kv_cache_config.groups):
+            bs = group.spec.block_size
+            bt = batch.block_tables[g][rows]
+            slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            max_blocks = cdiv(int(seq_lens.max()), bs)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=seq_cpu.to(dev, non_blocking=True),
+                seq_lens_cpu=seq_cpu,
+                num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
+                block_table=torch.from_numpy(np.ascontiguousarray(bt[:, :max_blocks])).to(dev, non_blocking=True),
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                num_reqs=num_reqs,
+                num_actual_tokens=total,
+                max_query_len=max_query_len,
+                max_seq_len=int(seq_lens.max()),
+            )
+            md = self.builders[g].build(common)
+            for name in group.layer_names:
+                attn_metadata[name] = md
+
+        with set_forward_context(attn_metadata):
+            return self.model(input_ids_t, positions_t)
 
     def _gather_prompt_logprobs(
         self,

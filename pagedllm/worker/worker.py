@@ -65,7 +65,9 @@ class Worker:
         return max(int(budget // per_block), 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
-        return self.model_runner.initialize_kv_cache(num_blocks)
+        kv_config = self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.capture_cuda_graphs()
+        return kv_config
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -139,8 +139,10 @@ def run_case(
     num_splits: int = 1,
     causal: bool = True,
     seed: int = 0,
+    two_launches: bool = True,
     **overrides: int,
 ) -> None:
+    """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches."""
     b = Batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed)
     dev = DEVICE
     k_cache, v_cache = b.k_cache.to(dev), b.v_cache.to(dev)
@@ -172,6 +174,7 @@ def run_case(
         sliding_window=window,
         causal=causal,
         num_splits=num_splits,
+        num_decodes=sum(q == 1 for q in q_lens) if two_launches else None,
         **overrides,
     )
     ref = b.reference(scale, window, causal)
@@ -209,6 +212,14 @@ def test_group_sizes_mixed(group: int, dtype: torch.dtype) -> None:
     q_lens = [37, 20, 1, 1, 1, 2]
     ctx_lens = [0, 45, 16, 63, 100, 30]
     run_case(q_lens, ctx_lens, num_heads=kvh * group, num_kv_heads=kvh, dtype=dtype, seed=group)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_mixed_single_launch(group: int) -> None:
+    """Without num_decodes a mixed batch runs as one launch with the chunk-sized tiles."""
+    q_lens, ctx_lens = [37, 1, 20, 1, 1], [0, 16, 45, 63, 300]
+    run_case(q_lens, ctx_lens, num_heads=2 * group, num_kv_heads=2, dtype=torch.bfloat16, two_launches=False)
+    run_case(q_lens, ctx_lens, num_heads=2 * group, num_kv_heads=2, two_launches=False, seed=1)
 
 
 def test_mqa_single_kv_head() -> None:

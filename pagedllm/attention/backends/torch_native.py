@@ -120,9 +120,10 @@ class TorchNativeAttentionImpl(AttentionImpl):
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         # [L, H, D] -> [H, L, D]; GQA by repeating K/V heads (group sizes need not be powers of two).
         g = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 1)
-        kh = k.transpose(0, 1).to(q.dtype)
-        vh = v.transpose(0, 1).to(q.dtype)
+        # Contiguous [H, L, D]: strided inputs send the CPU SDPA kernel down a far slower path.
+        qh = q.transpose(0, 1).contiguous()
+        kh = k.transpose(0, 1).to(q.dtype).contiguous()
+        vh = v.transpose(0, 1).to(q.dtype).contiguous()
         if g > 1:
             kh = kh.repeat_interleave(g, dim=0)
             vh = vh.repeat_interleave(g, dim=0)

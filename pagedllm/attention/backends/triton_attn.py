@@ -50,6 +50,7 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool
+    num_decodes: int | None = None  # requests with exactly one query token (host int)
     num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
     workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
 
@@ -59,6 +60,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         bt = common.block_table
         if bt.dtype != torch.int32:
             bt = bt.to(torch.int32)
+        # Host-side and vectorised: how many requests are single-token decodes (picks the launch split).
+        qsl = common.query_start_loc_cpu[: common.num_reqs + 1]
+        num_decodes = int((qsl[1:] - qsl[:-1] == 1).sum()) if common.causal else 0
         return TritonAttentionMetadata(
             query_start_loc=common.query_start_loc,
             query_start_loc_cpu=common.query_start_loc_cpu,
@@ -70,6 +74,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
             causal=common.causal,
+            num_decodes=num_decodes,
         )
 
 
@@ -109,6 +114,7 @@ class TritonAttentionImpl(AttentionImpl):
             causal=md.causal,
             num_splits=num_splits,
             workspace=md.workspace,
+            num_decodes=md.num_decodes,
         )
         return output
 

@@ -212,6 +212,7 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        FILTER: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -223,6 +224,12 @@ if HAS_TRITON:
         qb = pid_q - (q_start // BLOCK_Q + req)
         if qb * BLOCK_Q >= q_len:  # grid is an upper bound; this tile holds no query
             return
+        if FILTER == 1:  # this launch runs the decodes (q_len == 1) only
+            if q_len != 1:
+                return
+        if FILTER == 2:  # this launch runs the multi-token chunks only
+            if q_len == 1:
+                return
         seq_len = tl.load(seq_lens_ptr + req)
         ctx = seq_len - q_len  # tokens cached before this step's chunk
 
@@ -373,16 +380,18 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
-    """Segments per query tile for the split-KV path: >1 only for pure-decode batches too small to fill the GPU.
+    """Segments per query tile for the split-KV path: >1 only for pure-decode batches under one wave.
 
-    Aims at >= ~4 programs per SM (measured on H200: 8 x 8000-token decodes ran 2.9x faster with 8
-    segments; 256 x ~1000 ran slower with any split). Depends on host-known batch shape only (never on
-    context lengths), so a CUDA graph captured for a batch size stays a good choice for any lengths.
+    With 128-key tiles a decode program holds ~128 KB of shared memory, so one runs per SM: a batch of
+    fewer (request, kv head) pairs than SMs leaves SMs idle. H200 (132 SMs), Qwen3-0.6B heads: 8 x 8000
+    tokens ran 2.2x faster with 4 segments; 32 x 4000 (256 pairs) and 256 x ~1000 gained nothing from any
+    split. Depends on host-known batch shape only (never on context lengths), so a CUDA graph captured
+    for a batch size stays a good choice whatever lengths are replayed through it.
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    ratio = (4 * sms) // max(1, num_reqs * num_kv_heads)
+    ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)
     if ratio < 2:
         return 1
     return min(16, 1 << (ratio.bit_length() - 1))  # largest power of two <= ratio
@@ -400,10 +409,11 @@ def launch_config(
         # cap one K tile at 32 KB so two stages of K and V fit in shared memory.
         tile_n = max(16, min(128, 32768 // (head_pad * elem)))
         return min_m, tile_n, 4, 2
-    wide = elem == 4 or head_pad > 128  # bigger per-row footprint: smaller tiles
-    block_m = max(min_m, 64 if wide else 128)
-    tile_n = 32 if wide else 64
-    return block_m, tile_n, 8 if block_m >= 128 or wide else 4, 2
+    if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
+        return max(min_m, 64), 32, 8, 2
+    # H200, 16 x 1024-token bf16 prompts, head 128: (128 rows, 32 keys, 8 warps, 3 stages) 247 TFLOP/s,
+    # (128, 64, 8, 2) 189, (64, 64, 4, 2) 220.
+    return max(min_m, 128), 32, 8, 3
 
 
 def paged_attention(
@@ -427,11 +437,14 @@ def paged_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_decodes: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
-    block_m/tile_n/num_warps/num_stages override the heuristics (benchmarks).
+    `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
+    launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
+    heuristics (benchmarks, tests) and force a single launch.
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -443,17 +456,20 @@ def paged_attention(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
     group = num_heads // num_kv_heads
     head_pad = _next_pow2(head_size)
-    bm, tn, nw, ns = launch_config(head_size, group, query.dtype, max_query_len)
-    bm = block_m or bm
-    tn = tile_n or tn
-    nw = num_warps or nw
-    ns = num_stages or ns
-    assert bm >= group and bm >= 16 and tn >= 16
-    block_q = bm // group
-    num_q_tiles = num_actual_tokens // block_q + num_reqs  # upper bound; surplus programs exit at once
     num_splits = max(1, _next_pow2(num_splits))
     use_window = sliding_window is not None and sliding_window > 0
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
+    overridden = any(x is not None for x in (block_m, tile_n, num_warps, num_stages))
+
+    # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
+    # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
+    if num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
+        launches = [(launch_config(head_size, group, query.dtype, 1), 1),
+                    (launch_config(head_size, group, query.dtype, max_query_len), 2)]
+    else:
+        cfg = launch_config(head_size, group, query.dtype, max_query_len)
+        cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))
+        launches = [(cfg, 0)]
 
     if num_splits > 1:
         key = (num_actual_tokens, num_heads, num_splits, head_pad, query.device)
@@ -471,46 +487,51 @@ def paged_attention(
     else:
         part_out = part_m = part_l = output  # unused by the kernel
 
-    _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        output,
-        query,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        part_out,
-        part_m,
-        part_l,
-        scale * _LOG2E,
-        num_reqs,
-        num_heads,
-        sliding_window if use_window else 0,
-        query.stride(0),
-        query.stride(1),
-        output.stride(0),
-        output.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_table.stride(0),
-        GROUP=group,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=bm,
-        BLOCK_Q=block_q,
-        TILE_N=tn,
-        CAUSAL=causal,
-        USE_WINDOW=use_window,
-        NUM_SEGMENTS=num_splits,
-        DOT_PREC=dot_prec,
-        num_warps=nw,
-        num_stages=ns,
-    )
+    for (bm, tn, nw, ns), filt in launches:
+        assert bm >= group and bm >= 16 and tn >= 16
+        block_q = bm // group
+        num_q_tiles = num_actual_tokens // block_q + num_reqs  # upper bound; surplus programs exit at once
+        _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+            output,
+            query,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            part_out,
+            part_m,
+            part_l,
+            scale * _LOG2E,
+            num_reqs,
+            num_heads,
+            sliding_window if use_window else 0,
+            query.stride(0),
+            query.stride(1),
+            output.stride(0),
+            output.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_table.stride(0),
+            GROUP=group,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=bm,
+            BLOCK_Q=block_q,
+            TILE_N=tn,
+            CAUSAL=causal,
+            USE_WINDOW=use_window,
+            NUM_SEGMENTS=num_splits,
+            DOT_PREC=dot_prec,
+            FILTER=filt,
+            num_warps=nw,
+            num_stages=ns,
+        )
     if num_splits > 1:
         _merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# End-to-end GPU run on the device machine (issue 3): engine correctness against HF on the GPU, then
+# the W1..W4 benchmarks. The SmolLM2 GGUF travels in two parts (64 MiB per call):
+#   call 1: bash benchmarks/gpu_e2e.sh part1        (carry .gguf/part1; copies it to /tmp)
+#   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1)
+# Prints a short table last and writes JSON/logs under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
+mkdir -p "$OUT"
+stage=${1:-run}
+shift || true
+if [ "$stage" = part1 ]; then
+    cp .gguf/part1/* /tmp/ && ls -la /tmp/smol.part00 && exit 0
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+summary="$OUT/summary.txt"
+: > "$summary"
+if [ -f /tmp/smol.part00 ] && [ -d .gguf/part2 ]; then
+    cat /tmp/smol.part00 .gguf/part2/smol.part01 > /tmp/smollm2.gguf
+    if [ "$(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1)" = "$(cat .gguf/part2/sha256)" ]; then
+        export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf
+        timeout 300 python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider 2>&1 \
+            | grep -v "^INFO" | tee "$OUT/engine_gpu.log"
+        echo "engine correctness (pytest rc ${PIPESTATUS[0]}): $(grep -E 'identical;' "$OUT/engine_gpu.log" | cut -c1-60 | tr '\n' ' ')" >> "$summary"
+    else
+        echo "GGUF sha256 mismatch: correctness skipped" >> "$summary"
+    fi
+else
+    echo "no GGUF parts: correctness skipped" >> "$summary"
+fi
+W=${*:-W1 W3 W4}
+for w in $W; do
+    case $w in
+        W1) args=(--workload W1 --max-model-len 2048) ;;
+        W2) args=(--workload W2 --max-model-len 2048) ;;
+        W3) args=() ;;
+        W4) args=(--workload W4 --max-model-len 4096) ;;
+    esac
+    if [ "$w" = W3 ]; then
+        timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
+            --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
+            --output-json "$OUT/W3.json" 2>&1 | tail -5 | tee -a "$OUT/bench.log"
+        echo "W3: $(tail -1 "$OUT/bench.log")" >> "$summary"
+    elif [ "$w" = W4 ]; then
+        for pc in enable no-enable; do
+            timeout 300 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --$pc-prefix-caching \
+                --output-json "$OUT/W4_$pc.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
+            echo "W4 prefix $pc: $(grep -o '([0-9.]* s;' "$OUT/bench.log" | tail -1)" >> "$summary"
+        done
+    else
+        timeout 400 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --output-json "$OUT/$w.json" \
+            2>&1 | tail -5 | tee -a "$OUT/bench.log"
+        echo "$w: $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary"
+    fi
+done
+echo "==== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader)) ===="
+cat "$summary"

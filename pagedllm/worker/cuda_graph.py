@@ -1,0 +1,134 @@
+"""CUDA graphs for pure-decode steps: captured once at start-up for a ladder of batch sizes; a step of
+n decodes pads up to the next captured size and replays it after copying its inputs into the graph's
+persistent buffers. Padded rows get seq_len 0 (the attention kernel yields zeros) and slot -1 (nothing
+is written to the KV cache). Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backends.abstract import CommonAttentionMetadata
+from pagedllm.forward_context import set_forward_context
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def capture_sizes(max_num_seqs: int, cap: int = 512) -> list[int]:
+    top = min(max_num_seqs, cap)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: list[Any],
+        builders: list[Any],
+        max_num_seqs: int,
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.builders = builders
+        self.device = device
+        self.sizes = capture_sizes(max_num_seqs)
+        cap = self.sizes[-1]
+        self.max_size = cap
+        self.max_model_len = max_model_len
+        self.input_ids = torch.zeros(cap, dtype=torch.long, device=device)
+        self.positions = torch.zeros(cap, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(cap, dtype=torch.int32, device=device)
+        self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
+        self.slots = [torch.full((cap,), -1, dtype=torch.long, device=device) for _ in groups]
+        self.block_tables = [
+            torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups
+        ]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]] = {}
+        self.pool: Any = None
+
+    def _metadata(self, size: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        qsl_cpu = torch.arange(size + 1, dtype=torch.int32)
+        for g, group in enumerate(self.groups):
+            common = CommonAttentionMetadata(
+                query_start_loc=self.qsl[: size + 1],
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens=self.seq_lens[:size],
+                seq_lens_cpu=torch.ones(size, dtype=torch.int32),
+                num_computed_tokens_cpu=torch.zeros(size, dtype=torch.int32),
+                block_table=self.block_tables[g][:size],
+                slot_mapping=self.slots[g][:size],
+                num_reqs=size,
+                num_actual_tokens=size,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+            )
+            md = self.builders[g].build(common)
+            for name in group.layer_names:
+                out[name] = md
+        return out
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self.seq_lens.zero_()
+        for s in self.slots:
+            s.fill_(-1)
+        torch.cuda.synchronize(self.device)
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
+            md = self._metadata(size)
+            with set_forward_context(md):
+                self.model(self.input_ids[:size], self.positions[:size])  # warm-up (autotune, compile)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                with set_forward_context(md):
+                    out = self.model(self.input_ids[:size], self.positions[:size])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = (graph, out, md)
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
+                    len(self.sizes), self.max_size, time.perf_counter() - t0)
+
+    def can_run(self, num_reqs: int) -> bool:
+        return num_reqs <= self.max_size
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        slots: list[np.ndarray],
+        block_tables: list[np.ndarray],
+    ) -> torch.Tensor:
+        """Replays the graph for len(input_ids) decodes; returns their hidden states."""
+        n = len(input_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        dev = self.device
+        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
+        sl = np.zeros(size, dtype=np.int32)
+        sl[:n] = seq_lens
+        self.seq_lens[:size].copy_(torch.from_numpy(sl), non_blocking=True)
+        for g in range(len(self.groups)):
+            sm = np.full(size, -1, dtype=np.int64)
+            sm[:n] = slots[g]
+            self.slots[g][:size].copy_(torch.from_numpy(sm), non_blocking=True)
+            bt = block_tables[g]
+            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
+        graph, out, _ = self.graphs[size]
+        graph.replay()
+        return out[:n]

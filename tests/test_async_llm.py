@@ -1,0 +1,84 @@
+"""AsyncLLM with its engine core in a separate process: output kinds, n > 1, abort, and lean imports."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from pagedllm import EngineArgs, RequestOutputKind, SamplingParams  # noqa: E402
+from pagedllm.engine.async_llm import AsyncLLM  # noqa: E402
+
+
+def test_import_pagedllm_is_lean() -> None:
+    code = ("import sys, pagedllm; from pagedllm import LLM; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'aiohttp') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsyncLLM]:
+    eng = AsyncLLM.from_engine_args(EngineArgs(max_model_len=512, kv_cache_memory_bytes=64 << 20, dtype="float32"))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.get_event_loop_policy().new_event_loop().run_until_complete(coro)
+
+
+def test_output_kinds_agree(engine: AsyncLLM) -> None:
+    async def collect(kind: RequestOutputKind, rid: str) -> tuple[str, int]:
+        sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=kind)
+        text, n_outputs = "", 0
+        async for out in engine.generate("The capital of France is", sp, rid):
+            n_outputs += 1
+            text = text + out.outputs[0].text if kind == RequestOutputKind.DELTA else out.outputs[0].text
+            last = out
+        assert last.finished and len(last.outputs[0].token_ids) == (10 if kind != RequestOutputKind.DELTA else
+                                                                   len(last.outputs[0].token_ids))
+        return text, n_outputs
+
+    async def main() -> list[tuple[str, int]]:
+        return list(await asyncio.gather(collect(RequestOutputKind.DELTA, "d"),
+                                         collect(RequestOutputKind.CUMULATIVE, "c"),
+                                         collect(RequestOutputKind.FINAL_ONLY, "f")))
+
+    (delta, nd), (cum, nc), (final, nf) = run(main())
+    assert delta == cum == final and delta
+    assert nf == 1 and nd > 1 and nc > 1
+
+
+def test_parallel_sampling_and_abort(engine: AsyncLLM) -> None:
+    async def main() -> None:
+        sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+        outs = [o async for o in engine.generate("Once upon a time", sp, "n3")]
+        assert len(outs) == 1 and sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
+
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        gen = engine.generate("Count:", long, "to-abort")
+        got = 0
+        async for _ in gen:
+            got += 1
+            if got == 2:
+                break
+        await gen.aclose()  # the disconnect path: closing the generator aborts the request
+        for _ in range(200):
+            if not engine.output_processor.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.output_processor.has_unfinished_requests()
+        with pytest.raises(ValueError, match="prompt"):
+            await engine.add_request("empty", {"prompt_token_ids": []}, SamplingParams())
+        assert await engine.reset_prefix_cache() in (True, False)
+
+    run(main())
