@@ -68,11 +68,11 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(args.batch, args.vocab, generator=g) * (3.0 if args.flat else 2.0)
+    logits = torch.randn(args.batch, args.vocab, generator=g) * (3.0 if args.flat else 1.5)
     if not args.flat:
         # LM-like: a few dozen plausible tokens per row carry most of the mass.
         hot = torch.randint(0, args.vocab, (args.batch, 40), generator=g)
-        logits.scatter_add_(1, hot, 8.0 + 2.0 * torch.rand(args.batch, 40, generator=g))
+        logits.scatter_add_(1, hot, 12.0 + 2.0 * torch.rand(args.batch, 40, generator=g))
     logits = logits.to(dev)
     prompts = [torch.randint(0, args.vocab, (200,), generator=g).tolist() for _ in range(args.batch)]
     outputs = [torch.randint(0, args.vocab, (100,), generator=g).tolist() for _ in range(args.batch)]

@@ -32,8 +32,12 @@ def engine() -> Iterator[AsyncLLM]:
         eng.shutdown()
 
 
+_LOOP = asyncio.new_event_loop()
+
+
 def run(coro):  # noqa: ANN001, ANN201
-    return asyncio.get_event_loop_policy().new_event_loop().run_until_complete(coro)
+    """All tests share one event loop: the engine's output handler and socket live on the first one."""
+    return _LOOP.run_until_complete(coro)
 
 
 def test_output_kinds_agree(engine: AsyncLLM) -> None:

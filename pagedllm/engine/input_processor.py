@@ -73,7 +73,10 @@ class InputProcessor:
             # As vLLM: the output is capped by the context; the core enforces the cap.
             pass
         self.validate_sampling(params)
-        stop_ids = list(params.stop_token_ids or []) + self.extra_eos_ids
+        # As vLLM: the model's other EOS ids stop generation too, unless the request ignores EOS.
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [e for e in self.extra_eos_ids if e not in stop_ids]
         all_stop = list(dict.fromkeys(stop_ids + ([self.eos_token_id] if self.eos_token_id is not None else [])))
         sp = params.clone(
             stop_token_ids=stop_ids,

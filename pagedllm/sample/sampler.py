@@ -214,29 +214,38 @@ def _top_p_by_candidates(logits: torch.Tensor, k: torch.Tensor | None, p: torch.
         # (rows without top-k must not make this a topk over the whole vocabulary)
         logits = apply_top_k_top_p(logits, k, None)
     lse = logits.logsumexp(dim=-1, keepdim=True)
-    out = logits
-    todo = torch.arange(logits.shape[0], device=logits.device)
+    todo: torch.Tensor | None = None  # rows still undecided (None: all rows, no gather needed)
     cand = _TOP_P_FIRST_CANDIDATES
-    while todo.numel():
+    while True:
+        sub = logits if todo is None else logits[todo]
+        pp = p if todo is None else p[todo]
         if cand >= vocab // 8:
-            sub = logits[todo]
-            out[todo] = _sorted_top_k_top_p(sub, None, p[todo])
-            break
-        sub = logits[todo]
+            res = _sorted_top_k_top_p(sub, None, pp)
+            if todo is None:
+                return res
+            logits[todo] = res
+            return logits
         vals = sub.topk(cand, dim=-1).values  # descending
-        probs = (vals - lse[todo]).exp()
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep = mass_before < p[todo].unsqueeze(1)
+        probs = (vals - (lse if todo is None else lse[todo])).exp_()
+        mass_before = probs.cumsum(dim=-1).sub_(probs)
+        keep = mass_before < pp.unsqueeze(1)
         keep[:, 0] = True
         decided = ~keep[:, -1]
+        thresh = vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+        if bool(decided.all()):
+            sub.masked_fill_(sub < thresh, -float("inf"))
+            if todo is None:
+                return sub
+            logits[todo] = sub
+            return logits
         if bool(decided.any()):
-            n_keep = keep.sum(dim=-1, keepdim=True)
-            thresh = vals.gather(1, n_keep - 1)
-            d_rows = todo[decided]
-            out[d_rows] = sub[decided].masked_fill(sub[decided] < thresh[decided], -float("inf"))
-        todo = todo[~decided]
+            idx = decided.nonzero().squeeze(1)
+            d = sub[idx]
+            d.masked_fill_(d < thresh[idx], -float("inf"))
+            logits[idx if todo is None else todo[idx]] = d
+        undecided = (~decided).nonzero().squeeze(1)
+        todo = undecided if todo is None else todo[undecided]
         cand *= 4
-    return out
 
 
 def _sorted_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:

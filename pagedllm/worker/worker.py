@@ -23,6 +23,8 @@ class Worker:
     def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cpu":
             threads = os.environ.get("PAGEDLLM_CPU_THREADS")
             if threads:

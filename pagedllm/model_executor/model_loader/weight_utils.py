@@ -70,8 +70,9 @@ def pt_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 def initialize_dummy_weights(
     model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234
 ) -> None:
-    """Deterministic small uniform weights U(low, high) for every parameter (drawn on CPU, so equal on any
-    device); RMSNorm weights are set to 1 so activations keep a sane scale."""
+    """Deterministic small uniform weights U(low, high) for every parameter, drawn on the parameter's own
+    device (an 8B model drawn on the CPU takes ~45 s; on the GPU, well under a second); RMSNorm weights
+    are set to 1 so activations keep a sane scale."""
     from pagedllm.model_executor.layers.layernorm import RMSNorm
 
     norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
@@ -79,8 +80,8 @@ def initialize_dummy_weights(
         if id(param) in norm_params:
             param.data.fill_(1.0)
             continue
-        gen = torch.Generator(device="cpu").manual_seed(seed + i)
-        values = torch.empty(param.shape, dtype=torch.float32, device="cpu").uniform_(
-            low, high, generator=gen
-        )
-        param.data.copy_(values)
+        gen = torch.Generator(device=param.device).manual_seed(seed + i)
+        if param.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            param.data.uniform_(low, high, generator=gen)
+        else:
+            param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(low, high, generator=gen))
