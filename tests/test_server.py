@@ -357,15 +357,14 @@ def test_auth_required(server: ServerProcess) -> None:
 
 
 def test_bad_inputs_do_not_delay_others(server: ServerProcess) -> None:
-    """A stream of bad requests (incl. 1 MB prompts) while a normal streaming request runs: the normal
-    request's tokens keep flowing (no gap over a second), and a request right after still succeeds."""
-    gaps: list[float] = []
-    done = threading.Event()
+    """Bad requests (incl. 1 MB prompts) sent while a normal streaming request runs add less than a second
+    to any of its inter-token gaps (compared with the same request alone), and a request right after
+    still succeeds."""
 
-    def normal() -> None:
+    def normal(gaps: list[float], done: threading.Event) -> None:
         with httpx.Client(timeout=120) as c, c.stream(
                 "POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                json={"prompt": "Count:", "max_tokens": 60, "ignore_eos": True, "stream": True}) as r:
+                json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
             last = time.monotonic()
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -374,16 +373,22 @@ def test_bad_inputs_do_not_delay_others(server: ServerProcess) -> None:
                     last = now
         done.set()
 
-    t = threading.Thread(target=normal)
+    alone: list[float] = []
+    normal(alone, threading.Event())
+    gaps: list[float] = []
+    done = threading.Event()
+    t = threading.Thread(target=normal, args=(gaps, done))
     t.start()
-    time.sleep(0.5)
-    for _, path, body, status, _ in BAD_INPUTS * 2:
-        if done.is_set():
-            break
+    time.sleep(0.3)
+    sent = 0
+    while not done.is_set() and sent < 3 * len(BAD_INPUTS):
+        _, path, body, status, _ = BAD_INPUTS[sent % len(BAD_INPUTS)]
         resp = post(server, path, content=body) if isinstance(body, bytes) else post(server, path, body)
         assert resp.status_code == status
+        sent += 1
     t.join(120)
-    assert len(gaps) > 10 and max(gaps[1:]) < 1.0, max(gaps[1:])
+    assert sent >= len(BAD_INPUTS)
+    assert len(gaps) > 10 and max(gaps[1:]) < max(alone[1:]) + 1.0, (max(alone[1:]), max(gaps[1:]))
     ok = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 

@@ -186,6 +186,8 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
+                # Offline generation only needs the final output (as vLLM): no per-step RequestOutputs.
+                sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)
         except BaseException:

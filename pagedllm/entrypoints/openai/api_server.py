@@ -288,6 +288,8 @@ def build_app(
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
+        if not engine.errored and not engine.engine_core.proc.is_alive():
+            engine.engine_core._on_process_exit()  # do not wait for the sentinel callback's turn
         if engine.errored:
             return JSONResponse(error_body(str(engine.dead_error), 503), status_code=503)
         return Response(status_code=200)

@@ -4,6 +4,7 @@ length checks, SSE helpers, and merging of several prompts' output streams."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -81,6 +82,24 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.max_model_len = engine.model_config.max_model_len
         self.default_sampling = engine.get_default_sampling_params()
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest vocabulary entry in characters: no token stands for more text than this."""
+        vocab = self.engine.get_tokenizer().get_vocab()
+        return max((len(t) for t in vocab), default=1)
+
+    def precheck_text_len(self, text: str, what: str = "prompt") -> None:
+        """Reject a text that cannot fit the context without tokenizing it: a megabyte prompt would cost
+        a second of CPU (on a 2-core machine, taken from the model) only to be refused. The bound is
+        twice the length the longest token could cover, so normalizers cannot make it wrong."""
+        limit = 2 * self.max_model_len * self.max_chars_per_token
+        if len(text) > limit:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your {what} has "
+                f"{len(text)} characters, more than any text of {self.max_model_len} tokens can have (at most "
+                f"{self.max_chars_per_token} characters per token). Please reduce the length of the input.",
+                400, what)
 
     @property
     def model_name(self) -> str:

@@ -76,6 +76,7 @@ class OpenAIServingChat(OpenAIServing):
             if err.param is None:
                 err.param = "messages"
             raise err from None
+        self.precheck_text_len(text, "messages")
         ids = await self.engine.encode_text(text, add_special_tokens)
         return text, ids
 

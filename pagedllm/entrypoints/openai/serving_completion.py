@@ -48,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out: list[tuple[str | None, list[int]]] = []
         for item in items:
             if isinstance(item, str):
+                self.precheck_text_len(item)
                 out.append((item, await self.engine.encode_text(item, req.add_special_tokens)))
             else:
                 out.append((None, list(item)))

@@ -25,6 +25,8 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message,
                 req.chat_template_kwargs, req.add_special_tokens)
         else:
+            if len(req.prompt) > 64 * self.max_model_len * self.max_chars_per_token:
+                self.precheck_text_len(req.prompt)  # /tokenize reports counts over the context, within reason
             ids = await self.engine.encode_text(req.prompt, req.add_special_tokens)
         strs = self.engine.get_tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)

@@ -1,0 +1,60 @@
+"""Host time per engine step (scheduling, input preparation, sampling bookkeeping, output processing)
+with the model's GPU work replaced by a no-op: W1-like, 256 running decodes, Qwen3-0.6B shape config.
+
+    python benchmarks/host_overhead.py [--steps 200] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-reqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from pagedllm.benchmarks.workloads import load_workloads_module
+
+    mod = load_workloads_module()
+    cfg_dir = mod.MODELS["qwen3-0.6b"]
+    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
+              max_model_len=2048, kv_cache_memory_bytes=1 << 30, hf_overrides={"num_hidden_layers": 1})
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    hidden = runner.model.config.hidden_size if hasattr(runner.model, "config") else 1024
+    vocab = 1024  # the no-op model's logits: small, so the host work dominates
+
+    def noop_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], hidden)
+
+    logits = torch.randn(args.num_reqs, vocab)
+    runner.model.forward = noop_forward  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: logits[: h.shape[0]]  # type: ignore[method-assign]
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.6, max_tokens=args.steps + 50, ignore_eos=True, detokenize=False)
+    for i in range(args.num_reqs):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(range(1, 500))), sp)
+    for _ in range(5):  # prefill + warm-up
+        engine.step()
+    prof = cProfile.Profile() if args.profile else None
+    if prof:
+        prof.enable()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    dt = (time.perf_counter() - t) / args.steps
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    print(f"host time per step with {args.num_reqs} running decodes (no-op model): {dt * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
