@@ -405,3 +405,24 @@ def test_metrics_exposed(server: ServerProcess) -> None:
     assert 'model_name="smollm2"' in text
     assert metric(server, "prompt_tokens_total") > 0
     assert metric(server, "prefix_cache_queries_total") >= metric(server, "prefix_cache_hits_total") > 0
+
+
+def test_penalties_and_logprobs(server: ServerProcess) -> None:
+    """Passed through when SamplingParams has them (the sampling features), else a 400 naming the field."""
+    from pagedllm.entrypoints.openai.serving_base import sampling_supports
+
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 2, "presence_penalty": 0.5,
+            "frequency_penalty": 0.5}
+    resp = post(server, "/v1/completions", body)
+    if not sampling_supports("logprobs"):
+        assert resp.status_code == 400
+        return
+    assert resp.status_code == 200, resp.text
+    lp = Completion.model_validate(resp.json()).choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs or [])
+    chat = post(server, "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 4, "temperature": 0,
+                                                 "logprobs": True, "top_logprobs": 2})
+    assert chat.status_code == 200, chat.text
+    content = ChatCompletion.model_validate(chat.json()).choices[0].logprobs.content
+    assert content is not None and len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)

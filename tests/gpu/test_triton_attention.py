@@ -5,7 +5,9 @@ stray block-table reads hit NaN), the cached prefix written directly, this step'
 `reshape_and_cache` from strided views of a fused qkv tensor, output poisoned with NaN. The reference
 gathers each request's K/V from its own copy of the data, not from the cache.
 
-Runs on CPU under the Triton interpreter too (TRITON_INTERPRET=1), for debugging without a GPU.
+Runs on CPU under the Triton interpreter too (TRITON_INTERPRET=1), for debugging without a GPU; Triton
+3.6's interpreter needs two local fixes for that (scalar `__index__` under numpy >= 2.4, and bf16 `tl.dot`,
+which it multiplies as raw uint16 bits), so trust only its fp32/fp16 results.
 """
 
 from __future__ import annotations
