@@ -19,6 +19,8 @@ def main() -> None:
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--final-only", action="store_true",
+                    help="FINAL_ONLY outputs, as offline LLM.generate (and bench throughput) asks")
     args = ap.parse_args()
     from pagedllm import LLM, SamplingParams, TokensPrompt
     from pagedllm.benchmarks.workloads import load_workloads_module
@@ -39,6 +41,10 @@ def main() -> None:
     runner.model.compute_logits = lambda h: logits[: h.shape[0]]  # type: ignore[method-assign]
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0.6, max_tokens=args.steps + 50, ignore_eos=True, detokenize=False)
+    if args.final_only:
+        from pagedllm.sampling_params import RequestOutputKind
+
+        sp.output_kind = RequestOutputKind.FINAL_ONLY
     for i in range(args.num_reqs):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(range(1, 500))), sp)
     for _ in range(5):  # prefill + warm-up

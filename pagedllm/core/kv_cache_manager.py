@@ -132,6 +132,14 @@ class KVCacheManager:
         ]
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Decodes that stay inside their last block need no allocation and register no block hash:
+        # with only full-attention groups (nothing to free, no window), allocate_slots can say so
+        # from the first group's block list alone (all groups share the block size).
+        self._fast_decode = all(type(m) is SingleTypeKVCacheManager for m in self.managers) and all(
+            g.spec.block_size == self.block_size for g in groups
+        )
+        self.no_new_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+        """Shared, read-only result of allocations that added no block."""
 
     @property
     def usage(self) -> float:
@@ -164,6 +172,18 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the hit ones).
         Returns the newly allocated blocks, or None (nothing changed) when the pool is too small."""
+        if self._fast_decode and not num_new_computed_tokens and new_computed_blocks is None:
+            m0 = self.managers[0]
+            blocks = m0.req_blocks.get(request.request_id)
+            if blocks is not None:
+                total = request.num_computed_tokens + num_new_tokens
+                # Room in the blocks held, and no block becomes full (hence cacheable) in this step.
+                if total <= len(blocks) * self.block_size and (
+                    not self.enable_caching
+                    or min(total, request.num_tokens) // self.block_size
+                    <= m0.num_cached_blocks.get(request.request_id, 0)
+                ):
+                    return self.no_new_blocks
         computed = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         rid = request.request_id
         for m in self.managers:

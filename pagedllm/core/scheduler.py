@@ -172,8 +172,11 @@ class Scheduler:
             req = self.requests[rid]
             cached.req_ids.append(rid)
             cached.resumed_from_preemption.append(False)
-            ids = blocks.get_block_ids()
-            cached.new_block_ids.append(ids if any(ids) else None)
+            if blocks is self.kv.no_new_blocks:  # the common decode: nothing to convert
+                cached.new_block_ids.append(None)
+            else:
+                ids = blocks.get_block_ids()
+                cached.new_block_ids.append(ids if any(ids) else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
 
         out = SchedulerOutput(
@@ -212,12 +215,17 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or not tokens or req.status != RequestStatus.RUNNING:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
-            new_tokens: list[int] = []
-            for tok in tokens:
-                req.append_output_token_ids([tok])
-                new_tokens.append(tok)
-                if self._check_stop(req, tok):
-                    break
+            if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
+                new_tokens = tokens
+                req.append_output_token_ids(tokens)
+                self._check_stop(req, tokens[0])
+            else:
+                new_tokens = []
+                for tok in tokens:
+                    req.append_output_token_ids([tok])
+                    new_tokens.append(tok)
+                    if self._check_stop(req, tok):
+                        break
             if req.is_finished():
                 self.running.remove(req)
                 self._free_request(req)

@@ -256,11 +256,6 @@ def _lp_value(lp: Any) -> float:
     return max(v, -9999.0)  # JSON has no -inf; OpenAI clients expect a number
 
 
-def finish_reason_of(out: CompletionOutput) -> str | None:
-    """OpenAI's finish_reason ("abort" only reaches clients that are already gone)."""
-    return out.finish_reason
-
-
 def sse(data: str) -> str:
     return f"data: {data}\n\n"
 

@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers import triton_ops
+
 
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for the fused gate_up projection output of width 2*d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.use_triton_ops(x):
+            return triton_ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (
@@ -136,6 +137,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if triton_ops.use_triton_ops(qkv) and self.rotary_emb.cos_sin_cache.dtype == torch.float32:
+            q, k = self._fused_norm_rope(positions, q, k)
+            return self.o_proj(self.attn(q, k, v.contiguous()))
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
@@ -143,6 +147,27 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         attn_out = self.attn(q, k, v.contiguous())
         return self.o_proj(attn_out)
+
+    def _fused_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CUDA path: RoPE (after the per-head q/k norm where the model has one) by one Triton kernel
+        working in place on q and k, which are row views of the fresh qkv projection output."""
+        rope = self.rotary_emb
+        q_w = k_w = None
+        eps = 1e-6
+        if self.qk_norm:
+            fusable = rope.rotary_dim == self.head_dim and self.q_norm.weight.dtype == q.dtype
+            if fusable:
+                q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
+            else:  # partial rotary: the norm cannot share the rotation's pass over the halves
+                t = q.shape[0]
+                q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+                k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        triton_ops.rotary_embedding_(
+            positions, q, k, rope.cos_sin_cache, self.head_dim, rope.rotary_dim, q_w, k_w, eps
+        )
+        return q, k
 
 
 class LlamaDecoderLayer(nn.Module):

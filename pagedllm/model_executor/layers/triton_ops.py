@@ -1,0 +1,276 @@
+"""Fused Triton kernels for the per-layer elementwise work of Llama-family decoders (CUDA only).
+
+Each kernel replaces a chain of small PyTorch kernels with one launch and one read/write of its tensors:
+
+* `rms_norm` / `fused_add_rms_norm`: RMSNorm, optionally after the residual add (`x + residual`),
+* `silu_and_mul`: `silu(x[:, :d]) * x[:, d:]`,
+* `rotary_embedding_`: neox-style RoPE applied in place to q and k, optionally preceded by a per-head
+  RMSNorm (Qwen3's q_norm / k_norm), so q and k are read and written once.
+
+Rounding follows the PyTorch references in `layernorm.py`, `activation.py` and `rotary_embedding.py`
+step by step (statistics in float32, a cast to the activation dtype wherever the reference holds an
+intermediate in that dtype), so the fused results match the unfused ones to within an ulp or so.
+
+The import is guarded: on a box without Triton `HAS_TRITON` is False and the callers keep their PyTorch
+code; nothing here launches or compiles a kernel at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def use_triton_ops(x: torch.Tensor) -> bool:
+    """True where the fused kernels apply: Triton is installed and the tensor lives on a CUDA device."""
+    return HAS_TRITON and x.is_cuda
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        out_ptr,
+        res_out_ptr,
+        w_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_ro,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            # The reference adds in the activation dtype: round the sum before using it.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(
+        x_ptr,
+        out_ptr,
+        stride_x,
+        stride_o,
+        d,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < d
+        g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_heads(
+        base_ptr,
+        w_ptr,
+        num_heads,
+        cos,
+        sin,
+        eps,
+        HEAD_SIZE: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        """Rotates (and first normalizes, if HAS_NORM) all `num_heads` heads of one token in place."""
+        dt = base_ptr.dtype.element_ty
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_HALF)
+        mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+        p1 = base_ptr + offs_h[:, None] * HEAD_SIZE + offs_d[None, :]
+        p2 = p1 + HALF
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # Per-head RMSNorm over the whole head (HAS_NORM requires rotary_dim == head_size).
+            var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_SIZE
+            rstd = (1.0 / tl.sqrt(var + eps))[:, None]
+            w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+            x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # The reference multiplies in the activation dtype: round each product before combining.
+        o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+        o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        tl.store(p1, o1.to(dt), mask=mask)
+        tl.store(p2, o2.to(dt), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(
+        q_ptr,
+        k_ptr,
+        pos_ptr,
+        cos_sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        stride_qt,
+        stride_kt,
+        stride_cs,
+        num_q_heads,
+        num_kv_heads,
+        eps,
+        HEAD_SIZE: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_HALF)
+        dmask = offs_d < HALF
+        dt = q_ptr.dtype.element_ty
+        # The reference casts the float32 cos/sin cache to the activation dtype.
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(dt).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0)
+        sin = sin.to(dt).to(tl.float32)
+        cos = cos[None, :]
+        sin = sin[None, :]
+        _rope_heads(q_ptr + t * stride_qt, qw_ptr, num_q_heads, cos, sin, eps,
+                    HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+        _rope_heads(k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps,
+                    HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed: the fused kernels are unavailable")
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, cols] tensor whose last dim is contiguous (a view where possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype."""
+    _require_triton()
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows:
+        block = _next_pow2(n_cols)
+        _rms_norm_kernel[(n_rows,)](
+            x2, x2, out, out, weight, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0),
+            n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
+        )
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weight * norm(x + residual), x + residual)`: one read of x and residual, two writes.
+
+    The outputs are fresh tensors (inputs are left untouched), so callers may still hold x or residual.
+    """
+    _require_triton()
+    x2 = _rows(x)
+    r2 = _rows(residual)
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows:
+        block = _next_pow2(n_cols)
+        _rms_norm_kernel[(n_rows,)](
+            x2, r2, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+        )
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d."""
+    _require_triton()
+    x2 = _rows(x)
+    n_rows, width = x2.shape
+    d = width // 2
+    out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+    if n_rows:
+        block = min(1024, _next_pow2(d))
+        _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """Neox-style RoPE on query [T, H*D] and key [T, KVH*D], in place; with `q_weight`/`k_weight`,
+    a per-head RMSNorm (Qwen3's q_norm / k_norm) is applied first, in the same pass.
+
+    query and key may be strided row views of a fused qkv tensor; within a row the heads must be
+    packed (last dim contiguous, head stride head_size). `cos_sin_cache` is the float32
+    [max_positions, rotary_dim] table of `RotaryEmbedding` (cos halves, then sin halves).
+    """
+    _require_triton()
+    has_norm = q_weight is not None
+    if has_norm and (k_weight is None or rotary_dim != head_size):
+        raise ValueError("the fused q/k norm needs both weights and rotary_dim == head_size")
+    n_tokens = query.shape[0]
+    if n_tokens == 0:
+        return
+    positions = positions.reshape(-1).contiguous()
+    q2 = query.view(n_tokens, -1)
+    k2 = key.view(n_tokens, -1)
+    assert q2.stride(-1) == 1 and k2.stride(-1) == 1, "q/k rows must be contiguous"
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    num_q_heads = q2.shape[1] // head_size
+    num_kv_heads = k2.shape[1] // head_size
+    half = rotary_dim // 2
+    block_h = _next_pow2(max(num_q_heads, num_kv_heads))
+    block_half = _next_pow2(half)
+    _rope_kernel[(n_tokens,)](
+        q2, k2, positions, cos_sin_cache,
+        q_weight if has_norm else q2, k_weight if has_norm else k2,
+        q2.stride(0), k2.stride(0), cos_sin_cache.stride(0),
+        num_q_heads, num_kv_heads, eps,
+        HEAD_SIZE=head_size, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_NORM=has_norm,
+        num_warps=4 if block_h * block_half <= 2048 else 8,
+    )

@@ -1,0 +1,132 @@
+"""Fused Triton kernels (`triton_ops`) against the PyTorch reference layers they replace (GPU;
+`pytest -m gpu tests/gpu/test_fused_ops.py`).
+
+The references are the modules' own CPU-path code (`RMSNorm._norm`, `SiluAndMul`, `RotaryEmbedding`)
+run on the same device and dtype, so the comparison checks rounding step by step, not just closeness to
+a float64 ideal. Runs on CPU under the Triton interpreter too (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from pagedllm.model_executor.layers import triton_ops  # noqa: E402
+from pagedllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
+from pagedllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+# The interpreter (Triton 3.6) truncates float32 -> bfloat16 instead of rounding: bf16 only on the GPU.
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+# Elementwise bounds: a couple of ulps of the dtype (exp/rsqrt implementations and fp32 sum order
+# differ from PyTorch's), relative to the tensor's magnitude.
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    dt = ref.dtype
+    assert out.dtype == dt and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dt], rtol=RTOL[dt])
+
+
+def _norm_module(hidden: int, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-6)
+    norm.weight.data = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 1024, 4096])
+@pytest.mark.parametrize("n_tokens", [1, 7, 256])
+def test_rms_norm(dtype: torch.dtype, hidden: int, n_tokens: int) -> None:
+    g = torch.Generator().manual_seed(hidden * 1000 + n_tokens)
+    norm = _norm_module(hidden, dtype, g)
+    x = (3.0 * torch.randn(n_tokens, hidden, generator=g)).to(DEVICE, dtype)
+    res = torch.randn(n_tokens, hidden, generator=g).to(DEVICE, dtype)
+    _close(triton_ops.rms_norm(x, norm.weight, norm.variance_epsilon), norm._norm(x))
+    x_before, res_before = x.clone(), res.clone()
+    out, new_res = triton_ops.fused_add_rms_norm(x, res, norm.weight, norm.variance_epsilon)
+    ref_res = x + res
+    assert torch.equal(new_res, ref_res)  # the residual add is one rounding in both
+    _close(out, norm._norm(ref_res))
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows(dtype: torch.dtype) -> None:
+    """Rows that are views into a wider tensor (the per-head q of a fused qkv)."""
+    g = torch.Generator().manual_seed(5)
+    norm = _norm_module(128, dtype, g)
+    qkv = torch.randn(9, 16 * 128 + 2 * 8 * 128, generator=g).to(DEVICE, dtype)
+    q = qkv[:, : 16 * 128].reshape(9, 16, 128)
+    _close(triton_ops.rms_norm(q, norm.weight, 1e-6), norm._norm(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1536, 3072, 14336])
+@pytest.mark.parametrize("n_tokens", [1, 33])
+def test_silu_and_mul(dtype: torch.dtype, d: int, n_tokens: int) -> None:
+    g = torch.Generator().manual_seed(d + n_tokens)
+    x = (2.0 * torch.randn(n_tokens, 2 * d, generator=g)).to(DEVICE, dtype)
+    ref = F.silu(x[:, :d]) * x[:, d:]
+    _close(triton_ops.silu_and_mul(x), ref)
+
+
+def _qkv(n_tokens: int, h: int, kvh: int, d: int, dtype: torch.dtype, g: torch.Generator):
+    qkv = torch.randn(n_tokens, (h + 2 * kvh) * d, generator=g).to(DEVICE, dtype)
+    return qkv, *qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "head_size,rotary_dim,h,kvh",
+    [(64, 64, 9, 3), (128, 128, 16, 8), (128, 128, 32, 8), (128, 64, 8, 2)],
+)
+@pytest.mark.parametrize("n_tokens", [1, 45])
+def test_rotary_in_place(
+    dtype: torch.dtype, head_size: int, rotary_dim: int, h: int, kvh: int, n_tokens: int
+) -> None:
+    g = torch.Generator().manual_seed(head_size * 7 + h + n_tokens)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    rope = get_rope(head_size, rotary_dim, 4096, 500000.0, scaling if head_size == 128 else None)
+    rope = rope.to(DEVICE)
+    positions = torch.randint(0, 4096, (n_tokens,), generator=g).to(DEVICE)
+    qkv, q, k, v = _qkv(n_tokens, h, kvh, head_size, dtype, g)
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    v_before = v.clone()
+    triton_ops.rotary_embedding_(positions, q, k, rope.cos_sin_cache, head_size, rotary_dim)
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(v, v_before)  # the in-place writes stay inside q and k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,h,kvh", [(64, 9, 3), (128, 16, 8)])
+@pytest.mark.parametrize("n_tokens", [1, 45])
+def test_qk_norm_rotary_in_place(dtype: torch.dtype, head_size: int, h: int, kvh: int, n_tokens: int) -> None:
+    """Qwen3: per-head RMSNorm on q and k, then RoPE, in one pass."""
+    g = torch.Generator().manual_seed(head_size + h + n_tokens)
+    rope = get_rope(head_size, head_size, 4096, 1000000.0).to(DEVICE)
+    q_norm = _norm_module(head_size, dtype, g)
+    k_norm = _norm_module(head_size, dtype, g)
+    positions = torch.randint(0, 4096, (n_tokens,), generator=g).to(DEVICE)
+    qkv, q, k, v = _qkv(n_tokens, h, kvh, head_size, dtype, g)
+    qn = q_norm._norm(q.reshape(n_tokens, h, head_size)).reshape(n_tokens, -1)
+    kn = k_norm._norm(k.reshape(n_tokens, kvh, head_size)).reshape(n_tokens, -1)
+    ref_q, ref_k = rope(positions, qn, kn)
+    triton_ops.rotary_embedding_(
+        positions, q, k, rope.cos_sin_cache, head_size, head_size, q_norm.weight, k_norm.weight, 1e-6
+    )
+    _close(q, ref_q)
+    _close(k, ref_k)
