@@ -90,11 +90,17 @@ class _SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
+    """Samples generated per prompt, of which the `n` with the highest cumulative logprob are returned
+    (with use_beam_search: the beam width)."""
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
+    # vLLM extra parameters
     add_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    """Beam search only: beams are ranked by cumulative logprob / length ** length_penalty."""
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     _SamplingRequest,
 )
+from pagedllm.logprobs import Logprob, PromptLogprobs
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -142,9 +143,14 @@ class OpenAIServing:
         max_tokens: int,
         stream: bool,
         logprobs: int | None = None,
+        *,
+        n: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from a request: request value, else the model's generation_config default, else
-        OpenAI's default. Unsupported features give a 400 naming them, never a silent ignore."""
+        OpenAI's default. Unsupported features give a 400 naming them, never a silent ignore. `n`
+        overrides the request's (best_of samples all `best_of`)."""
+        n = req.n if n is None else n
         d = self.default_sampling
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
@@ -167,7 +173,7 @@ class OpenAIServing:
                 raise OpenAIServingError("logit_bias: keys must be token ids (integers as strings)", 400,
                                          "logit_bias") from None
         kwargs: dict[str, Any] = {
-            "n": req.n,
+            "n": n,
             "temperature": req.temperature if req.temperature is not None else d.get("temperature", 1.0),
             "top_p": req.top_p if req.top_p is not None else d.get("top_p", 1.0),
             "top_k": req.top_k if req.top_k is not None else d.get("top_k", 0),
@@ -191,10 +197,13 @@ class OpenAIServing:
                 kwargs[name] = v
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
         if logit_bias:
             kwargs["logit_bias"] = logit_bias
-        if req.n > 16:
-            raise OpenAIServingError(f"n: at most 16 choices per request, got {req.n}", 400, "n")
+        if n > 16:
+            what = "n" if n == req.n else "best_of"
+            raise OpenAIServingError(f"{what}: at most 16 choices per request, got {n}", 400, what)
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
@@ -204,18 +213,34 @@ class OpenAIServing:
         decoded = getattr(lp, "decoded_token", None)
         return decoded if decoded is not None else self.engine.get_tokenizer().decode([token_id])
 
-    def completion_logprobs(self, out: CompletionOutput, text_offset0: int) -> CompletionLogProbs | None:
-        """OpenAI's legacy completion logprobs of `out`'s tokens (offsets from `text_offset0`)."""
+    def completion_logprobs(
+        self,
+        out: CompletionOutput,
+        text_offset0: int,
+        prompt_token_ids: list[int] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> CompletionLogProbs | None:
+        """OpenAI's legacy completion logprobs of `out`'s tokens (offsets from `text_offset0`), preceded
+        (echo) by the prompt's when `prompt_logprobs` is given: the first prompt token has null
+        `token_logprobs` and `top_logprobs` entries, as OpenAI and vLLM (nothing predicts it)."""
         if out.logprobs is None:
             return None
         res = CompletionLogProbs()
         offset = text_offset0
-        for tid, pos in zip(out.token_ids, out.logprobs):
-            lp = pos.get(tid)
+        steps: list[tuple[int, dict[int, Logprob] | None]] = []
+        if prompt_token_ids is not None and prompt_logprobs is not None:
+            steps.extend(zip(prompt_token_ids, prompt_logprobs))
+        steps.extend(zip(out.token_ids, out.logprobs))
+        for tid, pos in steps:
+            lp = pos.get(tid) if pos is not None else None
             tok = self.token_text(tid, lp)
             res.tokens.append(tok)
-            res.token_logprobs.append(_lp_value(lp))
-            res.top_logprobs.append({self.token_text(t, v): _lp_value(v) for t, v in pos.items()})
+            if pos is None:
+                res.token_logprobs.append(None)
+                res.top_logprobs.append(None)
+            else:
+                res.token_logprobs.append(_lp_value(lp))
+                res.top_logprobs.append({self.token_text(t, v): _lp_value(v) for t, v in pos.items()})
             res.text_offset.append(offset)
             offset += len(tok)
         return res

@@ -88,6 +88,14 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIServingError("messages: must contain at least one message", 400, "messages")
         if req.stream_options is not None and not req.stream:
             raise OpenAIServingError("stream_options: only allowed when stream=true", 400, "stream_options")
+        extra = req.model_extra or {}
+        # Unknown fields are ignored, but these completions-only ones would silently change the result.
+        if extra.get("best_of") is not None:
+            raise OpenAIServingError("best_of: not supported in chat completions (a /v1/completions parameter)",
+                                     400, "best_of")
+        if extra.get("use_beam_search"):
+            raise OpenAIServingError("use_beam_search: not supported in chat completions (use /v1/completions)",
+                                     400, "use_beam_search")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise OpenAIServingError("response_format: only {'type': 'text'} is supported", 400, "response_format")
         if req.tool_choice not in (None, "none", "auto"):
