@@ -426,3 +426,162 @@ def test_penalties_and_logprobs(server: ServerProcess) -> None:
     assert chat.status_code == 200, chat.text
     content = ChatCompletion.model_validate(chat.json()).choices[0].logprobs.content
     assert content is not None and len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+# ---- sampling over HTTP: logprobs, best_of, beam search --------------------------------------------------
+LP_TOL = 1e-3
+
+
+def _ref_steps(logprobs: Any, token_ids: list[int]) -> list[tuple[str, float, dict[str, float]]]:
+    """Offline logprobs per position: (token text, its logprob, {candidate text: logprob})."""
+    return [(pos[t].decoded_token, pos[t].logprob, {v.decoded_token: v.logprob for v in pos.values()})
+            for t, pos in zip(token_ids, logprobs)]
+
+
+def _check_completion_lps(lp: dict[str, Any], ref: list[tuple[str, float, dict[str, float]]]) -> None:
+    assert lp["tokens"] == [r[0] for r in ref]
+    for got, want in zip(lp["token_logprobs"], ref):
+        assert abs(got - want[1]) <= LP_TOL, (got, want)
+    for got_top, want in zip(lp["top_logprobs"], ref):
+        assert set(got_top) == set(want[2])
+        assert all(abs(got_top[k] - v) <= LP_TOL for k, v in want[2].items()), (got_top, want[2])
+    offsets = [0]
+    for tok in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert lp["text_offset"] == offsets
+
+
+def _check_chat_lps(content: list[dict[str, Any]], ref: list[tuple[str, float, dict[str, float]]], top: int) -> None:
+    assert [c["token"] for c in content] == [r[0] for r in ref]
+    for c, (_, want, cands) in zip(content, ref):
+        assert abs(c["logprob"] - want) <= LP_TOL and c["bytes"] == list(c["token"].encode())
+        best = sorted(cands.items(), key=lambda kv: -kv[1])[:top]
+        assert [t["token"] for t in c["top_logprobs"]] == [k for k, _ in best]
+        assert all(abs(t["logprob"] - v) <= LP_TOL for t, (_, v) in zip(c["top_logprobs"], best))
+
+
+def test_logprobs_match_offline(server: ServerProcess, offline) -> None:  # noqa: ANN001
+    """Completions logprobs=3 and chat logprobs/top_logprobs=3, streamed and not: valid OpenAI types, and
+    token by token the offline engine's values."""
+    from openai.types.completion_choice import Logprobs
+
+    from pagedllm import SamplingParams
+
+    sp = SamplingParams(logprobs=3, temperature=0.0, max_tokens=8)
+    ref_out = offline.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+    ref = _ref_steps(ref_out.logprobs, ref_out.token_ids)
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    raw = post(server, "/v1/completions", body).json()
+    Completion.model_validate(raw)
+    assert raw["choices"][0]["text"] == ref_out.text
+    _check_completion_lps(raw["choices"][0]["logprobs"], ref)
+    events = sse_events(post(server, "/v1/completions", {**body, "stream": True}))
+    assert events[-1] == "[DONE]"
+    merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ev in events[:-1]:
+        choice = ev["choices"][0]
+        if choice["finish_reason"] is not None:  # OpenAI's type requires it; mid-stream chunks carry null
+            Completion.model_validate(ev)
+        if choice["logprobs"] is not None:
+            Logprobs.model_validate(choice["logprobs"])
+            for k in merged:
+                merged[k] += choice["logprobs"][k]
+    _check_completion_lps(merged, ref)
+
+    ref_out = offline.chat(CHATS[0], sp, use_tqdm=False)[0].outputs[0]
+    ref = _ref_steps(ref_out.logprobs, ref_out.token_ids)
+    body = {"messages": CHATS[0], "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    raw = post(server, "/v1/chat/completions", body).json()
+    ChatCompletion.model_validate(raw)
+    _check_chat_lps(raw["choices"][0]["logprobs"]["content"], ref, 3)
+    events = sse_events(post(server, "/v1/chat/completions", {**body, "stream": True}))
+    content: list[dict[str, Any]] = []
+    for ev in events[:-1]:
+        ChatCompletionChunk.model_validate(ev)
+        lp = ev["choices"][0]["logprobs"]
+        content += lp["content"] if lp else []
+    _check_chat_lps(content, ref, 3)
+
+
+def test_echo_prompt_logprobs(server: ServerProcess, client: openai.OpenAI, offline) -> None:  # noqa: ANN001
+    """echo + logprobs: the prompt's logprobs first (null for the first token), equal to offline's."""
+    from pagedllm import SamplingParams
+    from pagedllm.inputs import TokensPrompt
+
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[1]}).json()["tokens"]
+    sp = SamplingParams(logprobs=2, prompt_logprobs=2, temperature=0.0, max_tokens=4)
+    res = offline.generate(TokensPrompt(prompt_token_ids=ids), sp, use_tqdm=False)[0]
+    plp = res.prompt_logprobs
+    ref = _ref_steps(plp[1:], ids[1:]) + _ref_steps(res.outputs[0].logprobs, res.outputs[0].token_ids)
+    body = {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    for stream in (False, True):
+        if stream:
+            events = sse_events(post(server, "/v1/completions", {**body, "stream": True}))
+            lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for ev in events[:-1]:
+                for k in lp:
+                    lp[k] += (ev["choices"][0]["logprobs"] or {}).get(k, [])
+        else:
+            raw = post(server, "/v1/completions", body).json()
+            assert raw["choices"][0]["text"] == PROMPTS[1] + res.outputs[0].text
+            lp = raw["choices"][0]["logprobs"]
+            # openai's type says List[float] although the API sends null first: validate the rest.
+            trimmed = {**lp, "token_logprobs": lp["token_logprobs"][1:], "top_logprobs": lp["top_logprobs"][1:]}
+            Completion.model_validate({**raw, "choices": [{**raw["choices"][0], "logprobs": trimmed}]})
+        assert len(lp["tokens"]) == len(ids) + 4
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"][0] == 0
+        rest = {k: v[1:] for k, v in lp.items()}
+        rest["text_offset"] = [o - lp["text_offset"][1] for o in rest["text_offset"]]
+        _check_completion_lps(rest, ref)
+    parsed = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2,
+                                       echo=True)  # the SDK accepts the null
+    assert parsed.choices[0].logprobs is not None and parsed.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_best_of(server: ServerProcess) -> None:
+    """best_of=4, n=2: the 2 of the same 4 seeded samples with the highest cumulative logprob, best
+    first; no logprobs unless asked; 400 for best_of < n, with stream, and in chat."""
+    base = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    samples = post(server, "/v1/completions", {**base, "n": 4, "logprobs": 0}).json()["choices"]
+    ranked = sorted(samples, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    raw = post(server, "/v1/completions", {**base, "n": 2, "best_of": 4, "logprobs": 0}).json()
+    Completion.model_validate(raw)
+    assert [c["index"] for c in raw["choices"]] == [0, 1]
+    assert [c["text"] for c in raw["choices"]] == [c["text"] for c in ranked[:2]]
+    assert raw["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in samples)
+    plain = post(server, "/v1/completions", {**base, "n": 2, "best_of": 4}).json()
+    assert [c["text"] for c in plain["choices"]] == [c["text"] for c in ranked[:2]]
+    assert all(c["logprobs"] is None for c in plain["choices"])
+    bad = [("/v1/completions", {**base, "n": 2, "best_of": 1}, "best_of"),
+           ("/v1/completions", {**base, "best_of": 3, "stream": True}, "stream"),
+           ("/v1/chat/completions", {"messages": CHATS[0], "best_of": 2}, "best_of"),
+           ("/v1/chat/completions", {"messages": CHATS[0], "use_beam_search": True}, "use_beam_search")]
+    for path, body, word in bad:
+        resp = post(server, path, body)
+        assert resp.status_code == 400 and word in resp.json()["error"]["message"], resp.text
+
+
+def test_beam_search_matches_offline(server: ServerProcess, offline) -> None:  # noqa: ANN001
+    """use_beam_search (best_of = beam width, n beams returned): the offline LLM.beam_search's beams."""
+    from pagedllm import BeamSearchParams
+    from pagedllm.inputs import TokensPrompt
+
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    ref = offline.beam_search([TokensPrompt(prompt_token_ids=ids)],
+                              BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
+    tok = offline.get_tokenizer()
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "use_beam_search": True, "n": 2, "best_of": 3,
+            "ignore_eos": True, "logprobs": 1}
+    raw = post(server, "/v1/completions", body).json()
+    Completion.model_validate(raw)
+    assert len(raw["choices"]) == 2
+    for choice, beam in zip(raw["choices"], ref):
+        assert choice["text"] == tok.decode(beam.tokens[len(ids):], skip_special_tokens=True)
+        assert abs(sum(choice["logprobs"]["token_logprobs"]) - beam.cum_logprob) <= LP_TOL
+        assert all(1 <= len(t) <= 2 for t in choice["logprobs"]["top_logprobs"])
+    events = sse_events(post(server, "/v1/completions", {**body, "stream": True, "logprobs": None}))
+    texts = {ev["choices"][0]["index"]: ev["choices"][0]["text"] for ev in events[:-1]}
+    assert texts == {i: c["text"] for i, c in enumerate(raw["choices"])}
+    resp = post(server, "/v1/completions", {**body, "stop": ["\n"]})
+    assert resp.status_code == 400 and "use_beam_search" in resp.json()["error"]["message"]

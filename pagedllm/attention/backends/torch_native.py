@@ -92,8 +92,9 @@ class TorchNativeAttentionImpl(AttentionImpl):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kvh, hd = self.num_kv_heads, self.head_size
         slots = attn_metadata.slot_mapping[:n]
-        k_cache.view(-1, kvh, hd)[slots] = key[:n].to(k_cache.dtype)
-        v_cache.view(-1, kvh, hd)[slots] = value[:n].to(v_cache.dtype)
+        # index_copy_ (a row memcpy per slot) is several times faster than advanced-index assignment.
+        k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
+        v_cache.view(-1, kvh, hd).index_copy_(0, slots, value[:n].to(v_cache.dtype))
 
         for p in attn_metadata.prefills:
             q = query[p.q_start : p.q_end]
@@ -131,22 +132,28 @@ class TorchNativeAttentionImpl(AttentionImpl):
         return out.transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, md: TorchNativeMetadata) -> torch.Tensor:
+        """Batched decode: gather the requests' blocks with index_select (contiguous block copies), lay
+        K/V out head-major in one copy, then one batched matmul for scores and one for the output (a
+        strided bmm per head falls back to a per-matrix loop on the CPU)."""
         d_reqs = q.shape[0]
         kvh, hd, g = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
         bt = md.decode_block_table
-        k = k_cache[bt].flatten(1, 2)  # [D, L, kvh, hd]
-        v = v_cache[bt].flatten(1, 2)
-        length = k.shape[1]
+        nb, bs = bt.shape[1], k_cache.shape[1]
+        flat = bt.reshape(-1)
+        length = nb * bs
+        k = k_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
+        k = k.to(torch.float32, memory_format=torch.contiguous_format)  # [D, kvh, L, hd]
+        v = v.to(torch.float32, memory_format=torch.contiguous_format)
         qg = q.view(d_reqs, kvh, g, hd).float()
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * self.scale  # [D, kvh, g, L]
+        scores = torch.matmul(qg, k.transpose(2, 3)).mul_(self.scale)  # [D, kvh, g, L]
         pos = torch.arange(length, device=q.device)[None, :]
         seq = md.decode_seq_lens[:, None].long()
         valid = pos < seq
         if self.sliding_window is not None:
             valid &= pos >= seq - self.sliding_window
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())  # [D, kvh, g, hd]
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [D, kvh, g, hd]
         return out.reshape(d_reqs, self.num_heads, hd).to(q.dtype)
 
 
