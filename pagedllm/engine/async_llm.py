@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine import EngineCoreOutputs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
@@ -154,19 +154,9 @@ class AsyncLLM:
             self.engine_core.add_request(req)
             return queue
         parent = ParentRequest(request_id, req.sampling_params)
-        children: list[EngineCoreRequest] = []
-        for idx in range(params.n):
-            child_id, child_params = parent.get_child_info(idx)
-            child = EngineCoreRequest(
-                request_id=child_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling_params=child_params,
-                arrival_time=req.arrival_time,
-                priority=priority,
-                cache_salt=req.cache_salt,
-            )
+        children = parent.make_child_requests(req)
+        for idx, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, idx, queue=queue)
-            children.append(child)
         for child in children:
             self.engine_core.add_request(child)
         return queue

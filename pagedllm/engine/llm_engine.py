@@ -72,16 +72,7 @@ class LLMEngine:
             self.engine_core.add_request(req)
             return
         parent = ParentRequest(request_id, req.sampling_params)
-        for idx in range(params.n):
-            child_id, child_params = parent.get_child_info(idx)
-            child = type(req)(
-                request_id=child_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling_params=child_params,
-                arrival_time=req.arrival_time,
-                priority=priority,
-                cache_salt=req.cache_salt,
-            )
+        for idx, child in enumerate(parent.make_child_requests(req)):
             self.output_processor.add_request(child, prompt_text, parent, idx)
             self.engine_core.add_request(child)
 

@@ -7,6 +7,9 @@ The core never sees the parent: the front end submits n children (`n=1` each) th
 
 from __future__ import annotations
 
+import msgspec
+
+from pagedllm.engine import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,6 +45,14 @@ class ParentRequest:
             changes["seed"] = self.sampling_params.seed + index
         self.child_requests[child_id] = index
         return child_id, self.sampling_params.clone(**changes)
+
+    def make_child_requests(self, req: EngineCoreRequest) -> list[EngineCoreRequest]:
+        """The n core requests of `req` (the processed parent request), in index order."""
+        children = []
+        for idx in range(self.n):
+            child_id, child_params = self.get_child_info(idx)
+            children.append(msgspec.structs.replace(req, request_id=child_id, sampling_params=child_params))
+        return children
 
     def child_ids(self) -> list[str]:
         """All child ids (finished or not)."""
