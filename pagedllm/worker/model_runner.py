@@ -239,9 +239,9 @@ class ModelRunner:
                 logprobs_lists = [None] * num_reqs
                 for pos, j in enumerate(md_s.logprob_rows.tolist()):
                     logprobs_lists[int(sample_idx[j])] = out.logprobs.slice(pos, pos + 1)
+        # The per-request states' num_computed_tokens is refreshed from the scheduler's diff each step
+        # (and on resume), so only the batch row needs it here: no per-request loop on the hot path.
         batch.num_computed_tokens[rows] = seq_lens
-        for r, rid in enumerate(req_ids):
-            self.requests[rid].num_computed_tokens = int(seq_lens[r])
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists, prompt_lp_done)
 
     def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,

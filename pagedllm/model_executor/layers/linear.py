@@ -112,10 +112,30 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
 
-    def _make_bias(self, size: int, attrs: dict[str, Any]) -> None:
-        bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
-        set_weight_attrs(bias, attrs)
-        self.register_parameter("bias", bias)
+    def _create_params(
+        self,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        bias_size: int | None,
+        bias_attrs: dict[str, Any] | None = None,
+    ) -> None:
+        """Weights through the layer's quant method and, when bias_size is given, the bias; both load
+        through this layer's weight_loader."""
+        self.quant_method.create_weights(
+            self,
+            input_size_per_partition,
+            output_partition_sizes,
+            self.input_size,
+            self.output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        if bias_size is None:
+            self.register_parameter("bias", None)
+            return
+        param = nn.Parameter(torch.empty(bias_size, dtype=self.params_dtype), requires_grad=False)
+        set_weight_attrs(param, {**(bias_attrs or {}), "weight_loader": self.weight_loader})
+        self.register_parameter("bias", param)
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,19 +151,7 @@ class ReplicatedLinear(LinearBase):
         prefix: str = "",
     ) -> None:
         super().__init__(input_size, output_size, params_dtype, quant_method, prefix)
-        self.quant_method.create_weights(
-            self,
-            input_size,
-            [output_size],
-            input_size,
-            output_size,
-            self.params_dtype,
-            weight_loader=self.weight_loader,
-        )
-        if bias:
-            self._make_bias(output_size, {"weight_loader": self.weight_loader})
-        else:
-            self.register_parameter("bias", None)
+        self._create_params(input_size, [output_size], output_size if bias else None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         _copy_checked(param.data, loaded_weight, self.prefix)
@@ -173,21 +181,10 @@ class ColumnParallelLinear(LinearBase):
             output_sizes = [output_size]
         self.output_sizes = output_sizes
         self.output_partition_sizes = self._partition_sizes()
-        self.quant_method.create_weights(
-            self,
-            input_size,
-            self.output_partition_sizes,
-            input_size,
-            output_size,
-            self.params_dtype,
-            weight_loader=self.weight_loader,
+        self._create_params(
+            input_size, self.output_partition_sizes, self.output_size_per_partition if bias else None,
+            {"output_dim": 0},
         )
-        if bias:
-            self._make_bias(
-                self.output_size_per_partition, {"output_dim": 0, "weight_loader": self.weight_loader}
-            )
-        else:
-            self.register_parameter("bias", None)
 
     def _partition_sizes(self) -> list[int]:
         return [divide(s, self.tp_size) for s in self.output_sizes]
@@ -354,19 +351,7 @@ class RowParallelLinear(LinearBase):
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size)
-        self.quant_method.create_weights(
-            self,
-            self.input_size_per_partition,
-            [output_size],
-            input_size,
-            output_size,
-            self.params_dtype,
-            weight_loader=self.weight_loader,
-        )
-        if bias:
-            self._make_bias(output_size, {"weight_loader": self.weight_loader})
-        else:
-            self.register_parameter("bias", None)
+        self._create_params(self.input_size_per_partition, [output_size], output_size if bias else None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         input_dim = getattr(param, "input_dim", None)
