@@ -69,9 +69,6 @@ class InputProcessor:
         if prompt_token_ids is None:
             prompt_text, prompt_token_ids, cache_salt = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
-        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            # As vLLM: the output is capped by the context; the core enforces the cap.
-            pass
         self.validate_sampling(params)
         # As vLLM: the model's other EOS ids stop generation too, unless the request ignores EOS.
         stop_ids = list(params.stop_token_ids or [])
