@@ -86,3 +86,29 @@ def test_parallel_sampling_and_abort(engine: AsyncLLM) -> None:
         assert await engine.reset_prefix_cache() in (True, False)
 
     run(main())
+
+
+def test_failed_send_leaves_no_state(engine: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If handing a request to the core fails part-way (n=3: the second child), the front end forgets all of
+    it and the core gets an abort for the part it did receive; later requests still complete."""
+    real_add = engine.engine_core.add_request
+    sent: list[str] = []
+
+    def flaky_add(req) -> None:  # noqa: ANN001
+        if sent:
+            raise RuntimeError("send failed")
+        sent.append(req.request_id)
+        real_add(req)
+
+    async def main() -> None:
+        monkeypatch.setattr(engine.engine_core, "add_request", flaky_add)
+        sp = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="send failed"):
+            await engine.add_request("flaky", "Hello", sp)
+        monkeypatch.setattr(engine.engine_core, "add_request", real_add)
+        assert not engine.output_processor.has_unfinished_requests()
+        outs = [o async for o in engine.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), "after")]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert await engine.engine_core.call_utility("has_unfinished_requests") is False
+
+    run(main())

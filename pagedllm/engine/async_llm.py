@@ -151,14 +151,18 @@ class AsyncLLM:
         queue = RequestOutputCollector(params.output_kind)
         if params.n == 1:
             self.output_processor.add_request(req, prompt_text, queue=queue)
-            self.engine_core.add_request(req)
-            return queue
-        parent = ParentRequest(request_id, req.sampling_params)
-        children = parent.make_child_requests(req)
-        for idx, child in enumerate(children):
-            self.output_processor.add_request(child, prompt_text, parent, idx, queue=queue)
-        for child in children:
-            self.engine_core.add_request(child)
+            core_reqs = [req]
+        else:
+            parent = ParentRequest(request_id, req.sampling_params)
+            core_reqs = parent.make_child_requests(req)
+            for idx, child in enumerate(core_reqs):
+                self.output_processor.add_request(child, prompt_text, parent, idx, queue=queue)
+        try:
+            for core_req in core_reqs:
+                self.engine_core.add_request(core_req)
+        except BaseException:  # the core never got (all of) it: forget it here, drop any part that was sent
+            self.abort(request_id)
+            raise
         return queue
 
     async def generate(

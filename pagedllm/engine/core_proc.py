@@ -46,7 +46,7 @@ UTILITY_RESULT = b"R"
 READY = b"Y"
 FAILED = b"F"
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "ping"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
 """EngineCore methods the front end may call remotely (plus `ping`, answered by the loop itself)."""
 
 
@@ -75,7 +75,13 @@ class EngineCoreProc:
             handshake.send_multipart([FAILED, self.encoder.encode(msg)])
             handshake.close()
             raise
-        self._input_thread = threading.Thread(target=self._read_inputs, name="EngineCoreInput", daemon=True)
+        # Connect the input socket before READY, so the front end's first send finds a peer as soon as possible;
+        # the socket is used only by the input thread from then on (handing it over at thread start is safe).
+        input_socket = self.ctx.socket(zmq.PULL)
+        input_socket.setsockopt(zmq.RCVHWM, 0)
+        input_socket.connect(self.input_addr)
+        self._input_thread = threading.Thread(target=self._read_inputs, args=(input_socket,), name="EngineCoreInput",
+                                              daemon=True)
         self._input_thread.start()
         info = {
             "pid": os.getpid(),
@@ -86,11 +92,8 @@ class EngineCoreProc:
         handshake.close()
 
     # ---- input thread -----------------------------------------------------------------------------
-    def _read_inputs(self) -> None:
+    def _read_inputs(self, sock: zmq.Socket) -> None:
         """Socket -> decoded messages -> queue. Runs until SHUTDOWN (then the loop ends too)."""
-        sock = self.ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self.input_addr)
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         abort_decoder = msgspec.msgpack.Decoder(list[str])
         any_decoder = msgspec.msgpack.Decoder()

@@ -46,6 +46,10 @@ from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+INPUT_SEND_TIMEOUT_MS = 30_000
+"""How long a send to the core may wait for its input socket (only before it has connected: the queue is
+unbounded). Longer means the core is gone or wedged."""
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can complete."""
@@ -106,7 +110,11 @@ class AsyncMPClient:
 
         self.sync_ctx = self.resources.sync_ctx = zmq.Context(io_threads=1)
         self.input_socket = self.sync_ctx.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a send
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)  # unbounded queue: once connected, a send never blocks
+        # Until the core's PULL socket has finished connecting (the READY message travels on another socket and
+        # may overtake it), a send has no peer to queue for and would fail with EAGAIN under NOBLOCK. Sends
+        # therefore block, bounded by this timeout, instead.
+        self.input_socket.setsockopt(zmq.SNDTIMEO, INPUT_SEND_TIMEOUT_MS)
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.bind(input_addr)
         self.async_ctx = self.resources.async_ctx = zmq.asyncio.Context(io_threads=1)
@@ -217,13 +225,22 @@ class AsyncMPClient:
             raise self.dead_error or EngineDeadError()
 
     # ---- requests -------------------------------------------------------------------------------------
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        try:
+            self.input_socket.send_multipart([kind, payload], copy=False)
+        except zmq.Again as e:
+            error = EngineDeadError(
+                f"The engine core did not take a message within {INPUT_SEND_TIMEOUT_MS / 1000:.0f} s")
+            self.mark_dead(error)
+            raise error from e
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        self.input_socket.send_multipart([ADD, self.encoder.encode(request)], flags=zmq.NOBLOCK, copy=False)
+        self._send(ADD, self.encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.dead and not self._closed:
-            self.input_socket.send_multipart([ABORT, self.encoder.encode(request_ids)], flags=zmq.NOBLOCK)
+            self._send(ABORT, self.encoder.encode(request_ids))
 
     async def get_output(self) -> EngineCoreOutputs:
         """The next step's outputs. Utility-call replies arriving meanwhile resolve their futures."""
@@ -248,8 +265,11 @@ class AsyncMPClient:
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = fut
-        self.input_socket.send_multipart([UTILITY, self.encoder.encode((call_id, method, list(args)))],
-                                         flags=zmq.NOBLOCK)
+        try:
+            self._send(UTILITY, self.encoder.encode((call_id, method, list(args))))
+        except BaseException:
+            self._pending_calls.pop(call_id, None)
+            raise
         return await fut
 
     def is_alive(self) -> bool:
