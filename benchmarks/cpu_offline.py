@@ -96,8 +96,11 @@ def main() -> None:
         res["matmul_gflops_64x576x1536"] = matmul_ceiling(dtype, 64, 576, 1536, 200)
         res["matmul_gflops_1024cubed"] = matmul_ceiling(dtype, 1024, 1024, 1024, 10)
         llm = LLM(path, dtype=dname, max_model_len=1024, kv_cache_memory_bytes=1 << 30)
-        n_params = sum(p.numel() for p in llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
-                       .parameters())
+        model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+        # Packed linears (cpu_gemm) released their plain weights: count them by their packed shapes.
+        n_params = sum(p.numel() for p in model.parameters()) + sum(
+            m.packed_out_features * m.packed_in_features for m in model.modules()
+            if hasattr(m, "packed_weight") and m.weight.numel() == 0)
         emb = llm.llm_engine.model_config.vocab_size * llm.llm_engine.model_config.hf_config.hidden_size
         # FLOPs per decoded token: 2 x (non-embedding params + the lm_head, tied to the embedding).
         flops_tok = 2 * (n_params - emb + emb)

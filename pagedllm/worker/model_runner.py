@@ -73,6 +73,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(self.model_config, self.config.load_config.load_format, self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            from pagedllm.model_executor.layers.cpu_gemm import pack_cpu_weights
+
+            with torch.no_grad():
+                n_packed = pack_cpu_weights(self.model)
+            if n_packed:
+                logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
 

@@ -1,8 +1,10 @@
 """Reference attention backend in pure PyTorch over the paged KV cache (the CPU path).
 
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
-Decode requests (one query token) run as one batched gather + matmul; prefill chunks (which may attend
-to a cached prefix) run one request at a time through scaled_dot_product_attention.
+Decode requests (one query token) run through the C kernel of `ops/cpu_paged_attn` on the CPU (reads the
+paged cache in place), else as one batched gather + matmul in PyTorch (the reference path, and the one
+used on other devices or without a C compiler); prefill chunks (which may attend to a cached prefix) run
+one request at a time through scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pagedllm.attention.backends.abstract import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from pagedllm.attention.ops import cpu_paged_attn
 
 
 @dataclass
@@ -67,7 +70,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             rows = torch.tensor(decode_rows, dtype=torch.long, device=common.block_table.device)
             dec_sl = common.seq_lens[rows]
             nb = (max(seq_lens[r] for r in decode_rows) + bs - 1) // bs
-            dec_bt = common.block_table[rows, :nb].long()
+            dec_bt = common.block_table[rows, :nb]
             dec_idx = common.query_start_loc[rows].long()
         return TorchNativeMetadata(
             slot_mapping=common.slot_mapping,
@@ -82,6 +85,14 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TorchNativeAttentionImpl(AttentionImpl):
+    _use_c_kernels: bool | None = None  # decided at the first forward, from the cache's dtype and device
+
+    def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
+        if self._use_c_kernels is None:
+            self._use_c_kernels = kv_cache.device.type == "cpu" and kv_cache[0].is_contiguous() and \
+                cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
+        return self._use_c_kernels
+
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output):
         n = attn_metadata.num_actual_tokens
         if self.attn_type == AttentionType.ENCODER_ONLY:
@@ -92,9 +103,13 @@ class TorchNativeAttentionImpl(AttentionImpl):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kvh, hd = self.num_kv_heads, self.head_size
         slots = attn_metadata.slot_mapping[:n]
-        # index_copy_ (a row memcpy per slot) is several times faster than advanced-index assignment.
-        k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
-        v_cache.view(-1, kvh, hd).index_copy_(0, slots, value[:n].to(v_cache.dtype))
+        use_c = self._c_kernels(kv_cache)
+        if use_c:
+            cpu_paged_attn.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, slots)
+        else:
+            # index_copy_ (a row memcpy per slot) is several times faster than advanced-index assignment.
+            k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
+            v_cache.view(-1, kvh, hd).index_copy_(0, slots, value[:n].to(v_cache.dtype))
 
         for p in attn_metadata.prefills:
             q = query[p.q_start : p.q_end]
@@ -115,7 +130,12 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
         if attn_metadata.decode_token_idx is not None:
             idx = attn_metadata.decode_token_idx
-            output[idx] = self._decode(query[idx], k_cache, v_cache, attn_metadata)
+            if use_c and query.dtype == k_cache.dtype:
+                cpu_paged_attn.paged_decode(query, k_cache, v_cache, attn_metadata.decode_block_table,
+                                            attn_metadata.decode_seq_lens, idx, output, self.scale,
+                                            self.sliding_window)
+            else:
+                output[idx] = self._decode(query[idx], k_cache, v_cache, attn_metadata)
         return output
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
@@ -139,7 +159,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         kvh, hd, g = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
         bt = md.decode_block_table
         nb, bs = bt.shape[1], k_cache.shape[1]
-        flat = bt.reshape(-1)
+        flat = bt.reshape(-1).long()
         length = nb * bs
         k = k_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor.layers import triton_ops
+from pagedllm.model_executor.layers import cpu_ops, triton_ops
 
 
 class SiluAndMul(nn.Module):
@@ -15,5 +15,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_ops.use_triton_ops(x):
             return triton_ops.silu_and_mul(x)
+        if cpu_ops.usable(x):
+            out = cpu_ops.silu_and_mul(x)
+            if out is not None:
+                return out
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

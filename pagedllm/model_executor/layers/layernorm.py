@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers import triton_ops
+from pagedllm.model_executor.layers import cpu_ops, triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +37,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return triton_ops.rms_norm(x, self.weight, self.variance_epsilon)
             return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        if cpu_ops.usable(x):
+            fused = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
+            if fused is not None:  # one C pass; the residual is updated in place (as on the GPU)
+                return fused
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -23,6 +23,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -91,6 +92,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
+        if packed is not None:
+            return packed_linear(x, packed, bias, layer.packed_out_features)
         return F.linear(x, layer.weight, bias)
 
 

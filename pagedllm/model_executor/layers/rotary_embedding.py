@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers import cpu_ops
+
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
@@ -80,6 +82,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_ops.usable(query) and cpu_ops.rotary_(positions, query, key, self.cos_sin_cache, self.head_size,
+                                                     self.rotary_dim):
+            return query, key  # rotated in place by one C pass
         cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
         half = self.rotary_dim // 2
         cos = cos_sin[:, None, :half]

@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import set_weight_attrs
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -116,7 +117,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] (padding columns removed, gathered across ranks)."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        packed = getattr(self, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
+        if packed is not None:
+            logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -1,0 +1,178 @@
+"""The CPU fast paths against their PyTorch references: the C paged-attention kernels (decode over the
+paged cache, cache writes) and oneDNN-packed bf16 linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.abstract import AttentionType
+from pagedllm.attention.backends.torch_native import TorchNativeAttentionImpl, TorchNativeMetadata
+from pagedllm.attention.ops import cpu_paged_attn
+from pagedllm.model_executor.layers import cpu_gemm, cpu_ops
+from pagedllm.model_executor.layers.layernorm import RMSNorm
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+needs_kernels = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
+
+
+def _reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """Float64, one request at a time, straight from the definition."""
+    d_reqs, num_heads, hd = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    g = num_heads // kvh
+    out = torch.empty(d_reqs, num_heads, hd, dtype=torch.float64)
+    for d in range(d_reqs):
+        n = int(seq_lens[d])
+        pos = torch.arange(n)
+        slots = bt[d, pos // bs].long() * bs + pos % bs
+        k = k_cache.reshape(-1, kvh, hd)[slots].double()  # [n, kvh, hd]
+        v = v_cache.reshape(-1, kvh, hd)[slots].double()
+        start = max(0, n - window) if window else 0
+        for h in range(num_heads):
+            s = (k[start:, h // g] @ q[d, h].double()) * scale
+            out[d, h] = torch.softmax(s, 0) @ v[start:, h // g]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,kvh,hd,bs,window", [(9, 3, 64, 16, None), (4, 4, 80, 8, None),
+                                                        (8, 2, 128, 16, 20), (12, 1, 32, 32, None)])
+def test_paged_decode_matches_reference(dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int,
+                                        window: int | None) -> None:
+    g = torch.Generator().manual_seed(num_heads * 100 + hd)
+    num_blocks, d_reqs = 64, 7
+    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
+    seq_lens = torch.tensor([1, 2, 31, 32, 33, 70, 100][:d_reqs], dtype=torch.int32)
+    max_nb = (int(seq_lens.max()) + bs - 1) // bs
+    bt = torch.randint(0, num_blocks, (d_reqs, max_nb), generator=g, dtype=torch.int32)
+    bt[1, 0] = bt[0, 0]  # a shared (prefix-cached) block
+    # The decode tokens sit at scattered rows of a larger batch, as in a mixed prefill/decode step.
+    num_tokens = 12
+    query = torch.randn(num_tokens, num_heads, hd, generator=g).to(dtype)
+    tok_idx = torch.tensor([0, 2, 3, 5, 8, 10, 11][:d_reqs])
+    out = torch.full_like(query, 7.0)
+    scale = hd ** -0.5
+    cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, tok_idx, out, scale, window)
+
+    ref = _reference_decode(query[tok_idx], k_cache, v_cache, bt, seq_lens, scale, window)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[tok_idx].double(), ref, atol=tol, rtol=tol)
+    untouched = torch.ones(num_tokens, dtype=torch.bool)
+    untouched[tok_idx] = False
+    assert bool((out[untouched] == 7.0).all()), "rows of other tokens must not be written"
+
+    # The backend's PyTorch path (used without the kernels) agrees too.
+    impl = TorchNativeAttentionImpl(num_heads, hd, scale, kvh, window, AttentionType.DECODER)
+    md = TorchNativeMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_actual_tokens=0, causal=True,
+                             decode_token_idx=tok_idx, decode_block_table=bt, decode_seq_lens=seq_lens,
+                             prefills=[], spans=[])
+    torch_out = impl._decode(query[tok_idx], k_cache, v_cache, md)
+    torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_index_copy(dtype: torch.dtype) -> None:
+    num_blocks, bs, kvh, hd, t = 16, 16, 3, 64, 40
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(t, (2 + 2 * kvh) * hd, generator=g).to(dtype)  # key/value as strided column slices
+    key = qkv[:, 2 * hd : (2 + kvh) * hd].view(t, kvh, hd)
+    value = qkv[:, (2 + kvh) * hd :].view(t, kvh, hd)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t]
+    k_cache = torch.zeros(num_blocks, bs, kvh, hd, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    cpu_paged_attn.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    k_ref = torch.zeros_like(k_cache)
+    v_ref = torch.zeros_like(v_cache)
+    k_ref.view(-1, kvh, hd).index_copy_(0, slots, key)
+    v_ref.view(-1, kvh, hd).index_copy_(0, slots, value)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.skipif(not cpu_gemm.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing")
+@pytest.mark.parametrize("m", [0, 1, 5, 64])
+def test_packed_linear_matches_f_linear(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    lin = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=g))
+        lin.bias.copy_(torch.randn(40, generator=g))
+    x = torch.randn(m, 96, generator=g).to(torch.bfloat16)
+    expect = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    assert cpu_gemm.pack_module(lin, release=True)
+    assert lin.weight.numel() == 0  # the plain copy is released
+    got = cpu_gemm.packed_linear(x, lin.packed_weight, lin.bias, lin.packed_out_features)
+    assert got.shape == (m, 40) and got.dtype == torch.bfloat16
+    # bf16 output rounding: half an ulp of values up to ~40 is 0.125.
+    torch.testing.assert_close(got.float(), expect, atol=0.25, rtol=1e-2)
+
+
+needs_layers = pytest.mark.skipif(not cpu_ops.usable(torch.ones(1)), reason="no C compiler for the CPU kernels")
+
+
+def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None):  # noqa: ANN202
+    """RMSNorm's PyTorch path (HF semantics), kept as the reference."""
+    norm = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    norm.weight.data.copy_(w)
+    if residual is None:
+        return norm._norm(x)
+    s = x + residual
+    return norm._norm(s), s
+
+
+@needs_layers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_fused_rms_norm_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    cols = 576
+    base = torch.randn(rows, cols + 64, generator=g).to(dtype)
+    x = base[:, 32 : 32 + cols]  # a strided row view, as a projection's slice would be
+    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+    res = torch.randn(rows, cols, generator=g).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.0, "rtol": 1e-2}
+
+    out = cpu_ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out, _torch_rms(x, w, 1e-5, None), **tol)
+
+    ref_out, ref_res = _torch_rms(x, w, 1e-5, res.clone())
+    got = cpu_ops.rms_norm(x, w, 1e-5, res)
+    assert got is not None and got[1] is res  # the residual is updated in place
+    assert torch.equal(res, ref_res)  # x + residual: one rounding, identical
+    torch.testing.assert_close(got[0], ref_out, **tol)
+
+
+@needs_layers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_fused_rotary_is_bitwise_torch(dtype: torch.dtype, rotary_dim: int) -> None:
+    """Same roundings as the PyTorch path (products rounded, no FMA): identical results."""
+    g = torch.Generator().manual_seed(rotary_dim)
+    t, hq, hk, d = 37, 9, 3, 64
+    rope = RotaryEmbedding(d, rotary_dim, 4096, 10000.0)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    q_ref, k_ref = q.clone(), k.clone()
+    assert cpu_ops.rotary_(positions, q, k, rope.cos_sin_cache, d, rotary_dim)
+    cos_sin = rope.cos_sin_cache.index_select(0, positions)
+    half = rotary_dim // 2
+    cos, sin = cos_sin[:, None, :half].to(dtype), cos_sin[:, None, half:].to(dtype)
+    assert torch.equal(q, rope._rotate(q_ref, cos, sin)) and torch.equal(k, rope._rotate(k_ref, cos, sin))
+    with pytest.raises(IndexError, match="position"):
+        cpu_ops.rotary_(torch.tensor([4096] * t), q, k, rope.cos_sin_cache, d, rotary_dim)
+
+
+@needs_layers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = (4 * torch.randn(33, 2 * 1536, generator=g)).to(dtype)
+    ref = F.silu(x[:, :1536]) * x[:, 1536:]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), ref, **tol)
