@@ -6,27 +6,11 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* no NaN case: -ffast-math assumes none */
-    return (uint16_t)(u >> 16);
-}
-
-#define ROUND_F32(x) (x)
-#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 #define PAR_MIN 16384
 
-#define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND) \
+#define DEFINE_SILU(SUFFIX, T, LOAD, STORE, ROUND)                                                         \
     /* out[r, :d] = silu(x[r, :d]) * x[r, d:2d] (silu rounded to T first, as F.silu(...) * ... does). */  \
     void silu_and_mul_##SUFFIX(const T* x, int64_t x_stride, T* out, int64_t o_stride, int64_t rows,      \
                                int64_t d, int num_threads) {                                              \
@@ -36,7 +20,7 @@ static inline uint16_t f32_to_bf16(float f) {
             const T* g = x + r * x_stride;                                                                \
             const T* u = g + d;                                                                           \
             T* o = out + r * o_stride;                                                                    \
-            _Pragma("omp simd") for (int64_t c = 0; c < d; c++) {                                                             \
+            _Pragma("omp simd") for (int64_t c = 0; c < d; c++) {                                        \
                 const float v = LOAD(g[c]);                                                               \
                 const float sv = ROUND(v / (1.f + expf(-v)));                                             \
                 o[c] = STORE(sv * LOAD(u[c]));                                                            \

@@ -13,26 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Round a float to the storage type and back (identity for f32). */
-#define ROUND_F32(x) (x)
-#define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x))
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
+#include "bf16.h"
 
 /* Work below this many elements runs on one thread: a parallel region costs a few microseconds. */
 #define PAR_MIN 16384
@@ -88,7 +69,6 @@ static inline uint16_t f32_to_bf16(float f) {
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
-
 
 DEFINE_LAYERS(f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 DEFINE_LAYERS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, ROUND_BF16)

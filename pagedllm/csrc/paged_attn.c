@@ -16,20 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 #define MAX_HEAD 512
 #define MAX_HEADS 128 /* query heads; with MAX_HEAD bounds the per-thread stack arrays */
@@ -134,7 +121,5 @@ static inline uint16_t f32_to_bf16(float f) {
         }                                                                                                 \
     }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32)
 DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
