@@ -28,7 +28,8 @@ def main() -> None:
     mod = load_workloads_module()
     cfg_dir = mod.MODELS["qwen3-0.6b"]
     llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
-              max_model_len=2048, kv_cache_memory_bytes=1 << 30, hf_overrides={"num_hidden_layers": 1})
+              max_model_len=2048, kv_cache_memory_bytes=1 << 30, hf_overrides={"num_hidden_layers": 1},
+              max_num_seqs=1024, max_num_batched_tokens=16384)  # the GPU defaults (vLLM's limits)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     hidden = runner.model.config.hidden_size if hasattr(runner.model, "config") else 1024
     vocab = 1024  # the no-op model's logits: small, so the host work dominates
@@ -47,7 +48,13 @@ def main() -> None:
         sp.output_kind = RequestOutputKind.FINAL_ONLY
     for i in range(args.num_reqs):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(range(1, 500))), sp)
-    for _ in range(5):  # prefill + warm-up
+    # Prefill (chunked: 256 x 499 tokens over several steps), then a few decode steps, so that every timed
+    # step is a pure 256-decode step.
+    sched = engine.engine_core.engine_core.scheduler
+    while len(sched.running) < args.num_reqs or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                   for r in sched.running):
+        engine.step()
+    for _ in range(5):
         engine.step()
     prof = cProfile.Profile() if args.profile else None
     if prof:

@@ -113,11 +113,12 @@ class InputBatch:
             self.block_tables[g][row, start : start + len(ids)] = ids
             self.num_blocks[g, row] = start + len(ids)
 
-    def append_token(self, row: int, token: int) -> None:
-        n = int(self.num_tokens[row])
-        if n < self.max_model_len:
-            self.token_ids[row, n] = token
-        self.num_tokens[row] = n + 1
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """`append_token` for many rows at once (distinct rows)."""
+        n = self.num_tokens[rows]
+        fits = n < self.max_model_len
+        self.token_ids[rows[fits], n[fits]] = tokens[fits]
+        self.num_tokens[rows] = n + 1
 
     def count_output_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Add this step's sampled tokens to the output counts of the penalized rows among `rows`."""

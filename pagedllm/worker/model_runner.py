@@ -233,15 +233,13 @@ class ModelRunner:
             md_s = self._sampling_metadata(sample_rows)
             out = self.sampler(logits, md_s)
             sampled = out.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx.tolist()):
-                tok = sampled[j]
-                row = int(rows[i])
-                batch.append_token(row, tok)
-                st = batch.states[row]
-                assert st is not None
-                st.output_token_ids.append(tok)
+            sampled_np = np.asarray(sampled, dtype=np.int64)
+            batch.append_tokens(sample_rows, sampled_np)
+            states = batch.states
+            for i, row, tok in zip(sample_idx.tolist(), sample_rows.tolist(), sampled):
+                states[row].output_token_ids.append(tok)  # type: ignore[union-attr]
                 sampled_lists[i] = [tok]
-            batch.count_output_tokens(sample_rows, np.asarray(sampled, dtype=np.int64))
+            batch.count_output_tokens(sample_rows, sampled_np)
             if out.logprobs is not None and md_s.logprob_rows is not None:
                 logprobs_lists = [None] * num_reqs
                 for pos, j in enumerate(md_s.logprob_rows.tolist()):
