@@ -130,7 +130,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
         if attn_metadata.decode_token_idx is not None:
             idx = attn_metadata.decode_token_idx
-            if use_c and query.dtype == k_cache.dtype:
+            if use_c and cpu_paged_attn.can_decode(query, output, k_cache):
                 cpu_paged_attn.paged_decode(query, k_cache, v_cache, attn_metadata.decode_block_table,
                                             attn_metadata.decode_seq_lens, idx, output, self.scale,
                                             self.sliding_window)

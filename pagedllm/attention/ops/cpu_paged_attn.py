@@ -42,6 +42,11 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
+def can_decode(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode` takes these tensors as they are (else the caller uses its PyTorch path)."""
+    return _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype == k_cache.dtype
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor) -> None:
     """k_cache/v_cache: [num_blocks, block_size, kvh, hd] contiguous; key/value: [T, kvh, hd]."""
