@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -65,7 +66,8 @@ def main() -> None:
     dt = (time.perf_counter() - t) / args.steps
     if prof:
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        stats = pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime"))  # SORT=cumulative, NSTATS=40
+        stats.print_stats(int(os.environ.get("NSTATS", "20")))
     print(f"host time per step with {args.num_reqs} running decodes (no-op model): {dt * 1e3:.2f} ms")
 
 

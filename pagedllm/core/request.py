@@ -23,11 +23,14 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-            RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 class Request:
@@ -61,6 +64,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
+        # Tokens per hashed block: the hasher only has work once all_token_ids reaches the next block end.
+        self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
 
@@ -102,7 +107,8 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
+        if (self._block_hasher is not None
+                and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size):
             self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:

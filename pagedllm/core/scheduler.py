@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -94,7 +94,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
-        new_blocks_of: dict[str, KVCacheBlocks] = {}
+        no_new_blocks = self.kv.no_new_blocks
 
         # 1. Running requests, in order.
         i = 0
@@ -116,8 +116,19 @@ class Scheduler:
                     break
             if blocks is None:
                 continue  # req itself was preempted; self.running shrank, i stays
-            num_scheduled[req.request_id] = num_new
-            new_blocks_of[req.request_id] = blocks
+            # Victims only come from the not-yet-scheduled tail, so this request stays scheduled: record it
+            # for the worker now ("cached": the worker already holds its state).
+            rid = req.request_id
+            num_scheduled[rid] = num_new
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(False)
+            if blocks is no_new_blocks:  # the common decode: nothing to convert
+                cached.new_block_ids.append(None)
+            else:
+                ids = blocks.get_block_ids()
+                cached.new_block_ids.append(ids if any(ids) else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_computed_tokens += num_new
             budget -= num_new
             i += 1
 
@@ -164,20 +175,7 @@ class Scheduler:
                     cached.resumed_from_preemption.append(True)
                     cached.new_block_ids.append(self.kv.get_block_ids(req.request_id))
                     cached.num_computed_tokens.append(num_hit)
-
-        # Running requests that were scheduled (and not preempted afterwards) are "cached" for the worker.
-        for rid, blocks in new_blocks_of.items():
-            if rid in preempted:
-                continue
-            req = self.requests[rid]
-            cached.req_ids.append(rid)
-            cached.resumed_from_preemption.append(False)
-            if blocks is self.kv.no_new_blocks:  # the common decode: nothing to convert
-                cached.new_block_ids.append(None)
-            else:
-                ids = blocks.get_block_ids()
-                cached.new_block_ids.append(ids if any(ids) else None)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
+                req.num_computed_tokens += num_new
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -188,8 +186,6 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
         return out
 
     def _pick_victim(self, current: int) -> Request:
@@ -211,51 +207,59 @@ class Scheduler:
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
+        # Locals for the per-request loop (it runs for every running request, every step).
+        get_request = self.requests.get
+        running_status = RequestStatus.RUNNING
+        logprobs = result.logprobs
+        prompt_logprobs = result.prompt_logprobs
+        check_stop = self._check_stop
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
-            req = self.requests.get(rid)
-            if req is None or not tokens or req.status != RequestStatus.RUNNING:
+            req = get_request(rid)
+            if req is None or not tokens or req.status != running_status:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
             if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
                 new_tokens = tokens
                 req.append_output_token_ids(tokens)
-                self._check_stop(req, tokens[0])
+                check_stop(req, tokens[0])
             else:
                 new_tokens = []
                 for tok in tokens:
                     req.append_output_token_ids([tok])
                     new_tokens.append(tok)
-                    if self._check_stop(req, tok):
+                    if check_stop(req, tok):
                         break
-            if req.is_finished():
+            finish_reason = req.status.finish_reason
+            if finish_reason is not None:
                 self.running.remove(req)
                 self._free_request(req)
-            lps = result.logprobs[idx] if result.logprobs is not None else None
+            lps = logprobs[idx] if logprobs is not None else None
             if lps is not None and len(lps) > len(new_tokens):
                 lps = lps.slice(0, len(new_tokens))
             outputs.append(
                 EngineCoreOutput(
                     rid,
                     new_tokens,
-                    req.get_finished_reason(),
+                    finish_reason,
                     req.stop_reason,
-                    max(req.num_cached_tokens, 0),
+                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
                     new_logprobs=lps,
-                    new_prompt_logprobs=result.prompt_logprobs.get(rid),
+                    new_prompt_logprobs=prompt_logprobs.get(rid) if prompt_logprobs else None,
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
 
     def _check_stop(self, req: Request, token: int) -> bool:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and sp.eos_token_id is not None and token == sp.eos_token_id:
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token == sp.eos_token_id and token is not None:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in (sp.stop_token_ids or ()):
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
