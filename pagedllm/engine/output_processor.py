@@ -10,7 +10,6 @@ returns the outputs (offline `LLM`) or puts them into each request's `RequestOut
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -224,7 +223,7 @@ class RequestState:
             outputs=[completion],
             finished=self.finish_reason is not None,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=copy.copy(self.metrics),
+            metrics=self.metrics.snapshot(),
             prompt_logprobs=self.take_prompt_logprobs(),
         )
 
@@ -262,7 +261,7 @@ class _ParentState:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=copy.copy(self.metrics),
+            metrics=self.metrics.snapshot(),
             prompt_logprobs=prompt_logprobs,
         )
 
