@@ -3,7 +3,8 @@
 # the W1..W4 benchmarks. The SmolLM2 GGUF travels in two parts (64 MiB per call):
 #   call 1: bash benchmarks/gpu_e2e.sh part1        (carry .gguf/part1; copies it to /tmp)
 #   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1)
-# Prints a short table last and writes JSON/logs under $OUT.
+# Prints a short table last and writes JSON/logs under $OUT. E2E_EXTRA="--async-scheduling" (for example) is
+# appended to every benchmark command; E2E_TAG names the output files apart.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
 mkdir -p "$OUT"
@@ -35,6 +36,8 @@ else
     echo "no GGUF parts: correctness skipped" >> "$summary"
 fi
 W=${*:-W1 W3 W4}
+read -r -a extra <<< "${E2E_EXTRA:-}"
+tag=${E2E_TAG:-}
 for w in $W; do
     case $w in
         W1) args=(--workload W1 --max-model-len 2048) ;;
@@ -45,18 +48,19 @@ for w in $W; do
     if [ "$w" = W3 ]; then
         timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
             --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
-            --output-json "$OUT/W3.json" 2>&1 | tail -5 | tee -a "$OUT/bench.log"
-        echo "W3: $(tail -1 "$OUT/bench.log")" >> "$summary"
+            "${extra[@]}" --output-json "$OUT/W3$tag.json" 2>&1 | tail -5 | tee -a "$OUT/bench.log"
+        echo "W3$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
     elif [ "$w" = W4 ]; then
         for pc in enable no-enable; do
             timeout 300 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --$pc-prefix-caching \
-                --output-json "$OUT/W4_$pc.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
+                "${extra[@]}" --output-json "$OUT/W4_$pc$tag.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
             echo "W4 prefix $pc: $(grep -o '([0-9.]* s;' "$OUT/bench.log" | tail -1)" >> "$summary"
         done
     else
-        timeout 400 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --output-json "$OUT/$w.json" \
+        timeout 400 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy "${extra[@]}" \
+            --output-json "$OUT/$w$tag.json" \
             2>&1 | tail -5 | tee -a "$OUT/bench.log"
-        echo "$w: $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary"
+        echo "$w$tag: $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary"
     fi
 done
 echo "==== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader)) ===="

@@ -119,6 +119,8 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: Literal["fcfs", "priority"]
+    async_scheduling: bool = False
+    """Schedule and prepare step N+1 while step N runs on the device (see EngineCore.step_async)."""
 
 
 @dataclass

@@ -58,6 +58,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Async scheduling: tokens sampled by steps still in flight (scheduled on, not yet known)."""
         self.num_cached_tokens = -1
         """Prefix-cache hit tokens at first scheduling (-1 until then)."""
         self.num_preemptions = 0

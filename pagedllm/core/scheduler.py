@@ -25,6 +25,14 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.sampling_params import SamplingParams
+
+
+def needs_sync_step(sp: SamplingParams) -> bool:
+    """Whether sampling for this request reads its previous tokens on the host (so the next step cannot be
+    scheduled before they are known): penalties, min_tokens, bad words, logprobs."""
+    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens
+                or sp.bad_words_token_ids or sp.logprobs is not None or sp.prompt_logprobs is not None)
 
 
 class Scheduler:
@@ -47,6 +55,10 @@ class Scheduler:
         self._new_to_worker: set[str] = set()
         """Requests the worker has never seen (or dropped): sent as NewRequestData."""
         self.num_preemptions = 0
+        self.async_scheduling = config.async_scheduling
+        self._sync_only: set[str] = set()
+        """Requests whose sampling needs the previous token on the host (penalties, logprobs, ...): while
+        any is known, steps run synchronously."""
         self._last_queries = 0
         self._last_hits = 0
 
@@ -58,6 +70,12 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
         self._new_to_worker.add(req.request_id)
+        if self.async_scheduling and needs_sync_step(req.sampling_params):
+            self._sync_only.add(req.request_id)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the current one's tokens are known."""
+        return self.async_scheduling and not self._sync_only
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or finish) requests wherever they are; unknown ids are ignored."""
@@ -80,6 +98,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
         self._new_to_worker.discard(req.request_id)
+        self._sync_only.discard(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -100,7 +119,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+            pending = req.num_output_placeholders
+            if pending and (req.num_output_tokens + pending >= req.max_tokens
+                            or req.num_tokens + pending >= self.max_model_len):
+                i += 1  # its last token is already in flight
+                continue
+            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -129,6 +153,8 @@ class Scheduler:
                 cached.new_block_ids.append(ids if any(ids) else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             req.num_computed_tokens += num_new
+            if self.async_scheduling and req.num_computed_tokens >= req.num_tokens + pending:
+                req.num_output_placeholders += 1  # this step samples a token nobody has seen yet
             budget -= num_new
             i += 1
 
@@ -176,6 +202,8 @@ class Scheduler:
                     cached.new_block_ids.append(self.kv.get_block_ids(req.request_id))
                     cached.num_computed_tokens.append(num_hit)
                 req.num_computed_tokens += num_new
+                if self.async_scheduling and req.num_computed_tokens >= req.num_tokens:
+                    req.num_output_placeholders += 1
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -215,8 +243,16 @@ class Scheduler:
         check_stop = self._check_stop
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
-            if req is None or not tokens or req.status != running_status:
+            if req is None or not tokens:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
+            if req.num_output_placeholders:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+            if req.status != running_status:
+                if req.status == RequestStatus.PREEMPTED and self.async_scheduling:
+                    # Preempted while its token was in flight: keep the token (it was sampled, and a seeded
+                    # request must not sample it again), then the request waits to recompute as usual.
+                    self._late_token_of_preempted(req, tokens, outputs, idx, result)
+                continue
             if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
                 new_tokens = tokens
                 req.append_output_token_ids(tokens)
@@ -247,6 +283,22 @@ class Scheduler:
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _late_token_of_preempted(self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int,
+                                 result: ModelRunnerOutput) -> None:
+        new_tokens: list[int] = []
+        for tok in tokens:
+            req.append_output_token_ids([tok])
+            new_tokens.append(tok)
+            if self._check_stop(req, tok):
+                break
+        finish_reason = req.status.finish_reason
+        if finish_reason is not None:
+            self.waiting.remove(req)
+            self._free_request(req)
+        lps = result.logprobs[idx] if result.logprobs is not None else None
+        outputs.append(EngineCoreOutput(req.request_id, new_tokens, finish_reason, req.stop_reason,
+                                        max(req.num_cached_tokens, 0), new_logprobs=lps))
 
     def _check_stop(self, req: Request, token: int) -> bool:
         sp = req.sampling_params

@@ -69,6 +69,9 @@ class EngineArgs:
         "Split long prompts across steps to fit the token budget.", "Scheduler"))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
         "'fcfs' or 'priority' (lower value first; preemption takes the lowest priority).", "Scheduler"))
+    async_scheduling: bool = field(default=False, metadata=_help(
+        "Schedule and prepare the next step while the current one runs on the GPU (steps whose requests "
+        "need the previous token on the host, e.g. penalties, run synchronously).", "Scheduler"))
     enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
     device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
@@ -153,6 +156,7 @@ class EngineArgs:
                 max_model_len=mc.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class StepResult(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class _Done:
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 class Executor(ABC):
@@ -21,6 +34,10 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
+        """Launch a step; `.result()` waits for it. Executors that cannot overlap run it now."""
+        return _Done(self.execute_model(scheduler_output))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process
         """Release workers (nothing to do in-process)."""

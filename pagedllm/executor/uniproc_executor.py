@@ -7,6 +7,7 @@ from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker
 
 
@@ -24,3 +25,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        return self.worker.execute_model_async(scheduler_output)

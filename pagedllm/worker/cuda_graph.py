@@ -113,12 +113,16 @@ class CudaGraphRunner:
         seq_lens: np.ndarray,
         slots: list[np.ndarray],
         block_tables: list[np.ndarray],
+        patch: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Replays the graph for len(input_ids) decodes; returns their hidden states."""
+        """Replays the graph for len(input_ids) decodes; returns their hidden states. `patch` (token
+        indices, ids on the device) overrides input ids not known on the host yet (async scheduling)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         dev = self.device
         self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
         sl = np.zeros(size, dtype=np.int32)
         sl[:n] = seq_lens

@@ -4,6 +4,7 @@ inputs and per-group attention metadata, runs the model, gathers the logits it n
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,24 @@ def alloc_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
 
 
+@dataclass
+class PendingStep:
+    """A launched step; `result()` waits for its sampled ids and does the host bookkeeping."""
+
+    runner: ModelRunner
+    req_ids: list[str]
+    sample_idx: np.ndarray
+    num_reqs: int
+    sampled_host: torch.Tensor | None
+    event: Any
+    logprobs: LogprobsLists | None
+    sampling_metadata: SamplingMetadata | None
+    prompt_logprobs_done: dict[str, LogprobsLists]
+
+    def result(self) -> ModelRunnerOutput:
+        return self.runner._finish(self)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,6 +83,8 @@ class ModelRunner:
         self.builders: list[Any] = []
         self.input_batch: InputBatch | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
+        self._in_flight: tuple[torch.Tensor | None, dict[str, int]] | None = None
+        """The last step launched ahead: its sampled ids (on the device) and request id -> index."""
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -182,9 +203,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self._finish(self._launch(so, ahead=False))
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> PendingStep:
+        """Launch the step and return without waiting for the device: the sampled ids come back through a
+        non-blocking copy, and `PendingStep.result()` waits for them. Decodes whose last token is still
+        in flight (sampled by the previous launched step) take it on the device from that step."""
+        return self._launch(so, ahead=True)
+
+    def _launch(self, so: SchedulerOutput, ahead: bool) -> PendingStep:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return PendingStep(self, [], np.zeros(0, dtype=np.int64), 0, None, None, None, None, {})
         batch = self.input_batch
         assert batch is not None and self.model is not None and self.kv_cache_config is not None
         rows_of = batch.req_id_to_row
@@ -203,6 +234,7 @@ class ModelRunner:
         token_rows = rows[req_of_token]
         input_ids = batch.token_ids[token_rows, positions]
         seq_lens = computed + n_sched
+        patch = self._in_flight_patch(req_ids, req_of_token, token_rows, positions)
 
         dev = self.device
         max_query_len = int(n_sched.max())
@@ -214,48 +246,105 @@ class ModelRunner:
                 bt = batch.block_tables[g][rows]
                 slots_g.append(bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
                 bts.append(np.ascontiguousarray(bt[:, : cdiv(int(seq_lens.max()), bs)]))
-            hidden = graphs.run(input_ids, positions, seq_lens.astype(np.int32), slots_g, bts)
+            hidden = graphs.run(input_ids, positions, seq_lens.astype(np.int32), slots_g, bts, patch)
         else:
             hidden = self._run_eager(batch, rows, computed, seq_lens, cu, n_sched, req_of_token, positions,
-                                     input_ids, total, max_query_len)
+                                     input_ids, total, max_query_len, patch)
 
         prompt_lp_done = self._gather_prompt_logprobs(req_ids, rows, computed, seq_lens, cu, hidden)
 
-        # Only requests whose known tokens are all computed after this step sample (not partial prefills).
+        # Only requests whose known tokens are all computed after this step sample (not partial prefills;
+        # a decode whose input token is still in flight samples too).
         sample_mask = seq_lens >= batch.num_tokens[rows]
         sample_idx = np.nonzero(sample_mask)[0]
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs_lists: list[LogprobsLists | None] | None = None
+        sampled_gpu = sampled_host = event = None
+        logprobs = None
+        md_s = None
         if len(sample_idx):
             logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden[logits_idx])
-            sample_rows = rows[sample_idx]
-            md_s = self._sampling_metadata(sample_rows)
+            md_s = self._sampling_metadata(rows[sample_idx])
             out = self.sampler(logits, md_s)
-            sampled = out.sampled_token_ids.tolist()
-            sampled_np = np.asarray(sampled, dtype=np.int64)
-            batch.append_tokens(sample_rows, sampled_np)
-            states = batch.states
-            for i, row, tok in zip(sample_idx.tolist(), sample_rows.tolist(), sampled):
-                states[row].output_token_ids.append(tok)  # type: ignore[union-attr]
-                sampled_lists[i] = [tok]
-            batch.count_output_tokens(sample_rows, sampled_np)
-            if out.logprobs is not None and md_s.logprob_rows is not None:
-                logprobs_lists = [None] * num_reqs
-                for pos, j in enumerate(md_s.logprob_rows.tolist()):
-                    logprobs_lists[int(sample_idx[j])] = out.logprobs.slice(pos, pos + 1)
+            sampled_gpu = out.sampled_token_ids
+            logprobs = out.logprobs
+            if ahead and sampled_gpu.device.type == "cuda":
+                sampled_host = torch.empty(sampled_gpu.shape, dtype=sampled_gpu.dtype, pin_memory=True)
+                sampled_host.copy_(sampled_gpu, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                sampled_host = sampled_gpu
         # The per-request states' num_computed_tokens is refreshed from the scheduler's diff each step
         # (and on resume), so only the batch row needs it here: no per-request loop on the hot path.
         batch.num_computed_tokens[rows] = seq_lens
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs_lists, prompt_lp_done)
+        sample_ids = [req_ids[i] for i in sample_idx.tolist()]
+        # What the next launched step needs if it runs before this one's result is read.
+        self._in_flight = (sampled_gpu, {rid: j for j, rid in enumerate(sample_ids)}) if ahead else None
+        return PendingStep(self, req_ids, sample_idx, num_reqs, sampled_host, event, logprobs, md_s, prompt_lp_done)
+
+    def _in_flight_patch(self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray,
+                         positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, the in-flight sampled ids for them) for input tokens not known on the host yet."""
+        batch = self.input_batch
+        assert batch is not None
+        unknown = np.nonzero(positions >= batch.num_tokens[token_rows])[0]
+        if not len(unknown):
+            return None
+        assert self._in_flight is not None, "a step needs tokens that no launched step samples"
+        sampled_gpu, index_of = self._in_flight
+        src = np.fromiter((index_of[req_ids[r]] for r in req_of_token[unknown].tolist()), dtype=np.int64,
+                          count=len(unknown))
+        dev = self.device
+        src_t = torch.from_numpy(src).to(dev, non_blocking=True)
+        return torch.from_numpy(unknown).to(dev, non_blocking=True), sampled_gpu[src_t]
+
+    def _finish(self, step: PendingStep) -> ModelRunnerOutput:
+        """Host bookkeeping of a launched step once its sampled ids are on the host. Goes by request id:
+        rows may have been reused by a step launched meanwhile."""
+        num_reqs = step.num_reqs
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs_lists: list[LogprobsLists | None] | None = None
+        if step.sampled_host is not None:
+            if step.event is not None:
+                step.event.synchronize()
+            sampled = step.sampled_host.tolist()
+            batch = self.input_batch
+            assert batch is not None
+            rows_of = batch.req_id_to_row
+            known_rows, known_toks = [], []
+            for i, tok in zip(step.sample_idx.tolist(), sampled):
+                rid = step.req_ids[i]
+                sampled_lists[i] = [tok]
+                st = self.requests.get(rid)
+                if st is None:
+                    continue  # finished or aborted while the step ran
+                st.output_token_ids.append(tok)
+                row = rows_of.get(rid)
+                if row is not None:
+                    known_rows.append(row)
+                    known_toks.append(tok)
+            if known_rows:
+                rows_np = np.asarray(known_rows, dtype=np.int64)
+                toks_np = np.asarray(known_toks, dtype=np.int64)
+                batch.append_tokens(rows_np, toks_np)
+                batch.count_output_tokens(rows_np, toks_np)
+            md_s = step.sampling_metadata
+            if step.logprobs is not None and md_s is not None and md_s.logprob_rows is not None:
+                logprobs_lists = [None] * num_reqs
+                for pos, j in enumerate(md_s.logprob_rows.tolist()):
+                    logprobs_lists[int(step.sample_idx[j])] = step.logprobs.slice(pos, pos + 1)
+        return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists, step.prompt_logprobs_done)
 
     def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
                    cu: np.ndarray, n_sched: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
-                   input_ids: np.ndarray, total: int, max_query_len: int) -> torch.Tensor:
+                   input_ids: np.ndarray, total: int, max_query_len: int,
+                   patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         assert self.model is not None and self.kv_cache_config is not None
         num_reqs = len(rows)
         dev = self.device
         input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        if patch is not None:
+            input_ids_t[patch[0]] = patch[1]
         positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         qsl_cpu = torch.from_numpy(cu.astype(np.int32))
         seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))

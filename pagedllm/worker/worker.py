@@ -11,7 +11,7 @@ from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, PendingStep
 
 logger = init_logger(__name__)
 
@@ -73,3 +73,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        return self.model_runner.execute_model_async(scheduler_output)
