@@ -25,8 +25,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 30000) for _ in range(rng.randint(20, 300))])
                for _ in range(args.num_prompts)]
-    sps = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-           SamplingParams(temperature=0.7, seed=11, max_tokens=48, ignore_eos=True)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False),
+           SamplingParams(temperature=0.7, seed=11, max_tokens=48, ignore_eos=True, detokenize=False)]
     results = {}
     for mode in (False, True):
         llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
