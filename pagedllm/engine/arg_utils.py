@@ -69,9 +69,10 @@ class EngineArgs:
         "Split long prompts across steps to fit the token budget.", "Scheduler"))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
         "'fcfs' or 'priority' (lower value first; preemption takes the lowest priority).", "Scheduler"))
-    async_scheduling: bool = field(default=False, metadata=_help(
+    async_scheduling: bool | None = field(default=None, metadata=_help(
         "Schedule and prepare the next step while the current one runs on the GPU (steps whose requests "
-        "need the previous token on the host, e.g. penalties, run synchronously).", "Scheduler"))
+        "need the previous token on the host, e.g. penalties, run synchronously). Default: on for the GPU, "
+        "off on the CPU (where nothing overlaps).", "Scheduler"))
     enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
     device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
@@ -156,7 +157,7 @@ class EngineArgs:
                 max_model_len=mc.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=on_gpu if self.async_scheduling is None else self.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),

@@ -445,10 +445,10 @@ class ModelRunner:
             prompt_ids.append(st.prompt_token_ids)
             req_ids.append(st.req_id)
         md = SamplingMetadata(
-            temperature=torch.from_numpy(temp).to(dev),
-            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1.0).any() else None,
-            top_k=torch.from_numpy(top_k).to(dev) if (top_k > 0).any() else None,
-            min_p=torch.from_numpy(min_p).to(dev) if (min_p > 0).any() else None,
+            temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
+            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if (top_p < 1.0).any() else None,
+            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if (top_k > 0).any() else None,
+            min_p=torch.from_numpy(min_p).to(dev, non_blocking=True) if (min_p > 0).any() else None,
             all_greedy=bool(greedy.all()),
             all_random=bool((~greedy).all()),
             generators=generators,
@@ -461,12 +461,12 @@ class ModelRunner:
         pen = np.nonzero(slots >= 0)[0]
         if len(pen):
             # Penalty state comes from the persistent per-request slots (gathered, not rebuilt).
-            slot_t = torch.from_numpy(slots[pen]).to(dev)
+            slot_t = torch.from_numpy(slots[pen]).to(dev, non_blocking=True)
             prow = rows[pen]
-            md.penalty_rows = torch.from_numpy(pen).to(dev)
-            md.presence_penalties = torch.from_numpy(batch.presence_penalty[prow]).to(dev)
-            md.frequency_penalties = torch.from_numpy(batch.frequency_penalty[prow]).to(dev)
-            md.repetition_penalties = torch.from_numpy(batch.repetition_penalty[prow]).to(dev)
+            md.penalty_rows = torch.from_numpy(pen).to(dev, non_blocking=True)
+            md.presence_penalties = torch.from_numpy(batch.presence_penalty[prow]).to(dev, non_blocking=True)
+            md.frequency_penalties = torch.from_numpy(batch.frequency_penalty[prow]).to(dev, non_blocking=True)
+            md.repetition_penalties = torch.from_numpy(batch.repetition_penalty[prow]).to(dev, non_blocking=True)
             md.prompt_token_mask = batch.token_counts.prompt_mask[slot_t]
             md.output_token_counts = batch.token_counts.output_counts[slot_t]
         fill_sparse_fields(md, params, dev)
