@@ -4,7 +4,8 @@
 #   call 1: bash benchmarks/gpu_e2e.sh part1        (carry .gguf/part1; copies it to /tmp)
 #   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1)
 # Prints a short table last and writes JSON/logs under $OUT. E2E_EXTRA="--async-scheduling" (for example) is
-# appended to every benchmark command; E2E_TAG names the output files apart.
+# appended to every benchmark command; E2E_TAG names the output files apart; E2E_CORRECTNESS=0 skips the
+# correctness part.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
 mkdir -p "$OUT"
@@ -22,7 +23,9 @@ export PYTHONPATH=.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 summary="$OUT/summary.txt"
 : > "$summary"
-if [ -f /tmp/smol.part00 ] && [ -d .gguf/part2 ]; then
+if [ "${E2E_CORRECTNESS:-1}" = 0 ]; then
+    echo "correctness skipped (E2E_CORRECTNESS=0)" >> "$summary"
+elif [ -f /tmp/smol.part00 ] && [ -d .gguf/part2 ]; then
     cat /tmp/smol.part00 .gguf/part2/smol.part01 > /tmp/smollm2.gguf
     if [ "$(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1)" = "$(cat .gguf/part2/sha256)" ]; then
         export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf

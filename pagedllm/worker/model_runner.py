@@ -135,6 +135,53 @@ class ModelRunner:
         )
         return self.kv_cache_config
 
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Runs the attention launch variants a workload can meet (pure prefill; decodes mixed with fresh and
+        cached-prefix chunks; eager decodes) once on dummy inputs, so that Triton compiles them at start-up
+        rather than inside a running step (before this, W2 on the H200 stalled ~5 s on mid-run compiles).
+        Slots are -1 (nothing written to the cache) and block tables point at the null block. GPU only."""
+        if self.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        self.run_dummy_batches()
+        torch.cuda.synchronize()
+        logger.info("Kernel warm-up (attention variants) in %.2f s", time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run_dummy_batches(self) -> None:
+        """The warm-up's forwards (any device): writes nothing to the KV cache."""
+        if not self.attn_layers or self.kv_cache_config is None or not self.kv_cache_config.groups:
+            return
+        assert self.model is not None
+        c = max(2, min(64, (self.max_model_len - 16) // 2))
+        shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 1], [16, 16])]
+        dev = self.device
+        for q_lens, ctx in shapes:
+            n = sum(q_lens)
+            seq = [a + b for a, b in zip(q_lens, ctx)]
+            if n > self.max_num_tokens or max(seq) > self.max_model_len:
+                continue
+            qsl = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32)
+            pos = torch.cat([torch.arange(a, a + q) for q, a in zip(q_lens, ctx)]).to(dev)
+            seq_cpu = torch.tensor(seq, dtype=torch.int32)
+            attn_metadata: dict[str, Any] = {}
+            for g, group in enumerate(self.kv_cache_config.groups):
+                common = CommonAttentionMetadata(
+                    query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_cpu.to(dev),
+                    seq_lens_cpu=seq_cpu, num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
+                    block_table=torch.zeros(len(q_lens), cdiv(max(seq), group.spec.block_size), dtype=torch.int32,
+                                            device=dev),
+                    slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+                    num_reqs=len(q_lens), num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq),
+                )
+                md = self.builders[g].build(common)
+                for name in group.layer_names:
+                    attn_metadata[name] = md
+            with set_forward_context(attn_metadata):
+                hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), pos)
+            self.model.compute_logits(hidden[qsl[1:].to(dev).long() - 1])
+
     def capture_cuda_graphs(self) -> None:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend whose
         metadata lives in fixed device buffers (Triton)."""

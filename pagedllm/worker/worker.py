@@ -68,6 +68,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
         kv_config = self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.warm_up_kernels()
         self.model_runner.capture_cuda_graphs()
         return kv_config
 

@@ -174,7 +174,9 @@ if HAS_TRITON:
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit
+    # num_reqs changes every step: without do_not_specialize Triton compiles a variant per
+    # "divisible by 16" / "== 1" class of it, i.e. recompiles mid-run (measured on the H200: 1-2 s stalls).
+    @triton.jit(do_not_specialize=["num_reqs"])
     def _paged_attn_kernel(
         out_ptr,
         q_ptr,
@@ -232,6 +234,9 @@ if HAS_TRITON:
                 return
         seq_len = tl.load(seq_lens_ptr + req)
         ctx = seq_len - q_len  # tokens cached before this step's chunk
+        if FILTER == 3:  # multi-token chunks with a cached prefix only (fresh prompts ran in FlashAttention)
+            if q_len == 1 or ctx == 0:
+                return
 
         offs_m = tl.arange(0, BLOCK_M)
         tok = qb * BLOCK_Q + offs_m // GROUP  # query token within the request's chunk
@@ -438,13 +443,17 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_decodes: int | None = None,
+    context_chunks_only: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
-    heuristics (benchmarks, tests) and force a single launch.
+    heuristics (benchmarks, tests) and force a single launch. `context_chunks_only` (with `num_decodes`):
+    the number of multi-token chunks that have a cached prefix; only those and the decodes are computed,
+    the rows of fresh prompts (no cached prefix) are left as they are (the backend runs them in
+    FlashAttention first).
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -463,7 +472,16 @@ def paged_attention(
 
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
-    if num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
+    if context_chunks_only is not None:
+        assert num_decodes is not None and not overridden and num_splits == 1
+        launches = []
+        if num_decodes:
+            launches.append((launch_config(head_size, group, query.dtype, 1), 1))
+        if context_chunks_only:
+            launches.append((launch_config(head_size, group, query.dtype, max_query_len), 3))
+        if not launches:
+            return output
+    elif num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
         launches = [(launch_config(head_size, group, query.dtype, 1), 1),
                     (launch_config(head_size, group, query.dtype, max_query_len), 2)]
     else:

@@ -26,6 +26,23 @@ def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) ->
     return ((vocab_size + pad_to - 1) // pad_to) * pad_to
 
 
+_MM_OUT_DTYPE: bool | None = None
+
+
+def _fp32_logits_ok(h: torch.Tensor) -> bool:
+    """`torch.mm(..., out_dtype=torch.float32)` for bf16/fp16 inputs: CUDA only, probed once."""
+    global _MM_OUT_DTYPE
+    if not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16) or h.dim() != 2:
+        return False
+    if _MM_OUT_DTYPE is None:
+        try:
+            a = torch.ones(2, 8, dtype=h.dtype, device=h.device)
+            _MM_OUT_DTYPE = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError):
+            _MM_OUT_DTYPE = False
+    return _MM_OUT_DTYPE
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r*n_per, (r+1)*n_per) of the padded table; other ids contribute zeros."""
 
@@ -120,6 +137,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed = getattr(self, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
         if packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
+        elif self.bias is None and _fp32_logits_ok(hidden_states):
+            # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
+            # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same
+            # GEMM, and the sampler wanted float32 anyway.
+            logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
