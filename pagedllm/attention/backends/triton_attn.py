@@ -27,7 +27,6 @@ from pagedllm.attention.backends.abstract import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from pagedllm.attention.ops.flash_varlen import flash_supports, flash_varlen_causal
 from pagedllm.attention.ops.triton_paged_attn import (
     HAS_TRITON,
     choose_num_splits,
@@ -52,8 +51,6 @@ class TritonAttentionMetadata:
     max_seq_len: int
     causal: bool
     num_decodes: int | None = None  # requests with exactly one query token (host int)
-    num_fresh_chunks: int = 0  # multi-token chunks with no cached prefix (prompts' first chunks)
-    num_context_chunks: int = 0  # multi-token chunks with a cached prefix
     num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
     workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
 
@@ -65,14 +62,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             bt = bt.to(torch.int32)
         # Host-side and vectorised: how many requests are single-token decodes (picks the launch split).
         qsl = common.query_start_loc_cpu[: common.num_reqs + 1]
-        q_lens = qsl[1:] - qsl[:-1]
-        num_decodes = int((q_lens == 1).sum()) if common.causal else 0
-        num_fresh = num_ctx = 0
-        if common.causal and common.max_query_len > 1:
-            chunks = q_lens > 1
-            fresh = chunks & (common.num_computed_tokens_cpu[: common.num_reqs] == 0)
-            num_fresh = int(fresh.sum())
-            num_ctx = int(chunks.sum()) - num_fresh
+        num_decodes = int((qsl[1:] - qsl[:-1] == 1).sum()) if common.causal else 0
         return TritonAttentionMetadata(
             query_start_loc=common.query_start_loc,
             query_start_loc_cpu=common.query_start_loc_cpu,
@@ -85,8 +75,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             max_seq_len=common.max_seq_len,
             causal=common.causal,
             num_decodes=num_decodes,
-            num_fresh_chunks=num_fresh,
-            num_context_chunks=num_ctx,
         )
 
 
@@ -110,14 +98,6 @@ class TritonAttentionImpl(AttentionImpl):
         num_splits = md.num_splits
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
-        context_chunks_only = None
-        if md.num_fresh_chunks and num_splits == 1 and flash_supports(query, self.num_kv_heads):
-            # Prompts' first chunks in FlashAttention over the step's own K/V (every request's span, so the
-            # decode and cached-prefix rows get overwritten below), then the paged kernel for the rest.
-            fa = flash_varlen_causal(query[:n], key[:n], value[:n], md.query_start_loc[: md.num_reqs + 1],
-                                     md.max_query_len, self.scale, self.sliding_window)
-            output[:n].copy_(fa)
-            context_chunks_only = md.num_context_chunks
         paged_attention(
             query,
             k_cache,
@@ -135,7 +115,6 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=num_splits,
             workspace=md.workspace,
             num_decodes=md.num_decodes,
-            context_chunks_only=context_chunks_only,
         )
         return output
 

@@ -9,7 +9,8 @@ cached prefix plus itself (causal), a decode is a run of length 1. One program o
 rows for ONE kv head: rows are (query token, q head of that kv head's group) pairs, so each K/V tile is
 read once for all q heads sharing it (GQA/MQA), which is what makes decode bandwidth-efficient.
 Programs are numbered so that request r's tiles start at `query_start_loc[r] // BLOCK_Q + r`; a program
-finds its request by binary search over `query_start_loc` -- no host-side per-request work.
+finds its request by binary search over `query_start_loc` -- no host-side per-request work. Decode
+launches (every request one tile) use one program per request instead.
 
 With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
 segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum);
@@ -215,15 +216,22 @@ if HAS_TRITON:
         NUM_SEGMENTS: tl.constexpr,
         DOT_PREC: tl.constexpr,
         FILTER: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
         seg = tl.program_id(2)
 
-        req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
+        if DIRECT:  # one program per request: every request this launch computes fits one tile
+            req = pid_q
+        else:
+            req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
         q_start = tl.load(qsl_ptr + req)
         q_len = tl.load(qsl_ptr + req + 1) - q_start
-        qb = pid_q - (q_start // BLOCK_Q + req)
+        if DIRECT:
+            qb = 0
+        else:
+            qb = pid_q - (q_start // BLOCK_Q + req)
         if qb * BLOCK_Q >= q_len:  # grid is an upper bound; this tile holds no query
             return
         if FILTER == 1:  # this launch runs the decodes (q_len == 1) only
@@ -234,9 +242,6 @@ if HAS_TRITON:
                 return
         seq_len = tl.load(seq_lens_ptr + req)
         ctx = seq_len - q_len  # tokens cached before this step's chunk
-        if FILTER == 3:  # multi-token chunks with a cached prefix only (fresh prompts ran in FlashAttention)
-            if q_len == 1 or ctx == 0:
-                return
 
         offs_m = tl.arange(0, BLOCK_M)
         tok = qb * BLOCK_Q + offs_m // GROUP  # query token within the request's chunk
@@ -443,17 +448,13 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_decodes: int | None = None,
-    context_chunks_only: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
-    heuristics (benchmarks, tests) and force a single launch. `context_chunks_only` (with `num_decodes`):
-    the number of multi-token chunks that have a cached prefix; only those and the decodes are computed,
-    the rows of fresh prompts (no cached prefix) are left as they are (the backend runs them in
-    FlashAttention first).
+    heuristics (benchmarks, tests) and force a single launch.
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -472,16 +473,7 @@ def paged_attention(
 
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
-    if context_chunks_only is not None:
-        assert num_decodes is not None and not overridden and num_splits == 1
-        launches = []
-        if num_decodes:
-            launches.append((launch_config(head_size, group, query.dtype, 1), 1))
-        if context_chunks_only:
-            launches.append((launch_config(head_size, group, query.dtype, max_query_len), 3))
-        if not launches:
-            return output
-    elif num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
+    if num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
         launches = [(launch_config(head_size, group, query.dtype, 1), 1),
                     (launch_config(head_size, group, query.dtype, max_query_len), 2)]
     else:
@@ -508,7 +500,12 @@ def paged_attention(
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
         block_q = bm // group
-        num_q_tiles = num_actual_tokens // block_q + num_reqs  # upper bound; surplus programs exit at once
+        # Decode launches run one program per request (req = program id). Otherwise programs are numbered
+        # by token tiles (found by binary search) and the grid is an upper bound whose surplus exits at
+        # once -- but a mixed step's decode launch over a 16k-token batch would then start ~2k empty
+        # programs per kv head (~80 us per layer on the H200).
+        direct = filt == 1 or max_query_len <= block_q
+        num_q_tiles = num_reqs if direct else num_actual_tokens // block_q + num_reqs
         _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
             output,
             query,
@@ -547,6 +544,7 @@ def paged_attention(
             NUM_SEGMENTS=num_splits,
             DOT_PREC=dot_prec,
             FILTER=filt,
+            DIRECT=direct,
             num_warps=nw,
             num_stages=ns,
         )
