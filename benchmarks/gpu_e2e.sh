@@ -31,7 +31,7 @@ elif [ -f /tmp/smol.part00 ] && [ -d .gguf/part2 ]; then
         export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf
         timeout 300 python3 -m pytest -m gpu tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider 2>&1 \
             | grep -v "^INFO" | tee "$OUT/engine_gpu.log"
-        echo "engine correctness (pytest rc ${PIPESTATUS[0]}): $(grep -E 'identical;' "$OUT/engine_gpu.log" | cut -c1-60 | tr '\n' ' ')" >> "$summary"
+        echo "engine correctness (pytest rc ${PIPESTATUS[0]}): $(grep -E 'identical, [0-9]+ failing' "$OUT/engine_gpu.log" | cut -c1-110 | tr '\n' ' ')" >> "$summary"
     else
         echo "GGUF sha256 mismatch: correctness skipped" >> "$summary"
     fi

@@ -6,6 +6,8 @@ ranks. Rows past the real vocabulary are zero and their logits are cut off by `c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,9 +32,12 @@ _MM_OUT_DTYPE: bool | None = None
 
 
 def _fp32_logits_ok(h: torch.Tensor) -> bool:
-    """`torch.mm(..., out_dtype=torch.float32)` for bf16/fp16 inputs: CUDA only, probed once."""
+    """`torch.mm(..., out_dtype=torch.float32)` for bf16/fp16 inputs: CUDA only, probed once.
+    PAGEDLLM_FP32_LOGITS=0 keeps 16-bit logits."""
     global _MM_OUT_DTYPE
     if not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16) or h.dim() != 2:
+        return False
+    if os.environ.get("PAGEDLLM_FP32_LOGITS", "1") == "0":
         return False
     if _MM_OUT_DTYPE is None:
         try:
