@@ -504,7 +504,9 @@ def paged_attention(
         # by token tiles (found by binary search) and the grid is an upper bound whose surplus exits at
         # once -- but a mixed step's decode launch over a 16k-token batch would then start ~2k empty
         # programs per kv head (~80 us per layer on the H200).
-        direct = filt == 1 or max_query_len <= block_q
+        # Only with decode tiles, so that chunk launches compile to one variant whatever the chunk lengths
+        # (the start-up warm-up compiles it on short chunks).
+        direct = filt == 1 or (max_query_len * group <= 16 and max_query_len <= block_q)
         num_q_tiles = num_reqs if direct else num_actual_tokens // block_q + num_reqs
         _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
             output,
