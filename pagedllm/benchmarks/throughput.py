@@ -82,6 +82,10 @@ def main(args: argparse.Namespace) -> int:
         "total_tokens_per_second": (n_in + n_out) / elapsed,
         "startup_seconds": startup,
     }
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine: its scheduler's view
+    if core is not None:
+        result["kv_cache_tokens"] = (core.config.cache_config.num_blocks - 1) * core.config.cache_config.block_size
+        result["num_preemptions"] = core.scheduler.num_preemptions
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['total_tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)")

@@ -139,7 +139,7 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if triton_ops.use_triton_ops(qkv) and self.rotary_emb.cos_sin_cache.dtype == torch.float32:
             q, k = self._fused_norm_rope(positions, q, k)
-            return self.o_proj(self.attn(q, k, v.contiguous()))
+            return self.o_proj(self.attn(q, k, v))  # the Triton kernels take strided views
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
