@@ -23,6 +23,7 @@ def test_dummy_batches_write_nothing(smollm2_llm) -> None:  # noqa: ANN001
     finally:
         del builder.build
     assert all(torch.equal(before[n], kv) for n, kv in runner.kv_caches.items())
-    # A pure prefill, decode + fresh chunk, decode + fresh chunk + chunk with a cached prefix, pure decode.
-    assert [s[0] for s in seen] == [1, 2, 3, 2]
-    assert seen[2][2] == [16, 0, 16] and seen[3][1] == 1
+    # A pure prefill, decode + fresh chunk, decode + fresh chunk + chunk with a cached prefix, decode + a
+    # 2-token chunk, pure decodes of 1..64 requests.
+    assert [s[0] for s in seen] == [1, 2, 3, 2, 1, 2, 4, 8, 16, 32, 64]
+    assert seen[2][2] == [16, 0, 16] and seen[3][1] == 2 and all(s[1] == 1 for s in seen[4:])

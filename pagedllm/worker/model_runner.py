@@ -155,7 +155,11 @@ class ModelRunner:
             return
         assert self.model is not None
         c = max(2, min(64, (self.max_model_len - 16) // 2))
-        shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 1], [16, 16])]
+        # Chunks of 64 get the chunk tiles; a 2-token chunk next to a decode gets decode tiles (what a step
+        # whose budget leaves a prompt's last few tokens runs); decode batches of 1..64 requests compile the
+        # split-KV variants that eager decoding (no CUDA graphs) picks by batch size.
+        shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 2], [16, 0])]
+        shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= self.max_num_reqs]
         dev = self.device
         for q_lens, ctx in shapes:
             n = sum(q_lens)

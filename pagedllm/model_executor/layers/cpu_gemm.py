@@ -9,6 +9,7 @@ released after packing, so memory stays at one copy. `PAGEDLLM_CPU_PACKED_GEMM=0
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,9 +29,21 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype in _PACKED_DTYPES
         and weight.dim() == 2
         and os.environ.get("PAGEDLLM_CPU_PACKED_GEMM", "1") != "0"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and pack_supported(weight.dtype)
     )
+
+
+@functools.cache
+def pack_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs `dtype` weights (bf16 needs AVX-512 or AVX-NE-CONVERT): probed once."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype))
+    except RuntimeError as e:
+        logger.info("CPU weight packing unavailable for %s (%s)", dtype, e)
+        return False
+    return True
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
