@@ -175,9 +175,10 @@ if HAS_TRITON:
             m_i = m_new
         return m_i, l_i, acc
 
-    # num_reqs changes every step: without do_not_specialize Triton compiles a variant per
-    # "divisible by 16" / "== 1" class of it, i.e. recompiles mid-run (measured on the H200: 1-2 s stalls).
-    @triton.jit(do_not_specialize=["num_reqs"])
+    # num_reqs and stride_bt (an eager step's block-table width) change from step to step: without
+    # do_not_specialize Triton compiles a variant per "divisible by 16" / "== 1" class of each, i.e.
+    # recompiles mid-run (measured on the H200: 1-2 s stalls in W1/W2 on a fresh machine).
+    @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
     def _paged_attn_kernel(
         out_ptr,
         q_ptr,
