@@ -135,6 +135,14 @@ class ModelRunner:
         )
         return self.kv_cache_config
 
+    def _metadata_by_layer(self, commons: list[CommonAttentionMetadata]) -> dict[str, Any]:
+        """Each KV-cache group's backend metadata (built from its `commons` entry), keyed by layer name."""
+        assert self.kv_cache_config is not None
+        out: dict[str, Any] = {}
+        for builder, group, common in zip(self.builders, self.kv_cache_config.groups, commons, strict=True):
+            out.update(dict.fromkeys(group.layer_names, builder.build(common)))
+        return out
+
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
         """Runs the attention launch variants a workload can meet (pure prefill; decodes mixed with fresh and
@@ -169,20 +177,15 @@ class ModelRunner:
             qsl = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32)
             pos = torch.cat([torch.arange(a, a + q) for q, a in zip(q_lens, ctx)]).to(dev)
             seq_cpu = torch.tensor(seq, dtype=torch.int32)
-            attn_metadata: dict[str, Any] = {}
-            for g, group in enumerate(self.kv_cache_config.groups):
-                common = CommonAttentionMetadata(
-                    query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_cpu.to(dev),
-                    seq_lens_cpu=seq_cpu, num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
-                    block_table=torch.zeros(len(q_lens), cdiv(max(seq), group.spec.block_size), dtype=torch.int32,
-                                            device=dev),
-                    slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-                    num_reqs=len(q_lens), num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq),
-                )
-                md = self.builders[g].build(common)
-                for name in group.layer_names:
-                    attn_metadata[name] = md
-            with set_forward_context(attn_metadata):
+            commons = [CommonAttentionMetadata(
+                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_cpu.to(dev),
+                seq_lens_cpu=seq_cpu, num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
+                block_table=torch.zeros(len(q_lens), cdiv(max(seq), group.spec.block_size), dtype=torch.int32,
+                                        device=dev),
+                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+                num_reqs=len(q_lens), num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq),
+            ) for group in self.kv_cache_config.groups]
+            with set_forward_context(self._metadata_by_layer(commons)):
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), pos)
             self.model.compute_logits(hidden[qsl[1:].to(dev).long() - 1])
 
@@ -399,13 +402,13 @@ class ModelRunner:
         positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         qsl_cpu = torch.from_numpy(cu.astype(np.int32))
         seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        attn_metadata: dict[str, Any] = {}
+        commons = []
         for g, group in enumerate(self.kv_cache_config.groups):
             bs = group.spec.block_size
             bt = batch.block_tables[g][rows]
             slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             max_blocks = cdiv(int(seq_lens.max()), bs)
-            common = CommonAttentionMetadata(
+            commons.append(CommonAttentionMetadata(
                 query_start_loc=qsl_cpu.to(dev, non_blocking=True),
                 query_start_loc_cpu=qsl_cpu,
                 seq_lens=seq_cpu.to(dev, non_blocking=True),
@@ -417,12 +420,8 @@ class ModelRunner:
                 num_actual_tokens=total,
                 max_query_len=max_query_len,
                 max_seq_len=int(seq_lens.max()),
-            )
-            md = self.builders[g].build(common)
-            for name in group.layer_names:
-                attn_metadata[name] = md
-
-        with set_forward_context(attn_metadata):
+            ))
+        with set_forward_context(self._metadata_by_layer(commons)):
             return self.model(input_ids_t, positions_t)
 
     def _gather_prompt_logprobs(

@@ -225,14 +225,13 @@ if HAS_TRITON:
 
         if DIRECT:  # one program per request: every request this launch computes fits one tile
             req = pid_q
-        else:
-            req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-        if DIRECT:
+            q_start = tl.load(qsl_ptr + req)
             qb = 0
         else:
+            req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
+            q_start = tl.load(qsl_ptr + req)
             qb = pid_q - (q_start // BLOCK_Q + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
         if qb * BLOCK_Q >= q_len:  # grid is an upper bound; this tile holds no query
             return
         if FILTER == 1:  # this launch runs the decodes (q_len == 1) only
@@ -501,12 +500,11 @@ def paged_attention(
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
         block_q = bm // group
-        # Decode launches run one program per request (req = program id). Otherwise programs are numbered
-        # by token tiles (found by binary search) and the grid is an upper bound whose surplus exits at
-        # once -- but a mixed step's decode launch over a 16k-token batch would then start ~2k empty
-        # programs per kv head (~80 us per layer on the H200).
-        # Only with decode tiles, so that chunk launches compile to one variant whatever the chunk lengths
-        # (the start-up warm-up compiles it on short chunks).
+        # Launches with decode tiles run one program per request (req = program id); otherwise programs are
+        # numbered by token tiles (found by binary search) and the grid is an upper bound whose surplus exits
+        # at once, which for a mixed step's decode launch over a 16k-token batch meant ~2k empty programs per
+        # kv head (~80 us per layer on the H200). Chunk launches never go direct, so they compile to one
+        # variant whatever the chunk lengths (the start-up warm-up compiles it on short chunks).
         direct = filt == 1 or (max_query_len * group <= 16 and max_query_len <= block_q)
         num_q_tiles = num_reqs if direct else num_actual_tokens // block_q + num_reqs
         _paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](

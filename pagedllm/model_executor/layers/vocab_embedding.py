@@ -6,6 +6,7 @@ ranks. Rows past the real vocabulary are zero and their logits are cut off by `c
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,24 +29,25 @@ def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) ->
     return ((vocab_size + pad_to - 1) // pad_to) * pad_to
 
 
-_MM_OUT_DTYPE: bool | None = None
-
-
 def _fp32_logits_ok(h: torch.Tensor) -> bool:
-    """`torch.mm(..., out_dtype=torch.float32)` for bf16/fp16 inputs: CUDA only, probed once.
-    PAGEDLLM_FP32_LOGITS=0 keeps 16-bit logits."""
-    global _MM_OUT_DTYPE
-    if not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16) or h.dim() != 2:
+    """Float32 logits from a bf16/fp16 GEMM: CUDA only. PAGEDLLM_FP32_LOGITS=0 keeps 16-bit logits."""
+    return (
+        h.is_cuda
+        and h.dtype in (torch.bfloat16, torch.float16)
+        and h.dim() == 2
+        and os.environ.get("PAGEDLLM_FP32_LOGITS", "1") != "0"
+        and _mm_out_dtype_supported(h.device, h.dtype)
+    )
+
+
+@functools.cache
+def _mm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this PyTorch has `torch.mm(..., out_dtype=torch.float32)` for `dtype` on `device`: probed once."""
+    try:
+        a = torch.ones(2, 8, dtype=dtype, device=device)
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
         return False
-    if os.environ.get("PAGEDLLM_FP32_LOGITS", "1") == "0":
-        return False
-    if _MM_OUT_DTYPE is None:
-        try:
-            a = torch.ones(2, 8, dtype=h.dtype, device=h.device)
-            _MM_OUT_DTYPE = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError):
-            _MM_OUT_DTYPE = False
-    return _MM_OUT_DTYPE
 
 
 class VocabParallelEmbedding(nn.Module):
