@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionType
+from pagedllm.attention.backends.abstract import AttentionType, RotaryArgs
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.forward_context import get_attn_metadata
 
@@ -40,12 +40,28 @@ class Attention(nn.Module):
             num_heads, head_size, scale, self.num_kv_heads, sliding_window, attn_type
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads*head_size], k/v: [T, num_kv_heads*head_size] -> [T, num_heads*head_size]."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs | None = None
+    ) -> torch.Tensor:
+        """q: [T, num_heads*head_size], k/v: [T, num_kv_heads*head_size] -> [T, num_heads*head_size].
+
+        With `rotary`, q and k (row views whose heads are packed) are rotated in place first -- by the
+        backend together with its cache write where it can (`impl.fuses_rotary`), else here.
+        """
         t = q.shape[0]
+        if rotary is not None and not self.impl.fuses_rotary:
+            from pagedllm.model_executor.layers import triton_ops
+
+            triton_ops.rotary_embedding_(rotary.positions, q, k, rotary.cos_sin_cache, self.head_size,
+                                         rotary.rotary_dim, rotary.q_weight, rotary.k_weight, rotary.eps)
+            rotary = None
         q3 = q.view(t, self.num_heads, self.head_size)
         k3 = k.view(t, self.num_kv_heads, self.head_size)
         v3 = v.view(t, self.num_kv_heads, self.head_size)
         out = torch.empty_like(q3)
-        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out)
+        md = get_attn_metadata(self.layer_name)
+        if rotary is None:
+            self.impl.forward(q3, k3, v3, self.kv_cache, md, out)
+        else:
+            self.impl.forward(q3, k3, v3, self.kv_cache, md, out, rotary=rotary)
         return out.view(t, self.num_heads * self.head_size)

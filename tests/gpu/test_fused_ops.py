@@ -130,3 +130,59 @@ def test_qk_norm_rotary_in_place(dtype: torch.dtype, head_size: int, h: int, kvh
     )
     _close(q, ref_q)
     _close(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "head_size,rotary_dim,h,kvh,qk_norm",
+    [(64, 64, 9, 3, False), (128, 128, 16, 8, True), (128, 64, 8, 2, False)],
+)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_rotary_with_cache_write(
+    dtype: torch.dtype, head_size: int, rotary_dim: int, h: int, kvh: int, qk_norm: bool, block_size: int
+) -> None:
+    """RoPE and the KV-cache write in one launch: q/k as the unfused RoPE leaves them; the cache holds the
+    rotated k and v of the first `num_tokens` tokens at their slots (slot -1 and tokens past num_tokens:
+    nothing written) -- exactly what `reshape_and_cache` on the rotated k would have written."""
+    from pagedllm.attention.ops.triton_paged_attn import reshape_and_cache
+
+    n_tokens, num_tokens, num_blocks = 45, 41, 8
+    g = torch.Generator().manual_seed(head_size + h + block_size)
+    rope = get_rope(head_size, rotary_dim, 4096, 10000.0).to(DEVICE)
+    positions = torch.randint(0, 4096, (n_tokens,), generator=g).to(DEVICE)
+    qkv, q, k, v = _qkv(n_tokens, h, kvh, head_size, dtype, g)
+    norms = (_norm_module(head_size, dtype, g), _norm_module(head_size, dtype, g)) if qk_norm else None
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n_tokens]
+    slots[[3, 17]] = -1
+    slots = slots.to(DEVICE)
+    cache_shape = (num_blocks, block_size, kvh, head_size)
+    kc, vc = (torch.full(cache_shape, 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+
+    ref_q, ref_k = q.clone(), k.clone()
+    if qk_norm:
+        ref_q = norms[0]._norm(ref_q.reshape(n_tokens, h, head_size)).reshape(n_tokens, -1)
+        ref_k = norms[1]._norm(ref_k.reshape(n_tokens, kvh, head_size)).reshape(n_tokens, -1)
+    ref_q, ref_k = rope(positions, ref_q, ref_k)
+    ref_k3 = ref_k.reshape(n_tokens, kvh, head_size)
+    reshape_and_cache(ref_k3[:num_tokens], v.reshape(n_tokens, kvh, head_size)[:num_tokens], ref_kc, ref_vc, slots)
+
+    v_before = v.clone()
+    weights = (norms[0].weight, norms[1].weight, 1e-6) if qk_norm else ()
+    triton_ops.rotary_embedding_(
+        positions, q, k, rope.cos_sin_cache, head_size, rotary_dim, *weights,
+        cache=triton_ops.KVCacheWrite(v, kc, vc, slots, num_tokens),
+    )
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(v, v_before)
+    assert torch.equal(vc, ref_vc)  # v is copied, never rounded
+    written = kc != 7.0
+    assert torch.equal(written, ref_kc != 7.0)
+    # The cache holds exactly the kernel's own rotated k (bit for bit) where it wrote.
+    ours_k3 = k.reshape(n_tokens, kvh, head_size)
+    flat = kc.view(-1, kvh, head_size)
+    for t in range(num_tokens):
+        s = int(slots[t])
+        if s >= 0:
+            assert torch.equal(flat[s], ours_k3[t])

@@ -43,6 +43,20 @@ class CommonAttentionMetadata:
     causal: bool = True
 
 
+@dataclass
+class RotaryArgs:
+    """Neox RoPE (after Qwen3's per-head q/k RMSNorm when the weights are given) that the attention layer
+    applies to q and k in place before attending. A backend whose impl has `fuses_rotary` applies it in
+    the same launch as its KV-cache write; otherwise the layer applies it first (CUDA + Triton only)."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # float32 [max_positions, rotary_dim]: cos halves, then sin halves
+    rotary_dim: int
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class AttentionMetadataBuilder(ABC):
     def __init__(self, block_size: int, sliding_window: int | None, device: torch.device) -> None:
         self.block_size = block_size
@@ -54,6 +68,9 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
+    fuses_rotary: bool = False
+    """True where `forward` takes `rotary=` and applies it itself (with the KV-cache write)."""
+
     def __init__(
         self,
         num_heads: int,
@@ -79,6 +96,7 @@ class AttentionImpl(ABC):
         kv_cache: torch.Tensor | None,
         attn_metadata: Any,
         output: torch.Tensor,  # [T, num_heads, head_size], written in place
+        rotary: RotaryArgs | None = None,  # only given to impls with fuses_rotary
     ) -> torch.Tensor: ...
 
 

@@ -15,6 +15,7 @@ Raises ImportError at import when Triton is missing, so the selector falls back 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from pagedllm.attention.backends.abstract import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    RotaryArgs,
 )
 from pagedllm.attention.ops.triton_paged_attn import (
     HAS_TRITON,
@@ -33,6 +35,7 @@ from pagedllm.attention.ops.triton_paged_attn import (
     paged_attention,
     reshape_and_cache,
 )
+from pagedllm.model_executor.layers.triton_ops import KVCacheWrite, rotary_embedding_
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
@@ -79,6 +82,20 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None,
+        attn_type: AttentionType,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, attn_type)
+        # RoPE and the KV-cache write in one launch (PAGEDLLM_FUSED_ROPE_CACHE=0: two launches, for A/B).
+        self.fuses_rotary = (self.attn_type == AttentionType.DECODER
+                             and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") != "0")
+
     def forward(
         self,
         query: torch.Tensor,
@@ -87,6 +104,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor | None,
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
+        rotary: RotaryArgs | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
@@ -94,7 +112,12 @@ class TritonAttentionImpl(AttentionImpl):
             return self._encoder_forward(query, key, value, md, output)
         assert kv_cache is not None, "decoder attention needs its KV cache"
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
+        if rotary is None:
+            reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
+        else:
+            rotary_embedding_(rotary.positions, query, key, rotary.cos_sin_cache, self.head_size, rotary.rotary_dim,
+                              rotary.q_weight, rotary.k_weight, rotary.eps,
+                              KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
         num_splits = md.num_splits
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)

@@ -5,7 +5,8 @@ Each kernel replaces a chain of small PyTorch kernels with one launch and one re
 * `rms_norm` / `fused_add_rms_norm`: RMSNorm, optionally after the residual add (`x + residual`),
 * `silu_and_mul`: `silu(x[:, :d]) * x[:, d:]`,
 * `rotary_embedding_`: neox-style RoPE applied in place to q and k, optionally preceded by a per-head
-  RMSNorm (Qwen3's q_norm / k_norm), so q and k are read and written once.
+  RMSNorm (Qwen3's q_norm / k_norm), so q and k are read and written once, and optionally followed by
+  the paged KV-cache write of the rotated k and of v (the attention backend then skips its own).
 
 Rounding follows the PyTorch references in `layernorm.py`, `activation.py` and `rotary_embedding.py`
 step by step (statistics in float32, a cast to the activation dtype wherever the reference holds an
@@ -16,6 +17,8 @@ code; nothing here launches or compiles a kernel at import time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -127,7 +130,8 @@ if HAS_TRITON:
         tl.store(p1, o1.to(dt), mask=mask)
         tl.store(p2, o2.to(dt), mask=mask)
 
-    @triton.jit
+    # n_cache (the step's token count) changes every step: no "== 1" / "divisible by 16" variants of it.
+    @triton.jit(do_not_specialize=["n_cache"])
     def _rope_kernel(
         q_ptr,
         k_ptr,
@@ -141,11 +145,23 @@ if HAS_TRITON:
         num_q_heads,
         num_kv_heads,
         eps,
+        v_ptr,
+        slot_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_vt,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        n_cache,
         HEAD_SIZE: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        WRITE_CACHE: tl.constexpr,
+        CACHE_BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -162,6 +178,34 @@ if HAS_TRITON:
                     HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
         _rope_heads(k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps,
                     HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+        if WRITE_CACHE:  # the token's rotated k and its v go to their paged-cache slot, as reshape_and_cache
+            slot = tl.load(slot_ptr + t, mask=t < n_cache, other=-1).to(tl.int64)
+            if slot >= 0:  # slot -1: padding (CUDA graphs), nothing written
+                # Whole heads (partial rotary leaves the tail as is): re-read k after this program's stores.
+                tl.debug_barrier()
+                offs_h = tl.arange(0, BLOCK_H)
+                offs_e = tl.arange(0, BLOCK_D)
+                mask = (offs_h[:, None] < num_kv_heads) & (offs_e[None, :] < HEAD_SIZE)
+                row = offs_h[:, None] * HEAD_SIZE + offs_e[None, :]
+                cache_off = (slot // CACHE_BLOCK) * stride_cb + (slot % CACHE_BLOCK) * stride_ct
+                dst = cache_off + offs_h[:, None] * stride_ch + offs_e[None, :]
+                k = tl.load(k_ptr + t * stride_kt + row, mask=mask)
+                tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                v = tl.load(v_ptr + t * stride_vt + row, mask=mask)
+                tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass
+class KVCacheWrite:
+    """Where `rotary_embedding_` also writes the new K/V: one layer's paged cache halves
+    ([num_blocks, block_size, num_kv_heads, head_size] each), the values [T, KVH*D] or [T, KVH, D] (a
+    strided row view is fine), and the slot of each of the first `num_tokens` tokens (-1: write nothing)."""
+
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_tokens: int
 
 
 def _require_triton() -> None:
@@ -241,9 +285,12 @@ def rotary_embedding_(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    cache: KVCacheWrite | None = None,
 ) -> None:
     """Neox-style RoPE on query [T, H*D] and key [T, KVH*D], in place; with `q_weight`/`k_weight`,
-    a per-head RMSNorm (Qwen3's q_norm / k_norm) is applied first, in the same pass.
+    a per-head RMSNorm (Qwen3's q_norm / k_norm) is applied first, in the same pass. With `cache`, the
+    same launch also writes each token's rotated key and its value into the paged KV cache (what
+    `reshape_and_cache` does), saving a launch per layer.
 
     query and key may be strided row views of a fused qkv tensor; within a row the heads must be
     packed (last dim contiguous, head stride head_size). `cos_sin_cache` is the float32
@@ -266,11 +313,23 @@ def rotary_embedding_(
     half = rotary_dim // 2
     block_h = _next_pow2(max(num_q_heads, num_kv_heads))
     block_half = _next_pow2(half)
+    if cache is not None:
+        v2 = cache.value.view(n_tokens, -1)
+        kc, vc = cache.k_cache, cache.v_cache
+        assert v2.stride(-1) == 1 and kc.stride() == vc.stride() and kc.stride(-1) == 1
+        assert kc.shape[2:] == (num_kv_heads, head_size), "cache layout [blocks, block_size, kv_heads, head]"
+        cache_args = (v2, cache.slot_mapping, kc, vc, v2.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+                      min(cache.num_tokens, n_tokens))
+        block_size = kc.shape[1]
+    else:
+        cache_args = (k2, k2, k2, k2, 0, 0, 0, 0, 0)  # unused (WRITE_CACHE=False)
+        block_size = 1
     _rope_kernel[(n_tokens,)](
         q2, k2, positions, cos_sin_cache,
         q_weight if has_norm else q2, k_weight if has_norm else k2,
         q2.stride(0), k2.stride(0), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads, eps,
+        num_q_heads, num_kv_heads, eps, *cache_args,
         HEAD_SIZE=head_size, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_NORM=has_norm,
+        WRITE_CACHE=cache is not None, CACHE_BLOCK=block_size, BLOCK_D=_next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
     )

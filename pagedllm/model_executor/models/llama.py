@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.backends.abstract import RotaryArgs
 from pagedllm.attention.layer import Attention
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers import triton_ops
@@ -138,8 +139,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if triton_ops.use_triton_ops(qkv) and self.rotary_emb.cos_sin_cache.dtype == torch.float32:
-            q, k = self._fused_norm_rope(positions, q, k)
-            return self.o_proj(self.attn(q, k, v))  # the Triton kernels take strided views
+            # The Triton kernels take strided views; RoPE runs inside the attention layer's cache write.
+            return self.o_proj(self.attn(q, k, v, rotary=self._rotary_args(positions, q, k)))
         if self.qk_norm:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
@@ -148,26 +149,20 @@ class LlamaAttention(nn.Module):
         attn_out = self.attn(q, k, v.contiguous())
         return self.o_proj(attn_out)
 
-    def _fused_norm_rope(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CUDA path: RoPE (after the per-head q/k norm where the model has one) by one Triton kernel
-        working in place on q and k, which are row views of the fresh qkv projection output."""
+    def _rotary_args(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> RotaryArgs:
+        """CUDA path: RoPE (after the per-head q/k norm where the model has one) as one Triton pass over q
+        and k, the row views of the fresh qkv output. Partial rotary with a q/k norm cannot share that
+        pass: the norm runs first here, in place."""
         rope = self.rotary_emb
-        q_w = k_w = None
-        eps = 1e-6
-        if self.qk_norm:
-            fusable = rope.rotary_dim == self.head_dim and self.q_norm.weight.dtype == q.dtype
-            if fusable:
-                q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
-            else:  # partial rotary: the norm cannot share the rotation's pass over the halves
-                t = q.shape[0]
-                q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
-                k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
-        triton_ops.rotary_embedding_(
-            positions, q, k, rope.cos_sin_cache, self.head_dim, rope.rotary_dim, q_w, k_w, eps
-        )
-        return q, k
+        if not self.qk_norm:
+            return RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim)
+        if rope.rotary_dim == self.head_dim and self.q_norm.weight.dtype == q.dtype:
+            return RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim, self.q_norm.weight,
+                              self.k_norm.weight, self.q_norm.variance_epsilon)
+        t = q.shape[0]
+        q.copy_(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size))
+        k.copy_(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size))
+        return RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim)
 
 
 class LlamaDecoderLayer(nn.Module):
