@@ -13,6 +13,7 @@ Writes JSON to --out and prints a table last.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -39,14 +40,62 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) * 2 / (t * 1e-3) / 1e9
 
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y = W x for one row x (a prototype, to weigh a Triton GEMV against cuBLAS at M = 1)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :])
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
+
+
+GEMV_CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (16, 1024, 8, 2), (8, 1024, 4, 2)]
+
+
+def _triton_gemv_ms(ws: list[torch.Tensor], x: torch.Tensor) -> tuple[float, tuple[int, ...]] | None:
+    """Best (ms, config) of the prototype GEMV over all of ws in order, or None where it does not apply."""
+    n, k = ws[0].shape
+    if not HAS_TRITON or x.shape[0] != 1:
+        return None
+    ys = [torch.empty(n, dtype=x.dtype, device=x.device) for _ in ws]
+    best = None
+    for bn, bk, nw, ns in GEMV_CONFIGS:
+        if n % bn or k % bk:
+            continue
+
+        def run(bn=bn, bk=bk, nw=nw, ns=ns) -> None:
+            for w, y in zip(ws, ys):
+                _gemv_kernel[(n // bn,)](x, w, y, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+
+        ref = torch.nn.functional.linear(x, ws[0])[0]
+        run()
+        if not torch.allclose(ys[0].float(), ref.float(), rtol=2e-2, atol=2e-2):
+            raise AssertionError(f"prototype GEMV wrong for config {(bn, bk, nw, ns)}")
+        ms = _graph_time_ms(run, reps=3)
+        if best is None or ms < best[0]:
+            best = (ms, (bn, bk, nw, ns))
+    return best
+
+
 def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[dict]:
-    """Per projection kind (last name part): all layers' weights in order, one graph."""
+    """Per projection kind (last name part): all layers' weights in order, one graph; cuBLAS, cuBLASLt
+    (torch.backends.cuda.preferred_blas_library) and, at batch 1, the prototype Triton GEMV."""
     kinds: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, mod in model.named_modules():
         w = getattr(mod, "weight", None)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and "embed" not in name and w.is_cuda:
             kinds[name.rsplit(".", 1)[-1]].append(w)
     rows = []
+    default_lib = torch.backends.cuda.preferred_blas_library()
     for kind, ws in kinds.items():
         x = torch.randn(batch, ws[0].shape[1], dtype=ws[0].dtype, device="cuda")
 
@@ -54,11 +103,22 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
             for w in ws:
                 torch.nn.functional.linear(x, w)
 
-        ms = _graph_time_ms(run)
+        times = {}
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            times[lib] = _graph_time_ms(run)
+        torch.backends.cuda.preferred_blas_library(default_lib)
+        fp32_out_ms = None
+        if kind == "lm_head":  # the engine's LM head on CUDA writes float32 logits (PAGEDLLM_FP32_LOGITS)
+            fp32_out_ms = _graph_time_ms(lambda ws=ws, x=x: [torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
+        tri = _triton_gemv_ms(ws, x)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         floor = nbytes / (copy_gbs * 1e9) * 1e3
+        ms = times["cublas"]
         rows.append({"kind": kind, "n": len(ws), "shape": list(ws[0].shape), "ms": ms, "floor_ms": floor,
-                     "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor})
+                     "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor, "cublaslt_ms": times["cublaslt"],
+                     "triton_gemv_ms": tri[0] if tri else None, "triton_gemv_config": tri[1] if tri else None,
+                     "fp32_out_ms": fp32_out_ms})
     return rows
 
 
@@ -125,10 +185,13 @@ def main() -> None:
     print(f"\n{'kernel':90s} {'calls':>6s} {'us/step':>9s}")
     for r in kernels[:25]:
         print(f"{r['name']:90s} {r['calls_per_step']:6.1f} {r['us_per_step']:9.1f}")
-    print(f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'ms':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s}")
+    print(f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} "
+          f"{'lt':>7s} {'triton':>7s} config")
     for r in lin:
+        tri = f"{r['triton_gemv_ms']:7.3f}" if r["triton_gemv_ms"] is not None else f"{'-':>7s}"
         print(f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
-              f"{r['GBps']:6.0f} {r['x_floor']:5.2f}")
+              f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {tri} {r['triton_gemv_config']}"
+              + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else ""))
     lin_ms = sum(r["ms"] for r in lin)
     print(f"\n{result['device']}: copy {copy_gbs:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB -> floor "
           f"{floor_ms:.3f} ms; linears alone {lin_ms:.3f} ms ({lin_ms / floor_ms:.3f}x); decode step "

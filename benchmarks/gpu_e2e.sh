@@ -5,7 +5,9 @@
 #   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1)
 # Prints a short table last and writes JSON/logs under $OUT. E2E_EXTRA="--async-scheduling" (for example) is
 # appended to every benchmark command; E2E_TAG names the output files apart; E2E_CORRECTNESS=0 skips the
-# correctness part.
+# correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
+#   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_BLAS=cublaslt
+# W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
 mkdir -p "$OUT"
@@ -40,27 +42,41 @@ else
 fi
 W=${*:-W1 W3 W4}
 read -r -a extra <<< "${E2E_EXTRA:-}"
-tag=${E2E_TAG:-}
-for w in $W; do
+base_tag=${E2E_TAG:-}
+for spec in $W; do
+    w=${spec%%@*}
+    envs=()
+    tag=$base_tag
+    if [ "$spec" != "$w" ]; then
+        IFS=, read -r -a envs <<< "${spec#*@}"
+        tag="$base_tag@${spec#*@}"
+        tag=${tag//[^A-Za-z0-9_.-]/_}
+    fi
+    run_env() { env "${envs[@]}" "$@"; }
     case $w in
         W1) args=(--workload W1 --max-model-len 2048) ;;
         W2) args=(--workload W2 --max-model-len 2048) ;;
         W3) args=() ;;
         W4) args=(--workload W4 --max-model-len 4096) ;;
+        W3P) args=() ;;
     esac
-    if [ "$w" = W3 ]; then
-        timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
+    if [ "$w" = W3P ]; then
+        run_env timeout 400 python3 benchmarks/decode_profile.py --out "$OUT/decode_profile$tag.json" 2>&1 \
+            | grep -v "^INFO" | tail -45 | tee -a "$OUT/bench.log"
+        echo "W3P$tag: $(grep -E '^NVIDIA|copy [0-9]+ GB/s' "$OUT/bench.log" | tail -1)" >> "$summary"
+    elif [ "$w" = W3 ]; then
+        run_env timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
             --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
             "${extra[@]}" --output-json "$OUT/W3$tag.json" 2>&1 | tail -5 | tee -a "$OUT/bench.log"
         echo "W3$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
     elif [ "$w" = W4 ]; then
         for pc in enable no-enable; do
-            timeout 300 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --$pc-prefix-caching \
+            run_env timeout 300 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --$pc-prefix-caching \
                 "${extra[@]}" --output-json "$OUT/W4_$pc$tag.json" 2>&1 | tail -3 | tee -a "$OUT/bench.log"
             echo "W4 prefix $pc: $(grep -o '([0-9.]* s;' "$OUT/bench.log" | tail -1)" >> "$summary"
         done
     else
-        timeout 400 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy "${extra[@]}" \
+        run_env timeout 400 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy "${extra[@]}" \
             --output-json "$OUT/$w$tag.json" \
             2>&1 | tail -5 | tee -a "$OUT/bench.log"
         echo "$w$tag: $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary"

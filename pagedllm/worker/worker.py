@@ -31,6 +31,9 @@ class Worker:
                 torch.set_num_threads(int(threads))
         else:
             torch.cuda.set_device(self.device)
+            blas = os.environ.get("PAGEDLLM_BLAS")  # "cublas" / "cublaslt": which library serves F.linear (A/B)
+            if blas:
+                torch.backends.cuda.preferred_blas_library(blas)
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device, logits_processors)
