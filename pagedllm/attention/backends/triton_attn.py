@@ -95,6 +95,9 @@ class TritonAttentionImpl(AttentionImpl):
         # RoPE and the KV-cache write in one launch (PAGEDLLM_FUSED_ROPE_CACHE=0: two launches, for A/B).
         self.fuses_rotary = (self.attn_type == AttentionType.DECODER
                              and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") != "0")
+        # Split-KV partials merged by the attention kernel's last segment program instead of a second launch
+        # (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1; off until measured on the GPU).
+        self.merge_in_kernel = os.environ.get("PAGEDLLM_SPLIT_MERGE_IN_KERNEL", "0") == "1"
 
     def forward(
         self,
@@ -138,6 +141,7 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=num_splits,
             workspace=md.workspace,
             num_decodes=md.num_decodes,
+            merge_in_kernel=self.merge_in_kernel,
         )
         return output
 

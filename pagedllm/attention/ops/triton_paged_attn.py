@@ -14,8 +14,10 @@ launches (every request one tile) use one program per request instead.
 
 With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
 segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum);
-a second kernel merges them. That path exists for batches with few (kv head, request) pairs and long
-contexts, where one program per pair cannot fill the GPU.
+a second kernel merges them -- or, with `merge_in_kernel`, the last segment program of each tile does
+(an atomic per-tile counter says which is last), saving a launch per layer. That path exists for
+batches with few (kv head, request) pairs and long contexts, where one program per pair cannot fill
+the GPU.
 
 Importing this module never calls Triton (the kernels compile on first launch) and works without
 Triton installed (`HAS_TRITON` is then False and the launchers raise).
@@ -190,6 +192,7 @@ if HAS_TRITON:
         part_out_ptr,
         part_m_ptr,
         part_l_ptr,
+        lock_ptr,
         qk_scale,
         num_reqs,
         num_heads,
@@ -218,6 +221,7 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
+        MERGE_IN_KERNEL: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -310,6 +314,42 @@ if HAS_TRITON:
             tl.store(part_m_ptr + part, m_i, mask=row_ok)
             tl.store(part_l_ptr + part, l_i, mask=row_ok)
             tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+            if MERGE_IN_KERNEL:
+                # The last of this tile's segments to finish merges them all (no second launch). Every
+                # thread's stores are issued before the barrier; the acq_rel atomic publishes them and, for
+                # the last one, makes the others' visible. Its counter goes back to 0 for the next launch.
+                tl.debug_barrier()
+                lock = lock_ptr + pid_q * tl.num_programs(1) + kvh
+                if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
+                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+                    out = _merge_rows(part_out_ptr, part_m_ptr, part_l_ptr, (tok_g * num_heads + head) * NUM_SEGMENTS,
+                                      row_ok, offs_d, BLOCK_M, HEAD_PAD, NUM_SEGMENTS)
+                    tl.store(
+                        out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                        out.to(out_ptr.dtype.element_ty),
+                        mask=row_ok[:, None] & d_ok[None, :],
+                    )
+
+    @triton.jit
+    def _merge_rows(part_out_ptr, part_m_ptr, part_l_ptr, base, row_ok, offs_d,
+                    BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+        """Combine the NUM_SEGMENTS partials (acc, max, sum) of each row; reads bypass L1 (.cg): other SMs
+        wrote them during this launch."""
+        m_max = tl.load(part_m_ptr + base, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, NUM_SEGMENTS):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_tot = tl.zeros_like(m_use)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        for s in tl.static_range(NUM_SEGMENTS):
+            m_s = tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+            w = tl.math.exp2(m_s - m_use)  # empty segments: exp2(-inf) = 0
+            l_tot += l_s * w
+            a_s = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=row_ok[:, None],
+                          other=0.0, cache_modifier=".cg")
+            acc += a_s * w[:, None]
+        return acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
 
     @triton.jit
     def _merge_segments_kernel(
@@ -448,10 +488,13 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_decodes: int | None = None,
+    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
+    `merge_in_kernel` (split-KV only): the last segment program of each tile merges the partials, instead
+    of a second kernel launch (per-tile counters in the workspace, left at zero after every launch).
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch.
@@ -482,20 +525,24 @@ def paged_attention(
         launches = [(cfg, 0)]
 
     if num_splits > 1:
-        key = (num_actual_tokens, num_heads, num_splits, head_pad, query.device)
+        key = (num_actual_tokens, num_reqs, num_heads, num_kv_heads, num_splits, head_pad, query.device)
         bufs = workspace.get(key) if workspace is not None else None
         if bufs is None:
             n_part = num_actual_tokens * num_heads * num_splits
+            # One counter per (query tile, kv head) of the largest grid a launch of this batch can have.
+            n_locks = (num_actual_tokens + num_reqs) * num_kv_heads
             bufs = (
                 torch.empty(n_part * head_pad, dtype=torch.float32, device=query.device),
                 torch.empty(n_part, dtype=torch.float32, device=query.device),
                 torch.empty(n_part, dtype=torch.float32, device=query.device),
+                torch.zeros(n_locks, dtype=torch.int32, device=query.device),
             )
             if workspace is not None:
                 workspace[key] = bufs
-        part_out, part_m, part_l = bufs
+        part_out, part_m, part_l, locks = bufs
     else:
-        part_out = part_m = part_l = output  # unused by the kernel
+        part_out = part_m = part_l = locks = output  # unused by the kernel
+    merge_in_kernel = merge_in_kernel and num_splits > 1
 
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
@@ -518,6 +565,7 @@ def paged_attention(
             part_out,
             part_m,
             part_l,
+            locks,
             scale * _LOG2E,
             num_reqs,
             num_heads,
@@ -546,10 +594,11 @@ def paged_attention(
             DOT_PREC=dot_prec,
             FILTER=filt,
             DIRECT=direct,
+            MERGE_IN_KERNEL=merge_in_kernel,
             num_warps=nw,
             num_stages=ns,
         )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         _merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,
             part_out,
