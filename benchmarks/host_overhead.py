@@ -33,7 +33,7 @@ def main() -> None:
               max_num_seqs=1024, max_num_batched_tokens=16384)  # the GPU defaults (vLLM's limits)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     hidden = runner.model.config.hidden_size if hasattr(runner.model, "config") else 1024
-    vocab = 1024  # the no-op model's logits: small, so the host work dominates
+    vocab = int(os.environ.get("HOST_BENCH_VOCAB", "1024"))  # the no-op logits: small, host work dominates
 
     def noop_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], hidden)

@@ -19,6 +19,9 @@ from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+Patch = tuple[torch.Tensor | slice, torch.Tensor]
+"""(token indices, sampled ids on the device): input ids the host does not know yet (async scheduling)."""
+
 
 def capture_sizes(max_num_seqs: int, cap: int = 512) -> list[int]:
     top = min(max_num_seqs, cap)
@@ -113,14 +116,15 @@ class CudaGraphRunner:
         seq_lens: np.ndarray,
         slots: list[np.ndarray],
         block_tables: list[np.ndarray],
-        patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+        patch: Patch | None = None,
     ) -> torch.Tensor:
         """Replays the graph for len(input_ids) decodes; returns their hidden states. `patch` (token
         indices, ids on the device) overrides input ids not known on the host yet (async scheduling)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         dev = self.device
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        if patch is None or not isinstance(patch[0], slice):  # a slice patch covers every input id
+            self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
         if patch is not None:
             self.input_ids[patch[0]] = patch[1]
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)

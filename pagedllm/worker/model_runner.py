@@ -22,7 +22,7 @@ from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
 from pagedllm.sample.sampler import Sampler, gather_logprobs
-from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.cuda_graph import CudaGraphRunner, Patch
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
@@ -315,8 +315,11 @@ class ModelRunner:
         logprobs = None
         md_s = None
         if len(sample_idx):
-            logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[logits_idx])
+            if len(sample_idx) == total:  # every token samples (all decodes): its hidden rows in order
+                logits = self.model.compute_logits(hidden[:total])
+            else:
+                logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
+                logits = self.model.compute_logits(hidden[logits_idx])
             md_s = self._sampling_metadata(rows[sample_idx])
             out = self.sampler(logits, md_s)
             sampled_gpu = out.sampled_token_ids
@@ -337,8 +340,9 @@ class ModelRunner:
         return PendingStep(self, req_ids, sample_idx, num_reqs, sampled_host, event, logprobs, md_s, prompt_lp_done)
 
     def _in_flight_patch(self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray,
-                         positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token indices, the in-flight sampled ids for them) for input tokens not known on the host yet."""
+                         positions: np.ndarray) -> Patch | None:
+        """(token indices, the in-flight sampled ids for them) for input tokens not known on the host yet;
+        the indices are a slice when they are all the step's tokens."""
         batch = self.input_batch
         assert batch is not None
         unknown = np.nonzero(positions >= batch.num_tokens[token_rows])[0]
@@ -348,6 +352,11 @@ class ModelRunner:
         sampled_gpu, index_of = self._in_flight
         src = np.fromiter((index_of[req_ids[r]] for r in req_of_token[unknown].tolist()), dtype=np.int64,
                           count=len(unknown))
+        n = len(unknown)
+        if n == len(positions) and src[-1] == n - 1 and np.array_equal(src, self._arange[:n]):
+            # Steady decoding (every input token is the last step's sample, same order): one device copy
+            # instead of two index uploads, a gather and a scatter.
+            return slice(0, n), sampled_gpu[:n]
         dev = self.device
         src_t = torch.from_numpy(src).to(dev, non_blocking=True)
         return torch.from_numpy(unknown).to(dev, non_blocking=True), sampled_gpu[src_t]
@@ -392,7 +401,7 @@ class ModelRunner:
     def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
                    cu: np.ndarray, n_sched: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
                    input_ids: np.ndarray, total: int, max_query_len: int,
-                   patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   patch: Patch | None = None) -> torch.Tensor:
         assert self.model is not None and self.kv_cache_config is not None
         num_reqs = len(rows)
         dev = self.device
