@@ -92,11 +92,11 @@ class TritonAttentionImpl(AttentionImpl):
         attn_type: AttentionType,
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, attn_type)
-        # RoPE and the KV-cache write in one launch (PAGEDLLM_FUSED_ROPE_CACHE=0: two launches, for A/B).
+        # Two launches fewer per layer where they apply, each off until measured on a GPU (A/B switches):
+        # RoPE fused with the KV-cache write (PAGEDLLM_FUSED_ROPE_CACHE=1), and split-KV partials merged by
+        # the attention kernel's last segment program instead of a second kernel (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1).
         self.fuses_rotary = (self.attn_type == AttentionType.DECODER
-                             and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") != "0")
-        # Split-KV partials merged by the attention kernel's last segment program instead of a second launch
-        # (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1; off until measured on the GPU).
+                             and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "0") == "1")
         self.merge_in_kernel = os.environ.get("PAGEDLLM_SPLIT_MERGE_IN_KERNEL", "0") == "1"
 
     def forward(
