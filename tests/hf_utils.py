@@ -46,6 +46,16 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     return torch.log_softmax(logits, dim=-1)
 
 
+@torch.inference_mode()
+def hf_logprobs_fp32_head(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """As hf_logprobs, but the LM head multiplies the model's (16-bit) final hidden states in float32: the
+    reference's own top-2 gaps without bf16 logit rounding (0.125 apart above 16). Reported, not judged."""
+    t = torch.tensor([ids], device=model.device)
+    hidden = model.model(t, attention_mask=torch.ones_like(t)).last_hidden_state[0]
+    logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+    return torch.log_softmax(logits, dim=-1)
+
+
 @dataclass
 class Comparison:
     matched: int
@@ -58,13 +68,15 @@ class Comparison:
         return f"diverged at step {self.diverged_at} (top-2 gap {self.gap:.3g})"
 
 
-def compare_greedy(model, prompt_ids: list[int], ours: list[int], ref: list[int], dtype: torch.dtype) -> Comparison:  # noqa: ANN001
-    """Raises AssertionError unless `ours` equals `ref` up to a divergence the near-tie test excuses."""
+def compare_greedy(model, prompt_ids: list[int], ours: list[int], ref: list[int], dtype: torch.dtype,  # noqa: ANN001
+                   logprobs_fn=None) -> Comparison:  # noqa: ANN001
+    """Raises AssertionError unless `ours` equals `ref` up to a divergence the near-tie test excuses.
+    `logprobs_fn` (default hf_logprobs) computes the reference's teacher-forced logprobs."""
     n = min(len(ours), len(ref))
     assert len(ours) == len(ref), f"length differs: ours {len(ours)} vs ref {len(ref)}"
     for i in range(n):
         if ours[i] != ref[i]:
-            lp = hf_logprobs(model, prompt_ids + ref[:i])[-1]
+            lp = (logprobs_fn or hf_logprobs)(model, prompt_ids + ref[:i])[-1]
             top2 = lp.topk(2).values
             gap = float(top2[0] - top2[1])
             tol = NEAR_TIE[dtype]

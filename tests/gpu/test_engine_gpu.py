@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
+from tests.hf_utils import compare_greedy, hf_greedy, hf_logprobs_fp32_head  # noqa: E402
 
 SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
@@ -27,12 +27,13 @@ def _hf(path: str, dtype: torch.dtype, device: str, **kw: str):  # noqa: ANN202
     ).to(device).eval()
 
 
-def _judge(hf, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]], dtype: torch.dtype) -> list[str]:  # noqa: ANN001
+def _judge(hf, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]], dtype: torch.dtype,  # noqa: ANN001
+           logprobs_fn=None) -> list[str]:  # noqa: ANN001
     """Every prompt's verdict by the policy (compare_greedy), failures included, so a report counts them all."""
     res = []
     for p, o, r in zip(prompts, ours, refs):
         try:
-            res.append(compare_greedy(hf, p, o, r, dtype).describe())
+            res.append(compare_greedy(hf, p, o, r, dtype, logprobs_fn).describe())
         except AssertionError as e:
             res.append(f"FAIL {str(e).splitlines()[0]}")
     return res
@@ -70,6 +71,12 @@ def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: lis
         refs_eager = [hf_greedy(eager, p, 48) for p in smollm2_prompt_ids]
         print(_summary("HF bf16 eager attention vs HF bf16 sdpa", _judge(hf, smollm2_prompt_ids, refs_eager, refs,
                                                                           torch.bfloat16)))
+        # The same verdicts with the reference's gap measured before bf16 logit rounding (reported only).
+        fp32_head = hf_logprobs_fp32_head
+        print(_summary("[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
+                       _judge(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head)))
+        print(_summary("[gap from f32 LM head] HF eager vs HF sdpa",
+                       _judge(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head)))
     assert not [r for r in res if r.startswith("FAIL")]
 
 
