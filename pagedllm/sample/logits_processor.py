@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, upload
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -69,7 +70,8 @@ class MinTokensLogitsProcessor(LogitsProcessor):
             rows.extend([row] * len(ids))
             cols.extend(ids)
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = -float("inf")
+            dev = logits.device
+            logits[upload(rows, np.int64, dev), upload(cols, np.int64, dev)] = -float("inf")
         return logits
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
@@ -23,6 +24,10 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [N] float32, None when no row uses it
     all_greedy: bool
     all_random: bool
+    top_k_host: np.ndarray | None = None
+    """Host copy of top_k (row selection and the largest k are decided on the host: no device sync)."""
+    top_p_host: np.ndarray | None = None
+    """Host copy of top_p."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     """Row index -> the request's own generator (requests with a seed)."""
     min_tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -53,6 +58,8 @@ class SamplingMetadata:
 
     # ---- logprobs: rows `logprob_rows` only ---------------------------------------------------
     logprob_rows: torch.Tensor | None = None  # [L] int64
+    logprob_rows_host: list[int] = field(default_factory=list)
+    """logprob_rows on the host (the model runner maps results back without reading the device)."""
     num_logprobs: list[int] = field(default_factory=list)
     """Per logprob row: top-k to report (-1 = the whole vocabulary)."""
     logprob_token_ids: list[list[int]] = field(default_factory=list)
@@ -61,6 +68,12 @@ class SamplingMetadata:
     @property
     def num_rows(self) -> int:
         return int(self.temperature.shape[0])
+
+
+def upload(values: Sequence[int] | Sequence[float], dtype: type, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without synchronizing the device (a plain `torch.tensor(...,
+    device="cuda")` copies blocking, i.e. waits for the work already queued on the stream)."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device, non_blocking=True)
 
 
 def build_sampling_metadata(
@@ -87,10 +100,15 @@ def build_sampling_metadata(
     for i, p in enumerate(params):
         if p.min_tokens and len(outputs[i]) < p.min_tokens and p.all_stop_token_ids:
             min_tokens[i] = list(p.all_stop_token_ids)
+    top_p_host = np.array([p.top_p for p in params], dtype=np.float32)
+    top_k_host = np.array([p.top_k for p in params], dtype=np.int64)
+    use_p, use_k = bool((top_p_host < 1.0).any()), bool((top_k_host > 0).any())
     md = SamplingMetadata(
         temperature=temp,
-        top_p=top_p if bool((top_p < 1.0).any()) else None,
-        top_k=top_k if bool((top_k > 0).any()) else None,
+        top_p=top_p if use_p else None,
+        top_k=top_k if use_k else None,
+        top_p_host=top_p_host if use_p else None,
+        top_k_host=top_k_host if use_k else None,
         min_p=min_p if bool((min_p > 0).any()) else None,
         all_greedy=all(greedy),
         all_random=not any(greedy),
@@ -147,15 +165,13 @@ def fill_sparse_fields(md: SamplingMetadata, params: Sequence[SamplingParams], d
             md.logprob_token_ids.append(list(p.logprob_token_ids or ()))
     if lb_rows:
         md.logit_bias = (
-            torch.tensor(lb_rows, dtype=torch.int64, device=device),
-            torch.tensor(lb_ids, dtype=torch.int64, device=device),
-            torch.tensor(lb_vals, dtype=torch.float32, device=device),
+            upload(lb_rows, np.int64, device),
+            upload(lb_ids, np.int64, device),
+            upload(lb_vals, np.float32, device),
         )
     if al_rows:
-        md.allowed_rows = torch.tensor(al_rows, dtype=torch.int64, device=device)
-        md.allowed_token_ids = (
-            torch.tensor(al_idx, dtype=torch.int64, device=device),
-            torch.tensor(al_ids, dtype=torch.int64, device=device),
-        )
+        md.allowed_rows = upload(al_rows, np.int64, device)
+        md.allowed_token_ids = (upload(al_idx, np.int64, device), upload(al_ids, np.int64, device))
     if lp_rows:
-        md.logprob_rows = torch.tensor(lp_rows, dtype=torch.int64, device=device)
+        md.logprob_rows = upload(lp_rows, np.int64, device)
+        md.logprob_rows_host = lp_rows

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,7 +30,7 @@ from pagedllm.sample.logits_processor import (
     MinTokensLogitsProcessor,
     apply_min_p,
 )
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, upload
 from pagedllm.sample.penalties import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,14 +39,29 @@ _EPS = 1e-5
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
-__all__ = ["Sampler", "SamplerOutput", "apply_min_p", "apply_top_k_top_p", "gather_logprobs", "random_sample"]
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "apply_min_p",
+    "apply_top_k_top_p",
+    "gather_logprobs",
+    "gather_logprobs_tensors",
+    "random_sample",
+]
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
-    logprobs: LogprobsLists | None = None
-    """One position per row of `metadata.logprob_rows`, in that order (None when no row asked)."""
+    logprobs_tensors: LogprobsTensors | None = None
+    """One position per row of `metadata.logprob_rows`, in that order (None when no row asked); still on
+    the device: the model runner copies them to the host with the sampled ids, in one non-blocking step."""
+
+    @property
+    def logprobs(self) -> LogprobsLists | None:
+        """The logprobs as host lists (reads the tensors: a device sync on CUDA)."""
+        return self.logprobs_tensors.to_lists() if self.logprobs_tensors is not None else None
 
 
 class Sampler(nn.Module):
@@ -94,8 +110,8 @@ class Sampler(nn.Module):
             sel = processed[md.logprob_rows]
             lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "processed_logprobs" else sel
         assert md.logprob_rows is not None
-        lists = gather_logprobs(lp_src, md.num_logprobs, sampled[md.logprob_rows], md.logprob_token_ids)
-        return SamplerOutput(sampled, lists)
+        lp = gather_logprobs_tensors(lp_src, md.num_logprobs, sampled[md.logprob_rows], md.logprob_token_ids)
+        return SamplerOutput(sampled, lp)
 
     def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Everything that may change the argmax (the "processed logits" of a greedy row)."""
@@ -137,7 +153,7 @@ class Sampler(nn.Module):
         for proc in self.argmax_invariant:
             logits = proc.apply(logits, md)
         if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
         sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled, logits
@@ -162,39 +178,61 @@ def apply_bad_words(
                 cols.append(word[-1])
     if rows:
         dev = logits.device
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -float("inf")
+        logits[upload(rows, np.int64, dev), upload(cols, np.int64, dev)] = -float("inf")
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    k: torch.Tensor | None,
+    p: torch.Tensor | None,
+    k_host: np.ndarray | None = None,
+    p_host: np.ndarray | None = None,
+) -> torch.Tensor:
     """top-k (0 = off) then top-p over what is left (the smallest most-likely set whose mass reaches p).
 
-    Only rows that use them pay: rows with top-p get a sort (their top-k applied on the sorted values),
-    rows with top-k alone a threshold from one topk (k = their largest), other rows are untouched.
+    Only rows that use them pay: rows with top-p get their nucleus (their top-k applied first), rows with
+    top-k alone a threshold from one topk (k = their largest), other rows are untouched. `k_host` /
+    `p_host` are host copies of k / p (the metadata carries them): which rows use what, and the largest k,
+    are then decided on the host, so a CUDA step never waits on the device here. On CUDA the nucleus
+    comes from one sort of the rows (no data-dependent host decisions); on the CPU from growing topk
+    candidates, which is cheaper there than sorting the vocabulary.
     """
     vocab = logits.shape[-1]
-    p_rows = (p < 1.0) if p is not None else None
-    if p_rows is not None and not bool(p_rows.any()):
-        p_rows = None
-    k_rows = (k > 0) if k is not None else None
-    if k_rows is not None and p_rows is not None:
-        k_rows = k_rows & ~p_rows
-    if k_rows is not None and bool(k_rows.any()):
-        assert k is not None
-        rows = None if bool(k_rows.all()) else k_rows.nonzero().squeeze(1)
+    n = logits.shape[0]
+    dev = logits.device
+    if k is not None and k_host is None:
+        k_host = k.cpu().numpy()
+    if p is not None and p_host is None:
+        p_host = p.cpu().numpy()
+    p_mask = (p_host < 1.0) if p_host is not None else np.zeros(n, dtype=bool)
+    k_mask = ((k_host > 0) & ~p_mask) if k_host is not None else np.zeros(n, dtype=bool)
+
+    def rows_of(mask: np.ndarray) -> torch.Tensor | None:  # None: every row
+        return None if mask.all() else torch.from_numpy(np.nonzero(mask)[0]).to(dev, non_blocking=True)
+
+    if k_mask.any():
+        assert k is not None and k_host is not None
+        rows = rows_of(k_mask)
         sub = logits if rows is None else logits[rows]
         kk = (k if rows is None else k[rows]).clamp(max=vocab)
-        thresh = sub.topk(int(kk.max()), dim=-1).values.gather(1, (kk - 1).unsqueeze(1))
+        kmax = int(min(vocab, k_host[k_mask].max()))
+        thresh = sub.topk(kmax, dim=-1).values.gather(1, (kk - 1).unsqueeze(1))
         sub = sub.masked_fill(sub < thresh, -float("inf"))
         if rows is None:
             logits = sub
         else:
             logits[rows] = sub
-    if p_rows is not None:
+    if p_mask.any():
         assert p is not None
-        rows = None if bool(p_rows.all()) else p_rows.nonzero().squeeze(1)
+        rows = rows_of(p_mask)
         sub = logits if rows is None else logits[rows]
         kk = None if k is None else (k if rows is None else k[rows])
-        sub = _top_p_by_candidates(sub, kk, p if rows is None else p[rows])
+        pp = p if rows is None else p[rows]
+        if logits.is_cuda:
+            sub = _sorted_top_k_top_p(sub, kk, pp)
+        else:
+            kk_host = None if k_host is None else k_host[p_mask]
+            sub = _top_p_by_candidates(sub, kk, pp, kk_host)
         if rows is None:
             logits = sub
         else:
@@ -205,15 +243,17 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 _TOP_P_FIRST_CANDIDATES = 256
 
 
-def _top_p_by_candidates(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+def _top_p_by_candidates(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, k_host: np.ndarray | None = None
+) -> torch.Tensor:
     """top-k then top-p without sorting the vocabulary: the nucleus is found among the top K candidates
     (one topk; K doubles while some row's nucleus may extend past them), normalised by the full
     logsumexp. A row is decided once the mass above its last candidate reaches p: every token outside
     is smaller, so it is out. Rows still undecided at K >= vocab / 8 take the full sort."""
     vocab = logits.shape[-1]
-    if k is not None and bool((k > 0).any()):
+    if k is not None:
         # (rows without top-k must not make this a topk over the whole vocabulary)
-        logits = apply_top_k_top_p(logits, k, None)
+        logits = apply_top_k_top_p(logits, k, None, k_host)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     todo: torch.Tensor | None = None  # rows still undecided (None: all rows, no gather needed)
     cand = _TOP_P_FIRST_CANDIDATES
@@ -280,12 +320,66 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).max(dim=-1).indices
 
 
-def gather_logprobs(
+@dataclass
+class LogprobsTensors:
+    """What `gather_logprobs` computes, still as tensors (on the logits' device until copied): per row,
+    the columns of `ids` / `lps` are the sampled token, the top k (k = `ks[row]`, columns 1..max_k) and
+    the row's extra token ids (after max_k); `ranks0` is the sampled token's rank, `ex_ranks` the extras'.
+    Built without any device synchronization; `to_lists` reads them on the host."""
+
+    ids: torch.Tensor  # [R, 1 + max_k + max_e] int64
+    lps: torch.Tensor  # [R, 1 + max_k + max_e] float32
+    ranks0: torch.Tensor  # [R] int64
+    ex_ranks: torch.Tensor | None  # [R, max_e] int64
+    ks: list[int]
+    num_extras: list[int]
+    max_k: int
+
+    def __len__(self) -> int:
+        return len(self.ks)
+
+    def copy_to_host(self) -> LogprobsTensors:
+        """Pinned host copies, non-blocking on CUDA: readable once the step's event has completed."""
+        if not self.ids.is_cuda:
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+
+        return LogprobsTensors(host(self.ids), host(self.lps), host(self.ranks0), host(self.ex_ranks),  # type: ignore[arg-type]
+                               self.ks, self.num_extras, self.max_k)
+
+    def to_lists(self) -> LogprobsLists:
+        all_ids = self.ids.tolist()
+        all_lp = self.lps.tolist()
+        ranks0 = self.ranks0.tolist()
+        ex_ranks = self.ex_ranks.tolist() if self.ex_ranks is not None else None
+        out = LogprobsLists()
+        max_k = self.max_k
+        top_ranks = list(range(1, max_k + 1))
+        for i, (k, e) in enumerate(zip(self.ks, self.num_extras)):
+            cols = [0, *range(1, 1 + k)]
+            ranks = [ranks0[i], *top_ranks[:k]]
+            if e:
+                cols.extend(range(1 + max_k, 1 + max_k + e))
+                assert ex_ranks is not None
+                ranks.extend(ex_ranks[i][:e])
+            ids_i, lp_i = all_ids[i], all_lp[i]
+            out.token_ids.append([ids_i[c] for c in cols])
+            out.logprobs.append([lp_i[c] for c in cols])
+            out.ranks.append(ranks)
+        return out
+
+
+def gather_logprobs_tensors(
     logprobs: torch.Tensor,
     num_logprobs: list[int],
     token_ids: torch.Tensor,
     extra_token_ids: list[list[int]] | None = None,
-) -> LogprobsLists:
+) -> LogprobsTensors:
     """Per row of `logprobs` [R, V]: token_ids[r] first (with its rank), then the top num_logprobs[r]
     (-1 = all V) with ranks 1..k, then extra_token_ids[r]. One topk over all rows (k = the largest)."""
     r, vocab = logprobs.shape
@@ -304,27 +398,21 @@ def gather_logprobs(
     max_e = max((len(e) for e in extras), default=0)
     ex_rank = None
     if max_e:
-        ex = torch.tensor([e + [0] * (max_e - len(e)) for e in extras], dtype=torch.int64, device=logprobs.device)
+        padded = np.array([e + [0] * (max_e - len(e)) for e in extras], dtype=np.int64)
+        ex = torch.from_numpy(padded).to(logprobs.device, non_blocking=True)
         ex_lp = logprobs.gather(1, ex)
         ex_rank = torch.stack([(logprobs >= ex_lp[:, j : j + 1]).sum(dim=-1) for j in range(max_e)], dim=1)
         ids_cols.append(ex)
         lp_cols.append(ex_lp)
-    all_ids = torch.cat(ids_cols, dim=1).tolist()
-    all_lp = torch.cat(lp_cols, dim=1).tolist()
-    ranks0 = tok_rank.tolist()
-    ex_ranks = ex_rank.tolist() if ex_rank is not None else None
-    out = LogprobsLists()
-    top_ranks = list(range(1, max_k + 1))
-    for i in range(r):
-        k, e = ks[i], len(extras[i])
-        cols = [0, *range(1, 1 + k)]
-        ranks = [ranks0[i], *top_ranks[:k]]
-        if e:
-            cols.extend(range(1 + max_k, 1 + max_k + e))
-            assert ex_ranks is not None
-            ranks.extend(ex_ranks[i][:e])
-        ids_i, lp_i = all_ids[i], all_lp[i]
-        out.token_ids.append([ids_i[c] for c in cols])
-        out.logprobs.append([lp_i[c] for c in cols])
-        out.ranks.append(ranks)
-    return out
+    return LogprobsTensors(torch.cat(ids_cols, dim=1), torch.cat(lp_cols, dim=1), tok_rank, ex_rank, ks,
+                           [len(e) for e in extras], max_k)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor,
+    num_logprobs: list[int],
+    token_ids: torch.Tensor,
+    extra_token_ids: list[list[int]] | None = None,
+) -> LogprobsLists:
+    """`gather_logprobs_tensors`, read on the host at once (synchronizes with the device)."""
+    return gather_logprobs_tensors(logprobs, num_logprobs, token_ids, extra_token_ids).to_lists()

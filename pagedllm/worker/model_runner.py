@@ -21,7 +21,7 @@ from pagedllm.logger import init_logger
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
-from pagedllm.sample.sampler import Sampler, gather_logprobs
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
 from pagedllm.worker.cuda_graph import CudaGraphRunner, Patch
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -49,7 +49,8 @@ class PendingStep:
     num_reqs: int
     sampled_host: torch.Tensor | None
     event: Any
-    logprobs: LogprobsLists | None
+    logprobs: LogprobsTensors | None
+    """The sampled rows' logprobs, host copies in flight with sampled_host (read after the event)."""
     sampling_metadata: SamplingMetadata | None
     prompt_logprobs_done: dict[str, LogprobsLists]
 
@@ -323,10 +324,12 @@ class ModelRunner:
             md_s = self._sampling_metadata(rows[sample_idx])
             out = self.sampler(logits, md_s)
             sampled_gpu = out.sampled_token_ids
-            logprobs = out.logprobs
+            logprobs = out.logprobs_tensors
             if ahead and sampled_gpu.device.type == "cuda":
                 sampled_host = torch.empty(sampled_gpu.shape, dtype=sampled_gpu.dtype, pin_memory=True)
                 sampled_host.copy_(sampled_gpu, non_blocking=True)
+                if logprobs is not None:
+                    logprobs = logprobs.copy_to_host()
                 event = torch.cuda.Event()
                 event.record()
             else:
@@ -393,9 +396,10 @@ class ModelRunner:
                 batch.count_output_tokens(rows_np, toks_np)
             md_s = step.sampling_metadata
             if step.logprobs is not None and md_s is not None and md_s.logprob_rows is not None:
+                lists = step.logprobs.to_lists()
                 logprobs_lists = [None] * num_reqs
-                for pos, j in enumerate(md_s.logprob_rows.tolist()):
-                    logprobs_lists[int(step.sample_idx[j])] = step.logprobs.slice(pos, pos + 1)
+                for pos, j in enumerate(md_s.logprob_rows_host):
+                    logprobs_lists[int(step.sample_idx[j])] = lists.slice(pos, pos + 1)
         return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists, step.prompt_logprobs_done)
 
     def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
@@ -503,10 +507,13 @@ class ModelRunner:
             out_ids.append(st.output_token_ids)
             prompt_ids.append(st.prompt_token_ids)
             req_ids.append(st.req_id)
+        use_p, use_k = bool((top_p < 1.0).any()), bool((top_k > 0).any())
         md = SamplingMetadata(
             temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
-            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if (top_p < 1.0).any() else None,
-            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if (top_k > 0).any() else None,
+            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if use_p else None,
+            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if use_k else None,
+            top_p_host=top_p if use_p else None,
+            top_k_host=top_k if use_k else None,
             min_p=torch.from_numpy(min_p).to(dev, non_blocking=True) if (min_p > 0).any() else None,
             all_greedy=bool(greedy.all()),
             all_random=bool((~greedy).all()),
