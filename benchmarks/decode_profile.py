@@ -112,13 +112,18 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
         if kind == "lm_head":  # the engine's LM head on CUDA writes float32 logits (PAGEDLLM_FP32_LOGITS)
             fp32_out_ms = _graph_time_ms(lambda ws=ws, x=x: [torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
         tri = _triton_gemv_ms(ws, x)
+        engine_gemv_ms = None
+        if HAS_TRITON and x.shape[0] <= 16:  # the engine's small-batch GEMV (PAGEDLLM_FUSED_GEMV), plain
+            from pagedllm.model_executor.layers.triton_gemv import fused_gemv
+
+            engine_gemv_ms = _graph_time_ms(lambda ws=ws, x=x: [fused_gemv(x, w) for w in ws])
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         floor = nbytes / (copy_gbs * 1e9) * 1e3
         ms = times["cublas"]
         rows.append({"kind": kind, "n": len(ws), "shape": list(ws[0].shape), "ms": ms, "floor_ms": floor,
                      "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor, "cublaslt_ms": times["cublaslt"],
                      "triton_gemv_ms": tri[0] if tri else None, "triton_gemv_config": tri[1] if tri else None,
-                     "fp32_out_ms": fp32_out_ms})
+                     "fp32_out_ms": fp32_out_ms, "engine_gemv_ms": engine_gemv_ms})
     return rows
 
 
@@ -191,6 +196,7 @@ def main() -> None:
         tri = f"{r['triton_gemv_ms']:7.3f}" if r["triton_gemv_ms"] is not None else f"{'-':>7s}"
         print(f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
               f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {tri} {r['triton_gemv_config']}"
+              + (f"; engine GEMV {r['engine_gemv_ms']:.3f}" if r["engine_gemv_ms"] else "")
               + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else ""))
     lin_ms = sum(r["ms"] for r in lin)
     print(f"\n{result['device']}: copy {copy_gbs:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB -> floor "
