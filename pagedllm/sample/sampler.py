@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.sample import triton_sample
 from pagedllm.sample.logits_processor import (
     LogitBiasLogitsProcessor,
     LogitsProcessor,
@@ -78,6 +79,8 @@ class Sampler(nn.Module):
         self.logits_processors = all_procs
         self.non_argmax_invariant = [p for p in all_procs if not p.is_argmax_invariant()]
         self.argmax_invariant = [p for p in all_procs if p.is_argmax_invariant()]
+        # Whether min_p is the only argmax-invariant processor (custom ones may change any row).
+        self._only_builtin_argmax_invariant = all(isinstance(p, MinPLogitsProcessor) for p in self.argmax_invariant)
 
     # ---- per-request hooks of custom processors ------------------------------------------------
     def validate_params(self, params: SamplingParams) -> None:
@@ -103,7 +106,7 @@ class Sampler(nn.Module):
             sel = logits[md.logprob_rows]  # a copy: later in-place edits do not reach it
             lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" else sel
         logits = self.apply_logits_processors(logits, md)
-        sampled, processed = self.sample(logits, md)
+        sampled, processed = self.sample(logits, md, need_processed=want_lp and lp_src is None)
         if not want_lp:
             return SamplerOutput(sampled)
         if lp_src is None:
@@ -139,8 +142,14 @@ class Sampler(nn.Module):
             )
         return logits
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sampled ids, processed logits: for random rows after temperature/min_p/top-k/top-p)."""
+    def sample(
+        self, logits: torch.Tensor, md: SamplingMetadata, need_processed: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled ids, processed logits: for random rows after temperature/min_p/top-k/top-p).
+
+        On CUDA, random rows without a seed take `triton_sample.gumbel_sample` (one pass over the logits);
+        when nothing else changes them and nobody reads the processed logits, not even the division by
+        the temperature is materialized (the returned "processed" logits are then the unscaled ones)."""
         # max(dim).indices: the same first-maximum index as argmax, and 3-5x faster on the CPU.
         greedy = None if md.all_random else logits.max(dim=-1).indices
         if md.all_greedy:
@@ -149,15 +158,29 @@ class Sampler(nn.Module):
         temp = md.temperature
         if not md.all_random:
             temp = torch.where(temp < _EPS, torch.ones_like(temp), temp)
-        logits = logits / temp.unsqueeze(1)
-        for proc in self.argmax_invariant:
-            logits = proc.apply(logits, md)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
-        sampled = random_sample(logits.softmax(dim=-1), md.generators)
+        one_pass = not md.generators and triton_sample.usable(logits)
+        plain = md.top_k is None and md.top_p is None and md.min_p is None and self._only_builtin_argmax_invariant
+        if one_pass and plain and not need_processed:
+            sampled = triton_sample.gumbel_sample(logits, temp, self._noise_seed())
+        else:
+            logits = logits / temp.unsqueeze(1)
+            for proc in self.argmax_invariant:
+                logits = proc.apply(logits, md)
+            if md.top_k is not None or md.top_p is not None:
+                logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
+            if one_pass:
+                sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), self._noise_seed())
+            else:
+                sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled, logits
         return torch.where(md.temperature < _EPS, greedy, sampled), logits
+
+    @staticmethod
+    def _noise_seed() -> int:
+        """A fresh seed for this step's one-pass noise, from torch's default generator (so a global seed
+        makes runs repeat)."""
+        return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 def apply_bad_words(

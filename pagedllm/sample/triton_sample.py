@@ -1,0 +1,79 @@
+"""One-pass random sampling on the GPU (Triton): the Gumbel-max form of the exponential race.
+
+`argmax_i (p_i / q_i)` with q_i ~ Exp(1) picks token i with probability p_i (what `random_sample` does on
+the CPU); with p = softmax(l / T) it equals `argmax_i (l_i / T - log q_i)`, so neither the softmax nor the
+probabilities need to exist: one kernel reads each row's logits once, draws its noise from Philox
+(`tl.rand`, keyed by a per-step seed and the element's offset) and keeps a running argmax. The unfused
+chain (divide by T, softmax, uniform, clamp, log, negate, divide, max) made ~15 passes over a
+[rows, vocab] float32 matrix: 0.7 ms per W1 step at 256 rows x 152k on the H200.
+
+Rows whose logits were masked to -inf (top-k, top-p, min-p, allowed ids, ...) never win. Seeded rows keep
+their own torch.Generator path (`random_sample`), so a seed reproduces whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+_BLOCK_V = 4096
+
+
+if HAS_TRITON:
+
+    # seed changes every step: no "== 1" / "divisible by 16" variants of it (a mid-run compile otherwise).
+    @triton.jit(do_not_specialize=["seed"])
+    def _gumbel_argmax_kernel(
+        logits_ptr,
+        temp_ptr,
+        out_ptr,
+        vocab,
+        stride_row,
+        seed,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        inv_t = 1.0 / tl.load(temp_ptr + row)
+        offs = tl.arange(0, BLOCK_V)
+        best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+        best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
+        for v0 in range(0, vocab, BLOCK_V):
+            cols = v0 + offs
+            ok = cols < vocab
+            lg = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            u = tl.rand(seed, (row * vocab + cols).to(tl.uint32))
+            # score = l / T - log(q), q = -log(u) ~ Exp(1); u == 0 gives q = inf, a score of -inf.
+            score = lg * inv_t - tl.log(-tl.log(u))
+            score = tl.where(ok, score, float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_idx = tl.where(better, cols, best_idx)
+        top = tl.max(best, axis=0)
+        # The lowest column among the lanes holding the maximum (ties: the first index, as argmax).
+        idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
+        tl.store(out_ptr + row, idx.to(tl.int64))
+
+
+def usable(logits: torch.Tensor) -> bool:
+    return HAS_TRITON and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids.
+    `seed` keys this call's noise (a fresh one per step); rows draw independent streams."""
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    temp = temperature.to(torch.float32).contiguous()
+    _gumbel_argmax_kernel[(n,)](logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+    return out

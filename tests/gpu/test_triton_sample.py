@@ -1,0 +1,75 @@
+"""One-pass Gumbel-max sampling (`triton_sample.gumbel_sample`): its draws follow softmax(l / T) per row,
+masked tokens never come out, a seed repeats its draws, and on CUDA the sampler takes it for unseeded
+random rows (greedy and seeded rows keep their paths). GPU; the kernel also runs on the CPU under
+TRITON_INTERPRET=1 (fewer draws there)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from pagedllm.sample import triton_sample  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+ROWS = 3000 if INTERPRET else 200_000
+
+
+@pytest.mark.parametrize("temp", [0.5, 1.0, 2.0])
+def test_draws_follow_softmax(temp: float) -> None:
+    logits = torch.tensor([1.0, 0.0, 2.0, -1.0, float("-inf"), 0.5])
+    x = logits.repeat(ROWS, 1).to(DEVICE)
+    ids = triton_sample.gumbel_sample(x, torch.full((ROWS,), temp, device=DEVICE), seed=1234).cpu()
+    freq = torch.bincount(ids, minlength=6).double() / ROWS
+    p = torch.softmax(logits.double() / temp, dim=0)
+    assert freq[4] == 0  # -inf never drawn
+    for i in range(6):
+        sd = math.sqrt(max(p[i] * (1 - p[i]), 1e-12) / ROWS)
+        assert abs(freq[i] - p[i]) < 5 * sd + 1e-9, (i, float(freq[i]), float(p[i]))
+
+
+def test_long_rows_seed_and_ties() -> None:
+    vocab = 3 * 4096 + 123  # several chunks, a partial last one
+    x = torch.full((8, vocab), -5.0)
+    x[:, 9000] = 60.0  # overwhelming: always drawn, from a later chunk
+    x[1] = float("-inf")
+    x[1, vocab - 1] = 0.0  # the only finite logit, in the partial chunk
+    x = x.to(DEVICE)
+    t = torch.ones(8, device=DEVICE)
+    a = triton_sample.gumbel_sample(x, t, seed=7).cpu()
+    assert a[0] == 9000 and a[1] == vocab - 1 and all(a[i] == 9000 for i in range(2, 8))
+    flat = torch.zeros(64, vocab, device=DEVICE)
+    one, two = (triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), seed=s).cpu() for s in (3, 3))
+    assert torch.equal(one, two)  # a seed repeats its draws
+    other = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), seed=4).cpu()
+    assert not torch.equal(one, other)
+    assert len(set(one.tolist())) > 50  # rows draw independent streams
+
+
+@pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
+def test_sampler_uses_one_pass_for_unseeded_random_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm import SamplingParams
+    from pagedllm.sample.metadata import build_sampling_metadata
+    from pagedllm.sample.sampler import Sampler
+
+    calls = []
+    real = triton_sample.gumbel_sample
+    monkeypatch.setattr(triton_sample, "gumbel_sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0)]
+    logits = torch.randn(3, 1000, device="cuda") * 3
+    out = Sampler()(logits.clone(), build_sampling_metadata(params, 1000, device="cuda"))
+    assert calls and int(out.sampled_token_ids[0]) == int(logits[0].argmax())
+    calls.clear()
+    gens = {1: torch.Generator(device="cuda").manual_seed(5)}
+    seeded = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=5)]
+    a = Sampler()(logits[:2].clone(), build_sampling_metadata(seeded, 1000, generators=gens, device="cuda"))
+    assert not calls and a.sampled_token_ids.shape == (2,)  # a batch with a seeded row keeps the generator path
