@@ -160,9 +160,10 @@ class Sampler(nn.Module):
             temp = torch.where(temp < _EPS, torch.ones_like(temp), temp)
         one_pass = not md.generators and triton_sample.usable(logits)
         plain = md.top_k is None and md.top_p is None and md.min_p is None and self._only_builtin_argmax_invariant
+        sampled = None
         if one_pass and plain and not need_processed:
             sampled = triton_sample.gumbel_sample(logits, temp, self._noise_seed())
-        else:
+        if sampled is None:
             logits = logits / temp.unsqueeze(1)
             for proc in self.argmax_invariant:
                 logits = proc.apply(logits, md)
@@ -170,7 +171,7 @@ class Sampler(nn.Module):
                 logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
             if one_pass:
                 sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), self._noise_seed())
-            else:
+            if sampled is None:
                 sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled, logits

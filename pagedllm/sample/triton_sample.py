@@ -13,7 +13,13 @@ their own torch.Generator path (`random_sample`), so a seed reproduces whatever 
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from pagedllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 try:
     import triton
@@ -63,17 +69,42 @@ if HAS_TRITON:
         tl.store(out_ptr + row, idx.to(tl.int64))
 
 
+_state = {"compiled": False, "broken": False}
+
+
 def usable(logits: torch.Tensor) -> bool:
-    return HAS_TRITON and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
+    """CUDA logits, Triton present, not switched off (PAGEDLLM_ONE_PASS_SAMPLING=0), and the kernel has not
+    failed to build here (then the sampler keeps its unfused path for the rest of the process)."""
+    return (
+        HAS_TRITON
+        and not _state["broken"]
+        and logits.is_cuda
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and os.environ.get("PAGEDLLM_ONE_PASS_SAMPLING", "1") != "0"
+    )
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor | None:
     """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids.
-    `seed` keys this call's noise (a fresh one per step); rows draw independent streams."""
+    `seed` keys this call's noise (a fresh one per step); rows draw independent streams. None if the
+    kernel cannot be built on this machine (logged once; `usable` is False from then on)."""
+    if _state["broken"]:
+        return None
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
     temp = temperature.to(torch.float32).contiguous()
-    _gumbel_argmax_kernel[(n,)](logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+    launch = _gumbel_argmax_kernel[(n,)]
+    if _state["compiled"]:
+        launch(logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+        return out
+    try:  # the first launch compiles
+        launch(logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+    except Exception as e:  # noqa: BLE001 - any build failure: keep serving on the unfused path
+        _state["broken"] = True
+        logger.warning("one-pass sampling kernel unavailable (%s: %s); using the unfused sampler", type(e).__name__, e)
+        return None
+    _state["compiled"] = True
     return out

@@ -19,6 +19,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.sample import triton_sample
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
@@ -153,16 +154,21 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         t0 = time.perf_counter()
-        self.run_dummy_batches()
+        logits = self.run_dummy_batches()
+        if logits is not None and triton_sample.usable(logits.float()):  # the one-pass sampling kernel too
+            n = logits.shape[0]
+            triton_sample.gumbel_sample(logits.float(), torch.ones(n, device=self.device), 0)
         torch.cuda.synchronize()
-        logger.info("Kernel warm-up (attention variants) in %.2f s", time.perf_counter() - t0)
+        logger.info("Kernel warm-up (attention variants, sampling) in %.2f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def run_dummy_batches(self) -> None:
-        """The warm-up's forwards (any device): writes nothing to the KV cache."""
+    def run_dummy_batches(self) -> torch.Tensor | None:
+        """The warm-up's forwards (any device): writes nothing to the KV cache. Returns the last batch's
+        logits (None if nothing ran)."""
         if not self.attn_layers or self.kv_cache_config is None or not self.kv_cache_config.groups:
-            return
+            return None
         assert self.model is not None
+        logits = None
         c = max(2, min(64, (self.max_model_len - 16) // 2))
         # Chunks of 64 get the chunk tiles; a 2-token chunk next to a decode gets decode tiles (what a step
         # whose budget leaves a prompt's last few tokens runs); decode batches of 1..64 requests compile the
@@ -188,7 +194,8 @@ class ModelRunner:
             ) for group in self.kv_cache_config.groups]
             with set_forward_context(self._metadata_by_layer(commons)):
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), pos)
-            self.model.compute_logits(hidden[qsl[1:].to(dev).long() - 1])
+            logits = self.model.compute_logits(hidden[qsl[1:].to(dev).long() - 1])
+        return logits
 
     def capture_cuda_graphs(self) -> None:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend whose

@@ -73,3 +73,24 @@ def test_sampler_uses_one_pass_for_unseeded_random_rows(monkeypatch: pytest.Monk
     seeded = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=5)]
     a = Sampler()(logits[:2].clone(), build_sampling_metadata(seeded, 1000, generators=gens, device="cuda"))
     assert not calls and a.sampled_token_ids.shape == (2,)  # a batch with a seeded row keeps the generator path
+
+
+@pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
+def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm import SamplingParams
+    from pagedllm.sample.metadata import build_sampling_metadata
+    from pagedllm.sample.sampler import Sampler
+
+    class Broken:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def launch(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                raise RuntimeError("simulated compile failure")
+            return launch
+
+    monkeypatch.setattr(triton_sample, "_gumbel_argmax_kernel", Broken())
+    monkeypatch.setattr(triton_sample, "_state", {"compiled": False, "broken": False})
+    params = [SamplingParams(temperature=0.7)] * 4
+    logits = torch.randn(4, 500, device="cuda")
+    out = Sampler()(logits, build_sampling_metadata(params, 500, device="cuda"))
+    assert out.sampled_token_ids.shape == (4,) and triton_sample._state["broken"]
+    assert not triton_sample.usable(logits)
