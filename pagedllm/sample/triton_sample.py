@@ -18,18 +18,13 @@ import os
 import torch
 
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
 
 logger = init_logger(__name__)
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
 
 _BLOCK_V = 4096
 

@@ -4,23 +4,19 @@ on the CPU under TRITON_INTERPRET=1, float32 only)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.triton_env import DEVICE, INTERPRET, require_triton_device  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytest.importorskip("triton")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton_device()
 
 from pagedllm.model_executor.layers import triton_gemv  # noqa: E402
 from pagedllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32] + ([] if INTERPRET else [torch.float16, torch.bfloat16])
 # The GEMV sums K products in float32 in another order than the BLAS: a few ulps of the output dtype.
 TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 3e-2)}

@@ -8,24 +8,20 @@ a float64 ideal. Runs on CPU under the Triton interpreter too (TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.triton_env import DEVICE, INTERPRET, require_triton_device  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytest.importorskip("triton")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton_device()
 
 from pagedllm.model_executor.layers import triton_ops  # noqa: E402
 from pagedllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from pagedllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 # The interpreter (Triton 3.6) truncates float32 -> bfloat16 instead of rounding: bf16 only on the GPU.
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # Elementwise bounds: a couple of ulps of the dtype (exp/rsqrt implementations and fp32 sum order

@@ -10,24 +10,20 @@ the CUDA-only dispatch is forced onto the CPU tensors.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.gpu.triton_env import DEVICE, INTERPRET, require_triton_device  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytest.importorskip("triton")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton_device()
 
 from pagedllm.attention.backends.triton_attn import TritonAttentionImpl  # noqa: E402
 from pagedllm.model_executor.layers import triton_gemv, triton_ops  # noqa: E402
 from pagedllm.model_executor.model_loader import load_model  # noqa: E402
 from tests.utils_model import TINY_VARIANTS, VOCAB, PagedModelRunner, make_model_config, make_tiny_hf_model  # noqa: E402
 
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 SEQ_LEN, PREFILL = 40, 30
 ATOL = 2e-4
 
@@ -62,7 +58,7 @@ def test_gpu_path_matches_hf(variant: str, fused: bool, gpu_path: None, tmp_path
     real_gemv = triton_gemv.fused_gemv
     monkeypatch.setattr(triton_gemv, "fused_gemv", lambda *a, **kw: calls.append(1) or real_gemv(*a, **kw))
     hf = make_tiny_hf_model(variant, tmp_path)
-    ours = load_model(make_model_config(str(tmp_path), hf.config), "auto", DEVICE)
+    ours = load_model(make_model_config(str(tmp_path), hf.config), "auto", torch.device(DEVICE))
     impls = [m.impl for m in ours.modules() if hasattr(m, "impl")]
     assert impls and all(isinstance(i, TritonAttentionImpl) and i.fuses_rotary == fused_cache for i in impls)
     g = torch.Generator().manual_seed(1)

@@ -13,21 +13,18 @@ which it multiplies as raw uint16 bits), so trust only its fp32/fp16 results.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from tests.gpu.triton_env import DEVICE, require_triton_device  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytest.importorskip("triton")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton_device()
 
 from pagedllm.attention.ops.triton_paged_attn import paged_attention, reshape_and_cache  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 # Relative error bounds ||out - ref|| / ||ref||: fp32 runs with IEEE dots (no TF32).
 REL_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 

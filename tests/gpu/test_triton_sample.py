@@ -6,21 +6,18 @@ TRITON_INTERPRET=1 (fewer draws there)."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from tests.gpu.triton_env import DEVICE, INTERPRET, require_triton_device  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytest.importorskip("triton")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton_device()
 
 from pagedllm.sample import triton_sample  # noqa: E402
 
-DEVICE = "cpu" if INTERPRET else "cuda"
 ROWS = 3000 if INTERPRET else 200_000
 
 

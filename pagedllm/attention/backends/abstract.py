@@ -86,6 +86,10 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.attn_type = attn_type
+        self.configure()
+
+    def configure(self) -> None:  # noqa: B027 - optional hook
+        """Backend-specific set-up after the common fields are in place (e.g. reading A/B switches)."""
 
     @abstractmethod
     def forward(

@@ -82,16 +82,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        sliding_window: int | None,
-        attn_type: AttentionType,
-    ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, attn_type)
+    def configure(self) -> None:
         # Two launches fewer per layer where they apply, each off until measured on a GPU (A/B switches):
         # RoPE fused with the KV-cache write (PAGEDLLM_FUSED_ROPE_CACHE=1), and split-KV partials merged by
         # the attention kernel's last segment program instead of a second kernel (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1).
