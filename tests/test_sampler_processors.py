@@ -311,3 +311,20 @@ def test_top_p_candidate_path_equals_full_sort() -> None:
     ref = _sorted_top_k_top_p(logits.clone(), k, p)
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])
+
+
+def test_top_k_top_p_by_topk_equals_full_sort() -> None:
+    """The CUDA path for rows with a small top-k and a top-p (one topk, no sort) keeps exactly what the
+    full sort keeps, each row with its own k and p."""
+    from pagedllm.sample.sampler import _sorted_top_k_top_p, _top_k_top_p_by_topk
+
+    g = torch.Generator().manual_seed(9)
+    for trial in range(6):
+        logits = torch.randn(16, 5000, generator=g) * (1 + trial)
+        if trial % 2:
+            logits[:, :40] += 6.0
+        k = torch.randint(1, 400, (16,), generator=g)
+        p = torch.rand(16, generator=g) * 0.98 + 0.01
+        got = _top_k_top_p_by_topk(logits.clone(), k, p, int(k.max()))
+        ref = _sorted_top_k_top_p(logits.clone(), k, p)
+        assert torch.equal(torch.isinf(got), torch.isinf(ref))

@@ -248,20 +248,54 @@ def apply_top_k_top_p(
             logits[rows] = sub
     if p_mask.any():
         assert p is not None
+        if logits.is_cuda:
+            # Rows whose top-k is small find their nucleus among their top k (one topk, no sort); the
+            # others sort their row. Both without a host decision that reads the device.
+            small = p_mask & (k_host > 0) & (k_host <= vocab // 8) if k_host is not None else np.zeros(n, bool)
+            for mask, by_topk in ((small, True), (p_mask & ~small, False)):
+                if not mask.any():
+                    continue
+                rows = rows_of(mask)
+                sub = logits if rows is None else logits[rows]
+                kk = None if k is None else (k if rows is None else k[rows])
+                pp = p if rows is None else p[rows]
+                if by_topk:
+                    assert kk is not None and k_host is not None
+                    sub = _top_k_top_p_by_topk(sub, kk, pp, int(k_host[mask].max()))
+                else:
+                    sub = _sorted_top_k_top_p(sub, kk, pp)
+                if rows is None:
+                    logits = sub
+                else:
+                    logits[rows] = sub
+            return logits
         rows = rows_of(p_mask)
         sub = logits if rows is None else logits[rows]
         kk = None if k is None else (k if rows is None else k[rows])
         pp = p if rows is None else p[rows]
-        if logits.is_cuda:
-            sub = _sorted_top_k_top_p(sub, kk, pp)
-        else:
-            kk_host = None if k_host is None else k_host[p_mask]
-            sub = _top_p_by_candidates(sub, kk, pp, kk_host)
+        kk_host = None if k_host is None else k_host[p_mask]
+        sub = _top_p_by_candidates(sub, kk, pp, kk_host)
         if rows is None:
             logits = sub
         else:
             logits[rows] = sub
     return logits
+
+
+def _top_k_top_p_by_topk(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, kmax: int) -> torch.Tensor:
+    """top-k then top-p for rows that all have 0 < k <= kmax: the nucleus of the renormalised top-k
+    distribution lies among the top k, so one topk(kmax) decides it (the descending "mass before < p"
+    rule, as `_top_p_by_candidates`)."""
+    vals = logits.topk(kmax, dim=-1).values  # descending
+    col = torch.arange(kmax, device=logits.device)
+    vals = vals.masked_fill(col[None, :] >= k[:, None], -float("inf"))  # each row's own k
+    probs = vals.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    keep = mass_before < p.unsqueeze(1)
+    keep[:, 0] = True
+    keep &= col[None, :] < k[:, None]
+    thresh = vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    return logits.masked_fill(logits < thresh, -float("inf"))
 
 
 _TOP_P_FIRST_CANDIDATES = 256
