@@ -28,6 +28,10 @@ class SamplingMetadata:
     """Host copy of top_k (row selection and the largest k are decided on the host: no device sync)."""
     top_p_host: np.ndarray | None = None
     """Host copy of top_p."""
+    noise_seeds: torch.Tensor | None = None
+    """[N] int64 Philox keys for the one-pass CUDA sampler (`triton_sample.row_seeds`): seeded rows keyed
+    by (seed, output index) instead of their generators. None: the sampler keys unseeded rows itself and
+    seeded rows use `generators`."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     """Row index -> the request's own generator (requests with a seed)."""
     min_tokens: dict[int, list[int]] = field(default_factory=dict)

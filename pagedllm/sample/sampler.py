@@ -147,7 +147,8 @@ class Sampler(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sampled ids, processed logits: for random rows after temperature/min_p/top-k/top-p).
 
-        On CUDA, random rows without a seed take `triton_sample.gumbel_sample` (one pass over the logits);
+        On CUDA, random rows take `triton_sample.gumbel_sample` (one pass over the logits; seeded rows
+        when the metadata carries per-row keys, as the model runner's does);
         when nothing else changes them and nobody reads the processed logits, not even the division by
         the temperature is materialized (the returned "processed" logits are then the unscaled ones)."""
         # max(dim).indices: the same first-maximum index as argmax, and 3-5x faster on the CPU.
@@ -158,11 +159,13 @@ class Sampler(nn.Module):
         temp = md.temperature
         if not md.all_random:
             temp = torch.where(temp < _EPS, torch.ones_like(temp), temp)
-        one_pass = not md.generators and triton_sample.usable(logits)
+        # Seeded rows join the one pass only with per-row keys (md.noise_seeds), else keep their generators.
+        one_pass = triton_sample.usable(logits) and (md.noise_seeds is not None or not md.generators)
+        noise = md.noise_seeds
         plain = md.top_k is None and md.top_p is None and md.min_p is None and self._only_builtin_argmax_invariant
         sampled = None
         if one_pass and plain and not need_processed:
-            sampled = triton_sample.gumbel_sample(logits, temp, self._noise_seed())
+            sampled = triton_sample.gumbel_sample(logits, temp, noise if noise is not None else self._noise_seed())
         if sampled is None:
             logits = logits / temp.unsqueeze(1)
             for proc in self.argmax_invariant:
@@ -170,7 +173,8 @@ class Sampler(nn.Module):
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
             if one_pass:
-                sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), self._noise_seed())
+                key = noise if noise is not None else self._noise_seed()
+                sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), key)
             if sampled is None:
                 sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:

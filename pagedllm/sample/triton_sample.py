@@ -7,14 +7,16 @@ probabilities need to exist: one kernel reads each row's logits once, draws its 
 chain (divide by T, softmax, uniform, clamp, log, negate, divide, max) made ~15 passes over a
 [rows, vocab] float32 matrix: 0.7 ms per W1 step at 256 rows x 152k on the H200.
 
-Rows whose logits were masked to -inf (top-k, top-p, min-p, allowed ids, ...) never win. Seeded rows keep
-their own torch.Generator path (`random_sample`), so a seed reproduces whatever else is in the batch.
+Rows whose logits were masked to -inf (top-k, top-p, min-p, allowed ids, ...) never win. A seeded request
+gets a Philox key per output token from its seed and the token's index (`row_seeds`, built by the model
+runner), so a seed reproduces whatever else is in the batch, also across preemption.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pagedllm.logger import init_logger
@@ -36,14 +38,22 @@ if HAS_TRITON:
     def _gumbel_argmax_kernel(
         logits_ptr,
         temp_ptr,
+        seeds_ptr,
         out_ptr,
         vocab,
         stride_row,
         seed,
         BLOCK_V: tl.constexpr,
+        PER_ROW_SEEDS: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         inv_t = 1.0 / tl.load(temp_ptr + row)
+        if PER_ROW_SEEDS:  # each row its own Philox key (seeded requests: their seed and token index)
+            key = tl.load(seeds_ptr + row)
+            base = 0
+        else:  # one key for the step, rows apart by offset
+            key = seed
+            base = row * vocab
         offs = tl.arange(0, BLOCK_V)
         best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
         best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
@@ -51,7 +61,7 @@ if HAS_TRITON:
             cols = v0 + offs
             ok = cols < vocab
             lg = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            u = tl.rand(seed, (row * vocab + cols).to(tl.uint32))
+            u = tl.rand(key, (base + cols).to(tl.uint32))
             # score = l / T - log(q), q = -log(u) ~ Exp(1); u == 0 gives q = inf, a score of -inf.
             score = lg * inv_t - tl.log(-tl.log(u))
             score = tl.where(ok, score, float("-inf"))
@@ -64,7 +74,19 @@ if HAS_TRITON:
         tl.store(out_ptr + row, idx.to(tl.int64))
 
 
-_state = {"compiled": False, "broken": False}
+def row_seeds(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Philox keys, one per row, from (seed, index) pairs: splitmix64 of seed * 2^20 + index, as int64.
+    A seeded request's key for its i-th output token depends on nothing else (batch, preemption)."""
+    with np.errstate(over="ignore"):
+        z = seeds.astype(np.uint64) * np.uint64(1 << 20) + index.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(1)).astype(np.int64)  # 63 bits: a non-negative int64
+
+
+_state: dict = {"compiled": set(), "broken": False}
+"""compiled: the PER_ROW_SEEDS variants built so far; broken: a build failed (the sampler falls back)."""
 
 
 def usable(logits: torch.Tensor) -> bool:
@@ -80,10 +102,13 @@ def usable(logits: torch.Tensor) -> bool:
     )
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor | None:
+def gumbel_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seed: int | torch.Tensor
+) -> torch.Tensor | None:
     """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids.
-    `seed` keys this call's noise (a fresh one per step); rows draw independent streams. None if the
-    kernel cannot be built on this machine (logged once; `usable` is False from then on)."""
+    `seed`: an int keys this call's noise (a fresh one per step; rows draw independent streams), or an
+    int64 tensor [rows] gives every row its own key (`row_seeds`). None if the kernel cannot be built on
+    this machine (logged once; `usable` is False from then on)."""
     if _state["broken"]:
         return None
     n, vocab = logits.shape
@@ -91,15 +116,18 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int) ->
     if n == 0:
         return out
     temp = temperature.to(torch.float32).contiguous()
-    launch = _gumbel_argmax_kernel[(n,)]
-    if _state["compiled"]:
-        launch(logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+    per_row = isinstance(seed, torch.Tensor)
+    seeds = seed if per_row else out
+    args = (logits, temp, seeds, out, vocab, logits.stride(0), 0 if per_row else seed)
+    kw = {"BLOCK_V": _BLOCK_V, "PER_ROW_SEEDS": per_row, "num_warps": 8}
+    if per_row in _state["compiled"]:
+        _gumbel_argmax_kernel[(n,)](*args, **kw)
         return out
-    try:  # the first launch compiles
-        launch(logits, temp, out, vocab, logits.stride(0), seed, BLOCK_V=_BLOCK_V, num_warps=8)
+    try:  # the first launch of a variant compiles it
+        _gumbel_argmax_kernel[(n,)](*args, **kw)
     except Exception as e:  # noqa: BLE001 - any build failure: keep serving on the unfused path
         _state["broken"] = True
         logger.warning("one-pass sampling kernel unavailable (%s: %s); using the unfused sampler", type(e).__name__, e)
         return None
-    _state["compiled"] = True
+    _state["compiled"].add(per_row)
     return out

@@ -21,7 +21,7 @@ from pagedllm.logger import init_logger
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample import triton_sample
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields
+from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields, upload
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
 from pagedllm.worker.cuda_graph import CudaGraphRunner, Patch
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -155,9 +155,11 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         logits = self.run_dummy_batches()
-        if logits is not None and triton_sample.usable(logits.float()):  # the one-pass sampling kernel too
+        if logits is not None and triton_sample.usable(logits.float()):  # the one-pass sampling kernels too
             n = logits.shape[0]
-            triton_sample.gumbel_sample(logits.float(), torch.ones(n, device=self.device), 0)
+            ones = torch.ones(n, device=self.device)
+            triton_sample.gumbel_sample(logits.float(), ones, 0)
+            triton_sample.gumbel_sample(logits.float(), ones, torch.zeros(n, dtype=torch.int64, device=self.device))
         torch.cuda.synchronize()
         logger.info("Kernel warm-up (attention variants, sampling) in %.2f s", time.perf_counter() - t0)
 
@@ -328,7 +330,7 @@ class ModelRunner:
             else:
                 logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
                 logits = self.model.compute_logits(hidden[logits_idx])
-            md_s = self._sampling_metadata(rows[sample_idx])
+            md_s = self._sampling_metadata(rows[sample_idx], seq_lens[sample_idx])
             out = self.sampler(logits, md_s)
             sampled_gpu = out.sampled_token_ids
             logprobs = out.logprobs_tensors
@@ -485,7 +487,9 @@ class ModelRunner:
                 done[rid] = self.prompt_logprobs.pop(rid)
         return done
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, seq_lens: np.ndarray | None = None) -> SamplingMetadata:
+        """The sampling parameters of `rows` (the rows that sample, in order); `seq_lens` (their lengths
+        after this step) gives seeded rows' output-token index for the one-pass CUDA sampler's keys."""
         batch = self.input_batch
         assert batch is not None
         dev = self.device
@@ -530,6 +534,8 @@ class ModelRunner:
             req_ids=req_ids,
             prompt_token_ids=prompt_ids,
         )
+        if dev.type == "cuda" and seq_lens is not None and not md.all_greedy:
+            md.noise_seeds = self._noise_seeds(params, prompt_ids, seq_lens)
         slots = batch.penalty_slot[rows]
         pen = np.nonzero(slots >= 0)[0]
         if len(pen):
@@ -544,6 +550,19 @@ class ModelRunner:
             md.output_token_counts = batch.token_counts.output_counts[slot_t]
         fill_sparse_fields(md, params, dev)
         return md
+
+    def _noise_seeds(self, params: list, prompt_ids: list[list[int]], seq_lens: np.ndarray) -> torch.Tensor:
+        """Per-row Philox keys: a seeded row's from (seed, index of the token it samples), the others' from
+        a fresh step key and the row (torch's default CPU generator: a global seed repeats runs)."""
+        n = len(params)
+        step = int(torch.randint(0, 2**62, (1,)).item())
+        seeds = np.full(n, step, dtype=np.int64)
+        index = np.arange(n, dtype=np.int64)
+        for i, sp in enumerate(params):
+            if sp.seed is not None:
+                seeds[i] = sp.seed
+                index[i] = int(seq_lens[i]) - len(prompt_ids[i])
+        return upload(triton_sample.row_seeds(seeds, index), np.int64, self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -90,3 +90,19 @@ def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[l
     res = _judge(hf, smollm2_prompt_ids, ours_gpu, ours_cpu, torch.float32)
     print(_summary("fp32 GPU vs CPU path", res))
     assert not [r for r in res if r.startswith("FAIL")]
+
+
+def test_seeded_request_repeats_in_any_batch(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+    """A seeded request gives the same tokens alone and inside a batch of other (seeded and unseeded)
+    requests: its noise is keyed by its seed and token index only (one-pass CUDA sampler)."""
+    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in smollm2_prompt_ids[:8]]
+    alone = llm.generate([prompts[3]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.9, max_tokens=20 + i, seed=i if i % 2 else None) for i in range(8)]
+    others[3] = sp
+    batch = llm.generate(prompts, others, use_tqdm=False)
+    assert list(batch[3].outputs[0].token_ids) == list(alone)
+    unseeded = llm.generate([prompts[3]] * 2, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True),
+                            use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids  # independent rows

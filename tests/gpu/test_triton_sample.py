@@ -85,9 +85,30 @@ def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.Mon
             return launch
 
     monkeypatch.setattr(triton_sample, "_gumbel_argmax_kernel", Broken())
-    monkeypatch.setattr(triton_sample, "_state", {"compiled": False, "broken": False})
+    monkeypatch.setattr(triton_sample, "_state", {"compiled": set(), "broken": False})
     params = [SamplingParams(temperature=0.7)] * 4
     logits = torch.randn(4, 500, device="cuda")
     out = Sampler()(logits, build_sampling_metadata(params, 500, device="cuda"))
     assert out.sampled_token_ids.shape == (4,) and triton_sample._state["broken"]
     assert not triton_sample.usable(logits)
+
+
+def test_per_row_keys() -> None:
+    """Per-row Philox keys (seeded requests): a row's draws depend on its key alone, and keys from
+    `row_seeds` give independent rows that still follow softmax(l / T)."""
+    import numpy as np
+
+    n = ROWS // 2
+    logits = torch.tensor([0.5, 1.5, -0.5, 1.0])
+    x = logits.repeat(n, 1).to(DEVICE)
+    t = torch.full((n,), 0.8, device=DEVICE)
+    keys = triton_sample.row_seeds(np.full(n, 42, dtype=np.int64), np.arange(n, dtype=np.int64))
+    assert len(set(keys.tolist())) == n and (keys >= 0).all()
+    assert np.array_equal(keys, triton_sample.row_seeds(np.full(n, 42), np.arange(n)))  # deterministic
+    ids = triton_sample.gumbel_sample(x, t, torch.from_numpy(keys).to(DEVICE)).cpu()
+    freq = torch.bincount(ids, minlength=4).double() / n
+    p = torch.softmax(logits.double() / 0.8, dim=0)
+    assert (freq - p).abs().max() < 5 * math.sqrt(0.25 / n)
+    # The same key on another row, in another batch, draws the same token.
+    one = triton_sample.gumbel_sample(x[:1], t[:1], torch.from_numpy(keys[7:8]).to(DEVICE)).cpu()
+    assert int(one[0]) == int(ids[7])
