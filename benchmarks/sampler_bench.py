@@ -4,7 +4,9 @@
     python benchmarks/sampler_bench.py [--batch 256] [--vocab 128256] [--iters 5] [--device cpu]
 
 Times `Sampler.forward` only (logits cloned and metadata built outside the timed region; in the engine,
-penalty counts come from persistent per-request slots, so building them is not per-step work).
+penalty counts come from persistent per-request slots, so building them is not per-step work). On CUDA
+the metadata carries per-row noise keys as the model runner's does (one-pass sampling for seeded rows);
+`PAGEDLLM_ONE_PASS_SAMPLING=0` times the unfused sampler.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ def main() -> None:
     for name, params in mixes(args.batch).items():
         gens = {i: torch.Generator(device=dev).manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
         md = build_sampling_metadata(params, args.vocab, prompts, outputs, generators=gens, device=dev)
+        if dev.type == "cuda" and not md.all_greedy:  # per-row Philox keys, as the model runner gives them
+            import numpy as np
+
+            from pagedllm.sample.triton_sample import row_seeds
+
+            seeds = np.array([p.seed if p.seed is not None else 7 for p in params], dtype=np.int64)
+            md.noise_seeds = torch.from_numpy(row_seeds(seeds, np.arange(len(params)))).to(dev)
         times = []
         for it in range(args.iters + 1):
             x = logits.clone()
