@@ -33,6 +33,16 @@ _BLOCK_V = 4096
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _race(best, best_idx, logits_row, cols, vocab, u, inv_t):
+        """Fold one tile of scores (l / T - log(-log u)) into the running per-lane maximum."""
+        ok = cols < vocab
+        lg = tl.load(logits_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        # q = -log(u) ~ Exp(1); u == 0 gives q = inf, a score of -inf.
+        score = tl.where(ok, lg * inv_t - tl.log(-tl.log(u)), float("-inf"))
+        better = score > best
+        return tl.where(better, score, best), tl.where(better, cols, best_idx)
+
     # seed changes every step: no "== 1" / "divisible by 16" variants of it (a mid-run compile otherwise).
     @triton.jit(do_not_specialize=["seed"])
     def _gumbel_argmax_kernel(
@@ -46,28 +56,26 @@ if HAS_TRITON:
         BLOCK_V: tl.constexpr,
         PER_ROW_SEEDS: tl.constexpr,
     ):
+        """Each Philox call gives 4 uniforms (`rand4x`): one for each quarter of the BLOCK_V tile."""
+        Q: tl.constexpr = BLOCK_V // 4
         row = tl.program_id(0).to(tl.int64)
         inv_t = 1.0 / tl.load(temp_ptr + row)
         if PER_ROW_SEEDS:  # each row its own Philox key (seeded requests: their seed and token index)
             key = tl.load(seeds_ptr + row)
             base = 0
-        else:  # one key for the step, rows apart by offset
+        else:  # one key for the step, rows apart by counter
             key = seed
-            base = row * vocab
-        offs = tl.arange(0, BLOCK_V)
-        best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-        best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
+            base = row * (vocab // 4 + Q)
+        logits_row = logits_ptr + row * stride_row
+        offs = tl.arange(0, Q)
+        best = tl.full([Q], float("-inf"), dtype=tl.float32)
+        best_idx = tl.zeros([Q], dtype=tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
-            cols = v0 + offs
-            ok = cols < vocab
-            lg = tl.load(logits_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            u = tl.rand(key, (base + cols).to(tl.uint32))
-            # score = l / T - log(q), q = -log(u) ~ Exp(1); u == 0 gives q = inf, a score of -inf.
-            score = lg * inv_t - tl.log(-tl.log(u))
-            score = tl.where(ok, score, float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            best_idx = tl.where(better, cols, best_idx)
+            u0, u1, u2, u3 = tl.rand4x(key, (base + v0 // 4 + offs).to(tl.uint32))
+            best, best_idx = _race(best, best_idx, logits_row, v0 + offs, vocab, u0, inv_t)
+            best, best_idx = _race(best, best_idx, logits_row, v0 + Q + offs, vocab, u1, inv_t)
+            best, best_idx = _race(best, best_idx, logits_row, v0 + 2 * Q + offs, vocab, u2, inv_t)
+            best, best_idx = _race(best, best_idx, logits_row, v0 + 3 * Q + offs, vocab, u3, inv_t)
         top = tl.max(best, axis=0)
         # The lowest column among the lanes holding the maximum (ties: the first index, as argmax).
         idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
