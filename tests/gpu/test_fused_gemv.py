@@ -81,3 +81,14 @@ def test_enabled_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_FUSED_GEMV", "1")
     assert triton_gemv.enabled(x) == (DEVICE == "cuda")
     assert not triton_gemv.enabled(torch.zeros(17, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float32_out(dtype: torch.dtype) -> None:
+    """The LM head's use: float32 logits from 16-bit activations and weights (no rounding of the sums)."""
+    g = torch.Generator().manual_seed(11)
+    w, _ = _weights(2000, 256, dtype, g, False)
+    x = torch.randn(2, 256, generator=g).to(DEVICE, dtype)
+    y, _ = triton_gemv.fused_gemv(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x.float() @ w.float().t(), atol=1e-3, rtol=1e-3)

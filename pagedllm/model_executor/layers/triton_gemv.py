@@ -13,7 +13,8 @@ activation are rounded to the activation dtype where the references hold them in
 accumulate in float32 in a different order than cuBLAS, so outputs agree to an ulp or so.
 
 Off by default until measured on a GPU: `PAGEDLLM_FUSED_GEMV=1` turns it on for decode batches of up
-to `MAX_ROWS` rows (the Llama-family decoder layer picks it; see `llama.py`).
+to `MAX_ROWS` rows (the Llama-family decoder layer picks it, see `llama.py`; so does the LM head for
+its float32 logits, see `vocab_embedding.py`).
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ def fused_gemv(
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu_and_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`weight @ a + bias` for x of M <= 16 rows, returning (y, new residual or None), where a is
     - `x` (nothing else given),
     - `RMSNorm(x)` with `norm_weight`, or `RMSNorm(x + residual)` with `residual` too (the new residual
       `x + residual` is returned, a fresh tensor),
     - `silu(x[:, :K]) * x[:, K:]` with `silu_and_mul` (x is [M, 2K]).
+    y is in x's dtype, or `out_dtype` (float32 logits: the accumulators unrounded).
     """
     assert HAS_TRITON, "Triton is not installed"
     m = x.shape[0]
@@ -166,7 +169,7 @@ def fused_gemv(
         prologue = PRO_NONE
     if prologue != PRO_SILU:
         assert x.shape[1] == k
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == PRO_ADD_NORM else None
     res = residual if residual is not None else x
     assert res.stride(-1) == 1

@@ -19,6 +19,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.model_executor.layers import triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import set_weight_attrs
 
@@ -144,6 +145,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed = getattr(self, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
         if packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
+        elif self.bias is None and _fp32_logits_ok(hidden_states) and triton_gemv.enabled(hidden_states):
+            # A few rows (decode at small batch): the small-batch GEMV writes the float32 logits directly.
+            logits, _ = triton_gemv.fused_gemv(hidden_states, self.weight, out_dtype=torch.float32)
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
             # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same
