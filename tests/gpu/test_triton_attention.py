@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from tests.gpu.triton_env import DEVICE, require_triton_device  # noqa: E402
+from tests.gpu.triton_env import DEVICE, INTERPRET, require_triton_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -142,6 +142,8 @@ def run_case(
     **overrides: int,
 ) -> None:
     """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches."""
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("the Triton 3.6 interpreter truncates float32 -> bfloat16 (GPU only)")
     b = Batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed)
     dev = DEVICE
     k_cache, v_cache = b.k_cache.to(dev), b.v_cache.to(dev)
