@@ -95,7 +95,11 @@ def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[l
 def test_seeded_request_repeats_in_any_batch(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
     """A seeded request gives the same tokens alone and inside a batch of other (seeded and unseeded)
     requests: its noise is keyed by its seed and token index only (one-pass CUDA sampler)."""
-    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, kv_cache_memory_bytes=1 << 30)
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in smollm2_prompt_ids[:8]]
     alone = llm.generate([prompts[3]], sp, use_tqdm=False)[0].outputs[0].token_ids
