@@ -1,6 +1,6 @@
 """`triton_gemv.fused_gemv` (small-batch linear with RMSNorm / residual+RMSNorm / SiLU-and-mul folded in)
 against the unfused reference: the layers' own PyTorch code and `F.linear`, same device and dtype (GPU;
-on the CPU under TRITON_INTERPRET=1, float32 only)."""
+on the CPU under TRITON_INTERPRET=1, float32 and float16)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ require_triton_device()
 from pagedllm.model_executor.layers import triton_gemv  # noqa: E402
 from pagedllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 
-DTYPES = [torch.float32] + ([] if INTERPRET else [torch.float16, torch.bfloat16])
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # The GEMV sums K products in float32 in another order than the BLAS: a few ulps of the output dtype.
 TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1.5e-1, 3e-2)}
 
