@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/decode_profile.py [--model benchmarks/workloads/llama-3.1-8b] [--batch 1]
 
 In one process: the copy-bandwidth floor; every linear layer of the model run as the decode step runs
-it (M = batch rows, all layers in order, replayed as one CUDA graph so L2 never holds the next weight),
-against bytes / copy bandwidth; then the engine's own decode step (CUDA graph, synchronous scheduling)
+it (M = batch rows, all layers in order, replayed as one CUDA graph so L2 never holds the next weight)
+under cuBLAS, cuBLASLt and the engine's small-batch GEMV (`triton_gemv`), against bytes / copy bandwidth;
+then the engine's own decode step (CUDA graph, synchronous scheduling)
 timed over many steps, and a torch.profiler trace of a few steps grouped by kernel name. The gap between
 the step's wall time and the sum of its kernels is launch/idle time inside and between graph replays.
 Writes JSON to --out and prints a table last.
@@ -13,7 +14,6 @@ Writes JSON to --out and prints a table last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -21,6 +21,8 @@ import time
 from collections import defaultdict
 
 import torch
+
+from pagedllm.model_executor.layers import triton_gemv
 
 
 def _graph_time_ms(fn, reps: int = 5) -> float:
@@ -47,55 +49,9 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / (t * 1e-3) / 1e9
 
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y = W x for one row x (a prototype, to weigh a Triton GEMV against cuBLAS at M = 1)."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :])
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
-
-
-GEMV_CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (16, 1024, 8, 2), (8, 1024, 4, 2)]
-
-
-def _triton_gemv_ms(ws: list[torch.Tensor], x: torch.Tensor) -> tuple[float, tuple[int, ...]] | None:
-    """Best (ms, config) of the prototype GEMV over all of ws in order, or None where it does not apply."""
-    n, k = ws[0].shape
-    if not HAS_TRITON or x.shape[0] != 1:
-        return None
-    ys = [torch.empty(n, dtype=x.dtype, device=x.device) for _ in ws]
-    best = None
-    for bn, bk, nw, ns in GEMV_CONFIGS:
-        if n % bn or k % bk:
-            continue
-
-        def run(bn=bn, bk=bk, nw=nw, ns=ns) -> None:
-            for w, y in zip(ws, ys):
-                _gemv_kernel[(n // bn,)](x, w, y, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-
-        ref = torch.nn.functional.linear(x, ws[0])[0]
-        run()
-        if not torch.allclose(ys[0].float(), ref.float(), rtol=2e-2, atol=2e-2):
-            raise AssertionError(f"prototype GEMV wrong for config {(bn, bk, nw, ns)}")
-        ms = _graph_time_ms(run, reps=3)
-        if best is None or ms < best[0]:
-            best = (ms, (bn, bk, nw, ns))
-    return best
-
-
 def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[dict]:
     """Per projection kind (last name part): all layers' weights in order, one graph; cuBLAS, cuBLASLt
-    (torch.backends.cuda.preferred_blas_library) and, at batch 1, the prototype Triton GEMV."""
+    (torch.backends.cuda.preferred_blas_library) and the engine's small-batch Triton GEMV."""
     kinds: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, mod in model.named_modules():
         w = getattr(mod, "weight", None)
@@ -118,18 +74,14 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
         fp32_out_ms = None
         if kind == "lm_head":  # the engine's LM head on CUDA writes float32 logits (PAGEDLLM_FP32_LOGITS)
             fp32_out_ms = _graph_time_ms(lambda ws=ws, x=x: [torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
-        tri = _triton_gemv_ms(ws, x)
         engine_gemv_ms = None
-        if HAS_TRITON and x.shape[0] <= 16:  # the engine's small-batch GEMV (PAGEDLLM_FUSED_GEMV), plain
-            from pagedllm.model_executor.layers.triton_gemv import fused_gemv
-
-            engine_gemv_ms = _graph_time_ms(lambda ws=ws, x=x: [fused_gemv(x, w) for w in ws])
+        if triton_gemv.HAS_TRITON and x.shape[0] <= triton_gemv.MAX_ROWS:  # PAGEDLLM_FUSED_GEMV's GEMV, plain
+            engine_gemv_ms = _graph_time_ms(lambda ws=ws, x=x: [triton_gemv.fused_gemv(x, w) for w in ws])
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         floor = nbytes / (copy_gbs * 1e9) * 1e3
         ms = times["cublas"]
         rows.append({"kind": kind, "n": len(ws), "shape": list(ws[0].shape), "ms": ms, "floor_ms": floor,
                      "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor, "cublaslt_ms": times["cublaslt"],
-                     "triton_gemv_ms": tri[0] if tri else None, "triton_gemv_config": tri[1] if tri else None,
                      "fp32_out_ms": fp32_out_ms, "engine_gemv_ms": engine_gemv_ms})
     return rows
 
@@ -198,12 +150,11 @@ def main() -> None:
     for r in kernels[:25]:
         print(f"{r['name']:90s} {r['calls_per_step']:6.1f} {r['us_per_step']:9.1f}")
     print(f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} "
-          f"{'lt':>7s} {'triton':>7s} config")
+          f"{'lt':>7s} {'gemv':>7s}")
     for r in lin:
-        tri = f"{r['triton_gemv_ms']:7.3f}" if r["triton_gemv_ms"] is not None else f"{'-':>7s}"
+        gemv = f"{r['engine_gemv_ms']:7.3f}" if r["engine_gemv_ms"] is not None else f"{'-':>7s}"
         print(f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
-              f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {tri} {r['triton_gemv_config']}"
-              + (f"; engine GEMV {r['engine_gemv_ms']:.3f}" if r["engine_gemv_ms"] else "")
+              f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {gemv}"
               + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else ""))
     lin_ms = sum(r["ms"] for r in lin)
     print(f"\n{result['device']}: copy {copy_gbs:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB -> floor "

@@ -88,10 +88,12 @@ def main() -> None:
         if dev.type == "cuda" and not md.all_greedy:  # per-row Philox keys, as the model runner gives them
             import numpy as np
 
-            from pagedllm.sample.triton_sample import row_seeds
+            from pagedllm.sample.triton_sample import noise_keys
 
-            seeds = np.array([p.seed if p.seed is not None else 7 for p in params], dtype=np.int64)
-            md.noise_seeds = torch.from_numpy(row_seeds(seeds, np.arange(len(params)))).to(dev)
+            seeded = np.array([i for i, p in enumerate(params) if p.seed is not None], dtype=np.int64)
+            seeds = np.array([params[i].seed for i in seeded.tolist()], dtype=np.int64)
+            keys = noise_keys(len(params), seeded, seeds, np.zeros(len(seeded), dtype=np.int64))
+            md.noise_seeds = torch.from_numpy(keys).to(dev)
         times = []
         for it in range(args.iters + 1):
             x = logits.clone()

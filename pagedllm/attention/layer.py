@@ -59,9 +59,5 @@ class Attention(nn.Module):
         k3 = k.view(t, self.num_kv_heads, self.head_size)
         v3 = v.view(t, self.num_kv_heads, self.head_size)
         out = torch.empty_like(q3)
-        md = get_attn_metadata(self.layer_name)
-        if rotary is None:
-            self.impl.forward(q3, k3, v3, self.kv_cache, md, out)
-        else:
-            self.impl.forward(q3, k3, v3, self.kv_cache, md, out, rotary=rotary)
+        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out, rotary)
         return out.view(t, self.num_heads * self.head_size)

@@ -159,22 +159,21 @@ class Sampler(nn.Module):
         temp = md.temperature
         if not md.all_random:
             temp = torch.where(temp < _EPS, torch.ones_like(temp), temp)
-        # Seeded rows join the one pass only with per-row keys (md.noise_seeds), else keep their generators.
+        # Seeded rows join the one pass only with their per-row keys (md.noise_seeds), else keep their generators.
         one_pass = triton_sample.usable(logits) and (md.noise_seeds is not None or not md.generators)
-        noise = md.noise_seeds
         plain = md.top_k is None and md.top_p is None and md.min_p is None and self._only_builtin_argmax_invariant
+        keys = self._noise_keys(md, logits.device) if one_pass else None
         sampled = None
-        if one_pass and plain and not need_processed:
-            sampled = triton_sample.gumbel_sample(logits, temp, noise if noise is not None else self._noise_seed())
+        if keys is not None and plain and not need_processed:
+            sampled = triton_sample.gumbel_sample(logits, temp, keys)
         if sampled is None:
             logits = logits / temp.unsqueeze(1)
             for proc in self.argmax_invariant:
                 logits = proc.apply(logits, md)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
-            if one_pass:
-                key = noise if noise is not None else self._noise_seed()
-                sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), key)
+            if keys is not None:
+                sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), keys)
             if sampled is None:
                 sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
@@ -182,10 +181,11 @@ class Sampler(nn.Module):
         return torch.where(md.temperature < _EPS, greedy, sampled), logits
 
     @staticmethod
-    def _noise_seed() -> int:
-        """A fresh seed for this step's one-pass noise, from torch's default generator (so a global seed
-        makes runs repeat)."""
-        return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    def _noise_keys(md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+        """The rows' Philox keys: the metadata's (the model runner's, seeded rows included), else fresh ones."""
+        if md.noise_seeds is not None:
+            return md.noise_seeds
+        return upload(triton_sample.noise_keys(md.num_rows), np.int64, device)
 
 
 def apply_bad_words(

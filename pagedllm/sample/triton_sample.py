@@ -3,13 +3,14 @@
 `argmax_i (p_i / q_i)` with q_i ~ Exp(1) picks token i with probability p_i (what `random_sample` does on
 the CPU); with p = softmax(l / T) it equals `argmax_i (l_i / T - log q_i)`, so neither the softmax nor the
 probabilities need to exist: one kernel reads each row's logits once, draws its noise from Philox
-(`tl.rand`, keyed by a per-step seed and the element's offset) and keeps a running argmax. The unfused
+(keyed per row, counted by column) and keeps a running argmax. The unfused
 chain (divide by T, softmax, uniform, clamp, log, negate, divide, max) made ~15 passes over a
 [rows, vocab] float32 matrix: 0.7 ms per W1 step at 256 rows x 152k on the H200.
 
 Rows whose logits were masked to -inf (top-k, top-p, min-p, allowed ids, ...) never win. A seeded request
-gets a Philox key per output token from its seed and the token's index (`row_seeds`, built by the model
-runner), so a seed reproduces whatever else is in the batch, also across preemption.
+gets a Philox key per output token from its seed and the token's index (`noise_keys`, from the model
+runner), so a seed reproduces whatever else is in the batch, also across preemption; other rows get a
+fresh key per step.
 """
 
 from __future__ import annotations
@@ -24,14 +25,11 @@ from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
 
 logger = init_logger(__name__)
 
+_BLOCK_V = 4096
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-_BLOCK_V = 4096
-
-
-if HAS_TRITON:
 
     @triton.jit
     def _race(best, best_idx, logits_row, cols, vocab, u, inv_t):
@@ -43,35 +41,20 @@ if HAS_TRITON:
         better = score > best
         return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
-    # seed changes every step: no "== 1" / "divisible by 16" variants of it (a mid-run compile otherwise).
-    @triton.jit(do_not_specialize=["seed"])
-    def _gumbel_argmax_kernel(
-        logits_ptr,
-        temp_ptr,
-        seeds_ptr,
-        out_ptr,
-        vocab,
-        stride_row,
-        seed,
-        BLOCK_V: tl.constexpr,
-        PER_ROW_SEEDS: tl.constexpr,
-    ):
-        """Each Philox call gives 4 uniforms (`rand4x`): one for each quarter of the BLOCK_V tile."""
+    @triton.jit
+    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, vocab, stride_row, BLOCK_V: tl.constexpr):
+        """One program per row, its own Philox key; each Philox call gives 4 uniforms (`rand4x`), one for
+        each quarter of the BLOCK_V tile."""
         Q: tl.constexpr = BLOCK_V // 4
         row = tl.program_id(0).to(tl.int64)
         inv_t = 1.0 / tl.load(temp_ptr + row)
-        if PER_ROW_SEEDS:  # each row its own Philox key (seeded requests: their seed and token index)
-            key = tl.load(seeds_ptr + row)
-            base = 0
-        else:  # one key for the step, rows apart by counter
-            key = seed
-            base = row * (vocab // 4 + Q)
+        key = tl.load(keys_ptr + row)
         logits_row = logits_ptr + row * stride_row
         offs = tl.arange(0, Q)
         best = tl.full([Q], float("-inf"), dtype=tl.float32)
         best_idx = tl.zeros([Q], dtype=tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
-            u0, u1, u2, u3 = tl.rand4x(key, (base + v0 // 4 + offs).to(tl.uint32))
+            u0, u1, u2, u3 = tl.rand4x(key, (v0 // 4 + offs).to(tl.uint32))
             best, best_idx = _race(best, best_idx, logits_row, v0 + offs, vocab, u0, inv_t)
             best, best_idx = _race(best, best_idx, logits_row, v0 + Q + offs, vocab, u1, inv_t)
             best, best_idx = _race(best, best_idx, logits_row, v0 + 2 * Q + offs, vocab, u2, inv_t)
@@ -93,8 +76,20 @@ def row_seeds(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(1)).astype(np.int64)  # 63 bits: a non-negative int64
 
 
-_state: dict = {"compiled": set(), "broken": False}
-"""compiled: the PER_ROW_SEEDS variants built so far; broken: a build failed (the sampler falls back)."""
+def noise_keys(n: int, seeded_rows: np.ndarray | None = None, seeds: np.ndarray | None = None,
+               index: np.ndarray | None = None) -> np.ndarray:
+    """The Philox keys of a step's n rows: rows `seeded_rows` from their (seed, output index), the others
+    from a fresh step key (torch's default CPU generator: a global seed repeats runs) and their row."""
+    step = int(torch.randint(0, 2**62, (1,)).item())
+    keys = row_seeds(np.full(n, step, dtype=np.int64), np.arange(n, dtype=np.int64))
+    if seeded_rows is not None and len(seeded_rows):
+        assert seeds is not None and index is not None
+        keys[seeded_rows] = row_seeds(seeds, index)
+    return keys
+
+
+_state = {"compiled": False, "broken": False}
+"""compiled: the kernel was built; broken: its build failed (the sampler falls back)."""
 
 
 def usable(logits: torch.Tensor) -> bool:
@@ -110,12 +105,9 @@ def usable(logits: torch.Tensor) -> bool:
     )
 
 
-def gumbel_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: int | torch.Tensor
-) -> torch.Tensor | None:
-    """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids.
-    `seed`: an int keys this call's noise (a fresh one per step; rows draw independent streams), or an
-    int64 tensor [rows] gives every row its own key (`row_seeds`). None if the kernel cannot be built on
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids;
+    `keys` [rows] int64 are the rows' Philox keys (`noise_keys`). None if the kernel cannot be built on
     this machine (logged once; `usable` is False from then on)."""
     if _state["broken"]:
         return None
@@ -124,18 +116,13 @@ def gumbel_sample(
     if n == 0:
         return out
     temp = temperature.to(torch.float32).contiguous()
-    per_row = isinstance(seed, torch.Tensor)
-    seeds = seed if per_row else out
-    args = (logits, temp, seeds, out, vocab, logits.stride(0), 0 if per_row else seed)
-    kw = {"BLOCK_V": _BLOCK_V, "PER_ROW_SEEDS": per_row, "num_warps": 8}
-    if per_row in _state["compiled"]:
-        _gumbel_argmax_kernel[(n,)](*args, **kw)
-        return out
-    try:  # the first launch of a variant compiles it
-        _gumbel_argmax_kernel[(n,)](*args, **kw)
-    except Exception as e:  # noqa: BLE001 - any build failure: keep serving on the unfused path
+    try:
+        _gumbel_argmax_kernel[(n,)](logits, temp, keys, out, vocab, logits.stride(0), BLOCK_V=_BLOCK_V, num_warps=8)
+    except Exception as e:  # noqa: BLE001 - a failed first build: keep serving on the unfused path
+        if _state["compiled"]:
+            raise
         _state["broken"] = True
         logger.warning("one-pass sampling kernel unavailable (%s: %s); using the unfused sampler", type(e).__name__, e)
         return None
-    _state["compiled"].add(per_row)
+    _state["compiled"] = True
     return out

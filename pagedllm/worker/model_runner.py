@@ -155,11 +155,10 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         logits = self.run_dummy_batches()
-        if logits is not None and triton_sample.usable(logits.float()):  # the one-pass sampling kernels too
+        if logits is not None and triton_sample.usable(logits := logits.float()):  # the one-pass sampler too
             n = logits.shape[0]
-            ones = torch.ones(n, device=self.device)
-            triton_sample.gumbel_sample(logits.float(), ones, 0)
-            triton_sample.gumbel_sample(logits.float(), ones, torch.zeros(n, dtype=torch.int64, device=self.device))
+            keys = torch.zeros(n, dtype=torch.int64, device=self.device)
+            triton_sample.gumbel_sample(logits, torch.ones(n, device=self.device), keys)
         torch.cuda.synchronize()
         logger.info("Kernel warm-up (attention variants, sampling) in %.2f s", time.perf_counter() - t0)
 
@@ -535,7 +534,11 @@ class ModelRunner:
             prompt_token_ids=prompt_ids,
         )
         if dev.type == "cuda" and seq_lens is not None and not md.all_greedy:
-            md.noise_seeds = self._noise_seeds(params, prompt_ids, seq_lens)
+            # One-pass sampler keys; a seeded row's from (its seed, the index of the output token it samples).
+            seeded = np.fromiter(generators, dtype=np.int64, count=len(generators))
+            seeds = np.array([params[i].seed for i in seeded.tolist()], dtype=np.int64)
+            index = seq_lens[seeded] - np.array([len(prompt_ids[i]) for i in seeded.tolist()], dtype=np.int64)
+            md.noise_seeds = upload(triton_sample.noise_keys(len(rows), seeded, seeds, index), np.int64, dev)
         slots = batch.penalty_slot[rows]
         pen = np.nonzero(slots >= 0)[0]
         if len(pen):
@@ -550,19 +553,6 @@ class ModelRunner:
             md.output_token_counts = batch.token_counts.output_counts[slot_t]
         fill_sparse_fields(md, params, dev)
         return md
-
-    def _noise_seeds(self, params: list, prompt_ids: list[list[int]], seq_lens: np.ndarray) -> torch.Tensor:
-        """Per-row Philox keys: a seeded row's from (seed, index of the token it samples), the others' from
-        a fresh step key and the row (torch's default CPU generator: a global seed repeats runs)."""
-        n = len(params)
-        step = int(torch.randint(0, 2**62, (1,)).item())
-        seeds = np.full(n, step, dtype=np.int64)
-        index = np.arange(n, dtype=np.int64)
-        for i, sp in enumerate(params):
-            if sp.seed is not None:
-                seeds[i] = sp.seed
-                index[i] = int(seq_lens[i]) - len(prompt_ids[i])
-        return upload(triton_sample.row_seeds(seeds, index), np.int64, self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,11 +22,16 @@ from pagedllm.sample import triton_sample  # noqa: E402
 ROWS = 3000 if INTERPRET else 200_000
 
 
+def _keys(n: int, seed: int) -> torch.Tensor:
+    """Per-row Philox keys from one seed (rows draw independent streams)."""
+    return torch.from_numpy(triton_sample.row_seeds(np.full(n, seed), np.arange(n))).to(DEVICE)
+
+
 @pytest.mark.parametrize("temp", [0.5, 1.0, 2.0])
 def test_draws_follow_softmax(temp: float) -> None:
     logits = torch.tensor([1.0, 0.0, 2.0, -1.0, float("-inf"), 0.5])
     x = logits.repeat(ROWS, 1).to(DEVICE)
-    ids = triton_sample.gumbel_sample(x, torch.full((ROWS,), temp, device=DEVICE), seed=1234).cpu()
+    ids = triton_sample.gumbel_sample(x, torch.full((ROWS,), temp, device=DEVICE), _keys(ROWS, 1234)).cpu()
     freq = torch.bincount(ids, minlength=6).double() / ROWS
     p = torch.softmax(logits.double() / temp, dim=0)
     assert freq[4] == 0  # -inf never drawn
@@ -42,12 +48,12 @@ def test_long_rows_seed_and_ties() -> None:
     x[1, vocab - 1] = 0.0  # the only finite logit, in the partial chunk
     x = x.to(DEVICE)
     t = torch.ones(8, device=DEVICE)
-    a = triton_sample.gumbel_sample(x, t, seed=7).cpu()
+    a = triton_sample.gumbel_sample(x, t, _keys(8, 7)).cpu()
     assert a[0] == 9000 and a[1] == vocab - 1 and all(a[i] == 9000 for i in range(2, 8))
     flat = torch.zeros(64, vocab, device=DEVICE)
-    one, two = (triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), seed=s).cpu() for s in (3, 3))
+    one, two = (triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), _keys(64, s)).cpu() for s in (3, 3))
     assert torch.equal(one, two)  # a seed repeats its draws
-    other = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), seed=4).cpu()
+    other = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), _keys(64, 4)).cpu()
     assert not torch.equal(one, other)
     assert len(set(one.tolist())) > 50  # rows draw independent streams
 
@@ -85,7 +91,7 @@ def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.Mon
             return launch
 
     monkeypatch.setattr(triton_sample, "_gumbel_argmax_kernel", Broken())
-    monkeypatch.setattr(triton_sample, "_state", {"compiled": set(), "broken": False})
+    monkeypatch.setattr(triton_sample, "_state", {"compiled": False, "broken": False})
     params = [SamplingParams(temperature=0.7)] * 4
     logits = torch.randn(4, 500, device="cuda")
     out = Sampler()(logits, build_sampling_metadata(params, 500, device="cuda"))
@@ -96,8 +102,6 @@ def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.Mon
 def test_per_row_keys() -> None:
     """Per-row Philox keys (seeded requests): a row's draws depend on its key alone, and keys from
     `row_seeds` give independent rows that still follow softmax(l / T)."""
-    import numpy as np
-
     n = ROWS // 2
     logits = torch.tensor([0.5, 1.5, -0.5, 1.0])
     x = logits.repeat(n, 1).to(DEVICE)

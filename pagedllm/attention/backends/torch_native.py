@@ -93,7 +93,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
                 cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
         return self._use_c_kernels
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output):
+    def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
+        assert rotary is None, "this backend does not fuse RoPE (fuses_rotary is False)"
         n = attn_metadata.num_actual_tokens
         if self.attn_type == AttentionType.ENCODER_ONLY:
             for q0, q1 in attn_metadata.spans:

@@ -145,14 +145,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed = getattr(self, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
         if packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
-        elif self.bias is None and _fp32_logits_ok(hidden_states) and triton_gemv.enabled(hidden_states):
-            # A few rows (decode at small batch): the small-batch GEMV writes the float32 logits directly.
-            logits, _ = triton_gemv.fused_gemv(hidden_states, self.weight, out_dtype=torch.float32)
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
             # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same
-            # GEMM, and the sampler wanted float32 anyway.
-            logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
+            # GEMM, and the sampler wanted float32 anyway. A few rows: the small-batch GEMV, if switched on.
+            if triton_gemv.enabled(hidden_states):
+                logits, _ = triton_gemv.fused_gemv(hidden_states, self.weight, out_dtype=torch.float32)
+            else:
+                logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:

@@ -190,6 +190,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self._small_batch_ok_cached: bool | None = None
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -206,11 +207,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
     def _small_batch_ok(self, x: torch.Tensor) -> bool:
-        """Plain (unquantized, unsharded) weights and norms in the activation dtype."""
-        linears = (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(type(m.quant_method) is UnquantizedLinearMethod and m.tp_size == 1 for m in linears) and all(
-            n.weight.dtype == x.dtype for n in (self.input_layernorm, self.post_attention_layernorm)
-        )
+        """Plain (unquantized, unsharded) weights and norms in the activation dtype (fixed once loaded:
+        decided on the first call)."""
+        ok = self._small_batch_ok_cached
+        if ok is None:
+            linears = (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+            ok = all(type(m.quant_method) is UnquantizedLinearMethod and m.tp_size == 1 for m in linears) and all(
+                n.weight.dtype == x.dtype for n in (self.input_layernorm, self.post_attention_layernorm)
+            )
+            self._small_batch_ok_cached = ok
+        return ok
 
     def _forward_small_batch(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
