@@ -52,7 +52,9 @@ for spec in $W; do
         tag="$base_tag@${spec#*@}"
         tag=${tag//[^A-Za-z0-9_.-]/_}
     fi
-    run_env() { env "${envs[@]}" "$@"; }
+    clog=/tmp/compiles_$w${tag}.log
+    rm -f "$clog"
+    run_env() { env PAGEDLLM_LOG_TRITON_COMPILES="$clog" "${envs[@]}" "$@"; }
     case $w in
         W1) args=(--workload W1 --max-model-len 2048) ;;
         W2) args=(--workload W2 --max-model-len 2048) ;;
@@ -80,6 +82,11 @@ for spec in $W; do
             --output-json "$OUT/$w$tag.json" \
             2>&1 | tail -5 | tee -a "$OUT/bench.log"
         echo "$w$tag: $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary"
+    fi
+    if [ -f "$clog" ]; then  # Triton compiles after start-up = stalls inside the timed run
+        n=$(grep -c " serving: " "$clog")
+        echo "  $w$tag: $(wc -l < "$clog") Triton compiles, $n after start-up" >> "$summary"
+        grep " serving: " "$clog" | cut -c1-300 | head -5
     fi
 done
 echo "==== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader)) ===="

@@ -11,6 +11,7 @@ from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.worker import compile_log
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 
 logger = init_logger(__name__)
@@ -31,6 +32,7 @@ class Worker:
                 torch.set_num_threads(int(threads))
         else:
             torch.cuda.set_device(self.device)
+            compile_log.install()
             blas = os.environ.get("PAGEDLLM_BLAS")  # "cublas" / "cublaslt": which library serves F.linear (A/B)
             if blas:
                 torch.backends.cuda.preferred_blas_library(blas)
@@ -73,6 +75,7 @@ class Worker:
         kv_config = self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.warm_up_kernels()
         self.model_runner.capture_cuda_graphs()
+        compile_log.set_phase("serving")
         return kv_config
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
