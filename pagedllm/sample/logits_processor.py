@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata, upload
+from pagedllm.sample.metadata import SamplingMetadata, fill_at, upload
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
             cols.extend(ids)
         if rows:
             dev = logits.device
-            logits[upload(rows, np.int64, dev), upload(cols, np.int64, dev)] = -float("inf")
+            fill_at(logits, upload(rows, np.int64, dev), upload(cols, np.int64, dev), -float("inf"))
         return logits
 
 

@@ -80,6 +80,12 @@ def upload(values: Sequence[int] | Sequence[float], dtype: type, device: torch.d
     return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device, non_blocking=True)
 
 
+def fill_at(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, value: float | bool) -> None:
+    """`t[rows, cols] = value` without a host-to-device copy: a plain indexed setitem copies the Python
+    scalar from pageable memory, which synchronizes a CUDA stream."""
+    t.index_put_((rows, cols), torch.full((), value, dtype=t.dtype, device=t.device))
+
+
 def build_sampling_metadata(
     params: Sequence[SamplingParams],
     vocab_size: int,

@@ -31,7 +31,7 @@ from pagedllm.sample.logits_processor import (
     MinTokensLogitsProcessor,
     apply_min_p,
 )
-from pagedllm.sample.metadata import SamplingMetadata, upload
+from pagedllm.sample.metadata import SamplingMetadata, fill_at, upload
 from pagedllm.sample.penalties import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 
@@ -121,7 +121,7 @@ class Sampler(nn.Module):
         if md.allowed_rows is not None and md.allowed_token_ids is not None:
             idx, ids = md.allowed_token_ids
             blocked = torch.ones(md.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
-            blocked[idx, ids] = False
+            fill_at(blocked, idx, ids, False)
             logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill(blocked, -float("inf"))
         if md.bad_words_token_ids:
             apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
@@ -206,7 +206,7 @@ def apply_bad_words(
                 cols.append(word[-1])
     if rows:
         dev = logits.device
-        logits[upload(rows, np.int64, dev), upload(cols, np.int64, dev)] = -float("inf")
+        fill_at(logits, upload(rows, np.int64, dev), upload(cols, np.int64, dev), -float("inf"))
 
 
 def apply_top_k_top_p(
