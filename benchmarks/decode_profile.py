@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers import triton_gemv
 
 
@@ -31,22 +32,6 @@ def _graph_time_ms(fn, reps: int = 5) -> float:
     fn()
     torch.cuda.synchronize()
     return statistics.median([tt.do_bench_cudagraph(fn, rep=200, return_mode="median") for _ in range(reps)])
-
-
-def _copy_ms(n: int) -> float:
-    import triton.testing as tt
-
-    a = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    return statistics.median([tt.do_bench(lambda: b.copy_(a), warmup=25, rep=100) for _ in range(3)])
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of bf16, bytes read + written per second."""
-    n = 1 << 30
-    t = _copy_ms(n)
-    torch.cuda.empty_cache()  # give the 4 GiB back before the engine sizes its KV cache
-    return 2 * n * 2 / (t * 1e-3) / 1e9
 
 
 def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[dict]:
@@ -100,14 +85,14 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
-    copy_gbs = copy_bandwidth()
+    copy_gbs = floors.copy_bandwidth_gbps()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
               async_scheduling=False)
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.executor.worker.model_runner
     model = runner.model
     lin = linear_table(model, args.batch, copy_gbs)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    weight_bytes = floors.weight_read_bytes(model)
 
     n_out = args.steps + args.profile_steps + 20
     for i in range(args.batch):

@@ -53,3 +53,19 @@ def test_model_configs_present(model: str) -> None:
     with open(os.path.join(ROOT, model, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
+    """The W3 floor's bytes: all weights but the embedding table, which a tied LM head reads whole."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.benchmarks.floors import weight_read_bytes
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    everything = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts a tied tensor once
+    embed = 128 * 32 * 2
+    assert weight_read_bytes(model) == (everything if tied else everything - embed)

@@ -11,8 +11,15 @@ import json
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING
 
+from pagedllm.benchmarks import floors
 from pagedllm.engine.arg_utils import EngineArgs
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm import LLM
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -57,9 +64,25 @@ def main(args: argparse.Namespace) -> int:
         "p90_request_s": full[int(0.9 * (len(full) - 1))],
         "time_per_output_token_ms": tpot * 1e3,
     }
+    floor = ""
+    model = _in_process_model(llm)
+    if model is not None and next(model.parameters()).is_cuda:
+        # The weight-read floor of one decode step, measured in this run (W3 reports time / floor).
+        gbps = floors.copy_bandwidth_gbps(next(model.parameters()).device)
+        floor_ms = floors.weight_read_bytes(model) / (gbps * 1e9) * 1e3
+        result.update(copy_GBps=gbps, weight_floor_ms=floor_ms, x_floor=tpot * 1e3 / floor_ms)
+        floor = f"; {result['x_floor']:.3f}x the weight-read floor {floor_ms:.3f} ms (copy {gbps:.0f} GB/s)"
     print(f"Time per output token: {tpot * 1e3:.3f} ms (median request {result['median_request_s']:.3f} s, "
-          f"1-token {result['median_1token_s']:.4f} s)")
+          f"1-token {result['median_1token_s']:.4f} s){floor}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _in_process_model(llm: LLM) -> torch.nn.Module | None:
+    """The model, where the engine core runs in this process (the offline LLM's)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    executor = getattr(core, "executor", None)
+    worker = getattr(executor, "worker", None)
+    return getattr(getattr(worker, "model_runner", None), "model", None)
