@@ -7,7 +7,7 @@
 # appended to every benchmark command; E2E_TAG names the output files apart; E2E_CORRECTNESS=0 skips the
 # correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
 #   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_BLAS=cublaslt
-# W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
+# HF3 runs HF transformers' generate on W3 (same-call baseline). W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
 mkdir -p "$OUT"
@@ -61,8 +61,13 @@ for spec in $W; do
         W3) args=() ;;
         W4) args=(--workload W4 --max-model-len 4096) ;;
         W3P) args=() ;;
+        HF3) args=() ;;
     esac
-    if [ "$w" = W3P ]; then
+    if [ "$w" = HF3 ]; then  # HF transformers generate on W3, same call (benchmarks/hf_baseline.py)
+        run_env timeout 300 python3 benchmarks/hf_baseline.py --out "$OUT/hf_W3$tag.json" 2>&1 | tail -2 \
+            | tee -a "$OUT/bench.log"
+        echo "HF3$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
+    elif [ "$w" = W3P ]; then
         run_env timeout 400 python3 benchmarks/decode_profile.py --out "$OUT/decode_profile$tag.json" 2>&1 \
             | grep -v "^INFO" | tail -45 | tee -a "$OUT/bench.log"
         echo "W3P$tag: $(grep -E '^NVIDIA|copy [0-9]+ GB/s' "$OUT/bench.log" | tail -1)" >> "$summary"

@@ -69,3 +69,24 @@ def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
     everything = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts a tied tensor once
     embed = 128 * 32 * 2
     assert weight_read_bytes(model) == (everything if tied else everything - embed)
+
+
+def test_throughput_floor_counts_by_hand() -> None:
+    """One request of 4 prompt tokens (2 from the prefix cache) and 3 outputs on a tiny bf16 Llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.benchmarks.floors import throughput_floor, weight_read_bytes
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    w = weight_read_bytes(model)
+    head, body = 128 * 32, w // 2 - 128 * 32
+    f = throughput_floor(model, 2, 4, 2, 8, [(4, 3, 2)], 16384, copy_gbps=1.0, tflops=1e-3)
+    # Tokens fed: 4 prompt + 2 outputs = 6, 4 of them computed; contexts 3..6 -> 18; 3 sampled.
+    assert f.flops == 2 * body * 4 + 2 * head * 3 + 4 * 4 * 8 * 2 * 18
+    # 3 steps (the longest output) of weights; K/V (2 x 2 heads x 8 x 2 B x 2 layers = 128 B a token)
+    # written for 4 tokens, read: the 4-token prompt once, contexts 5 and 6 by the two decodes.
+    assert f.bytes == 3 * w + 128 * (4 + 4 + 5 + 6)
+    assert f.seconds == max(f.bytes / 1e9, f.flops / 1e9)

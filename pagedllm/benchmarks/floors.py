@@ -3,7 +3,20 @@ must read, so that a latency figure can be reported as measured / floor on whate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm import LLM
+
+
+def in_process_model(llm: LLM) -> torch.nn.Module | None:
+    """The model, where the engine core runs in this process (the offline LLM's)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    worker = getattr(getattr(core, "executor", None), "worker", None)
+    return getattr(getattr(worker, "model_runner", None), "model", None)
 
 
 def copy_bandwidth_gbps(device: torch.device | str = "cuda", gib: float = 2.0, reps: int = 20) -> float:
@@ -39,3 +52,73 @@ def weight_read_bytes(model: torch.nn.Module) -> int:
         seen.add(id(p))
         total += p.numel() * p.element_size()
     return total
+
+
+def matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int = 20) -> float:
+    """bf16 n x n x n matmul rate (TFLOP/s), the median of `reps` timed with CUDA events."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del a, b
+    torch.cuda.empty_cache()
+    ms = sorted(times)[len(times) // 2]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+@dataclass
+class ThroughputFloor:
+    """The least time a batch of requests can take on this GPU: the bytes it must move at copy bandwidth,
+    or the FLOPs it must do at the matmul rate, whichever is larger (they can overlap)."""
+
+    bytes: float
+    flops: float
+    bytes_s: float
+    flops_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.bytes_s, self.flops_s)
+
+
+def throughput_floor(
+    model: torch.nn.Module,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    requests: list[tuple[int, int, int]],
+    max_num_batched_tokens: int,
+    copy_gbps: float,
+    tflops: float,
+) -> ThroughputFloor:
+    """Floor of an offline run of `requests` = (prompt len, output len, prompt tokens served from the
+    prefix cache). FLOPs: 2 x body parameters per computed token, 2 x LM-head parameters per sampled token,
+    4 x heads x head_dim x context per computed token and layer (QK^T and PV). Bytes: the weights once
+    per step (at least max(longest output, computed tokens / token budget) steps), each token's K/V
+    written once, each request's context read once by its prefill and once per later decode token."""
+    el = next(model.parameters()).element_size()
+    w_bytes = weight_read_bytes(model)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    head_params = head.numel() if isinstance(head, torch.Tensor) else 0
+    body_params = w_bytes // el - head_params
+    kv_token = 2 * num_kv_heads * head_dim * el * num_layers  # K and V of one token, all layers
+    computed = sampled = ctx_sum = kv_read = 0
+    for n_in, n_out, cached in requests:
+        n = n_in + n_out - 1  # the last sampled token is never fed back
+        computed += n - cached
+        sampled += n_out
+        ctx_sum += n * (n + 1) // 2 - cached * (cached + 1) // 2  # each computed token attends to its prefix
+        kv_read += n_in + (n_in + 1 + n) * (n - n_in) // 2  # prefill once, then one context per decode token
+    steps = max(max((o for _, o, _ in requests), default=0), -(-computed // max_num_batched_tokens))
+    flops = 2 * body_params * computed + 2 * head_params * sampled + 4 * num_heads * head_dim * num_layers * ctx_sum
+    nbytes = steps * w_bytes + kv_token * (computed + kv_read)
+    return ThroughputFloor(nbytes, flops, nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12))

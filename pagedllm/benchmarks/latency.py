@@ -11,15 +11,9 @@ import json
 import random
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 from pagedllm.benchmarks import floors
 from pagedllm.engine.arg_utils import EngineArgs
-
-if TYPE_CHECKING:
-    import torch
-
-    from pagedllm import LLM
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         "time_per_output_token_ms": tpot * 1e3,
     }
     floor = ""
-    model = _in_process_model(llm)
+    model = floors.in_process_model(llm)
     if model is not None and next(model.parameters()).is_cuda:
         # The weight-read floor of one decode step, measured in this run (W3 reports time / floor).
         gbps = floors.copy_bandwidth_gbps(next(model.parameters()).device)
@@ -79,10 +73,3 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2)
     return 0
 
-
-def _in_process_model(llm: LLM) -> torch.nn.Module | None:
-    """The model, where the engine core runs in this process (the offline LLM's)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    executor = getattr(core, "executor", None)
-    worker = getattr(executor, "worker", None)
-    return getattr(getattr(worker, "model_runner", None), "model", None)

@@ -12,6 +12,7 @@ import json
 import random
 import time
 
+from pagedllm.benchmarks import floors
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -86,9 +87,26 @@ def main(args: argparse.Namespace) -> int:
     if core is not None:
         result["kv_cache_tokens"] = (core.config.cache_config.num_blocks - 1) * core.config.cache_config.block_size
         result["num_preemptions"] = core.scheduler.num_preemptions
+    floor = ""
+    model = floors.in_process_model(llm)
+    if core is not None and model is not None and next(model.parameters()).is_cuda:
+        # The floor of this request list on this GPU, from bandwidth and matmul rate measured now.
+        dev = next(model.parameters()).device
+        gbps, tflops = floors.copy_bandwidth_gbps(dev), floors.matmul_tflops(dev)
+        mc = core.config.model_config
+        f = floors.throughput_floor(
+            model, mc.num_layers, int(mc.hf_config.num_attention_heads), mc.num_kv_heads, mc.head_dim,
+            [(len(p), n, o.num_cached_tokens) for (p, n), o in zip(reqs, outs)],
+            core.config.scheduler_config.max_num_batched_tokens, gbps, tflops,
+        )
+        result.update(copy_GBps=gbps, matmul_TFLOPs=tflops, floor_s=f.seconds, floor_bytes_s=f.bytes_s,
+                      floor_flops_s=f.flops_s, x_floor=elapsed / f.seconds)
+        floor = (f"; {elapsed / f.seconds:.2f}x the floor {f.seconds:.3f} s = max(bytes {f.bytes_s:.3f} s, "
+                 f"FLOPs {f.flops_s:.3f} s) at copy {gbps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['total_tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)")
+          f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)"
+          f"{floor}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
