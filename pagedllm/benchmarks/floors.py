@@ -3,7 +3,9 @@ must read, so that a latency figure can be reported as measured / floor on whate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,25 +21,30 @@ def in_process_model(llm: LLM) -> torch.nn.Module | None:
     return getattr(getattr(worker, "model_runner", None), "model", None)
 
 
+def _median_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median time of `fn` on the current CUDA stream (ms), each call timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth_gbps(device: torch.device | str = "cuda", gib: float = 2.0, reps: int = 20) -> float:
     """Device-to-device copy of `gib` GiB of bf16: bytes read + written per second (GB/s), the median of
     `reps` copies timed with CUDA events. Large enough that L2 holds none of it."""
     n = int(gib * (1 << 30)) // 2
     a = torch.randn(n, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = _median_ms(partial(b.copy_, a), warmup=3, reps=reps)
     del a, b
     torch.cuda.empty_cache()
-    ms = sorted(times)[len(times) // 2]
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
@@ -58,19 +65,9 @@ def matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int 
     """bf16 n x n x n matmul rate (TFLOP/s), the median of `reps` timed with CUDA events."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    for _ in range(5):
-        a @ b
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = _median_ms(partial(torch.matmul, a, b), warmup=5, reps=reps)
     del a, b
     torch.cuda.empty_cache()
-    ms = sorted(times)[len(times) // 2]
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
