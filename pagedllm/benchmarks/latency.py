@@ -72,4 +72,3 @@ def main(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
-
