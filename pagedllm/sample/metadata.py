@@ -101,25 +101,23 @@ def build_sampling_metadata(
     prompts = [list(p) for p in prompt_token_ids] if prompt_token_ids is not None else [[] for _ in range(n)]
     outputs = list(output_token_ids) if output_token_ids is not None else [[] for _ in range(n)]
     dev = torch.device(device)
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy = [p.sampling_type_greedy for p in params]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+    # Host arrays first: which parameters are in use is decided on them, then only those are uploaded.
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    top_k = np.array([p.top_k for p in params], dtype=np.int64)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
     min_tokens: dict[int, list[int]] = {}
     for i, p in enumerate(params):
         if p.min_tokens and len(outputs[i]) < p.min_tokens and p.all_stop_token_ids:
             min_tokens[i] = list(p.all_stop_token_ids)
-    top_p_host = np.array([p.top_p for p in params], dtype=np.float32)
-    top_k_host = np.array([p.top_k for p in params], dtype=np.int64)
-    use_p, use_k = bool((top_p_host < 1.0).any()), bool((top_k_host > 0).any())
+    use_p, use_k = bool((top_p < 1.0).any()), bool((top_k > 0).any())
     md = SamplingMetadata(
-        temperature=temp,
-        top_p=top_p if use_p else None,
-        top_k=top_k if use_k else None,
-        top_p_host=top_p_host if use_p else None,
-        top_k_host=top_k_host if use_k else None,
-        min_p=min_p if bool((min_p > 0).any()) else None,
+        temperature=upload([p.temperature for p in params], np.float32, dev),
+        top_p=upload(top_p, np.float32, dev) if use_p else None,
+        top_k=upload(top_k, np.int64, dev) if use_k else None,
+        top_p_host=top_p if use_p else None,
+        top_k_host=top_k if use_k else None,
+        min_p=upload(min_p, np.float32, dev) if (min_p > 0).any() else None,
         all_greedy=all(greedy),
         all_random=not any(greedy),
         generators=dict(generators or {}),
