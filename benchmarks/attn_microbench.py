@@ -180,6 +180,61 @@ def mixed_batch() -> dict:
     return res
 
 
+PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 4), (128, 16, 8, 3),
+                 (128, 64, 8, 2), (64, 32, 4, 4), (128, 128, 8, 2))
+
+
+def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple[dict, tuple]:
+    """Causal attention of n fresh L-token prompts (bf16, block 16, permuted blocks) under several tile
+    configs, with and without the reverse tile order, and torch SDPA on the dense tensors, in TFLOP/s."""
+    bs = 16
+    num_blocks = n * L // bs
+    kc = torch.empty(num_blocks, bs, kvh, D, dtype=torch.bfloat16, device="cuda")
+    vc = torch.empty_like(kc)
+    bt = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(n, L // bs)
+    pos = torch.arange(L, device="cuda")
+    slots = (bt.long()[:, pos // bs] * bs + pos % bs).flatten()
+    q = torch.randn(n * L, h, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(n * L, kvh, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(n * L, kvh, D, dtype=torch.bfloat16, device="cuda")
+    reshape_and_cache(k, v, kc, vc, slots)
+    out = torch.empty_like(q)
+    qsl = torch.arange(0, n * L + 1, L, dtype=torch.int32, device="cuda")
+    sl = torch.full((n,), L, dtype=torch.int32, device="cuda")
+
+    def prefill(**cfg):
+        return paged_attention(q, kc, vc, out, bt, sl, qsl, num_actual_tokens=n * L, num_reqs=n,
+                               max_query_len=L, scale=D**-0.5, **cfg)
+
+    flops = 4 * n * h * D * (L * (L + 1) / 2)  # causal: QK^T and PV over the lower triangle
+    qh = q.view(n, L, h, D).transpose(1, 2)
+    kh = k.view(n, L, kvh, D).transpose(1, 2)
+    vh = v.view(n, L, kvh, D).transpose(1, 2)
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+
+    e = rel_err(prefill().view(n, L, h, D).transpose(1, 2), sdpa())
+    assert e < 2e-2, e
+    shape = f"{n}x{L} h{h}/{kvh}"
+    pre: dict = {"shape": shape, "rel_err_vs_sdpa": e, "default_config": launch_config(D, h // kvh, torch.bfloat16, L)}
+    variants: list[tuple[str, object]] = [("triton default", prefill),
+                                          ("triton default, launch order", lambda: prefill(reverse=False))]
+    for bm, tn, nw, ns in PREFILL_TILES[: 3 if quick else None]:
+        cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
+        variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
+    variants.append(("torch SDPA (dense, causal)", sdpa))
+    for name, fn in variants:
+        try:
+            ms = bench(fn, graph=False, reps=3)
+        except Exception as e:  # an out-of-resources config: report, go on
+            print(f"prefill {shape} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        pre[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
+        print(f"prefill {shape} {name:32s} {ms * 1e3:9.1f} us {pre[name]['TFLOPs']:6.1f} TFLOP/s", flush=True)
+    return pre, (k, v, kc, vc, slots)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -188,6 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the prefill sweeps: 16x1024, W4's 8x2048 chunks, W2's (Llama-8B heads) 8x2048")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
@@ -198,6 +255,21 @@ def main() -> None:
     res["floors"] = fl = floors()
     copy = fl["copy_GBps"]
     print(f"floors: copy {copy:.0f} GB/s, bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+
+    if args.prefill_only:
+        res["prefill"] = [prefill_case(n, L, h, kvh)[0]
+                          for n, L, h, kvh in ((16, 1024, H, KVH), (8, 2048, H, KVH), (8, 2048, 32, 8))]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        for pre in res["prefill"]:
+            best = max((k for k, r in pre.items() if isinstance(r, dict) and k.startswith("triton")),
+                       key=lambda k: pre[k]["TFLOPs"])
+            sdpa_t = pre.get("torch SDPA (dense, causal)", {}).get("TFLOPs", float("nan"))
+            print(f"| prefill {pre['shape']} | default {pre['triton default']['TFLOPs']:.0f} | "
+                  f"launch order {pre['triton default, launch order']['TFLOPs']:.0f} | best {best} "
+                  f"{pre[best]['TFLOPs']:.0f} | SDPA {sdpa_t:.0f} TFLOP/s |")
+        return
 
     rows: list[dict] = []
 
@@ -252,52 +324,8 @@ def main() -> None:
         res["mixed"] = {"error": f"{type(e).__name__}: {e}"}
         print("mixed batch failed:", res["mixed"]["error"], flush=True)
 
-    # ---- prefill: 16 fresh 1024-token prompts ---------------------------------------------------
-    n, L = 16, 1024
-    bs = 16
-    num_blocks = n * L // bs
-    kc = torch.empty(num_blocks, bs, KVH, D, dtype=torch.bfloat16, device="cuda")
-    vc = torch.empty_like(kc)
-    bt = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(n, L // bs)
-    pos = torch.arange(L, device="cuda")
-    slots = (bt.long()[:, pos // bs] * bs + pos % bs).flatten()
-    q = torch.randn(n * L, H, D, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(n * L, KVH, D, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(n * L, KVH, D, dtype=torch.bfloat16, device="cuda")
-    reshape_and_cache(k, v, kc, vc, slots)
-    out = torch.empty_like(q)
-    qsl = torch.arange(0, n * L + 1, L, dtype=torch.int32, device="cuda")
-    sl = torch.full((n,), L, dtype=torch.int32, device="cuda")
-
-    def prefill(**cfg):
-        return paged_attention(q, kc, vc, out, bt, sl, qsl, num_actual_tokens=n * L, num_reqs=n,
-                               max_query_len=L, scale=D**-0.5, **cfg)
-
-    flops = 4 * n * H * D * (L * (L + 1) / 2)  # causal: QK^T and PV over the lower triangle
-    qh = q.view(n, L, H, D).transpose(1, 2)
-    kh = k.view(n, L, KVH, D).transpose(1, 2)
-    vh = v.view(n, L, KVH, D).transpose(1, 2)
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-
-    e = rel_err(prefill().view(n, L, H, D).transpose(1, 2), sdpa())
-    assert e < 2e-2, e
-    pre = {"rel_err_vs_sdpa": e, "default_config": launch_config(D, H // KVH, torch.bfloat16, L)}
-    pre_variants: list[tuple[str, object]] = [("triton default", prefill)]
-    for bm, tn, nw, ns in ((128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 4),
-                           (128, 16, 8, 3)):
-        cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
-        pre_variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
-    pre_variants.append(("torch SDPA (dense, causal)", sdpa))
-    for name, fn in pre_variants:
-        try:
-            ms = bench(fn, graph=False, reps=3)
-        except Exception as e:  # an out-of-resources config: report, go on
-            print(f"prefill {name}: failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        pre[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
-        print(f"prefill 16x1024 {name:32s} {ms * 1e3:9.1f} us {pre[name]['TFLOPs']:6.1f} TFLOP/s", flush=True)
+    # ---- prefill: fresh prompts (16 x 1024 here; --prefill-only adds W4's and W2's chunk shapes) -----
+    pre, (k, v, kc, vc, slots) = prefill_case(16, 1024, H, KVH, quick=args.quick)
     res["prefill_16x1024"] = pre
     cache_ms = bench(lambda: reshape_and_cache(k, v, kc, vc, slots), graph=False, reps=3)
     cache_bytes = 2 * 2 * k.numel() * k.element_size()

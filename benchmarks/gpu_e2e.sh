@@ -8,6 +8,7 @@
 # correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
 #   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_BLAS=cublaslt
 # HF3 runs HF transformers' generate on W3 (same-call baseline). W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
+# W4P replays W4 (prefix caching off) step by step (benchmarks/step_profile.py) with kernel tables of two prefill steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
 mkdir -p "$OUT"
@@ -61,6 +62,7 @@ for spec in $W; do
         W3) args=() ;;
         W4) args=(--workload W4 --max-model-len 4096) ;;
         W3P) args=() ;;
+        W4P) args=() ;;
         HF3) args=() ;;
     esac
     if [ "$w" = HF3 ]; then  # HF transformers generate on W3, same call (benchmarks/hf_baseline.py)
@@ -71,6 +73,10 @@ for spec in $W; do
         run_env timeout 400 python3 benchmarks/decode_profile.py --out "$OUT/decode_profile$tag.json" 2>&1 \
             | grep -v "^INFO" | tail -45 | tee -a "$OUT/bench.log"
         echo "W3P$tag: $(grep -E '^NVIDIA|copy [0-9]+ GB/s' "$OUT/bench.log" | tail -1)" >> "$summary"
+    elif [ "$w" = W4P ]; then  # W4 (prefix caching off) step by step, with kernel tables of 2 prefill steps
+        run_env timeout 300 python3 benchmarks/step_profile.py --workload W4 --max-model-len 4096 --profile-steps 2 \
+            --out-dir "$OUT" 2>&1 | grep -v "^INFO" | tee -a "$OUT/w4_profile$tag.log" | tail -8 | tee -a "$OUT/bench.log"
+        echo "W4P$tag: $(grep -E '^W4: ' "$OUT/w4_profile$tag.log" | tail -1)" >> "$summary"
     elif [ "$w" = W3 ]; then
         run_env timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
             --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \

@@ -26,6 +26,7 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -40,6 +41,11 @@ except ImportError:  # CPU-only installs: the torch_native backend is used inste
     HAS_TRITON = False
 
 _LOG2E = 1.4426950408889634
+# A/B switches for the device benchmarks: PAGEDLLM_ATTN_REVERSE=0 runs chunk tiles in launch order;
+# PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the 16-bit chunk-tile config.
+_REVERSE_CHUNKS = os.environ.get("PAGEDLLM_ATTN_REVERSE", "1") != "0"
+_PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
+    "PAGEDLLM_PREFILL_TILE") else None
 
 
 def _next_pow2(x: int) -> int:
@@ -161,8 +167,11 @@ if HAS_TRITON:
                     ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
                 s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if MASKED:
+                # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # every key of an unmasked tile is visible to every row: m is finite from the first tile
+                m_use = m_new
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -222,8 +231,11 @@ if HAS_TRITON:
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
         MERGE_IN_KERNEL: tl.constexpr,
+        REVERSE: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
+        if REVERSE:  # causal chunks: a request's last tiles see the most keys; start them first (shorter tail)
+            pid_q = tl.num_programs(0) - 1 - pid_q
         kvh = tl.program_id(1)
         seg = tl.program_id(2)
 
@@ -463,6 +475,9 @@ def launch_config(
         return max(min_m, 64), 32, 8, 2
     # H200, 16 x 1024-token bf16 prompts, head 128: (128 rows, 32 keys, 8 warps, 3 stages) 247 TFLOP/s,
     # (128, 64, 8, 2) 189, (64, 64, 4, 2) 220.
+    if _PREFILL_TILE is not None:
+        bm, tn, nw, ns = _PREFILL_TILE
+        return max(min_m, bm), tn, nw, ns
     return max(min_m, 128), 32, 8, 3
 
 
@@ -489,6 +504,7 @@ def paged_attention(
     num_stages: int | None = None,
     num_decodes: int | None = None,
     merge_in_kernel: bool = False,
+    reverse: bool = _REVERSE_CHUNKS,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -497,7 +513,8 @@ def paged_attention(
     of a second kernel launch (per-tile counters in the workspace, left at zero after every launch).
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
-    heuristics (benchmarks, tests) and force a single launch.
+    heuristics (benchmarks, tests) and force a single launch. `reverse`: chunk launches start their
+    programs from the last query tile (the heaviest under a causal mask) backwards.
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -595,6 +612,7 @@ def paged_attention(
             FILTER=filt,
             DIRECT=direct,
             MERGE_IN_KERNEL=merge_in_kernel,
+            REVERSE=not direct and reverse,
             num_warps=nw,
             num_stages=ns,
         )
