@@ -180,8 +180,8 @@ def mixed_batch() -> dict:
     return res
 
 
-PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 32, 8, 4), (128, 16, 8, 3),
-                 (128, 64, 8, 2), (64, 32, 4, 4), (128, 128, 8, 2))
+PREFILL_TILES = ((128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                 (128, 128, 8, 2), (64, 32, 4, 3))
 
 
 def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple[dict, tuple]:
@@ -221,8 +221,10 @@ def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple
     variants: list[tuple[str, object]] = [("triton default", prefill),
                                           ("triton default, launch order", lambda: prefill(reverse=False))]
     for bm, tn, nw, ns in PREFILL_TILES[: 3 if quick else None]:
-        cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
-        variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
+        for lazy in (False, True):
+            cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns, lazy_rescale=lazy)
+            variants.append((f"triton m{bm} n{tn} w{nw} s{ns}{' lazy' if lazy else ''}",
+                             lambda cfg=cfg: prefill(**cfg)))
     variants.append(("torch SDPA (dense, causal)", sdpa))
     for name, fn in variants:
         try:
@@ -257,6 +259,11 @@ def main() -> None:
     print(f"floors: copy {copy:.0f} GB/s, bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
     if args.prefill_only:
+        g = torch.Generator().manual_seed(1)
+        w1 = DecodeBatch(torch.randint(500, 1501, (256,), generator=g).tolist(), 16)
+        for lazy in (False, True, False):
+            ms = bench(lambda lazy=lazy: w1.run(lazy_rescale=lazy))
+            print(f"W1 decode lazy_rescale={lazy}: {ms * 1e3:.1f} us, {w1.io_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")
         res["prefill"] = [prefill_case(n, L, h, kvh)[0]
                           for n, L, h, kvh in ((16, 1024, H, KVH), (8, 2048, H, KVH), (8, 2048, 32, 8))]
         if args.out:

@@ -139,12 +139,15 @@ def run_case(
     causal: bool = True,
     seed: int = 0,
     two_launches: bool = True,
+    q_scale: float = 1.0,
     **overrides: int,
 ) -> None:
     """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches."""
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("the Triton 3.6 interpreter truncates float32 -> bfloat16 (GPU only)")
     b = Batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed)
+    if q_scale != 1.0:  # wider score ranges: running maxima that jump by more than 2^8 between key tiles
+        b.qkv[:, : num_heads * head_size] = (b.qkv[:, : num_heads * head_size].double() * q_scale).to(dtype)
     dev = DEVICE
     k_cache, v_cache = b.k_cache.to(dev), b.v_cache.to(dev)
     qkv = b.qkv.to(dev)
@@ -307,6 +310,20 @@ def test_split_merge_in_kernel_repeated_launches() -> None:
         assert ((got - ref).norm() / ref.norm()).item() < REL_TOL[torch.float32]
     (locks,) = [bufs[3] for bufs in ws.values()]
     assert int(locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("lazy_rescale,reverse", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+def test_lazy_rescale_and_reverse_order(lazy_rescale: bool, reverse: bool, dtype: torch.dtype, q_scale: float) -> None:
+    """Conditional rescaling (FA4) and reversed chunk-tile order give the reference result, also with
+    peaked scores whose running max jumps by more than 2^8 (the rescale branch taken), on prompts,
+    prefix chunks, decodes and split-KV decodes."""
+    q_lens, ctx_lens = [200, 70, 1, 1, 33], [0, 130, 500, 17, 64]
+    run_case(q_lens, ctx_lens, num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=q_scale, seed=7,
+             lazy_rescale=lazy_rescale, reverse=reverse)
+    run_case([1] * 4, [900, 3, 300, 64], num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=q_scale, seed=8,
+             num_splits=4, lazy_rescale=lazy_rescale)
 
 
 @pytest.mark.parametrize("block_m,tile_n", [(16, 16), (32, 32), (64, 128)])

@@ -44,6 +44,7 @@ _LOG2E = 1.4426950408889634
 # A/B switches for the device benchmarks: PAGEDLLM_ATTN_REVERSE=0 runs chunk tiles in launch order;
 # PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the 16-bit chunk-tile config.
 _REVERSE_CHUNKS = os.environ.get("PAGEDLLM_ATTN_REVERSE", "1") != "0"
+_LAZY_RESCALE = os.environ.get("PAGEDLLM_ATTN_LAZY_RESCALE", "0") == "1"
 _PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
     "PAGEDLLM_PREFILL_TILE") else None
 
@@ -137,6 +138,7 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         MASKED: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking."""
         offs_n = tl.arange(0, TILE_N)
@@ -166,15 +168,30 @@ if HAS_TRITON:
                 if USE_WINDOW:
                     ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
                 s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if MASKED:
-                # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:  # every key of an unmasked tile is visible to every row: m is finite from the first tile
-                m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            if LAZY and not MASKED:
+                # FlashAttention-4's conditional rescaling: keep the running max (and skip rescaling acc)
+                # unless some row's max grew by more than 2^8; p then stays <= 256, exact after the final
+                # division. Every key here is visible to every row, so the max is finite after one tile.
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if tl.max(m_new - m_i, 0) > 8.0:
+                    alpha = tl.math.exp2(m_i - m_new)
+                    l_i = l_i * alpha
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                p = tl.math.exp2(s - m_i[:, None])
+                l_i = l_i + tl.sum(p, 1)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if MASKED:
+                    # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:  # every key of an unmasked tile is visible to every row: m is finite after one tile
+                    m_use = m_new
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                m_i = m_new
             if MASKED:
                 v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
             elif HEAD_PAD != HEAD_SIZE:
@@ -182,8 +199,7 @@ if HAS_TRITON:
             else:
                 v = tl.load(v_ptrs)
             v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return m_i, l_i, acc
 
     # num_reqs and stride_bt (an eager step's block-table width) change from step to step: without
@@ -232,6 +248,7 @@ if HAS_TRITON:
         DIRECT: tl.constexpr,
         MERGE_IN_KERNEL: tl.constexpr,
         REVERSE: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         if REVERSE:  # causal chunks: a request's last tiles see the most keys; start them first (shorter tail)
@@ -306,12 +323,12 @@ if HAS_TRITON:
         m_i, l_i, acc = _attn_tiles(
             m_i, l_i, acc, q, q_pos, t0, t_mid, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC, LAZY,
         )
         m_i, l_i, acc = _attn_tiles(
             m_i, l_i, acc, q, q_pos, t_mid, t1, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC, LAZY,
         )
 
         if NUM_SEGMENTS == 1:
@@ -505,6 +522,7 @@ def paged_attention(
     num_decodes: int | None = None,
     merge_in_kernel: bool = False,
     reverse: bool = _REVERSE_CHUNKS,
+    lazy_rescale: bool = _LAZY_RESCALE,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -514,7 +532,8 @@ def paged_attention(
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch. `reverse`: chunk launches start their
-    programs from the last query tile (the heaviest under a causal mask) backwards.
+    programs from the last query tile (the heaviest under a causal mask) backwards. `lazy_rescale`:
+    unmasked key tiles rescale the accumulator only when a row's max grew by more than 2^8.
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -613,6 +632,7 @@ def paged_attention(
             DIRECT=direct,
             MERGE_IN_KERNEL=merge_in_kernel,
             REVERSE=not direct and reverse,
+            LAZY=lazy_rescale,
             num_warps=nw,
             num_stages=ns,
         )
