@@ -218,13 +218,10 @@ def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple
     assert e < 2e-2, e
     shape = f"{n}x{L} h{h}/{kvh}"
     pre: dict = {"shape": shape, "rel_err_vs_sdpa": e, "default_config": launch_config(D, h // kvh, torch.bfloat16, L)}
-    variants: list[tuple[str, object]] = [("triton default", prefill),
-                                          ("triton default, launch order", lambda: prefill(reverse=False))]
+    variants: list[tuple[str, object]] = [("triton default", prefill)]
     for bm, tn, nw, ns in PREFILL_TILES[: 3 if quick else None]:
-        for lazy in (False, True):
-            cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns, lazy_rescale=lazy)
-            variants.append((f"triton m{bm} n{tn} w{nw} s{ns}{' lazy' if lazy else ''}",
-                             lambda cfg=cfg: prefill(**cfg)))
+        cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
+        variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
     variants.append(("torch SDPA (dense, causal)", sdpa))
     for name, fn in variants:
         try:
@@ -259,11 +256,6 @@ def main() -> None:
     print(f"floors: copy {copy:.0f} GB/s, bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
     if args.prefill_only:
-        g = torch.Generator().manual_seed(1)
-        w1 = DecodeBatch(torch.randint(500, 1501, (256,), generator=g).tolist(), 16)
-        for lazy in (False, True, False):
-            ms = bench(lambda lazy=lazy: w1.run(lazy_rescale=lazy))
-            print(f"W1 decode lazy_rescale={lazy}: {ms * 1e3:.1f} us, {w1.io_bytes / (ms * 1e-3) / 1e9:.0f} GB/s")
         res["prefill"] = [prefill_case(n, L, h, kvh)[0]
                           for n, L, h, kvh in ((16, 1024, H, KVH), (8, 2048, H, KVH), (8, 2048, 32, 8))]
         if args.out:
@@ -274,7 +266,7 @@ def main() -> None:
                        key=lambda k: pre[k]["TFLOPs"])
             sdpa_t = pre.get("torch SDPA (dense, causal)", {}).get("TFLOPs", float("nan"))
             print(f"| prefill {pre['shape']} | default {pre['triton default']['TFLOPs']:.0f} | "
-                  f"launch order {pre['triton default, launch order']['TFLOPs']:.0f} | best {best} "
+                  f"best {best} "
                   f"{pre[best]['TFLOPs']:.0f} | SDPA {sdpa_t:.0f} TFLOP/s |")
         return
 

@@ -312,18 +312,14 @@ def test_split_merge_in_kernel_repeated_launches() -> None:
     assert int(locks.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("lazy_rescale,reverse", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_scale", [1.0, 8.0])
-def test_lazy_rescale_and_reverse_order(lazy_rescale: bool, reverse: bool, dtype: torch.dtype, q_scale: float) -> None:
-    """Conditional rescaling (FA4) and reversed chunk-tile order give the reference result, also with
-    peaked scores whose running max jumps by more than 2^8 (the rescale branch taken), on prompts,
+def test_peaked_scores(dtype: torch.dtype) -> None:
+    """Scores with a wide range (running maxima that jump by more than 2^8 between key tiles) on prompts,
     prefix chunks, decodes and split-KV decodes."""
     q_lens, ctx_lens = [200, 70, 1, 1, 33], [0, 130, 500, 17, 64]
-    run_case(q_lens, ctx_lens, num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=q_scale, seed=7,
-             lazy_rescale=lazy_rescale, reverse=reverse)
-    run_case([1] * 4, [900, 3, 300, 64], num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=q_scale, seed=8,
-             num_splits=4, lazy_rescale=lazy_rescale)
+    run_case(q_lens, ctx_lens, num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0, seed=7)
+    run_case([1] * 4, [900, 3, 300, 64], num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0, seed=8,
+             num_splits=4)
 
 
 @pytest.mark.parametrize("block_m,tile_n", [(16, 16), (32, 32), (64, 128)])

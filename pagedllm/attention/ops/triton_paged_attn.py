@@ -41,10 +41,8 @@ except ImportError:  # CPU-only installs: the torch_native backend is used inste
     HAS_TRITON = False
 
 _LOG2E = 1.4426950408889634
-# A/B switches for the device benchmarks: PAGEDLLM_ATTN_REVERSE=0 runs chunk tiles in launch order;
-# PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the 16-bit chunk-tile config.
-_REVERSE_CHUNKS = os.environ.get("PAGEDLLM_ATTN_REVERSE", "1") != "0"
-_LAZY_RESCALE = os.environ.get("PAGEDLLM_ATTN_LAZY_RESCALE", "0") == "1"
+# A/B switch for the device benchmarks: PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the
+# 16-bit chunk-tile config.
 _PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
     "PAGEDLLM_PREFILL_TILE") else None
 
@@ -138,7 +136,6 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         MASKED: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        LAZY: tl.constexpr,
     ):
         """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking."""
         offs_n = tl.arange(0, TILE_N)
@@ -168,30 +165,17 @@ if HAS_TRITON:
                 if USE_WINDOW:
                     ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
                 s = tl.where(ok, s, float("-inf"))
-            if LAZY and not MASKED:
-                # FlashAttention-4's conditional rescaling: keep the running max (and skip rescaling acc)
-                # unless some row's max grew by more than 2^8; p then stays <= 256, exact after the final
-                # division. Every key here is visible to every row, so the max is finite after one tile.
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                if tl.max(m_new - m_i, 0) > 8.0:
-                    alpha = tl.math.exp2(m_i - m_new)
-                    l_i = l_i * alpha
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                p = tl.math.exp2(s - m_i[:, None])
-                l_i = l_i + tl.sum(p, 1)
-            else:
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                if MASKED:
-                    # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:  # every key of an unmasked tile is visible to every row: m is finite after one tile
-                    m_use = m_new
-                p = tl.math.exp2(s - m_use[:, None])
-                alpha = tl.math.exp2(m_i - m_use)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:
+                # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # every key of an unmasked tile is visible to every row: m is finite after one tile
+                m_use = m_new
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
             if MASKED:
                 v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
             elif HEAD_PAD != HEAD_SIZE:
@@ -247,12 +231,8 @@ if HAS_TRITON:
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
         MERGE_IN_KERNEL: tl.constexpr,
-        REVERSE: tl.constexpr,
-        LAZY: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
-        if REVERSE:  # causal chunks: a request's last tiles see the most keys; start them first (shorter tail)
-            pid_q = tl.num_programs(0) - 1 - pid_q
         kvh = tl.program_id(1)
         seg = tl.program_id(2)
 
@@ -323,12 +303,12 @@ if HAS_TRITON:
         m_i, l_i, acc = _attn_tiles(
             m_i, l_i, acc, q, q_pos, t0, t_mid, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC, LAZY,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC,
         )
         m_i, l_i, acc = _attn_tiles(
             m_i, l_i, acc, q, q_pos, t_mid, t1, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC, LAZY,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC,
         )
 
         if NUM_SEGMENTS == 1:
@@ -490,12 +470,13 @@ def launch_config(
         return min_m, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
-    # H200, 16 x 1024-token bf16 prompts, head 128: (128 rows, 32 keys, 8 warps, 3 stages) 247 TFLOP/s,
-    # (128, 64, 8, 2) 189, (64, 64, 4, 2) 220.
     if _PREFILL_TILE is not None:
         bm, tn, nw, ns = _PREFILL_TILE
         return max(min_m, bm), tn, nw, ns
-    return max(min_m, 128), 32, 8, 3
+    # H200, bf16, head 128, 128 rows x 32 keys: group 2 (Qwen3-0.6B), 8 x 2048-token prompts: 8 warps 292
+    # TFLOP/s, 4 warps 275; group 4 (Llama-3.1-8B): 8 warps 199, 4 warps 302. Wider key tiles (64, 128) and
+    # 64-row tiles were slower in both (benchmarks/NOTES.md).
+    return max(min_m, 128), 32, (4 if group >= 4 else 8), 3
 
 
 def paged_attention(
@@ -521,8 +502,6 @@ def paged_attention(
     num_stages: int | None = None,
     num_decodes: int | None = None,
     merge_in_kernel: bool = False,
-    reverse: bool = _REVERSE_CHUNKS,
-    lazy_rescale: bool = _LAZY_RESCALE,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -531,9 +510,7 @@ def paged_attention(
     of a second kernel launch (per-tile counters in the workspace, left at zero after every launch).
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
-    heuristics (benchmarks, tests) and force a single launch. `reverse`: chunk launches start their
-    programs from the last query tile (the heaviest under a causal mask) backwards. `lazy_rescale`:
-    unmasked key tiles rescale the accumulator only when a row's max grew by more than 2^8.
+    heuristics (benchmarks, tests) and force a single launch.
     """
     _require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -631,8 +608,6 @@ def paged_attention(
             FILTER=filt,
             DIRECT=direct,
             MERGE_IN_KERNEL=merge_in_kernel,
-            REVERSE=not direct and reverse,
-            LAZY=lazy_rescale,
             num_warps=nw,
             num_stages=ns,
         )
