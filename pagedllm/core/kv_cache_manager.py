@@ -173,6 +173,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the hit ones).
         Returns the newly allocated blocks, or None (nothing changed) when the pool is too small."""
         if self._fast_decode and not num_new_computed_tokens and new_computed_blocks is None:
+            if request.num_computed_tokens + num_new_tokens <= request.kv_fast_limit:
+                return self.no_new_blocks
             m0 = self.managers[0]
             blocks = m0.req_blocks.get(request.request_id)
             if blocks is not None:
@@ -184,6 +186,8 @@ class KVCacheManager:
                     <= m0.num_cached_blocks.get(request.request_id, 0)
                 ):
                     return self.no_new_blocks
+                if len(self.managers) == 1:
+                    return self._grow_single(request, blocks, total)
         computed = new_computed_blocks.blocks if new_computed_blocks else tuple([] for _ in self.managers)
         rid = request.request_id
         for m in self.managers:
@@ -197,9 +201,41 @@ class KVCacheManager:
             cacheable = min(total, request.num_tokens)
             for m in self.managers:
                 m.cache_blocks(request, cacheable)
+        if self._fast_decode:
+            self._set_fast_limit(request)
         return KVCacheBlocks(new)
 
+    def _grow_single(self, request: Request, blocks: list[KVCacheBlock], total: int) -> KVCacheBlocks | None:
+        """The general path below for one full-attention group and a request that already holds blocks,
+        without hits (a decode reaching a block boundary): the same blocks taken and hashes registered,
+        minus the per-group generality."""
+        m0 = self.managers[0]
+        need = cdiv(total, self.block_size) - len(blocks)
+        new: list[KVCacheBlock] = []
+        if need > 0:
+            if need > self.pool.num_free_blocks:
+                return None
+            new = self.pool.get_new_blocks(need)
+            blocks.extend(new)
+        if self.enable_caching:
+            m0.cache_blocks(request, min(total, len(request.all_token_ids)))
+        self._set_fast_limit(request)
+        return KVCacheBlocks((new,)) if new else self.no_new_blocks
+
+    def _set_fast_limit(self, request: Request) -> None:
+        """`request.kv_fast_limit`: the largest computed-token total that the blocks held cover without
+        a block becoming full (a full block gets its hash registered). Up to it, allocate_slots for a
+        decode changes nothing, so the scheduler skips the call. Conservative (totals above it just take
+        the exact path); reset by `free`."""
+        m0 = self.managers[0]
+        rid = request.request_id
+        limit = len(m0.req_blocks.get(rid, ())) * self.block_size
+        if self.enable_caching:
+            limit = min(limit, (m0.num_cached_blocks.get(rid, 0) + 1) * self.block_size - 1)
+        request.kv_fast_limit = limit
+
     def free(self, request: Request) -> None:
+        request.kv_fast_limit = 0
         for m in self.managers:
             m.free(request.request_id)
 

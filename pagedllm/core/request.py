@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable
 
 from pagedllm.engine import EngineCoreRequest, FinishReason
@@ -34,6 +35,14 @@ _FINISH_REASONS = {
 
 
 class Request:
+    # Slots: the scheduler reads a dozen fields of every running request each step.
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "max_tokens", "priority",
+        "cache_salt", "lora_id", "status", "output_token_ids", "all_token_ids", "num_computed_tokens",
+        "num_output_placeholders", "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
+        "_block_hasher", "_hash_block_size", "next_hash_len", "stop_len", "stop_token_set", "kv_fast_limit",
+    )
+
     def __init__(
         self,
         request_id: str,
@@ -70,6 +79,21 @@ class Request:
         self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+        self.next_hash_len = (len(self.block_hashes) + 1) * self._hash_block_size if block_hasher else sys.maxsize
+        """len(all_token_ids) at which the next block hash is due (never, without a hasher)."""
+        self.stop_len = len(prompt_token_ids) + max_tokens
+        """len(all_token_ids) at which the request stops on length: max_tokens outputs (the scheduler
+        lowers it to max_model_len when that comes first)."""
+        sp = sampling_params
+        stops = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos and sp.eos_token_id is not None:
+            stops.add(sp.eos_token_id)
+        self.stop_token_set: frozenset[int] = frozenset(stops)
+        """Every token that can stop the request (EOS unless ignored, stop_token_ids), min_tokens aside:
+        a sampled token outside it below `stop_len` cannot stop the request, so no full check is due."""
+        self.kv_fast_limit = 0
+        """Set by KVCacheManager: while num_computed_tokens + new tokens <= this, allocating slots adds no
+        block and registers no hash (0: always ask the manager)."""
 
     @classmethod
     def from_engine_core_request(
@@ -109,9 +133,14 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if (self._block_hasher is not None
-                and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._hash_block_size):
-            self.block_hashes.extend(self._block_hasher(self))
+        if len(self.all_token_ids) >= self.next_hash_len:
+            self.extend_block_hashes()
+
+    def extend_block_hashes(self) -> None:
+        """Hash the blocks that became full (callers check `next_hash_len` first)."""
+        assert self._block_hasher is not None
+        self.block_hashes.extend(self._block_hasher(self))
+        self.next_hash_len = (len(self.block_hashes) + 1) * self._hash_block_size
 
     def is_finished(self) -> bool:
         return self.status.finished

@@ -67,6 +67,7 @@ class Scheduler:
         if core_req.request_id in self.requests:
             raise ValueError(f"request_id: {core_req.request_id!r} is already running")
         req = Request.from_engine_core_request(core_req, self.max_model_len, self.block_hasher)
+        req.stop_len = min(req.stop_len, self.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.add(req)
         self._new_to_worker.add(req.request_id)
@@ -115,48 +116,69 @@ class Scheduler:
         preempted: set[str] = set()
         no_new_blocks = self.kv.no_new_blocks
 
-        # 1. Running requests, in order.
+        # 1. Running requests, in order. This loop runs for every running request every step: locals,
+        # no property calls, and the KV manager is only asked when the request's decode may need a block
+        # (`kv_fast_limit`); block lists only for those requests (patched in after the loop).
+        running = self.running
+        max_model_len = self.max_model_len
+        async_scheduling = self.async_scheduling
+        allocate_slots = self.kv.allocate_slots
+        sched_ids = cached.req_ids
+        sched_ids_append = sched_ids.append
+        computed_append = cached.num_computed_tokens.append
+        block_updates: list[tuple[int, tuple[list[int], ...]]] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             pending = req.num_output_placeholders
-            if pending and (req.num_output_tokens + pending >= req.max_tokens
-                            or req.num_tokens + pending >= self.max_model_len):
+            num_tokens = len(req.all_token_ids)
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                            or num_tokens + pending >= max_model_len):
                 i += 1  # its last token is already in flight
                 continue
-            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget,
-                          self.max_model_len - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            num_new = num_tokens + pending - computed
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_model_len - computed:
+                num_new = max_model_len - computed
             if num_new <= 0:
                 i += 1
                 continue
-            while True:
-                blocks = self.kv.allocate_slots(req, num_new)
-                if blocks is not None:
-                    break
-                victim = self._pick_victim(i)
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is req:
-                    break
-            if blocks is None:
-                continue  # req itself was preempted; self.running shrank, i stays
+            if computed + num_new > req.kv_fast_limit:
+                while True:
+                    blocks = allocate_slots(req, num_new)
+                    if blocks is not None:
+                        break
+                    victim = self._pick_victim(i)
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim is req:
+                        break
+                if blocks is None:
+                    continue  # req itself was preempted; self.running shrank, i stays
+                if blocks is not no_new_blocks:  # the common decode: nothing to convert
+                    ids = blocks.get_block_ids()
+                    if any(ids):
+                        block_updates.append((len(sched_ids), ids))
             # Victims only come from the not-yet-scheduled tail, so this request stays scheduled: record it
             # for the worker now ("cached": the worker already holds its state).
             rid = req.request_id
             num_scheduled[rid] = num_new
-            cached.req_ids.append(rid)
-            cached.resumed_from_preemption.append(False)
-            if blocks is no_new_blocks:  # the common decode: nothing to convert
-                cached.new_block_ids.append(None)
-            else:
-                ids = blocks.get_block_ids()
-                cached.new_block_ids.append(ids if any(ids) else None)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            req.num_computed_tokens += num_new
-            if self.async_scheduling and req.num_computed_tokens >= req.num_tokens + pending:
-                req.num_output_placeholders += 1  # this step samples a token nobody has seen yet
+            sched_ids_append(rid)
+            computed_append(computed)
+            computed += num_new
+            req.num_computed_tokens = computed
+            if async_scheduling and computed >= num_tokens + pending:
+                req.num_output_placeholders = pending + 1  # this step samples a token nobody has seen yet
             budget -= num_new
             i += 1
+        n_running = len(sched_ids)
+        cached.resumed_from_preemption = [False] * n_running
+        new_block_ids: list[tuple[list[int], ...] | None] = [None] * n_running
+        for pos, ids in block_updates:
+            new_block_ids[pos] = ids
+        cached.new_block_ids = new_block_ids
 
         # 2. Waiting requests (not in a step that had to preempt).
         if not preempted:
@@ -235,6 +257,7 @@ class Scheduler:
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
+        outputs_append = outputs.append
         # Locals for the per-request loop (it runs for every running request, every step).
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
@@ -255,31 +278,42 @@ class Scheduler:
                 continue
             if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
                 new_tokens = tokens
-                req.append_output_token_ids(tokens)
-                check_stop(req, tokens[0])
+                tok = tokens[0]
+                req.output_token_ids.append(tok)
+                all_ids = req.all_token_ids
+                all_ids.append(tok)
+                n = len(all_ids)
+                if n >= req.next_hash_len:
+                    req.extend_block_hashes()
+                # Only a token that can stop it, or reaching stop_len, needs the full stop check.
+                stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok)
             else:
                 new_tokens = []
+                stopped = False
                 for tok in tokens:
                     req.append_output_token_ids([tok])
                     new_tokens.append(tok)
                     if check_stop(req, tok):
+                        stopped = True
                         break
-            finish_reason = req.status.finish_reason
-            if finish_reason is not None:
+            if stopped:
+                finish_reason = req.status.finish_reason
                 self.running.remove(req)
                 self._free_request(req)
+            else:
+                finish_reason = None
             lps = logprobs[idx] if logprobs is not None else None
             if lps is not None and len(lps) > len(new_tokens):
                 lps = lps.slice(0, len(new_tokens))
-            outputs.append(
+            outputs_append(
                 EngineCoreOutput(
                     rid,
                     new_tokens,
                     finish_reason,
                     req.stop_reason,
                     req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-                    new_logprobs=lps,
-                    new_prompt_logprobs=prompt_logprobs.get(rid) if prompt_logprobs else None,
+                    lps,
+                    prompt_logprobs.get(rid) if prompt_logprobs else None,
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
