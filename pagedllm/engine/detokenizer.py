@@ -103,6 +103,11 @@ class IncrementalDetokenizer:
         return cls(tokenizer, request.sampling_params, request.prompt_token_ids)
 
     @property
+    def decodes(self) -> bool:
+        """Whether `update` does more than collect token ids (text, stop strings)."""
+        return self._decode is not None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
 

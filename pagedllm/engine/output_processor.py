@@ -161,6 +161,15 @@ class RequestState:
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprobs_sent = False
         self._num_new_logprobs = 0
+        self.quiet = (
+            self.output_kind == RequestOutputKind.FINAL_ONLY
+            and not detokenizer.decodes
+            and not wants_lp
+            and sp.prompt_logprobs is None
+            and parent_req is None
+        )
+        """Nothing to produce until it finishes (FINAL_ONLY), no text, no logprobs, no parent: a step that
+        does not finish it only adds its tokens and token timings (`OutputProcessor._process`'s fast path)."""
 
     def update_logprobs(
         self, new: LogprobsLists | None, new_prompt: LogprobsLists | None, decode: _TokenDecoder | None
@@ -358,11 +367,28 @@ class OutputProcessor:
         """Shared by `process_outputs` and `abort_requests`; outputs of requests without a queue go
         to `request_outputs`."""
         touched_parents: dict[str, _ParentState] = {}
+        get_state = self.request_states.get
+        itls_append = stats.itls.append if stats is not None else None
+        quiet_generation_tokens = 0
         for out in outputs:
-            state = self.request_states.get(out.request_id)
+            state = get_state(out.request_id)
             if state is None:
                 continue  # aborted while the core was still working on it
             new_token_ids = out.new_token_ids
+            if state.quiet and out.finish_reason is None and state.metrics.first_token_time is not None:
+                # Fast path, the same effects as the general one below for such a request: its cached
+                # tokens, token timings, and the token ids (the detokenizer's, which only collects them).
+                if out.num_cached_tokens:
+                    state.num_cached_tokens = out.num_cached_tokens
+                if new_token_ids:
+                    m = state.metrics
+                    if itls_append is not None and m.last_token_time is not None:
+                        itls_append(now - m.last_token_time)
+                    m.last_token_time = now
+                    m.num_generation_tokens += len(new_token_ids)
+                    quiet_generation_tokens += len(new_token_ids)
+                    state.detokenizer.token_ids.extend(new_token_ids)
+                continue
             self._update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
             if out.new_logprobs is not None or out.new_prompt_logprobs is not None or state.logprobs is not None:
                 decode = self._decoder if state.detokenizer_enabled else None
@@ -400,6 +426,8 @@ class OutputProcessor:
             elif completion is not None:
                 self._emit(state.queue, state.make_request_output(completion), request_outputs)
 
+        if stats is not None:
+            stats.num_generation_tokens += quiet_generation_tokens
         for pid, pstate in touched_parents.items():
             taken = pstate.parent.take_outputs()
             if pstate.parent.finished:
