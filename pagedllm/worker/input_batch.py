@@ -21,6 +21,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[list[int]]
     num_computed_tokens: int
+    """As of the request's (re-)entry into the batch; while it runs, InputBatch.num_computed_tokens has
+    the current value."""
     lora_id: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -62,6 +64,9 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.version = 0
+        """Bumped whenever a request enters or leaves a row: per-row data derived from the batch (the
+        model runner's cached row order and per-row lists) stays valid while it is unchanged."""
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -70,6 +75,7 @@ class InputBatch:
         if st.req_id in self.req_id_to_row:
             self.remove_request(st.req_id)
         row = self._free_rows.pop()
+        self.version += 1
         self.req_ids[row] = st.req_id
         self.req_id_to_row[st.req_id] = row
         self.states[row] = st
@@ -98,6 +104,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return None
+        self.version += 1
         st = self.states[row]
         if self.penalty_slot[row] >= 0:
             self.token_counts.release(int(self.penalty_slot[row]))

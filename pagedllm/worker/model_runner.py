@@ -4,7 +4,7 @@ inputs and per-group attention metadata, runs the model, gathers the logits it n
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from pagedllm.sample import triton_sample
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.metadata import SamplingMetadata, fill_sparse_fields, upload
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import CudaGraphRunner, Patch
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -54,9 +55,46 @@ class PendingStep:
     """The sampled rows' logprobs, host copies in flight with sampled_host (read after the event)."""
     sampling_metadata: SamplingMetadata | None
     prompt_logprobs_done: dict[str, LogprobsLists]
+    sample_rows: np.ndarray | None = None
+    """Batch rows of the sampled requests (in sample_idx order), valid while the batch's version is
+    `batch_version`."""
+    sample_outputs: list[list[int]] | None = None
+    """The sampled requests' live output-token lists, in sample_idx order."""
+    batch_version: int = -1
 
     def result(self) -> ModelRunnerOutput:
         return self.runner._finish(self)
+
+
+@dataclass
+class _RowOrder:
+    """A step's scheduled requests in batch-row order (ModelRunner._request_order's cache)."""
+
+    version: int
+    keys: list[str]
+    """num_scheduled_tokens' keys in the scheduler's order."""
+    req_ids: list[str]
+    rows: np.ndarray
+    perm: np.ndarray | None
+    """req_ids[i] == keys[perm[i]] (None: the identity)."""
+
+
+@dataclass
+class _RowLists:
+    """Per-row Python data of the sampled rows (ModelRunner._row_lists' cache), valid for one batch
+    version: the sampling params, the live token lists and the generators of seeded non-greedy rows."""
+
+    version: int
+    rows: np.ndarray
+    params: list[SamplingParams] = field(default_factory=list)
+    out_ids: list[list[int]] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    min_tokens_rows: list[tuple[int, SamplingParams, list[int], list[int]]] = field(default_factory=list)
+    """(row index, params, output ids, stop ids) of the rows with min_tokens and stop ids to mask."""
+    any_sparse: bool = False
+    """Some row uses logit bias, allowed tokens, bad words or logprobs (fill_sparse_fields has work)."""
 
 
 class ModelRunner:
@@ -88,6 +126,11 @@ class ModelRunner:
         self._in_flight: tuple[torch.Tensor | None, dict[str, int]] | None = None
         """The last step launched ahead: its sampled ids (on the device) and request id -> index."""
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
+        self._order_cache: _RowOrder | None = None
+        """The last step's request order (by batch row), reused while the batch and the scheduled ids
+        are unchanged (steady decoding)."""
+        self._rows_cache: _RowLists | None = None
+        """Per-row lists of the last sampled rows, for `_sampling_metadata` and `_finish`."""
 
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -247,22 +290,61 @@ class ModelRunner:
             if sp.prompt_logprobs is not None and not st.output_token_ids:
                 self.prompt_logprobs[new.req_id] = LogprobsLists()
         c = so.scheduled_cached_reqs
-        for rid, resumed, new_ids, num_computed in zip(
-            c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.num_computed_tokens
-        ):
-            st = self.requests[rid]
-            st.num_computed_tokens = num_computed
-            if resumed:
-                assert new_ids is not None
-                st.block_ids = [list(ids) for ids in new_ids]
-                batch.add_request(st)
+        if not c.req_ids:
+            return
+        rows_of = batch.req_id_to_row
+        req_ids, num_computed, resumed_flags = c.req_ids, c.num_computed_tokens, c.resumed_from_preemption
+        if any(resumed_flags):
+            for rid, resumed, new_ids, n in zip(req_ids, resumed_flags, c.new_block_ids, num_computed):
+                if resumed:
+                    st = self.requests[rid]
+                    st.num_computed_tokens = n
+                    assert new_ids is not None
+                    st.block_ids = [list(ids) for ids in new_ids]
+                    batch.add_request(st)
+            keep = [j for j, resumed in enumerate(resumed_flags) if not resumed]
+            req_ids = [req_ids[j] for j in keep]
+            num_computed = [num_computed[j] for j in keep]
+        # The requests that keep their rows: their progress in one write; block ids only for those that
+        # got new blocks (a decode gets one every block_size steps).
+        if req_ids:
+            rows = np.fromiter(map(rows_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+            batch.num_computed_tokens[rows] = num_computed
+        for j in [j for j, ids in enumerate(c.new_block_ids) if ids is not None]:
+            if resumed_flags[j]:
                 continue
-            row = batch.req_id_to_row[rid]
-            batch.num_computed_tokens[row] = num_computed
-            if new_ids is not None:
-                for g, ids in enumerate(new_ids):
-                    st.block_ids[g].extend(ids)
-                batch.append_block_ids(row, new_ids)
+            rid = c.req_ids[j]
+            new_ids = c.new_block_ids[j]
+            assert new_ids is not None
+            st = self.requests[rid]
+            for g, ids in enumerate(new_ids):
+                st.block_ids[g].extend(ids)
+            batch.append_block_ids(rows_of[rid], new_ids)
+
+    def _request_order(self, so: SchedulerOutput) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """The scheduled requests sorted by batch row, their rows and scheduled token counts. Steady
+        decoding schedules the same requests in the same order step after step: the sort and the row
+        lookups are then reused from the last step (checked by the batch version and the id list)."""
+        batch = self.input_batch
+        assert batch is not None
+        nst = so.num_scheduled_tokens
+        keys = list(nst)
+        n = len(keys)
+        oc = self._order_cache
+        if oc is not None and oc.version == batch.version and oc.keys == keys:
+            n_sched = np.fromiter(nst.values(), dtype=np.int64, count=n)
+            if oc.perm is not None:
+                n_sched = n_sched[oc.perm]
+            return list(oc.req_ids), oc.rows.copy(), n_sched
+        rows_of = batch.req_id_to_row
+        req_ids = sorted(nst, key=rows_of.__getitem__)
+        rows = np.fromiter((rows_of[r] for r in req_ids), dtype=np.int64, count=n)
+        n_sched = np.fromiter((nst[r] for r in req_ids), dtype=np.int64, count=n)
+        pos = {r: i for i, r in enumerate(keys)}
+        perm = np.fromiter((pos[r] for r in req_ids), dtype=np.int64, count=n)
+        identity = bool(np.array_equal(perm, self._arange[:n]))
+        self._order_cache = _RowOrder(batch.version, keys, list(req_ids), rows.copy(), None if identity else perm)
+        return req_ids, rows, n_sched
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -281,10 +363,7 @@ class ModelRunner:
             return PendingStep(self, [], np.zeros(0, dtype=np.int64), 0, None, None, None, None, {})
         batch = self.input_batch
         assert batch is not None and self.model is not None and self.kv_cache_config is not None
-        rows_of = batch.req_id_to_row
-        req_ids = sorted(so.num_scheduled_tokens, key=rows_of.__getitem__)
-        rows = np.fromiter((rows_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        req_ids, rows, n_sched = self._request_order(so)
         num_reqs = len(req_ids)
         total = int(n_sched.sum())
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -345,10 +424,18 @@ class ModelRunner:
         # The per-request states' num_computed_tokens is refreshed from the scheduler's diff each step
         # (and on resume), so only the batch row needs it here: no per-request loop on the hot path.
         batch.num_computed_tokens[rows] = seq_lens
-        sample_ids = [req_ids[i] for i in sample_idx.tolist()]
-        # What the next launched step needs if it runs before this one's result is read.
-        self._in_flight = (sampled_gpu, {rid: j for j, rid in enumerate(sample_ids)}) if ahead else None
-        return PendingStep(self, req_ids, sample_idx, num_reqs, sampled_host, event, logprobs, md_s, prompt_lp_done)
+        if ahead:
+            # What the next launched step needs if it runs before this one's result is read.
+            sample_ids = [req_ids[i] for i in sample_idx.tolist()]
+            self._in_flight = (sampled_gpu, {rid: j for j, rid in enumerate(sample_ids)})
+        else:
+            self._in_flight = None
+        step = PendingStep(self, req_ids, sample_idx, num_reqs, sampled_host, event, logprobs, md_s, prompt_lp_done)
+        rc = self._rows_cache
+        if md_s is not None and rc is not None and rc.version == batch.version:
+            # The rows the metadata was just built for: _finish may append by row while nothing moved.
+            step.sample_rows, step.sample_outputs, step.batch_version = rc.rows, rc.out_ids, rc.version
+        return step
 
     def _in_flight_patch(self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray,
                          positions: np.ndarray) -> Patch | None:
@@ -376,13 +463,34 @@ class ModelRunner:
         """Host bookkeeping of a launched step once its sampled ids are on the host. Goes by request id:
         rows may have been reused by a step launched meanwhile."""
         num_reqs = step.num_reqs
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs_lists: list[LogprobsLists | None] | None = None
+        batch = self.input_batch
+        if (step.sampled_host is not None and step.sample_outputs is not None and batch is not None
+                and step.batch_version == batch.version):
+            # No request entered or left the batch since the launch: every sampled request is still
+            # in its row and in self.requests, so the tokens go in by row without per-request lookups.
+            if step.event is not None:
+                step.event.synchronize()
+            sampled = step.sampled_host.tolist()
+            if len(sampled) == num_reqs:
+                sampled_lists = [[tok] for tok in sampled]
+            else:
+                sampled_lists = [[] for _ in range(num_reqs)]
+                for i, tok in zip(step.sample_idx.tolist(), sampled):
+                    sampled_lists[i] = [tok]
+            for out_ids, tok in zip(step.sample_outputs, sampled):
+                out_ids.append(tok)
+            assert step.sample_rows is not None
+            toks_np = np.asarray(sampled, dtype=np.int64)
+            batch.append_tokens(step.sample_rows, toks_np)
+            batch.count_output_tokens(step.sample_rows, toks_np)
+            logprobs_lists = self._logprobs_lists(step)
+            return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists, step.prompt_logprobs_done)
+        sampled_lists = [[] for _ in range(num_reqs)]
         if step.sampled_host is not None:
             if step.event is not None:
                 step.event.synchronize()
             sampled = step.sampled_host.tolist()
-            batch = self.input_batch
             assert batch is not None
             rows_of = batch.req_id_to_row
             known_rows, known_toks = [], []
@@ -402,13 +510,20 @@ class ModelRunner:
                 toks_np = np.asarray(known_toks, dtype=np.int64)
                 batch.append_tokens(rows_np, toks_np)
                 batch.count_output_tokens(rows_np, toks_np)
-            md_s = step.sampling_metadata
-            if step.logprobs is not None and md_s is not None and md_s.logprob_rows is not None:
-                lists = step.logprobs.to_lists()
-                logprobs_lists = [None] * num_reqs
-                for pos, j in enumerate(md_s.logprob_rows_host):
-                    logprobs_lists[int(step.sample_idx[j])] = lists.slice(pos, pos + 1)
+            logprobs_lists = self._logprobs_lists(step)
         return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists, step.prompt_logprobs_done)
+
+    @staticmethod
+    def _logprobs_lists(step: PendingStep) -> list[LogprobsLists | None] | None:
+        """Per request of the step: the logprobs of its sampled token (None: none asked)."""
+        md_s = step.sampling_metadata
+        if step.logprobs is None or md_s is None or md_s.logprob_rows is None:
+            return None
+        lists = step.logprobs.to_lists()
+        logprobs_lists: list[LogprobsLists | None] = [None] * step.num_reqs
+        for pos, j in enumerate(md_s.logprob_rows_host):
+            logprobs_lists[int(step.sample_idx[j])] = lists.slice(pos, pos + 1)
+        return logprobs_lists
 
     def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
                    cu: np.ndarray, n_sched: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
@@ -497,26 +612,14 @@ class ModelRunner:
         top_p = batch.top_p[rows]
         top_k = batch.top_k[rows]
         min_p = batch.min_p[rows]
-        generators: dict[int, torch.Generator] = {}
+        rc = self._row_lists(rows, greedy)
+        params = rc.params
+        prompt_ids = rc.prompt_ids
+        generators = dict(rc.generators)
         min_tokens: dict[int, list[int]] = {}
-        out_ids: list[list[int]] = []
-        prompt_ids: list[list[int]] = []
-        req_ids: list[str] = []
-        params = []
-        for i, row in enumerate(rows.tolist()):
-            st = batch.states[row]
-            assert st is not None
-            sp = st.sampling_params
-            params.append(sp)
-            if st.generator is not None and not greedy[i]:
-                generators[i] = st.generator
-            if sp.min_tokens and len(st.output_token_ids) < sp.min_tokens:
-                stops = list(sp.all_stop_token_ids or ())
-                if stops:
-                    min_tokens[i] = stops
-            out_ids.append(st.output_token_ids)
-            prompt_ids.append(st.prompt_token_ids)
-            req_ids.append(st.req_id)
+        for i, sp, out, stops in rc.min_tokens_rows:
+            if len(out) < sp.min_tokens:
+                min_tokens[i] = list(stops)
         use_p, use_k = bool((top_p < 1.0).any()), bool((top_k > 0).any())
         md = SamplingMetadata(
             temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
@@ -529,9 +632,9 @@ class ModelRunner:
             all_random=bool((~greedy).all()),
             generators=generators,
             min_tokens=min_tokens,
-            output_token_ids=out_ids,
-            req_ids=req_ids,
-            prompt_token_ids=prompt_ids,
+            output_token_ids=list(rc.out_ids),
+            req_ids=list(rc.req_ids),
+            prompt_token_ids=list(prompt_ids),
         )
         if dev.type == "cuda" and seq_lens is not None and not md.all_greedy:
             # One-pass sampler keys; a seeded row's from (its seed, the index of the output token it samples).
@@ -551,8 +654,38 @@ class ModelRunner:
             md.repetition_penalties = torch.from_numpy(batch.repetition_penalty[prow]).to(dev, non_blocking=True)
             md.prompt_token_mask = batch.token_counts.prompt_mask[slot_t]
             md.output_token_counts = batch.token_counts.output_counts[slot_t]
-        fill_sparse_fields(md, params, dev)
+        if rc.any_sparse:
+            fill_sparse_fields(md, params, dev)
         return md
+
+    def _row_lists(self, rows: np.ndarray, greedy: np.ndarray) -> _RowLists:
+        """Per-row Python data of `rows` for the sampling metadata, rebuilt only when the rows or the batch
+        changed (`greedy` follows from the rows' temperatures, fixed while the batch is unchanged)."""
+        batch = self.input_batch
+        assert batch is not None
+        rc = self._rows_cache
+        if rc is not None and rc.version == batch.version and np.array_equal(rc.rows, rows):
+            return rc
+        rc = _RowLists(batch.version, rows.copy())
+        for i, row in enumerate(rows.tolist()):
+            st = batch.states[row]
+            assert st is not None
+            sp = st.sampling_params
+            rc.params.append(sp)
+            if st.generator is not None and not greedy[i]:
+                rc.generators[i] = st.generator
+            if sp.min_tokens:
+                stops = list(sp.all_stop_token_ids or ())
+                if stops:
+                    rc.min_tokens_rows.append((i, sp, st.output_token_ids, stops))
+            if (sp.logit_bias or sp.allowed_token_ids is not None or sp.bad_words_token_ids
+                    or sp.logprobs is not None or sp.logprob_token_ids):
+                rc.any_sparse = True
+            rc.out_ids.append(st.output_token_ids)
+            rc.prompt_ids.append(st.prompt_token_ids)
+            rc.req_ids.append(st.req_id)
+        self._rows_cache = rc
+        return rc
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -1,0 +1,246 @@
+"""The host fast paths agree with the general paths they skip.
+
+- Scheduler: `Request.kv_fast_limit` (no allocate_slots call while a decode stays inside its blocks), the
+  single-group block growth in allocate_slots, and the stop pre-check (`stop_len` / `stop_token_set`)
+  against a scheduler that always takes the general KV path and always runs the full stop check.
+- Output processor: the FINAL_ONLY "quiet" path against the general per-request path.
+- Model runner: the cached request order, the cached per-row sampling lists and the by-row token append in
+  `_finish`, against the same engine with those caches off (tokens, finish reasons, logprobs).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from tests.test_block_pool import FakeWorker, check_pool
+
+
+class _Everything:
+    """A stop-token set that contains every token: forces the full stop check."""
+
+    def __contains__(self, _: object) -> bool:
+        return True
+
+
+def _scheduler(num_blocks: int, budget: int, caching: bool, general: bool) -> Scheduler:
+    spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96,
+                          enable_chunked_prefill=True, policy="fcfs")
+    s = Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, caching)
+    if general:
+        s.kv._fast_decode = False  # every allocation through the general path; kv_fast_limit stays 0
+    return s
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scheduler_fast_paths_match_general(seed: int) -> None:
+    rng = random.Random(seed)
+    caching = seed % 2 == 0
+    num_blocks = rng.choice([20, 30, 80])
+    budget = rng.choice([8, 16, 64])
+    fast = _scheduler(num_blocks, budget, caching, general=False)
+    ref = _scheduler(num_blocks, budget, caching, general=True)
+    workers = (FakeWorker(), FakeWorker())
+    prefix = [rng.randrange(1000) for _ in range(9)]
+    live: list[str] = []
+    hits = 0
+    for step in range(250):
+        if rng.random() < 0.25 and len(live) < 16:
+            rid = f"r{step}"
+            prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(rng.randrange(1, 25))]
+            kind = rng.randrange(4)
+            # FakeWorker samples (sum of the last 3 tokens * 31 + 7) % 1000: pick stop ids it will meet.
+            max_tokens = rng.randrange(1, 40)
+            sp = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=kind == 0,
+                stop_token_ids=[rng.randrange(1000) for _ in range(30)] if kind == 1 else None,
+                min_tokens=min(rng.randrange(0, 6), max_tokens) if kind == 2 else 0,
+            )
+            eos = rng.randrange(1000) if kind != 0 else None
+            sp.eos_token_id = eos
+            if kind == 2:
+                sp.all_stop_token_ids = [eos] if eos is not None else []
+            for s in (fast, ref):
+                s.add_request(EngineCoreRequest(rid, list(prompt), sp, float(step)))
+            ref.requests[rid].stop_token_set = _Everything()  # type: ignore[assignment]
+            ref.requests[rid].stop_len = 0
+            live.append(rid)
+        elif rng.random() < 0.05 and live:
+            rid = rng.choice(live)
+            for s in (fast, ref):
+                s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            live.remove(rid)
+        so_f, so_r = fast.schedule(), ref.schedule()
+        assert so_f == so_r, f"step {step}: scheduler outputs differ"
+        hits += sum(1 for r in fast.running if r.kv_fast_limit > 0)
+        out_f = fast.update_from_output(so_f, workers[0].execute(so_f))
+        out_r = ref.update_from_output(so_r, workers[1].execute(so_r))
+        assert out_f.outputs == out_r.outputs, f"step {step}: core outputs differ"
+        for o in out_f.outputs:
+            if o.finished:
+                live.remove(o.request_id)
+        check_pool(fast)
+        assert list(fast.kv.pool._free) == list(ref.kv.pool._free)
+        assert {h: b.block_id for h, b in fast.kv.pool.cached.items()} == {
+            h: b.block_id for h, b in ref.kv.pool.cached.items()}
+    assert hits > 0, "the fast path was never taken"
+
+
+def test_stop_precheck_never_misses() -> None:
+    """Below stop_len, a token outside stop_token_set never stops a request (whatever min_tokens)."""
+    s = _scheduler(200, 64, False, general=False)
+    rng = random.Random(0)
+    for i in range(200):
+        max_tokens = rng.randrange(1, 20)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3,
+                            stop_token_ids=[rng.randrange(50) for _ in range(rng.randrange(3))] or None,
+                            min_tokens=min(rng.randrange(0, 4), max_tokens))
+        sp.eos_token_id = rng.choice([None, rng.randrange(50)])
+        s.add_request(EngineCoreRequest(f"q{i}", [1] * rng.randrange(1, 60), sp, 0.0))
+        req = s.requests[f"q{i}"]
+        for _ in range(40):
+            tok = rng.randrange(50)
+            req.append_output_token_ids([tok])
+            may_stop = len(req.all_token_ids) >= req.stop_len or tok in req.stop_token_set
+            status = req.status
+            if s._check_stop(req, tok):
+                assert may_stop
+                break
+            req.status = status
+
+
+def _core_out(rid: str, toks: list[int], finish: FinishReason | None = None, cached: int = 0) -> EngineCoreOutput:
+    return EngineCoreOutput(rid, toks, finish, None, cached)
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_output_processor_quiet_path_matches_general(log_stats: bool) -> None:
+    kinds = [RequestOutputKind.FINAL_ONLY, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE,
+             RequestOutputKind.DELTA]
+    procs = [OutputProcessor(None, log_stats=log_stats) for _ in range(2)]
+    for i, kind in enumerate(kinds * 3):
+        sp = SamplingParams(max_tokens=50, detokenize=False, output_kind=kind)
+        req = EngineCoreRequest(f"r{i}", [1, 2, 3 + i], sp, arrival_time=1.0)
+        for p in procs:
+            p.add_request(req, None)
+    for st in procs[1].request_states.values():
+        st.quiet = False  # the reference: the general path for everyone
+    assert any(st.quiet for st in procs[0].request_states.values())
+    rng = random.Random(1)
+    live = list(procs[0].request_states)
+    for step in range(30):
+        outs = []
+        for rid in list(live):
+            r = rng.random()
+            finish = FinishReason.LENGTH if r < 0.08 else None
+            toks = [] if r > 0.9 else [rng.randrange(100) for _ in range(rng.choice([1, 1, 1, 2]))]
+            outs.append(_core_out(rid, toks, finish, cached=rng.choice([0, 0, 16])))
+            if finish is not None:
+                live.remove(rid)
+        now = 10.0 + step
+        a, b = (p.process_outputs(list(outs), now) for p in procs)
+        assert a.request_outputs == b.request_outputs
+        assert a.reqs_to_abort == b.reqs_to_abort
+        assert a.iteration_stats == b.iteration_stats
+    for rid, st in procs[0].request_states.items():
+        ref = procs[1].request_states[rid]
+        assert st.metrics == ref.metrics and st.detokenizer.token_ids == ref.detokenizer.token_ids
+        assert st.num_cached_tokens == ref.num_cached_tokens
+
+
+# ---- model runner: cached order / row lists / by-row append vs. rebuilt every step --------------------
+
+RUNNER_SPS = [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=5, max_tokens=21, top_p=0.9),
+    SamplingParams(temperature=0.7, seed=11, max_tokens=18, min_tokens=6, stop_token_ids=[3, 7, 11]),
+    SamplingParams(temperature=1.0, seed=2, max_tokens=15, logprobs=2),
+    SamplingParams(temperature=0.8, seed=9, max_tokens=20, repetition_penalty=1.2, n=2),
+    SamplingParams(temperature=0.6, max_tokens=17, top_k=5, seed=4, output_kind=RequestOutputKind.FINAL_ONLY),
+]
+
+
+def _dummy_llm(async_scheduling: bool, **kw: object):  # noqa: ANN202
+    from pagedllm import LLM
+    from pagedllm.benchmarks.workloads import load_workloads_module
+
+    cfg_dir = load_workloads_module().MODELS["qwen3-0.6b"]
+    return LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
+               max_model_len=256, kv_cache_memory_bytes=64 << 20, hf_overrides={"num_hidden_layers": 1},
+               async_scheduling=async_scheduling, max_num_batched_tokens=96, seed=0, **kw)
+
+
+def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
+    from pagedllm import TokensPrompt
+
+    results = []
+    for sp in RUNNER_SPS:
+        sp.detokenize = False
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        results.append([[(list(c.token_ids), c.finish_reason,
+                          None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs])
+                         for c in o.outputs] for o in res])
+    return results
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.worker.model_runner import ModelRunner
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
+    stats = {"order_hits": 0, "rows_hits": 0, "finish_fast": 0}
+    orig_order, orig_rows, orig_finish = ModelRunner._request_order, ModelRunner._row_lists, ModelRunner._finish
+
+    def counting_order(self, so):  # noqa: ANN001, ANN202
+        before = self._order_cache
+        out = orig_order(self, so)
+        stats["order_hits"] += self._order_cache is before and before is not None
+        return out
+
+    def counting_rows(self, rows, greedy):  # noqa: ANN001, ANN202
+        before = self._rows_cache
+        out = orig_rows(self, rows, greedy)
+        stats["rows_hits"] += out is before
+        return out
+
+    def counting_finish(self, step):  # noqa: ANN001, ANN202
+        batch = self.input_batch
+        stats["finish_fast"] += step.sample_outputs is not None and step.batch_version == batch.version
+        return orig_finish(self, step)
+
+    monkeypatch.setattr(ModelRunner, "_request_order", counting_order)
+    monkeypatch.setattr(ModelRunner, "_row_lists", counting_rows)
+    monkeypatch.setattr(ModelRunner, "_finish", counting_finish)
+    fast = _generate(_dummy_llm(async_scheduling), prompts)
+    assert min(stats.values()) > 20, stats  # the cached paths really ran
+
+    def rebuild_order(self, so):  # noqa: ANN001, ANN202
+        self._order_cache = None
+        return orig_order(self, so)
+
+    def rebuild_rows(self, rows, greedy):  # noqa: ANN001, ANN202
+        self._rows_cache = None
+        return orig_rows(self, rows, greedy)
+
+    def general_finish(self, step):  # noqa: ANN001, ANN202
+        step.sample_outputs = None
+        return orig_finish(self, step)
+
+    monkeypatch.setattr(ModelRunner, "_request_order", rebuild_order)
+    monkeypatch.setattr(ModelRunner, "_row_lists", rebuild_rows)
+    monkeypatch.setattr(ModelRunner, "_finish", general_finish)
+    ref = _generate(_dummy_llm(async_scheduling), prompts)
+    for sp, a, b in zip(RUNNER_SPS, fast, ref):
+        assert a == b, f"outputs differ for {sp}"
