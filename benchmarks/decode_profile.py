@@ -34,6 +34,12 @@ def _graph_time_ms(fn, reps: int = 5) -> float:
     return statistics.median([tt.do_bench_cudagraph(fn, rep=200, return_mode="median") for _ in range(reps)])
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for triton_gemv.row_gemv at batch 1
+ROW_GEMV_SWEEP = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 512, 4, 1), (4, 1024, 8, 1),
+                  (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (4, 1024, 4, 3),
+                  (8, 512, 4, 3), (2, 512, 2, 1)]
+
+
 def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[dict]:
     """Per projection kind (last name part): all layers' weights in order, one graph; cuBLAS, cuBLASLt
     (torch.backends.cuda.preferred_blas_library) and the engine's small-batch Triton GEMV."""
@@ -64,10 +70,22 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
             engine_gemv_ms = _graph_time_ms(lambda ws=ws, x=x: [triton_gemv.fused_gemv(x, w) for w in ws])
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         floor = nbytes / (copy_gbs * 1e9) * 1e3
+        row_gemv: dict[str, float] = {}
+        if triton_gemv.HAS_TRITON and x.shape[0] == 1 and kind != "lm_head":  # PAGEDLLM_ROW_GEMV's kernel
+            for cfg in [None, *ROW_GEMV_SWEEP]:
+                name = "default" if cfg is None else ",".join(map(str, cfg))
+                try:
+                    row_gemv[name] = _graph_time_ms(
+                        lambda ws=ws, x=x, cfg=cfg: [triton_gemv.row_gemv(x, w, config=cfg) for w in ws], reps=3)
+                except Exception as e:  # an out-of-resources config: report, go on
+                    print(f"row_gemv {kind} {name}: {type(e).__name__}: {str(e)[:120]}")
+            best = min(row_gemv, key=row_gemv.get)
+            print(f"row_gemv {kind} {tuple(ws[0].shape)}: cuBLAS {times['cublas']:.3f} ms, floor {floor:.3f}; "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in row_gemv.items()) + f"; best {best}", flush=True)
         ms = times["cublas"]
         rows.append({"kind": kind, "n": len(ws), "shape": list(ws[0].shape), "ms": ms, "floor_ms": floor,
                      "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor, "cublaslt_ms": times["cublaslt"],
-                     "fp32_out_ms": fp32_out_ms, "engine_gemv_ms": engine_gemv_ms})
+                     "fp32_out_ms": fp32_out_ms, "engine_gemv_ms": engine_gemv_ms, "row_gemv_ms": row_gemv})
     return rows
 
 

@@ -92,3 +92,31 @@ def test_float32_out(dtype: torch.dtype) -> None:
     y, _ = triton_gemv.fused_gemv(x, w, out_dtype=torch.float32)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, x.float() @ w.float().t(), atol=1e-3, rtol=1e-3)
+
+
+# ---- single-row GEMV (batch-1 decode) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1000, 1000), (3, 70), (130, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_gemv(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
+    """Even and ragged (masked) shapes against F.linear, default and other tile configs."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = _weights(n, k, dtype, g, bias)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    ref = F.linear(x, w, b)
+    _close(triton_gemv.row_gemv(x, w, b), ref)
+    _close(triton_gemv.row_gemv(x, w, b, config=(8, 256, 4, 2)), ref)
+
+
+def test_row_gemv_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The linear layers take the row GEMV for one 16-bit CUDA row only when switched on."""
+    w = torch.randn(64, 32, device=DEVICE, dtype=torch.float16)
+    one = torch.randn(1, 32, device=DEVICE, dtype=torch.float16)
+    monkeypatch.setattr(triton_gemv, "_ROW_GEMV", False)
+    assert not triton_gemv.row_gemv_enabled(one, w)
+    monkeypatch.setattr(triton_gemv, "_ROW_GEMV", True)
+    assert triton_gemv.row_gemv_enabled(one, w) == (DEVICE != "cpu")
+    assert not triton_gemv.row_gemv_enabled(torch.randn(2, 32, device=DEVICE, dtype=torch.float16), w)
+    assert not triton_gemv.row_gemv_enabled(one.float(), w.float())

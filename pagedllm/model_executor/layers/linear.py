@@ -23,6 +23,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.model_executor.layers import triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 
 
@@ -95,6 +96,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = getattr(layer, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
         if packed is not None:
             return packed_linear(x, packed, bias, layer.packed_out_features)
+        if triton_gemv.row_gemv_enabled(x, layer.weight):  # batch-1 decode: one launch, no split-K reduce
+            return triton_gemv.row_gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

@@ -184,3 +184,93 @@ def fused_gemv(
         num_warps=nw, num_stages=ns,
     )
     return y, res_out
+
+
+# ---- single-row GEMV (batch-1 decode), no tensor cores ---------------------------------------------------
+#
+# cuBLAS runs a [1, K] x [K, N] product as a split-K GEMM plus a separate reduce kernel for some shapes and
+# reaches 1.15-1.67x the weight-read floor on Llama-3.1-8B's q/k/v, o and down projections (H200,
+# benchmarks/NOTES.md, session 5). Here every program streams BLOCK_N whole weight rows with wide loads and
+# keeps a [BLOCK_N, BLOCK_K] float32 partial-sum tile, reduced once at the end: no split-K, no second launch.
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_gemv_kernel(
+        x_ptr,  # [K] activations (one row)
+        w_ptr,  # [N, K] weight
+        b_ptr,  # [N] bias (HAS_BIAS)
+        y_ptr,  # [N] out
+        N,
+        K,
+        stride_wn,
+        HAS_BIAS: tl.constexpr,
+        EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:
+                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+                x = tl.load(x_ptr + k0 + rk)
+            else:
+                k_ok = k0 + rk < K
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def row_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a 16-bit [n, k] weight."""
+    return 4, min(1024, _next_pow2(k)), 4, 1
+
+
+def row_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype."""
+    assert HAS_TRITON, "Triton is not installed"
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    n, k = weight.shape
+    assert x.shape[1] == k
+    bn, bk, nw, ns = config or row_gemv_config(n, k)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _row_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN=n % bn == 0 and k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=nw, num_stages=ns,
+    )
+    return y
+
+
+def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `UnquantizedLinearMethod` runs x @ weight.T through `row_gemv`: one 16-bit row on CUDA
+    (`PAGEDLLM_ROW_GEMV=0` turns it off)."""
+    return (
+        _ROW_GEMV
+        and HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+_ROW_GEMV = os.environ.get("PAGEDLLM_ROW_GEMV", "0") == "1"
