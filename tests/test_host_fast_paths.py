@@ -209,9 +209,9 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         stats["order_hits"] += self._order_cache is before and before is not None
         return out
 
-    def counting_rows(self, rows, greedy):  # noqa: ANN001, ANN202
+    def counting_rows(self, rows):  # noqa: ANN001, ANN202
         before = self._rows_cache
-        out = orig_rows(self, rows, greedy)
+        out = orig_rows(self, rows)
         stats["rows_hits"] += out is before
         return out
 
@@ -230,9 +230,9 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         self._order_cache = None
         return orig_order(self, so)
 
-    def rebuild_rows(self, rows, greedy):  # noqa: ANN001, ANN202
+    def rebuild_rows(self, rows):  # noqa: ANN001, ANN202
         self._rows_cache = None
-        return orig_rows(self, rows, greedy)
+        return orig_rows(self, rows)
 
     def general_finish(self, step):  # noqa: ANN001, ANN202
         step.sample_outputs = None
@@ -244,3 +244,23 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
     ref = _generate(_dummy_llm(async_scheduling), prompts)
     for sp, a, b in zip(RUNNER_SPS, fast, ref):
         assert a == b, f"outputs differ for {sp}"
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["one-block", "mixed"])
+def test_append_block_ids_rows_matches_per_row(multi: bool) -> None:
+    from pagedllm.worker.input_batch import InputBatch
+
+    rng = random.Random(4)
+    batches = [InputBatch(8, 64, 16, 2) for _ in range(2)]
+    for b in batches:
+        b.num_blocks[:, :] = [[rng.randrange(5) for _ in range(8)] for _ in range(2)] if b is batches[0] else 0
+    batches[1].num_blocks[:, :] = batches[0].num_blocks
+    rows = [5, 1, 6, 2]
+    new = [tuple([rng.randrange(100) for _ in range(rng.choice([1, 2]) if multi else 1)] for _ in range(2))
+           for _ in rows]
+    batches[0].append_block_ids_rows(rows, new)
+    for row, ids in zip(rows, new):
+        batches[1].append_block_ids(row, ids)
+    assert (batches[0].num_blocks == batches[1].num_blocks).all()
+    for g in range(2):
+        assert (batches[0].block_tables[g] == batches[1].block_tables[g]).all()

@@ -210,16 +210,27 @@ class KVCacheManager:
         without hits (a decode reaching a block boundary): the same blocks taken and hashes registered,
         minus the per-group generality."""
         m0 = self.managers[0]
-        need = cdiv(total, self.block_size) - len(blocks)
+        bs = self.block_size
+        need = -(-total // bs) - len(blocks)
         new: list[KVCacheBlock] = []
         if need > 0:
             if need > self.pool.num_free_blocks:
                 return None
             new = self.pool.get_new_blocks(need)
             blocks.extend(new)
+        limit = len(blocks) * bs
         if self.enable_caching:
-            m0.cache_blocks(request, min(total, len(request.all_token_ids)))
-        self._set_fast_limit(request)
+            # m0.cache_blocks(request, min(total, num_tokens)), inlined, and the fast limit from its result.
+            rid = request.request_id
+            start = m0.num_cached_blocks.get(rid, 0)
+            hashes = request.block_hashes
+            end = min(min(total, len(request.all_token_ids)) // bs, len(hashes), len(blocks))
+            for i in range(start, end):
+                self.pool.cache_block(blocks[i], hashes[i])
+            cached = start if start > end else end
+            m0.num_cached_blocks[rid] = cached
+            limit = min(limit, (cached + 1) * bs - 1)
+        request.kv_fast_limit = limit
         return KVCacheBlocks((new,)) if new else self.no_new_blocks
 
     def _set_fast_limit(self, request: Request) -> None:

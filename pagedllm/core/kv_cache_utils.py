@@ -45,9 +45,11 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         parent = request.block_hashes[-1] if start else NONE_HASH
         out: list[bytes] = []
         tokens = request.all_token_ids
+        plain = not request.cache_salt and request.lora_id is None  # no extra keys in any block
         for i in range(start, len(tokens) // block_size):
             parent = hash_block_tokens(
-                parent, tokens[i * block_size : (i + 1) * block_size], request_extra_keys(request, i)
+                parent, tokens[i * block_size : (i + 1) * block_size],
+                b"" if plain else request_extra_keys(request, i),
             )
             out.append(parent)
         return out

@@ -120,6 +120,20 @@ class InputBatch:
             self.block_tables[g][row, start : start + len(ids)] = ids
             self.num_blocks[g, row] = start + len(ids)
 
+    def append_block_ids_rows(self, rows: list[int], new_block_ids: list[tuple[list[int], ...]]) -> None:
+        """`append_block_ids` for several distinct rows; one block per row and group (a decode crossing a
+        block boundary, the usual case) in one indexed write per group."""
+        for g in range(len(self.block_tables)):
+            if any(len(ids[g]) != 1 for ids in new_block_ids):
+                for row, ids in zip(rows, new_block_ids):
+                    self.append_block_ids(row, ids)
+                return
+        rows_np = np.asarray(rows, dtype=np.int64)
+        for g, table in enumerate(self.block_tables):
+            cols = self.num_blocks[g, rows_np]
+            table[rows_np, cols] = [ids[g][0] for ids in new_block_ids]
+            self.num_blocks[g, rows_np] = cols + 1
+
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """`append_token` for many rows at once (distinct rows)."""
         n = self.num_tokens[rows]

@@ -95,6 +95,15 @@ class _RowLists:
     """(row index, params, output ids, stop ids) of the rows with min_tokens and stop ids to mask."""
     any_sparse: bool = False
     """Some row uses logit bias, allowed tokens, bad words or logprobs (fill_sparse_fields has work)."""
+    all_greedy: bool = False
+    all_random: bool = False
+    use_p: bool = False
+    """Some row has top_p < 1."""
+    use_k: bool = False
+    """Some row has top_k > 0."""
+    use_min_p: bool = False
+    any_penalty: bool = False
+    """Some row holds a penalty slot."""
 
 
 class ModelRunner:
@@ -310,16 +319,16 @@ class ModelRunner:
         if req_ids:
             rows = np.fromiter(map(rows_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
             batch.num_computed_tokens[rows] = num_computed
-        for j in [j for j, ids in enumerate(c.new_block_ids) if ids is not None]:
-            if resumed_flags[j]:
-                continue
-            rid = c.req_ids[j]
-            new_ids = c.new_block_ids[j]
-            assert new_ids is not None
-            st = self.requests[rid]
-            for g, ids in enumerate(new_ids):
-                st.block_ids[g].extend(ids)
-            batch.append_block_ids(rows_of[rid], new_ids)
+        grown = [j for j, ids in enumerate(c.new_block_ids) if ids is not None and not resumed_flags[j]]
+        if grown:
+            all_new: list[tuple[list[int], ...]] = []
+            for j in grown:
+                new_ids = c.new_block_ids[j]
+                assert new_ids is not None
+                for g, ids in enumerate(self.requests[c.req_ids[j]].block_ids):
+                    ids.extend(new_ids[g])
+                all_new.append(new_ids)
+            batch.append_block_ids_rows([rows_of[c.req_ids[j]] for j in grown], all_new)
 
     def _request_order(self, so: SchedulerOutput) -> tuple[list[str], np.ndarray, np.ndarray]:
         """The scheduled requests sorted by batch row, their rows and scheduled token counts. Steady
@@ -366,14 +375,20 @@ class ModelRunner:
         req_ids, rows, n_sched = self._request_order(so)
         num_reqs = len(req_ids)
         total = int(n_sched.sum())
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(n_sched, out=cu[1:])
         computed = batch.num_computed_tokens[rows]
-        # Position of every token: computed + offset within its request's chunk.
-        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
-        offsets = self._arange[:total] - np.repeat(cu[:-1], n_sched)
-        positions = np.repeat(computed, n_sched) + offsets
-        token_rows = rows[req_of_token]
+        if total == num_reqs:  # pure decode (every request computes one token): the same arrays, no repeats
+            cu = self._arange[: num_reqs + 1].copy()
+            req_of_token = self._arange[:num_reqs].copy()
+            positions = computed.copy()
+            token_rows = rows
+        else:
+            cu = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(n_sched, out=cu[1:])
+            # Position of every token: computed + offset within its request's chunk.
+            req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+            offsets = self._arange[:total] - np.repeat(cu[:-1], n_sched)
+            positions = np.repeat(computed, n_sched) + offsets
+            token_rows = rows[req_of_token]
         input_ids = batch.token_ids[token_rows, positions]
         seq_lens = computed + n_sched
         patch = self._in_flight_patch(req_ids, req_of_token, token_rows, positions)
@@ -607,12 +622,7 @@ class ModelRunner:
         batch = self.input_batch
         assert batch is not None
         dev = self.device
-        temp = batch.temperature[rows]
-        greedy = temp < 1e-5
-        top_p = batch.top_p[rows]
-        top_k = batch.top_k[rows]
-        min_p = batch.min_p[rows]
-        rc = self._row_lists(rows, greedy)
+        rc = self._row_lists(rows)
         params = rc.params
         prompt_ids = rc.prompt_ids
         generators = dict(rc.generators)
@@ -620,16 +630,19 @@ class ModelRunner:
         for i, sp, out, stops in rc.min_tokens_rows:
             if len(out) < sp.min_tokens:
                 min_tokens[i] = list(stops)
-        use_p, use_k = bool((top_p < 1.0).any()), bool((top_k > 0).any())
+        # Which parameters are in use was decided once for these rows (rc); only those are gathered.
+        temp = batch.temperature[rows]
+        top_p = batch.top_p[rows] if rc.use_p else None
+        top_k = batch.top_k[rows] if rc.use_k else None
         md = SamplingMetadata(
             temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
-            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if use_p else None,
-            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if use_k else None,
-            top_p_host=top_p if use_p else None,
-            top_k_host=top_k if use_k else None,
-            min_p=torch.from_numpy(min_p).to(dev, non_blocking=True) if (min_p > 0).any() else None,
-            all_greedy=bool(greedy.all()),
-            all_random=bool((~greedy).all()),
+            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if top_p is not None else None,
+            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if top_k is not None else None,
+            top_p_host=top_p,
+            top_k_host=top_k,
+            min_p=torch.from_numpy(batch.min_p[rows]).to(dev, non_blocking=True) if rc.use_min_p else None,
+            all_greedy=rc.all_greedy,
+            all_random=rc.all_random,
             generators=generators,
             min_tokens=min_tokens,
             output_token_ids=list(rc.out_ids),
@@ -642,9 +655,10 @@ class ModelRunner:
             seeds = np.array([params[i].seed for i in seeded.tolist()], dtype=np.int64)
             index = seq_lens[seeded] - np.array([len(prompt_ids[i]) for i in seeded.tolist()], dtype=np.int64)
             md.noise_seeds = upload(triton_sample.noise_keys(len(rows), seeded, seeds, index), np.int64, dev)
-        slots = batch.penalty_slot[rows]
-        pen = np.nonzero(slots >= 0)[0]
+        slots = batch.penalty_slot[rows] if rc.any_penalty else None
+        pen = np.nonzero(slots >= 0)[0] if slots is not None else ()
         if len(pen):
+            assert slots is not None
             # Penalty state comes from the persistent per-request slots (gathered, not rebuilt).
             slot_t = torch.from_numpy(slots[pen]).to(dev, non_blocking=True)
             prow = rows[pen]
@@ -658,15 +672,22 @@ class ModelRunner:
             fill_sparse_fields(md, params, dev)
         return md
 
-    def _row_lists(self, rows: np.ndarray, greedy: np.ndarray) -> _RowLists:
-        """Per-row Python data of `rows` for the sampling metadata, rebuilt only when the rows or the batch
-        changed (`greedy` follows from the rows' temperatures, fixed while the batch is unchanged)."""
+    def _row_lists(self, rows: np.ndarray) -> _RowLists:
+        """Per-row data of `rows` for the sampling metadata, rebuilt only when the rows or the batch changed
+        (a row's parameters are fixed while its request holds it)."""
         batch = self.input_batch
         assert batch is not None
         rc = self._rows_cache
         if rc is not None and rc.version == batch.version and np.array_equal(rc.rows, rows):
             return rc
         rc = _RowLists(batch.version, rows.copy())
+        greedy = batch.temperature[rows] < 1e-5
+        rc.all_greedy = bool(greedy.all())
+        rc.all_random = not bool(greedy.any())
+        rc.use_p = bool((batch.top_p[rows] < 1.0).any())
+        rc.use_k = bool((batch.top_k[rows] > 0).any())
+        rc.use_min_p = bool((batch.min_p[rows] > 0).any())
+        rc.any_penalty = bool((batch.penalty_slot[rows] >= 0).any())
         for i, row in enumerate(rows.tolist()):
             st = batch.states[row]
             assert st is not None
