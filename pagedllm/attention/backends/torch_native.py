@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,26 +51,39 @@ class TorchNativeMetadata:
 
 class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchNativeMetadata:
-        qsl = common.query_start_loc_cpu.tolist()
-        seq_lens = common.seq_lens_cpu.tolist()
-        ctx = common.num_computed_tokens_cpu.tolist()
-        decode_rows: list[int] = []
-        prefills: list[PrefillSpan] = []
-        spans: list[tuple[int, int]] = []
+        """Decodes (one query token, causal) are found with array ops over the batch; only prefill chunks
+        (query length > 1) get a Python object each."""
+        n = common.num_reqs
+        qsl_t = common.query_start_loc_cpu[: n + 1]
+        qsl = qsl_t.numpy()
+        qlen = qsl[1:] - qsl[:-1]
+        seq_np = common.seq_lens_cpu[:n].numpy()
+        qsl_list: list[int] = qsl_t.tolist()
+        spans = list(zip(qsl_list, qsl_list[1:]))
+        is_decode = (qlen == 1) if common.causal else np.zeros(n, dtype=bool)
         bs = self.block_size
-        for r in range(common.num_reqs):
-            q0, q1 = qsl[r], qsl[r + 1]
-            spans.append((q0, q1))
-            if q1 - q0 == 1 and common.causal:
-                decode_rows.append(r)
-            elif q1 > q0:
+        prefills: list[PrefillSpan] = []
+        prefill_rows = np.flatnonzero((qlen > 0) & ~is_decode)
+        if len(prefill_rows):
+            ctx: list[int] = common.num_computed_tokens_cpu[:n].tolist()
+            seq_lens: list[int] = seq_np.tolist()
+            for r in prefill_rows.tolist():
                 nb = (seq_lens[r] + bs - 1) // bs
-                prefills.append(PrefillSpan(q0, q1, ctx[r], seq_lens[r], common.block_table[r, :nb]))
+                prefills.append(PrefillSpan(qsl_list[r], qsl_list[r + 1], ctx[r], seq_lens[r],
+                                            common.block_table[r, :nb]))
         dec_idx = dec_bt = dec_sl = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=common.block_table.device)
+        num_dec = int(np.count_nonzero(is_decode))
+        if num_dec and num_dec == n:
+            # Every request decodes: slices (views) instead of gathers, the same values.
+            nb = (int(seq_np.max()) + bs - 1) // bs
+            dec_sl = common.seq_lens[:n]
+            dec_bt = common.block_table[:n, :nb]
+            dec_idx = common.query_start_loc[:n].long()
+        elif num_dec:
+            dec_rows = np.flatnonzero(is_decode)
+            rows = torch.from_numpy(dec_rows).to(common.block_table.device)
             dec_sl = common.seq_lens[rows]
-            nb = (max(seq_lens[r] for r in decode_rows) + bs - 1) // bs
+            nb = (int(seq_np[dec_rows].max()) + bs - 1) // bs
             dec_bt = common.block_table[rows, :nb]
             dec_idx = common.query_start_loc[rows].long()
         return TorchNativeMetadata(

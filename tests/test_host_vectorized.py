@@ -1,0 +1,103 @@
+"""Vectorized host code against per-request reference loops.
+
+- `TorchNativeMetadataBuilder.build`: array ops over the batch against the per-request loop it replaced,
+  on random mixes of decodes, prefill chunks, empty rows and encoder-only (non-causal) batches.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.attention.backends.abstract import CommonAttentionMetadata
+from pagedllm.attention.backends.torch_native import PrefillSpan, TorchNativeMetadata, TorchNativeMetadataBuilder
+
+
+def _reference_build(block_size: int, common: CommonAttentionMetadata) -> TorchNativeMetadata:
+    """The per-request loop `TorchNativeMetadataBuilder.build` had before it was vectorized."""
+    qsl = common.query_start_loc_cpu.tolist()
+    seq_lens = common.seq_lens_cpu.tolist()
+    ctx = common.num_computed_tokens_cpu.tolist()
+    decode_rows: list[int] = []
+    prefills: list[PrefillSpan] = []
+    spans: list[tuple[int, int]] = []
+    bs = block_size
+    for r in range(common.num_reqs):
+        q0, q1 = qsl[r], qsl[r + 1]
+        spans.append((q0, q1))
+        if q1 - q0 == 1 and common.causal:
+            decode_rows.append(r)
+        elif q1 > q0:
+            nb = (seq_lens[r] + bs - 1) // bs
+            prefills.append(PrefillSpan(q0, q1, ctx[r], seq_lens[r], common.block_table[r, :nb]))
+    dec_idx = dec_bt = dec_sl = None
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.long, device=common.block_table.device)
+        dec_sl = common.seq_lens[rows]
+        nb = (max(seq_lens[r] for r in decode_rows) + bs - 1) // bs
+        dec_bt = common.block_table[rows, :nb]
+        dec_idx = common.query_start_loc[rows].long()
+    return TorchNativeMetadata(common.slot_mapping, common.num_actual_tokens, common.causal, dec_idx, dec_bt,
+                               dec_sl, prefills, spans)
+
+
+def _common(qlens: list[int], ctx: list[int], block_size: int, causal: bool) -> CommonAttentionMetadata:
+    n = len(qlens)
+    qsl = torch.zeros(n + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(qlens, dtype=torch.int32), 0)
+    seq = torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32)
+    max_blocks = max(1, (int(seq.max()) + block_size - 1) // block_size) if n else 1
+    bt = torch.randint(0, 1000, (n, max_blocks + 2), dtype=torch.int32)
+    total = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), seq_lens_cpu=seq,
+        num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32), block_table=bt,
+        slot_mapping=torch.arange(total, dtype=torch.int64), num_reqs=n, num_actual_tokens=total,
+        max_query_len=max(qlens, default=0), max_seq_len=int(seq.max()) if n else 0, causal=causal)
+
+
+def _assert_same(a: TorchNativeMetadata, b: TorchNativeMetadata) -> None:
+    assert a.num_actual_tokens == b.num_actual_tokens and a.causal == b.causal
+    assert a.slot_mapping is b.slot_mapping
+    for x, y in ((a.decode_token_idx, b.decode_token_idx), (a.decode_block_table, b.decode_block_table),
+                 (a.decode_seq_lens, b.decode_seq_lens)):
+        assert (x is None) == (y is None)
+        if x is not None and y is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    assert a.spans == b.spans
+    assert all(type(q0) is int and type(q1) is int for q0, q1 in a.spans)
+    assert len(a.prefills) == len(b.prefills)
+    for p, q in zip(a.prefills, b.prefills):
+        assert (p.q_start, p.q_end, p.context_len, p.seq_len) == (q.q_start, q.q_end, q.context_len, q.seq_len)
+        assert all(type(v) is int for v in (p.q_start, p.q_end, p.context_len, p.seq_len))
+        assert p.blocks.dtype == q.blocks.dtype and torch.equal(p.blocks, q.blocks)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("causal", [True, False])
+def test_metadata_build_matches_per_request_loop(seed: int, causal: bool) -> None:
+    rng = random.Random(seed)
+    bs = rng.choice([4, 16])
+    n = rng.choice([1, 2, 7, 33, 256])
+    kind = seed % 4  # 0: all decodes, 1: all prefills, 2: mixed with empty rows, 3: mostly decodes
+    qlens, ctx = [], []
+    for _ in range(n):
+        if kind == 0 or (kind == 3 and rng.random() < 0.9):
+            q = 1
+        elif kind == 1:
+            q = rng.randint(2, 40)
+        else:
+            q = rng.choice([0, 1, 1, 2, 17])
+        qlens.append(q)
+        ctx.append(rng.randint(0, 200))
+    common = _common(qlens, ctx, bs, causal)
+    _assert_same(TorchNativeMetadataBuilder(bs, None, torch.device("cpu")).build(common),
+                 _reference_build(bs, common))
+
+
+def test_metadata_build_no_requests() -> None:
+    common = _common([], [], 16, True)
+    _assert_same(TorchNativeMetadataBuilder(16, None, torch.device("cpu")).build(common),
+                 _reference_build(16, common))
