@@ -101,3 +101,53 @@ def test_metadata_build_no_requests() -> None:
     common = _common([], [], 16, True)
     _assert_same(TorchNativeMetadataBuilder(16, None, torch.device("cpu")).build(common),
                  _reference_build(16, common))
+
+
+def _random_sample_literal(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """`random_sample` as first written: argmax(probs / q), q = -log(clamp(U, tiny))."""
+    u = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        u.uniform_()
+    for row, gen in generators.items():
+        u[row].uniform_(generator=gen)
+    q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
+    return probs.div_(q).max(dim=-1).indices
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 32, 1000])
+@pytest.mark.parametrize("seeded", [(), (0,), (0, 3, 5), tuple(range(8))])
+def test_random_sample_matches_literal_formula(vocab: int, seeded: tuple[int, ...]) -> None:
+    """The same draws and the same tokens, on peaked, flat (ties), zero and non-finite probabilities."""
+    from pagedllm.sample.sampler import random_sample
+
+    for trial in range(20):
+        g = torch.Generator().manual_seed(trial)
+        logits = torch.randn(8, vocab, generator=g) * (10.0 if trial % 2 else 0.1)
+        if trial % 5 == 0:
+            logits[1] = 0.0  # flat row: every token ties before the noise
+            logits[2, : max(1, vocab // 2)] = -float("inf")  # zero probabilities
+        probs = logits.softmax(dim=-1)
+        if trial == 7:
+            probs[4, 0] = float("nan")
+            probs[5, -1] = float("inf")
+        torch.manual_seed(100 + trial)
+        a = _random_sample_literal(probs.clone(), {r: torch.Generator().manual_seed(r) for r in seeded})
+        after_a = torch.rand(())  # the global generator is left in the same state
+        torch.manual_seed(100 + trial)
+        b = random_sample(probs.clone(), {r: torch.Generator().manual_seed(r) for r in seeded})
+        after_b = torch.rand(())
+        assert torch.equal(a, b), (trial, a, b)
+        assert torch.equal(after_a, after_b)
+
+
+def test_uniform_tiny_is_clamped_uniform() -> None:
+    """The identity `random_sample` relies on, over enough draws to see exact zeros (p = 2^-24 each)."""
+    tiny = torch.finfo(torch.float32).tiny
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    zeros = 0
+    for _ in range(4):
+        a = torch.empty(1 << 24).uniform_(generator=g1).clamp_(min=tiny)
+        b = torch.empty(1 << 24).uniform_(tiny, 1.0, generator=g2)
+        zeros += int((a == tiny).sum())
+        assert torch.equal(a, b)
+    assert zeros > 0

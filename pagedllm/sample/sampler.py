@@ -372,14 +372,19 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     its own noise from its generator (vocab draws per step), whatever else is in the batch.
 
     q = -log(U), U ~ Uniform[tiny, 1): on the CPU `Tensor.exponential_` is ~30x slower than `rand` + `log`.
+
+    Two ops fewer than the literal formula, the same result: `uniform_(tiny, 1)` is bit-for-bit
+    `uniform_().clamp_(min=tiny)` (the same draws; x * (1 - tiny) + tiny rounds back to x for every
+    x > 0 on the 2^-24 grid, and 0 becomes tiny), and argmax(probs / -log U) is argmin(probs / log U)
+    (IEEE division is sign-symmetric, so each value is exactly negated; both take the first index).
     """
+    tiny = torch.finfo(probs.dtype).tiny
     u = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
-        u.uniform_()
+        u.uniform_(tiny, 1.0)
     for row, gen in generators.items():
-        u[row].uniform_(generator=gen)
-    q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
-    return probs.div_(q).max(dim=-1).indices
+        u[row].uniform_(tiny, 1.0, generator=gen)
+    return probs.div_(u.log_()).min(dim=-1).indices
 
 
 @dataclass
