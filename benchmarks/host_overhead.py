@@ -1,15 +1,21 @@
 """Host time per engine step (scheduling, input preparation, sampling bookkeeping, output processing)
 with the model's GPU work replaced by a no-op: W1-like, 256 running decodes, Qwen3-0.6B shape config.
 
-    python benchmarks/host_overhead.py [--steps 200] [--profile]
+    python benchmarks/host_overhead.py [--steps 200] [--profile] [--device cuda] [--json PATH]
+
+--device cuda runs the same no-op model through the engine on the GPU: eager (no CUDA graphs, which would
+replay the captured real model), so each step builds the GPU attention backend's metadata, samples on the
+GPU and, with the GPU default of async scheduling, waits on each step's event as the engine does.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
+import statistics
 import time
 
 import torch
@@ -22,13 +28,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--final-only", action="store_true",
                     help="FINAL_ONLY outputs, as offline LLM.generate (and bench throughput) asks")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--json", metavar="PATH", help="write the per-step mean and median (ms) to PATH")
     args = ap.parse_args()
+    on_gpu = args.device == "cuda"
+    # CPU: float32, the engine's defaults (the figures so far). CUDA: bfloat16 as served, and eager (see above).
+    dev_kwargs = dict(dtype="bfloat16", enforce_eager=True) if on_gpu else dict(dtype="float32")
     from pagedllm import LLM, SamplingParams, TokensPrompt
     from pagedllm.benchmarks.workloads import load_workloads_module
 
     mod = load_workloads_module()
     cfg_dir = mod.MODELS["qwen3-0.6b"]
-    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
+    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, device=args.device, **dev_kwargs,
               max_model_len=2048, kv_cache_memory_bytes=1 << 30, hf_overrides={"num_hidden_layers": 1},
               max_num_seqs=1024, max_num_batched_tokens=16384)  # the GPU defaults (vLLM's limits)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
@@ -36,9 +47,11 @@ def main() -> None:
     vocab = int(os.environ.get("HOST_BENCH_VOCAB", "1024"))  # the no-op logits: small, host work dominates
 
     def noop_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if on_gpu:
+            return torch.zeros(input_ids.shape[0], hidden, device=input_ids.device)
         return torch.zeros(input_ids.shape[0], hidden)
 
-    logits = torch.randn(args.num_reqs, vocab)
+    logits = torch.randn(args.num_reqs, vocab, device=args.device)
     runner.model.forward = noop_forward  # type: ignore[method-assign]
     runner.model.compute_logits = lambda h: logits[: h.shape[0]]  # type: ignore[method-assign]
     engine = llm.llm_engine
@@ -60,15 +73,28 @@ def main() -> None:
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
+    if on_gpu:
+        torch.cuda.synchronize()
+    per_step = []
     t = time.perf_counter()
     for _ in range(args.steps):
+        t_step = time.perf_counter()
         engine.step()
+        per_step.append(time.perf_counter() - t_step)
+    if on_gpu:
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / args.steps
     if prof:
         prof.disable()
         stats = pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime"))  # SORT=cumulative, NSTATS=40
         stats.print_stats(int(os.environ.get("NSTATS", "20")))
     print(f"host time per step with {args.num_reqs} running decodes (no-op model): {dt * 1e3:.2f} ms")
+    if args.json:
+        res = {"device": args.device, "num_reqs": args.num_reqs, "steps": args.steps, "vocab": vocab,
+               "final_only": args.final_only, "mean_ms": dt * 1e3,
+               "median_ms": statistics.median(per_step) * 1e3, "max_ms": max(per_step) * 1e3}
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
