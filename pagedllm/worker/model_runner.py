@@ -556,16 +556,18 @@ class ModelRunner:
         commons = []
         for g, group in enumerate(self.kv_cache_config.groups):
             bs = group.spec.block_size
-            bt = batch.block_tables[g][rows]
-            slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             max_blocks = cdiv(int(seq_lens.max()), bs)
+            # Only the columns in use are gathered (a contiguous copy): every position p < seq_len has its
+            # block p // bs < max_blocks.
+            bt = batch.block_tables[g][rows, :max_blocks]
+            slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             commons.append(CommonAttentionMetadata(
                 query_start_loc=qsl_cpu.to(dev, non_blocking=True),
                 query_start_loc_cpu=qsl_cpu,
                 seq_lens=seq_cpu.to(dev, non_blocking=True),
                 seq_lens_cpu=seq_cpu,
                 num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
-                block_table=torch.from_numpy(np.ascontiguousarray(bt[:, :max_blocks])).to(dev, non_blocking=True),
+                block_table=torch.from_numpy(bt).to(dev, non_blocking=True),
                 slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
                 num_reqs=num_reqs,
                 num_actual_tokens=total,
