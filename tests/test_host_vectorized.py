@@ -2,6 +2,8 @@
 
 - `TorchNativeMetadataBuilder.build`: array ops over the batch against the per-request loop it replaced,
   on random mixes of decodes, prefill chunks, empty rows and encoder-only (non-causal) batches.
+- `random_sample` against its literal formula (the same tokens and the same generator use).
+- The block hasher's inlined path (requests without salt or LoRA) against `hash_block_tokens` chains.
 """
 
 from __future__ import annotations
@@ -151,3 +153,32 @@ def test_uniform_tiny_is_clamped_uniform() -> None:
         zeros += int((a == tiny).sum())
         assert torch.equal(a, b)
     assert zeros > 0
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("salt,lora", [(None, None), ("s", None), (None, 3), ("s", 3)])
+def test_block_hasher_matches_hash_chain(block_size: int, salt: str | None, lora: int | None) -> None:
+    """Hashes from the request's first blocks and then a few tokens at a time (as decodes grow) equal the
+    chain of `hash_block_tokens(parent, block, request_extra_keys(request, i))`."""
+    from pagedllm.core.kv_cache_utils import NONE_HASH, hash_block_tokens, make_block_hasher, request_extra_keys
+    from pagedllm.core.request import Request
+    from pagedllm.sampling_params import SamplingParams
+
+    rng = random.Random(block_size)
+    for trial in range(5):
+        prompt = [rng.randrange(-2**40, 2**40) if trial == 4 else rng.randrange(50000)
+                  for _ in range(rng.randrange(0, 70))]
+        req = Request(f"r{trial}", prompt, SamplingParams(), 0.0, 100, cache_salt=salt, lora_id=lora,
+                      block_hasher=make_block_hasher(block_size))
+        for _ in range(30):
+            for _ in range(rng.randrange(1, 6)):
+                req.all_token_ids.append(rng.randrange(50000))
+            if len(req.all_token_ids) >= req.next_hash_len:
+                req.extend_block_hashes()
+        toks = req.all_token_ids
+        parent, want = NONE_HASH, []
+        for i in range(len(toks) // block_size):
+            parent = hash_block_tokens(parent, toks[i * block_size : (i + 1) * block_size],
+                                       request_extra_keys(req, i))
+            want.append(parent)
+        assert req.block_hashes == want

@@ -50,9 +50,11 @@ class BlockPool:
         if n > len(self._free):
             raise ValueError(f"cannot get {n} free blocks: only {len(self._free)} free")
         out = []
+        popitem = self._free.popitem
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            block = popitem(last=False)[1]
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out

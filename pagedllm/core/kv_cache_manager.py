@@ -108,7 +108,10 @@ class KVCacheBlocks:
     blocks: tuple[list[KVCacheBlock], ...]
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in g] for g in self.blocks)
+        blocks = self.blocks
+        if len(blocks) == 1:  # one group (every decode reaching a block boundary): no generator
+            return ([b.block_id for b in blocks[0]],)
+        return tuple([b.block_id for b in g] for g in blocks)
 
 
 class KVCacheManager:
