@@ -19,6 +19,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -264,3 +265,88 @@ def test_append_block_ids_rows_matches_per_row(multi: bool) -> None:
     assert (batches[0].num_blocks == batches[1].num_blocks).all()
     for g in range(2):
         assert (batches[0].block_tables[g] == batches[1].block_tables[g]).all()
+
+
+def _forced_general(result: ModelRunnerOutput) -> ModelRunnerOutput:
+    """The same result with an all-None logprobs list: update_from_output then takes its general loop."""
+    return ModelRunnerOutput(result.req_ids, result.sampled_token_ids, [None] * len(result.req_ids))
+
+
+def _req_state(s: Scheduler) -> dict:
+    return {rid: (r.status, list(r.output_token_ids), list(r.all_token_ids), list(r.block_hashes), r.stop_reason,
+                  r.num_output_placeholders) for rid, r in s.requests.items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_update_plain_matches_general_loop(seed: int) -> None:
+    """`Scheduler._update_plain` (no logprobs) against update_from_output's general loop: the same core
+    outputs, request states, block hashes and pool, over EOS / stop tokens / min_tokens / max_tokens /
+    max_model_len stops, aborts and prefix-cache sharing."""
+    rng = random.Random(100 + seed)
+    caching = seed % 2 == 0
+    plain = _scheduler(60, rng.choice([8, 64]), caching, general=False)
+    ref = _scheduler(60, plain.config.max_num_batched_tokens, caching, general=False)
+    workers = (FakeWorker(), FakeWorker())
+    live: list[str] = []
+    taken = 0
+    for step in range(200):
+        if rng.random() < 0.3 and len(live) < 12:
+            rid = f"r{step}"
+            prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+            max_tokens = rng.randrange(1, 80)
+            kind = rng.randrange(3)
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=kind == 0,
+                                stop_token_ids=[rng.randrange(1000) for _ in range(40)] if kind == 1 else None,
+                                min_tokens=min(rng.randrange(0, 6), max_tokens) if kind == 2 else 0)
+            sp.eos_token_id = rng.randrange(1000) if kind != 0 else None
+            if kind == 2:
+                sp.all_stop_token_ids = [sp.eos_token_id]
+            for s in (plain, ref):
+                s.add_request(EngineCoreRequest(rid, list(prompt), sp, float(step)))
+            live.append(rid)
+        elif rng.random() < 0.05 and live:
+            rid = rng.choice(live)
+            for s in (plain, ref):
+                s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            live.remove(rid)
+        so_p, so_r = plain.schedule(), ref.schedule()
+        assert so_p == so_r
+        res_p = workers[0].execute(so_p)
+        res_r = workers[1].execute(so_r)
+        taken += sum(1 for t in res_p.sampled_token_ids if t)
+        out_p = plain.update_from_output(so_p, res_p)
+        out_r = ref.update_from_output(so_r, _forced_general(res_r))
+        assert out_p.outputs == out_r.outputs, f"step {step}"
+        assert _req_state(plain) == _req_state(ref)
+        assert [r.request_id for r in plain.running] == [r.request_id for r in ref.running]
+        for o in out_p.outputs:
+            if o.finished:
+                live.remove(o.request_id)
+        assert {h: b.block_id for h, b in plain.kv.pool.cached.items()} == {
+            h: b.block_id for h, b in ref.kv.pool.cached.items()}
+    assert taken > 100
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_update_plain_multi_token_and_preempted(async_scheduling: bool) -> None:
+    """The cases `_update_plain` hands to the general body: several tokens for one request (one of them
+    a stop token), and (async scheduling) a request preempted while its token was in flight."""
+    results = []
+    for general in (False, True):
+        s = _scheduler(60, 64, True, general=False)
+        s.async_scheduling = async_scheduling
+        for i in range(3):
+            sp = SamplingParams(max_tokens=20, stop_token_ids=[77])
+            s.add_request(EngineCoreRequest(f"m{i}", list(range(10 + i)), sp, float(i)))
+        so = s.schedule()
+        assert len(so.num_scheduled_tokens) == 3
+        victim = s.requests["m2"]
+        s._preempt(victim)
+        res = ModelRunnerOutput(["m0", "m1", "m2"], [[5, 6, 7], [8, 77, 9], [11]])
+        out = s.update_from_output(so, _forced_general(res) if general else res)
+        results.append((out.outputs, _req_state(s), [r.request_id for r in s.running], len(s.waiting)))
+    assert results[0] == results[1]
+    outs = {o.request_id: o for o in results[0][0]}
+    assert outs["m0"].new_token_ids == [5, 6, 7] and outs["m1"].new_token_ids == [8, 77]
+    assert outs["m1"].finish_reason == FinishReason.STOP and outs["m1"].stop_reason == 77
+    assert ("m2" in outs) == async_scheduling

@@ -264,6 +264,9 @@ class Scheduler:
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs
         check_stop = self._check_stop
+        if logprobs is None and not prompt_logprobs:
+            self._update_plain(result, outputs)
+            return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
@@ -317,6 +320,65 @@ class Scheduler:
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _update_plain(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """`update_from_output`'s loop for a step without logprobs or prompt logprobs (every step of a
+        request that asks for neither): the same effects, with the logprobs bookkeeping left out and the
+        one-token running request (a decode) handled inline; anything else takes the general per-request
+        code. Kept in step with the loop in `update_from_output` (tests compare the two)."""
+        outputs_append = outputs.append
+        get_request = self.requests.get
+        running_status = RequestStatus.RUNNING
+        check_stop = self._check_stop
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            req = get_request(rid)
+            if req is None or not tokens:
+                continue  # finished/aborted meanwhile, or a partial prefill chunk
+            if req.num_output_placeholders:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+            if req.status != running_status or len(tokens) != 1:
+                self._update_one_general(req, rid, tokens, outputs, result)
+                continue
+            tok = tokens[0]
+            req.output_token_ids.append(tok)
+            all_ids = req.all_token_ids
+            all_ids.append(tok)
+            n = len(all_ids)
+            if n >= req.next_hash_len:
+                req.extend_block_hashes()
+            if (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok):
+                self.running.remove(req)
+                self._free_request(req)
+                outputs_append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason,
+                                                req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
+                continue
+            cached = req.num_cached_tokens
+            outputs_append(EngineCoreOutput(rid, tokens, None, req.stop_reason, cached if cached > 0 else 0))
+
+    def _update_one_general(self, req: Request, rid: str, tokens: list[int], outputs: list[EngineCoreOutput],
+                            result: ModelRunnerOutput) -> None:
+        """The general per-request body of `update_from_output` (no logprobs) for a request that is not a
+        running one-token request; placeholders already taken off."""
+        if req.status != RequestStatus.RUNNING:
+            if req.status == RequestStatus.PREEMPTED and self.async_scheduling:
+                self._late_token_of_preempted(req, tokens, outputs, 0, result)  # result.logprobs is None
+            return
+        new_tokens: list[int] = []
+        stopped = False
+        for tok in tokens:
+            req.append_output_token_ids([tok])
+            new_tokens.append(tok)
+            if self._check_stop(req, tok):
+                stopped = True
+                break
+        if stopped:
+            finish_reason = req.status.finish_reason
+            self.running.remove(req)
+            self._free_request(req)
+        else:
+            finish_reason = None
+        outputs.append(EngineCoreOutput(rid, new_tokens, finish_reason, req.stop_reason,
+                                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
 
     def _late_token_of_preempted(self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int,
                                  result: ModelRunnerOutput) -> None:
