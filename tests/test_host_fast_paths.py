@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,10 @@ def test_scheduler_fast_paths_match_general(seed: int) -> None:
             live.remove(rid)
         so_f, so_r = fast.schedule(), ref.schedule()
         assert so_f == so_r, f"step {step}: scheduler outputs differ"
+        assert so_f.total_num_scheduled_tokens <= budget
+        for s in (fast, ref):  # (both schedulers run the scheduling loops) every computed slot has a block
+            for r in s.running:
+                assert len(s.kv.managers[0].req_blocks.get(r.request_id, ())) * 4 >= r.num_computed_tokens
         hits += sum(1 for r in fast.running if r.kv_fast_limit > 0)
         out_f = fast.update_from_output(so_f, workers[0].execute(so_f))
         out_r = ref.update_from_output(so_r, workers[1].execute(so_r))
@@ -201,8 +206,15 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
 
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
-    stats = {"order_hits": 0, "rows_hits": 0, "finish_fast": 0}
+    stats = {"order_hits": 0, "rows_hits": 0, "finish_fast": 0, "states_hits": 0}
     orig_order, orig_rows, orig_finish = ModelRunner._request_order, ModelRunner._row_lists, ModelRunner._finish
+    orig_states = ModelRunner._update_states
+
+    def counting_states(self, so):  # noqa: ANN001, ANN202
+        before = self._states_rows
+        out = orig_states(self, so)
+        stats["states_hits"] += self._states_rows is before and before is not None
+        return out
 
     def counting_order(self, so):  # noqa: ANN001, ANN202
         before = self._order_cache
@@ -224,6 +236,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
     monkeypatch.setattr(ModelRunner, "_request_order", counting_order)
     monkeypatch.setattr(ModelRunner, "_row_lists", counting_rows)
     monkeypatch.setattr(ModelRunner, "_finish", counting_finish)
+    monkeypatch.setattr(ModelRunner, "_update_states", counting_states)
     fast = _generate(_dummy_llm(async_scheduling), prompts)
     assert min(stats.values()) > 20, stats  # the cached paths really ran
 
@@ -235,6 +248,10 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         self._rows_cache = None
         return orig_rows(self, rows)
 
+    def rebuild_states(self, so):  # noqa: ANN001, ANN202
+        self._states_rows = None
+        return orig_states(self, so)
+
     def general_finish(self, step):  # noqa: ANN001, ANN202
         step.sample_outputs = None
         return orig_finish(self, step)
@@ -242,6 +259,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
     monkeypatch.setattr(ModelRunner, "_request_order", rebuild_order)
     monkeypatch.setattr(ModelRunner, "_row_lists", rebuild_rows)
     monkeypatch.setattr(ModelRunner, "_finish", general_finish)
+    monkeypatch.setattr(ModelRunner, "_update_states", rebuild_states)
     ref = _generate(_dummy_llm(async_scheduling), prompts)
     for sp, a, b in zip(RUNNER_SPS, fast, ref):
         assert a == b, f"outputs differ for {sp}"
@@ -350,3 +368,25 @@ def test_update_plain_multi_token_and_preempted(async_scheduling: bool) -> None:
     assert outs["m0"].new_token_ids == [5, 6, 7] and outs["m1"].new_token_ids == [8, 77]
     assert outs["m1"].finish_reason == FinishReason.STOP and outs["m1"].stop_reason == 77
     assert ("m2" in outs) == async_scheduling
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_append_tokens_matches_per_row(seed: int) -> None:
+    """InputBatch.append_tokens (one indexed write when every row has room, else masked) against
+    per-row appends that drop tokens past max_model_len."""
+    from pagedllm.worker.input_batch import InputBatch
+
+    rng = np.random.default_rng(seed)
+    batch = InputBatch(16, 32, 4, 1)
+    ref_tokens = np.zeros((16, 32), dtype=np.int64)
+    ref_n = np.zeros(16, dtype=np.int64)
+    for _ in range(100):
+        rows = rng.permutation(16)[: rng.integers(0, 17)].astype(np.int64)
+        toks = rng.integers(0, 1000, len(rows)).astype(np.int64)
+        batch.append_tokens(rows, toks)
+        for r, t in zip(rows.tolist(), toks.tolist()):
+            if ref_n[r] < 32:
+                ref_tokens[r, ref_n[r]] = t
+            ref_n[r] += 1
+        assert np.array_equal(batch.num_tokens, ref_n) and np.array_equal(batch.token_ids, ref_tokens)
+    assert ref_n.max() > 32  # the masked path ran too

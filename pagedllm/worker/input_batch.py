@@ -137,8 +137,11 @@ class InputBatch:
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """`append_token` for many rows at once (distinct rows)."""
         n = self.num_tokens[rows]
-        fits = n < self.max_model_len
-        self.token_ids[rows[fits], n[fits]] = tokens[fits]
+        if int(n.max(initial=-1)) < self.max_model_len:  # every row has room (the usual case): no masking
+            self.token_ids[rows, n] = tokens
+        else:
+            fits = n < self.max_model_len
+            self.token_ids[rows[fits], n[fits]] = tokens[fits]
         self.num_tokens[rows] = n + 1
 
     def count_output_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:

@@ -61,6 +61,8 @@ class PendingStep:
     sample_outputs: list[list[int]] | None = None
     """The sampled requests' live output-token lists, in sample_idx order."""
     batch_version: int = -1
+    any_penalty: bool = True
+    """Some row of `sample_rows` holds a penalty slot (False: `_finish`'s by-row path counts nothing)."""
 
     def result(self) -> ModelRunnerOutput:
         return self.runner._finish(self)
@@ -140,6 +142,9 @@ class ModelRunner:
         are unchanged (steady decoding)."""
         self._rows_cache: _RowLists | None = None
         """Per-row lists of the last sampled rows, for `_sampling_metadata` and `_finish`."""
+        self._states_rows: tuple[int, list[str], np.ndarray] | None = None
+        """(batch version, scheduled cached request ids, their rows) of the last `_update_states`: the row
+        lookups are reused while both are unchanged."""
 
     # ---- set-up --------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -317,9 +322,17 @@ class ModelRunner:
         # The requests that keep their rows: their progress in one write; block ids only for those that
         # got new blocks (a decode gets one every block_size steps).
         if req_ids:
-            rows = np.fromiter(map(rows_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+            sc = self._states_rows
+            if sc is not None and sc[0] == batch.version and sc[1] == req_ids:
+                rows = sc[2]  # the same requests in the same rows as last step (steady decoding)
+            else:
+                rows = np.fromiter(map(rows_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+                self._states_rows = (batch.version, list(req_ids), rows)
             batch.num_computed_tokens[rows] = num_computed
-        grown = [j for j, ids in enumerate(c.new_block_ids) if ids is not None and not resumed_flags[j]]
+        new_block_ids = c.new_block_ids
+        if new_block_ids.count(None) == len(new_block_ids):
+            return  # no request got blocks (decodes inside their blocks): no per-request scan
+        grown = [j for j, ids in enumerate(new_block_ids) if ids is not None and not resumed_flags[j]]
         if grown:
             all_new: list[tuple[list[int], ...]] = []
             for j in grown:
@@ -450,6 +463,7 @@ class ModelRunner:
         if md_s is not None and rc is not None and rc.version == batch.version:
             # The rows the metadata was just built for: _finish may append by row while nothing moved.
             step.sample_rows, step.sample_outputs, step.batch_version = rc.rows, rc.out_ids, rc.version
+            step.any_penalty = rc.any_penalty
         return step
 
     def _in_flight_patch(self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray,
@@ -496,9 +510,13 @@ class ModelRunner:
             for out_ids, tok in zip(step.sample_outputs, sampled):
                 out_ids.append(tok)
             assert step.sample_rows is not None
-            toks_np = np.asarray(sampled, dtype=np.int64)
+            host = step.sampled_host
+            # The sampled ids as an array: a view of the host tensor (read right away) when it is int64.
+            toks_np = host.numpy() if host.dtype == torch.int64 and host.device.type == "cpu" else \
+                np.asarray(sampled, dtype=np.int64)
             batch.append_tokens(step.sample_rows, toks_np)
-            batch.count_output_tokens(step.sample_rows, toks_np)
+            if step.any_penalty:  # rc.any_penalty for these rows; their slots cannot change within a version
+                batch.count_output_tokens(step.sample_rows, toks_np)
             logprobs_lists = self._logprobs_lists(step)
             return ModelRunnerOutput(step.req_ids, sampled_lists, logprobs_lists, step.prompt_logprobs_done)
         sampled_lists = [[] for _ in range(num_reqs)]
