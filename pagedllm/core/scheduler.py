@@ -128,6 +128,27 @@ class Scheduler:
         computed_append = cached.num_computed_tokens.append
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
         i = 0
+        # Fast prefix: requests that need no clipping (budget, max_model_len), are not skipped and stay
+        # inside their blocks (no KV call) -- steady decoding, all of them. The first other request ends
+        # it, and the general loop below takes over from there (nothing of it was recorded yet).
+        for req in running:
+            pending = req.num_output_placeholders
+            target = len(req.all_token_ids) + pending
+            computed = req.num_computed_tokens
+            num_new = target - computed
+            if (num_new <= 0 or num_new > budget or target > max_model_len or target > req.kv_fast_limit
+                    or (pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                                     or target >= max_model_len))):
+                break
+            rid = req.request_id
+            num_scheduled[rid] = num_new
+            sched_ids_append(rid)
+            computed_append(computed)
+            req.num_computed_tokens = target
+            if async_scheduling:
+                req.num_output_placeholders = pending + 1  # this step samples a token nobody has seen yet
+            budget -= num_new
+            i += 1
         while i < len(running) and budget > 0:
             req = running[i]
             pending = req.num_output_placeholders
