@@ -60,9 +60,23 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         seq_np = common.seq_lens_cpu[:n].numpy()
         qsl_list: list[int] = qsl_t.tolist()
         spans = list(zip(qsl_list, qsl_list[1:]))
-        is_decode = (qlen == 1) if common.causal else np.zeros(n, dtype=bool)
         bs = self.block_size
         prefills: list[PrefillSpan] = []
+        if n and common.causal and bool((qlen == 1).all()):
+            # Every request decodes (steady decoding): slices (views) instead of gathers, the same values
+            # as the general path below, without its per-row masks.
+            nb = (int(seq_np.max()) + bs - 1) // bs
+            return TorchNativeMetadata(
+                slot_mapping=common.slot_mapping,
+                num_actual_tokens=common.num_actual_tokens,
+                causal=True,
+                decode_token_idx=common.query_start_loc[:n].long(),
+                decode_block_table=common.block_table[:n, :nb],
+                decode_seq_lens=common.seq_lens[:n],
+                prefills=prefills,
+                spans=spans,
+            )
+        is_decode = (qlen == 1) if common.causal else np.zeros(n, dtype=bool)
         prefill_rows = np.flatnonzero((qlen > 0) & ~is_decode)
         if len(prefill_rows):
             ctx: list[int] = common.num_computed_tokens_cpu[:n].tolist()
@@ -72,14 +86,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 prefills.append(PrefillSpan(qsl_list[r], qsl_list[r + 1], ctx[r], seq_lens[r],
                                             common.block_table[r, :nb]))
         dec_idx = dec_bt = dec_sl = None
-        num_dec = int(np.count_nonzero(is_decode))
-        if num_dec and num_dec == n:
-            # Every request decodes: slices (views) instead of gathers, the same values.
-            nb = (int(seq_np.max()) + bs - 1) // bs
-            dec_sl = common.seq_lens[:n]
-            dec_bt = common.block_table[:n, :nb]
-            dec_idx = common.query_start_loc[:n].long()
-        elif num_dec:
+        if is_decode.any():  # some, not all (that is the path above)
             dec_rows = np.flatnonzero(is_decode)
             rows = torch.from_numpy(dec_rows).to(common.block_table.device)
             dec_sl = common.seq_lens[rows]
