@@ -214,25 +214,51 @@ class KVCacheManager:
         minus the per-group generality."""
         m0 = self.managers[0]
         bs = self.block_size
-        need = -(-total // bs) - len(blocks)
+        n_held = len(blocks)
+        need = -(-total // bs) - n_held
         new: list[KVCacheBlock] = []
         if need > 0:
-            if need > self.pool.num_free_blocks:
+            pool = self.pool
+            if need > len(pool._free):
                 return None
-            new = self.pool.get_new_blocks(need)
+            if need == 1:  # a decode's next block: pool.get_new_blocks(1), inlined
+                block = pool._free.popitem(last=False)[1]
+                if block.block_hash is not None:
+                    pool._evict(block)
+                block.ref_cnt = 1
+                new = [block]
+            else:
+                new = pool.get_new_blocks(need)
             blocks.extend(new)
-        limit = len(blocks) * bs
+            n_held += need
+        limit = n_held * bs
         if self.enable_caching:
             # m0.cache_blocks(request, min(total, num_tokens)), inlined, and the fast limit from its result.
             rid = request.request_id
-            start = m0.num_cached_blocks.get(rid, 0)
+            num_cached = m0.num_cached_blocks
+            start = num_cached.get(rid, 0)
             hashes = request.block_hashes
-            end = min(min(total, len(request.all_token_ids)) // bs, len(hashes), len(blocks))
-            for i in range(start, end):
-                self.pool.cache_block(blocks[i], hashes[i])
-            cached = start if start > end else end
-            m0.num_cached_blocks[rid] = cached
-            limit = min(limit, (cached + 1) * bs - 1)
+            n_tokens = len(request.all_token_ids)
+            end = (total if total < n_tokens else n_tokens) // bs
+            if end > len(hashes):
+                end = len(hashes)
+            if end > n_held:
+                end = n_held
+            if end > start:
+                cache = self.pool.cached
+                for i in range(start, end):  # pool.cache_block(blocks[i], hashes[i]), inlined
+                    block, h = blocks[i], hashes[i]
+                    if block.block_hash is None and h not in cache:
+                        cache[h] = block
+                        block.block_hash = h
+                num_cached[rid] = end
+                cached = end
+            else:
+                num_cached[rid] = start
+                cached = start
+            cached_limit = (cached + 1) * bs - 1
+            if cached_limit < limit:
+                limit = cached_limit
         request.kv_fast_limit = limit
         return KVCacheBlocks((new,)) if new else self.no_new_blocks
 
