@@ -571,6 +571,9 @@ class ModelRunner:
         positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         qsl_cpu = torch.from_numpy(cu.astype(np.int32))
         seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        # Uploaded once for all groups (the same values in every group's metadata).
+        qsl_dev = qsl_cpu.to(dev, non_blocking=True)
+        seq_dev = seq_cpu.to(dev, non_blocking=True)
         commons = []
         for g, group in enumerate(self.kv_cache_config.groups):
             bs = group.spec.block_size
@@ -580,9 +583,9 @@ class ModelRunner:
             bt = batch.block_tables[g][rows, :max_blocks]
             slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             commons.append(CommonAttentionMetadata(
-                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+                query_start_loc=qsl_dev,
                 query_start_loc_cpu=qsl_cpu,
-                seq_lens=seq_cpu.to(dev, non_blocking=True),
+                seq_lens=seq_dev,
                 seq_lens_cpu=seq_cpu,
                 num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
                 block_table=torch.from_numpy(bt).to(dev, non_blocking=True),
