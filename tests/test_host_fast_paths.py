@@ -207,6 +207,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
     stats = {"order_hits": 0, "rows_hits": 0, "finish_fast": 0, "states_hits": 0}
+    same_ids = [0]
     orig_order, orig_rows, orig_finish = ModelRunner._request_order, ModelRunner._row_lists, ModelRunner._finish
     orig_states = ModelRunner._update_states
 
@@ -214,6 +215,9 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         before = self._states_rows
         out = orig_states(self, so)
         stats["states_hits"] += self._states_rows is before and before is not None
+        if async_scheduling:  # the in-flight index and the patch shortcut can reuse the last step's ids
+            same_ids[0] += self._in_flight is not None and self._in_flight_ids == list(
+                so.num_scheduled_tokens)
         return out
 
     def counting_order(self, so):  # noqa: ANN001, ANN202
@@ -239,6 +243,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
     monkeypatch.setattr(ModelRunner, "_update_states", counting_states)
     fast = _generate(_dummy_llm(async_scheduling), prompts)
     assert min(stats.values()) > 20, stats  # the cached paths really ran
+    assert same_ids[0] > 10 or not async_scheduling, same_ids  # (steps of the sampling params without penalties)
 
     def rebuild_order(self, so):  # noqa: ANN001, ANN202
         self._order_cache = None
@@ -250,6 +255,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
 
     def rebuild_states(self, so):  # noqa: ANN001, ANN202
         self._states_rows = None
+        self._in_flight_ids = ["(none)"]  # no in-flight index reuse, no patch shortcut: the general paths
         return orig_states(self, so)
 
     def general_finish(self, step):  # noqa: ANN001, ANN202

@@ -136,6 +136,9 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self._in_flight: tuple[torch.Tensor | None, dict[str, int]] | None = None
         """The last step launched ahead: its sampled ids (on the device) and request id -> index."""
+        self._in_flight_ids: list[str] = []
+        """The request ids of `_in_flight`'s sampled rows, in order (index_of's keys). Never mutated: a new
+        step's ids replace the list; `_in_flight`'s dict is reused while they are unchanged."""
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         self._order_cache: _RowOrder | None = None
         """The last step's request order (by batch row), reused while the batch and the scheduled ids
@@ -454,8 +457,14 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
         if ahead:
             # What the next launched step needs if it runs before this one's result is read.
-            sample_ids = [req_ids[i] for i in sample_idx.tolist()]
-            self._in_flight = (sampled_gpu, {rid: j for j, rid in enumerate(sample_ids)})
+            sample_ids = req_ids if len(sample_idx) == num_reqs else [req_ids[i] for i in sample_idx.tolist()]
+            prev = self._in_flight
+            if prev is not None and self._in_flight_ids == sample_ids:
+                index_of = prev[1]  # the same ids in the same order as the last launched step (steady decoding)
+            else:
+                index_of = {rid: j for j, rid in enumerate(sample_ids)}
+                self._in_flight_ids = list(sample_ids)
+            self._in_flight = (sampled_gpu, index_of)
         else:
             self._in_flight = None
         step = PendingStep(self, req_ids, sample_idx, num_reqs, sampled_host, event, logprobs, md_s, prompt_lp_done)
@@ -477,9 +486,14 @@ class ModelRunner:
             return None
         assert self._in_flight is not None, "a step needs tokens that no launched step samples"
         sampled_gpu, index_of = self._in_flight
+        n = len(unknown)
+        if (n == len(positions) == len(req_ids) and self._in_flight_ids == req_ids
+                and np.array_equal(req_of_token, self._arange[:n])):
+            # Every request computes one token, its own last sample, in the order the last step sampled
+            # them: src below would be 0..n-1 (index_of[req_ids[k]] == k).
+            return slice(0, n), sampled_gpu[:n]
         src = np.fromiter((index_of[req_ids[r]] for r in req_of_token[unknown].tolist()), dtype=np.int64,
                           count=len(unknown))
-        n = len(unknown)
         if n == len(positions) and src[-1] == n - 1 and np.array_equal(src, self._arange[:n]):
             # Steady decoding (every input token is the last step's sample, same order): one device copy
             # instead of two index uploads, a gather and a scatter.
