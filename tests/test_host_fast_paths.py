@@ -396,3 +396,44 @@ def test_append_tokens_matches_per_row(seed: int) -> None:
             ref_n[r] += 1
         assert np.array_equal(batch.num_tokens, ref_n) and np.array_equal(batch.token_ids, ref_tokens)
     assert ref_n.max() > 32  # the masked path ran too
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduler_fast_loop_async_ahead(seed: int) -> None:
+    """Async scheduling with each step scheduled before the previous one's tokens are back (the engine's
+    pattern): the fast running loop (pending tokens in flight, stop_len test) against the general loop
+    (a scheduler whose kv_fast_limit stays 0, so the fast loop never records), step by step."""
+    rng = random.Random(200 + seed)
+    caching = seed % 2 == 0
+    fast = _scheduler(80, rng.choice([16, 64]), caching, general=False)
+    ref = _scheduler(80, fast.config.max_num_batched_tokens, caching, general=True)
+    for s in (fast, ref):
+        s.async_scheduling = True
+    pending_so: list = []
+    scheduled_with_pending = 0
+    for step in range(150):
+        if rng.random() < 0.3 and len(fast.requests) < 10:
+            rid = f"a{step}"
+            prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+            # Short max_tokens and long prompts reach max_tokens / max_model_len (96) with a token in flight.
+            sp = SamplingParams(max_tokens=rng.randrange(1, 70), ignore_eos=True)
+            for s in (fast, ref):
+                s.add_request(EngineCoreRequest(rid, list(prompt), sp, float(step)))
+        before = {r.request_id: r.num_output_placeholders for r in fast.running}
+        scheduled_with_pending += sum(1 for p in before.values() if p)
+        so_f, so_r = fast.schedule(), ref.schedule()
+        assert so_f == so_r, f"step {step}"
+        assert [(r.request_id, r.num_computed_tokens, r.num_output_placeholders) for r in fast.running] == [
+            (r.request_id, r.num_computed_tokens, r.num_output_placeholders) for r in ref.running]
+        # The requests this step samples for: those whose placeholders went up.
+        samples = [rid for rid in so_f.num_scheduled_tokens
+                   if fast.requests[rid].num_output_placeholders > before.get(rid, 0)]
+        pending_so.append((so_f, so_r, samples, step))
+        if len(pending_so) == 2 or step == 149:
+            so_f0, so_r0, samples0, step0 = pending_so.pop(0)
+            ids = list(so_f0.num_scheduled_tokens)
+            toks = [[(hash(rid) + step0) % 1000] if rid in samples0 else [] for rid in ids]
+            out_f = fast.update_from_output(so_f0, ModelRunnerOutput(ids, toks))
+            out_r = ref.update_from_output(so_r0, ModelRunnerOutput(ids, [list(t) for t in toks]))
+            assert out_f.outputs == out_r.outputs
+    assert scheduled_with_pending > 20

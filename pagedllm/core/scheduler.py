@@ -136,9 +136,11 @@ class Scheduler:
             target = len(req.all_token_ids) + pending
             computed = req.num_computed_tokens
             num_new = target - computed
+            # (pending: target >= stop_len is the general loop's "last token already in flight" test,
+            # len(output) + pending >= max_tokens or target >= max_model_len, as stop_len is
+            # min(prompt + max_tokens, max_model_len) and len(all) = prompt + len(output).)
             if (num_new <= 0 or num_new > budget or target > max_model_len or target > req.kv_fast_limit
-                    or (pending and (len(req.output_token_ids) + pending >= req.max_tokens
-                                     or target >= max_model_len))):
+                    or (pending and target >= req.stop_len)):
                 break
             rid = req.request_id
             num_scheduled[rid] = num_new
@@ -355,8 +357,10 @@ class Scheduler:
             req = get_request(rid)
             if req is None or not tokens:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
-            if req.num_output_placeholders:
-                req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+            pending = req.num_output_placeholders
+            if pending:  # max(0, pending - len(tokens)) without the call
+                k = len(tokens)
+                req.num_output_placeholders = pending - k if pending > k else 0
             if req.status != running_status or len(tokens) != 1:
                 self._update_one_general(req, rid, tokens, outputs, result)
                 continue
