@@ -11,11 +11,13 @@ latest arrival) is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterable
+from hashlib import sha256
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
+from pagedllm.core.kv_cache_utils import NONE_HASH, KVCacheGroup, make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import (
@@ -370,7 +372,15 @@ class Scheduler:
             all_ids.append(tok)
             n = len(all_ids)
             if n >= req.next_hash_len:
-                req.extend_block_hashes()
+                if n == req.next_hash_len and req.hash_inline:
+                    # Exactly one block became full: the hasher's plain chain step, inline.
+                    bs = req._hash_block_size
+                    hashes = req.block_hashes
+                    hashes.append(sha256((hashes[-1] if hashes else NONE_HASH)
+                                         + array("q", all_ids[n - bs:]).tobytes()).digest())
+                    req.next_hash_len = n + bs
+                else:
+                    req.extend_block_hashes()
             if (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok):
                 self.running.remove(req)
                 self._free_request(req)
