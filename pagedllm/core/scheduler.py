@@ -316,14 +316,7 @@ class Scheduler:
                 # Only a token that can stop it, or reaching stop_len, needs the full stop check.
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok)
             else:
-                new_tokens = []
-                stopped = False
-                for tok in tokens:
-                    req.append_output_token_ids([tok])
-                    new_tokens.append(tok)
-                    if check_stop(req, tok):
-                        stopped = True
-                        break
+                new_tokens, stopped = self._append_until_stop(req, tokens)
             if stopped:
                 finish_reason = req.status.finish_reason
                 self.running.remove(req)
@@ -398,14 +391,7 @@ class Scheduler:
             if req.status == RequestStatus.PREEMPTED and self.async_scheduling:
                 self._late_token_of_preempted(req, tokens, outputs, 0, result)  # result.logprobs is None
             return
-        new_tokens: list[int] = []
-        stopped = False
-        for tok in tokens:
-            req.append_output_token_ids([tok])
-            new_tokens.append(tok)
-            if self._check_stop(req, tok):
-                stopped = True
-                break
+        new_tokens, stopped = self._append_until_stop(req, tokens)
         if stopped:
             finish_reason = req.status.finish_reason
             self.running.remove(req)
@@ -414,6 +400,16 @@ class Scheduler:
             finish_reason = None
         outputs.append(EngineCoreOutput(rid, new_tokens, finish_reason, req.stop_reason,
                                         req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Appends `tokens` to `req` one by one until one stops it: (the tokens appended, stopped)."""
+        new_tokens: list[int] = []
+        for tok in tokens:
+            req.append_output_token_ids([tok])
+            new_tokens.append(tok)
+            if self._check_stop(req, tok):
+                return new_tokens, True
+        return new_tokens, False
 
     def _late_token_of_preempted(self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int,
                                  result: ModelRunnerOutput) -> None:
