@@ -26,7 +26,7 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -317,12 +317,7 @@ class Scheduler:
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok)
             else:
                 new_tokens, stopped = self._append_until_stop(req, tokens)
-            if stopped:
-                finish_reason = req.status.finish_reason
-                self.running.remove(req)
-                self._free_request(req)
-            else:
-                finish_reason = None
+            finish_reason = self._retire_if_stopped(req, stopped)
             lps = logprobs[idx] if logprobs is not None else None
             if lps is not None and len(lps) > len(new_tokens):
                 lps = lps.slice(0, len(new_tokens))
@@ -392,14 +387,18 @@ class Scheduler:
                 self._late_token_of_preempted(req, tokens, outputs, 0, result)  # result.logprobs is None
             return
         new_tokens, stopped = self._append_until_stop(req, tokens)
-        if stopped:
-            finish_reason = req.status.finish_reason
-            self.running.remove(req)
-            self._free_request(req)
-        else:
-            finish_reason = None
+        finish_reason = self._retire_if_stopped(req, stopped)
         outputs.append(EngineCoreOutput(rid, new_tokens, finish_reason, req.stop_reason,
                                         req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
+
+    def _retire_if_stopped(self, req: Request, stopped: bool) -> FinishReason | None:
+        """A stopped running request leaves the running list and frees its blocks: its finish reason."""
+        if not stopped:
+            return None
+        reason = req.status.finish_reason
+        self.running.remove(req)
+        self._free_request(req)
+        return reason
 
     def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], bool]:
         """Appends `tokens` to `req` one by one until one stops it: (the tokens appended, stopped)."""
