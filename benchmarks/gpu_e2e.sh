@@ -8,7 +8,7 @@
 # correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
 #   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_BLAS=cublaslt
 # HF3 runs HF transformers' generate on W3 (same-call baseline). W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
-# HOST measures host time per step (benchmarks/host_overhead.py --device cuda, then cpu).
+# HOST measures host time per step (benchmarks/host_overhead.py --device cuda with graphs, eager, then cpu).
 # W4P replays W4 (prefix caching off) step by step (benchmarks/step_profile.py) with kernel tables of two prefill steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_e2e}
@@ -76,11 +76,13 @@ for spec in $W; do
             | grep -v "^INFO" | tail -45 | tee -a "$OUT/bench.log"
         echo "W3P$tag: $(grep -E '^NVIDIA|copy [0-9]+ GB/s' "$OUT/bench.log" | tail -1)" >> "$summary"
     elif [ "$w" = HOST ]; then  # host time per step, 256 decodes, no-op model on the GPU (issue 3's < 1 ms)
-        for dev in cuda cpu; do
+        for mode in cuda cuda_eager cpu; do  # cuda: decode CUDA graphs capture the no-op (as served)
+            dev=${mode%_eager}
+            eager=(); [ "$mode" = cuda_eager ] && eager=(--enforce-eager)
             run_env env HOST_BENCH_VOCAB=32 OMP_NUM_THREADS=1 timeout 150 python3 benchmarks/host_overhead.py \
-                --final-only --device $dev --json "$OUT/host_$dev$tag.json" 2>&1 | grep -v "^INFO" | tail -3 \
-                | tee -a "$OUT/bench.log"
-            echo "HOST $dev$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
+                --final-only --device "$dev" "${eager[@]}" --json "$OUT/host_$mode$tag.json" 2>&1 | grep -v "^INFO" \
+                | tail -3 | tee -a "$OUT/bench.log"
+            echo "HOST $mode$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
         done
     elif [ "$w" = W4P ]; then  # W4 (prefix caching off) step by step, with kernel tables of 2 prefill steps
         run_env timeout 300 python3 benchmarks/step_profile.py --workload W4 --max-model-len 4096 --profile-steps 2 \
