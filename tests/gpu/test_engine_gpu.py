@@ -71,6 +71,9 @@ def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: lis
         refs_eager = [hf_greedy(eager, p, 48) for p in smollm2_prompt_ids]
         print(_summary("HF bf16 eager attention vs HF bf16 sdpa", _judge(hf, smollm2_prompt_ids, refs_eager, refs,
                                                                           torch.bfloat16)))
+        # Ours against HF's other attention implementation, judged by that model's own gaps.
+        print(_summary("bf16 GPU vs HF bf16 eager", _judge(eager, smollm2_prompt_ids, ours, refs_eager,
+                                                            torch.bfloat16)))
         # The same verdicts with the reference's gap measured before bf16 logit rounding (reported only).
         fp32_head = hf_logprobs_fp32_head
         print(_summary("[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
