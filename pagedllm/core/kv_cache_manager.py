@@ -211,55 +211,17 @@ class KVCacheManager:
     def _grow_single(self, request: Request, blocks: list[KVCacheBlock], total: int) -> KVCacheBlocks | None:
         """The general path below for one full-attention group and a request that already holds blocks,
         without hits (a decode reaching a block boundary): the same blocks taken and hashes registered,
-        minus the per-group generality."""
-        m0 = self.managers[0]
-        bs = self.block_size
-        n_held = len(blocks)
-        need = -(-total // bs) - n_held
+        without the per-group loops."""
+        need = -(-total // self.block_size) - len(blocks)
         new: list[KVCacheBlock] = []
         if need > 0:
-            pool = self.pool
-            if need > len(pool._free):
+            if need > self.pool.num_free_blocks:
                 return None
-            if need == 1:  # a decode's next block: pool.get_new_blocks(1), inlined
-                block = pool._free.popitem(last=False)[1]
-                if block.block_hash is not None:
-                    pool._evict(block)
-                block.ref_cnt = 1
-                new = [block]
-            else:
-                new = pool.get_new_blocks(need)
+            new = self.pool.get_new_blocks(need)
             blocks.extend(new)
-            n_held += need
-        limit = n_held * bs
         if self.enable_caching:
-            # m0.cache_blocks(request, min(total, num_tokens)), inlined, and the fast limit from its result.
-            rid = request.request_id
-            num_cached = m0.num_cached_blocks
-            start = num_cached.get(rid, 0)
-            hashes = request.block_hashes
-            n_tokens = len(request.all_token_ids)
-            end = (total if total < n_tokens else n_tokens) // bs
-            if end > len(hashes):
-                end = len(hashes)
-            if end > n_held:
-                end = n_held
-            if end > start:
-                cache = self.pool.cached
-                for i in range(start, end):  # pool.cache_block(blocks[i], hashes[i]), inlined
-                    block, h = blocks[i], hashes[i]
-                    if block.block_hash is None and h not in cache:
-                        cache[h] = block
-                        block.block_hash = h
-                num_cached[rid] = end
-                cached = end
-            else:
-                num_cached[rid] = start
-                cached = start
-            cached_limit = (cached + 1) * bs - 1
-            if cached_limit < limit:
-                limit = cached_limit
-        request.kv_fast_limit = limit
+            self.managers[0].cache_blocks(request, min(total, request.num_tokens))
+        self._set_fast_limit(request)
         return KVCacheBlocks((new,)) if new else self.no_new_blocks
 
     def _set_fast_limit(self, request: Request) -> None:

@@ -64,9 +64,6 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         return out
 
     hasher.block_size = block_size  # type: ignore[attr-defined]  # lets Request skip calls mid-block
-    # The plain chain above (sha256 of parent + the block's int64 tokens) for requests without extra keys:
-    # the scheduler may hash one just-filled block inline (Scheduler._update_plain).
-    hasher.plain_sha256 = True  # type: ignore[attr-defined]
     return hasher
 
 

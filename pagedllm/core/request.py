@@ -41,7 +41,6 @@ class Request:
         "cache_salt", "lora_id", "status", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_output_placeholders", "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
         "_block_hasher", "_hash_block_size", "next_hash_len", "stop_len", "stop_token_set", "kv_fast_limit",
-        "hash_inline",
     )
 
     def __init__(
@@ -81,10 +80,6 @@ class Request:
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
         self.next_hash_len = (len(self.block_hashes) + 1) * self._hash_block_size if block_hasher else sys.maxsize
-        self.hash_inline: bool = (getattr(block_hasher, "plain_sha256", False) and not cache_salt
-                                  and lora_id is None)
-        """The hasher is make_block_hasher's and this request has no extra keys: its next block's hash is
-        sha256(last hash (or NONE_HASH) + the block's tokens as int64 bytes), computable inline."""
         """len(all_token_ids) at which the next block hash is due (never, without a hasher)."""
         self.stop_len = len(prompt_token_ids) + max_tokens
         """len(all_token_ids) at which the request stops on length: max_tokens outputs (the scheduler
@@ -134,6 +129,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def append_output_token(self, token: int) -> int:
+        """One sampled token (the decode step's case): appended, full blocks hashed; the new length."""
+        self.output_token_ids.append(token)
+        all_ids = self.all_token_ids
+        all_ids.append(token)
+        n = len(all_ids)
+        if n >= self.next_hash_len:
+            self.extend_block_hashes()
+        return n
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -11,13 +11,11 @@ latest arrival) is preempted: its blocks are freed and it is recomputed later.
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Iterable
-from hashlib import sha256
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_cache_utils import NONE_HASH, KVCacheGroup, make_block_hasher
+from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import (
@@ -307,12 +305,7 @@ class Scheduler:
             if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
                 new_tokens = tokens
                 tok = tokens[0]
-                req.output_token_ids.append(tok)
-                all_ids = req.all_token_ids
-                all_ids.append(tok)
-                n = len(all_ids)
-                if n >= req.next_hash_len:
-                    req.extend_block_hashes()
+                n = req.append_output_token(tok)
                 # Only a token that can stop it, or reaching stop_len, needs the full stop check.
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok)
             else:
@@ -355,20 +348,7 @@ class Scheduler:
                 self._update_one_general(req, rid, tokens, outputs, result)
                 continue
             tok = tokens[0]
-            req.output_token_ids.append(tok)
-            all_ids = req.all_token_ids
-            all_ids.append(tok)
-            n = len(all_ids)
-            if n >= req.next_hash_len:
-                if n == req.next_hash_len and req.hash_inline:
-                    # Exactly one block became full: the hasher's plain chain step, inline.
-                    bs = req._hash_block_size
-                    hashes = req.block_hashes
-                    hashes.append(sha256((hashes[-1] if hashes else NONE_HASH)
-                                         + array("q", all_ids[n - bs:]).tobytes()).digest())
-                    req.next_hash_len = n + bs
-                else:
-                    req.extend_block_hashes()
+            n = req.append_output_token(tok)
             if (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok):
                 self.running.remove(req)
                 self._free_request(req)
