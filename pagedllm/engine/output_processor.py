@@ -368,28 +368,18 @@ class OutputProcessor:
         to `request_outputs`."""
         touched_parents: dict[str, _ParentState] = {}
         get_state = self.request_states.get
-        itls_append = stats.itls.append if stats is not None else None
-        quiet_generation_tokens = 0
+        update_metrics = self._update_metrics
         for out in outputs:
             state = get_state(out.request_id)
             if state is None:
                 continue  # aborted while the core was still working on it
             new_token_ids = out.new_token_ids
-            if state.quiet and out.finish_reason is None and state.metrics.first_token_time is not None:
-                # Fast path, the same effects as the general one below for such a request: its cached
-                # tokens, token timings, and the token ids (the detokenizer's, which only collects them).
-                if out.num_cached_tokens:
-                    state.num_cached_tokens = out.num_cached_tokens
-                if new_token_ids:
-                    m = state.metrics
-                    if itls_append is not None and m.last_token_time is not None:
-                        itls_append(now - m.last_token_time)
-                    m.last_token_time = now
-                    m.num_generation_tokens += len(new_token_ids)
-                    quiet_generation_tokens += len(new_token_ids)
-                    state.detokenizer.token_ids.extend(new_token_ids)
+            update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
+            if state.quiet and out.finish_reason is None:
+                # Fast path, the same effects as the general one below for such a request: the token ids
+                # (the detokenizer's, which only collects them); no output until it finishes.
+                state.detokenizer.token_ids.extend(new_token_ids)
                 continue
-            self._update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
             if out.new_logprobs is not None or out.new_prompt_logprobs is not None or state.logprobs is not None:
                 decode = self._decoder if state.detokenizer_enabled else None
                 state.update_logprobs(out.new_logprobs, out.new_prompt_logprobs, decode)
@@ -426,8 +416,6 @@ class OutputProcessor:
             elif completion is not None:
                 self._emit(state.queue, state.make_request_output(completion), request_outputs)
 
-        if stats is not None:
-            stats.num_generation_tokens += quiet_generation_tokens
         for pid, pstate in touched_parents.items():
             taken = pstate.parent.take_outputs()
             if pstate.parent.finished:
