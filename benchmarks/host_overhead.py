@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", metavar="PATH", help="write the per-step mean and median (ms) to PATH")
     ap.add_argument("--enforce-eager", action="store_true", help="with --device cuda: no CUDA graphs")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the step's phases (schedule, model runner, update_from_output, outputs)")
     args = ap.parse_args()
     on_gpu = args.device == "cuda"
     # CPU: float32, the engine's defaults (the figures so far). CUDA: bfloat16 as served (see above).
@@ -83,6 +85,7 @@ def main() -> None:
         engine.step()
     for _ in range(5):
         engine.step()
+    phases = _time_phases(engine) if args.phases else None
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -101,13 +104,43 @@ def main() -> None:
         prof.disable()
         stats = pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime"))  # SORT=cumulative, NSTATS=40
         stats.print_stats(int(os.environ.get("NSTATS", "20")))
+    if phases is not None:
+        print("phases, ms per step: " + ", ".join(f"{k} {v * 1e3 / args.steps:.3f}" for k, v in phases.items()))
     print(f"host time per step with {args.num_reqs} running decodes (no-op model): {dt * 1e3:.2f} ms")
     if args.json:
         res = {"device": args.device, "num_reqs": args.num_reqs, "steps": args.steps, "vocab": vocab,
                "final_only": args.final_only, "cuda_graphs": on_gpu and not args.enforce_eager, "mean_ms": dt * 1e3,
                "median_ms": statistics.median(per_step) * 1e3, "max_ms": max(per_step) * 1e3}
+        if phases is not None:
+            res["phases_ms"] = {k: v * 1e3 / args.steps for k, v in phases.items()}
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _time_phases(engine) -> dict[str, float]:  # noqa: ANN001
+    """Wraps the step's phases with timers (instance attributes, so only this engine is affected); returns
+    the dict their seconds accumulate in, counted from now."""
+    core = engine.engine_core.engine_core
+    runner = core.executor.worker.model_runner
+    acc: dict[str, float] = {}
+    targets = [(core.scheduler, "schedule"), (runner, "_launch"), (runner, "_update_states"),
+               (runner, "_sampling_metadata"), (runner.sampler, "forward"), (runner, "_finish"),
+               (core.scheduler, "update_from_output"), (engine.output_processor, "process_outputs")]
+    if runner.cuda_graphs is not None:
+        targets.append((runner.cuda_graphs, "run"))
+    for obj, name in targets:
+        fn = getattr(obj, name)
+        acc[name] = 0.0
+
+        def timed(*a, _fn=fn, _name=name, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_name] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+    return acc
 
 
 if __name__ == "__main__":

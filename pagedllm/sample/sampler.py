@@ -162,9 +162,10 @@ class Sampler(nn.Module):
         # Seeded rows join the one pass only with their per-row keys (md.noise_seeds), else keep their generators.
         one_pass = triton_sample.usable(logits) and (md.noise_seeds is not None or not md.generators)
         plain = md.top_k is None and md.top_p is None and md.min_p is None and self._only_builtin_argmax_invariant
-        keys = self._noise_keys(md, logits.device) if one_pass else None
+        # Unseeded rows' keys come from one fresh base key, made into per-row keys in the kernel (no upload).
+        keys = md.noise_seeds
         sampled = None
-        if keys is not None and plain and not need_processed:
+        if one_pass and plain and not need_processed:
             sampled = triton_sample.gumbel_sample(logits, temp, keys)
         if sampled is None:
             logits = logits / temp.unsqueeze(1)
@@ -172,20 +173,13 @@ class Sampler(nn.Module):
                 logits = proc.apply(logits, md)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
-            if keys is not None:
+            if one_pass:
                 sampled = triton_sample.gumbel_sample(logits, torch.ones_like(temp), keys)
             if sampled is None:
                 sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled, logits
         return torch.where(md.temperature < _EPS, greedy, sampled), logits
-
-    @staticmethod
-    def _noise_keys(md: SamplingMetadata, device: torch.device) -> torch.Tensor:
-        """The rows' Philox keys: the metadata's (the model runner's, seeded rows included), else fresh ones."""
-        if md.noise_seeds is not None:
-            return md.noise_seeds
-        return upload(triton_sample.noise_keys(md.num_rows), np.int64, device)
 
 
 def apply_bad_words(

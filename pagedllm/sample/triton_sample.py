@@ -26,6 +26,8 @@ from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
 logger = init_logger(__name__)
 
 _BLOCK_V = 4096
+_ROW_STRIDE = 0x9E3779B97  # unseeded rows' keys base + row * stride: distinct for every row
+_MAX_BASE = 2**62  # base + row * stride < 2^63 up to 2^20 rows (stride < 2^42)
 
 if HAS_TRITON:
     import triton
@@ -41,14 +43,20 @@ if HAS_TRITON:
         better = score > best
         return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
-    @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, keys_ptr, out_ptr, vocab, stride_row, BLOCK_V: tl.constexpr):
-        """One program per row, its own Philox key; each Philox call gives 4 uniforms (`rand4x`), one for
-        each quarter of the BLOCK_V tile."""
+    # base_key is a fresh random number every step: no "== 1" / "divisible by 16" variants of it.
+    @triton.jit(do_not_specialize=["base_key"])
+    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, keys_ptr, base_key, out_ptr, vocab, stride_row,
+                              HAS_KEYS: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One program per row, its own Philox key (HAS_KEYS: from keys_ptr, else `base_key + row *
+        _ROW_STRIDE`, distinct per row); each Philox call gives 4 uniforms (`rand4x`), one for each quarter of
+        the BLOCK_V tile."""
         Q: tl.constexpr = BLOCK_V // 4
         row = tl.program_id(0).to(tl.int64)
         inv_t = 1.0 / tl.load(temp_ptr + row)
-        key = tl.load(keys_ptr + row)
+        if HAS_KEYS:
+            key = tl.load(keys_ptr + row)
+        else:
+            key = base_key + row * _ROW_STRIDE
         logits_row = logits_ptr + row * stride_row
         offs = tl.arange(0, Q)
         best = tl.full([Q], float("-inf"), dtype=tl.float32)
@@ -105,10 +113,18 @@ def usable(logits: torch.Tensor) -> bool:
     )
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+def step_key() -> int:
+    """A fresh Philox base key for a step's unseeded rows, from torch's default CPU generator (a global seed
+    repeats runs)."""
+    return int(torch.randint(0, _MAX_BASE, (1,)).item())
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor | None,
+                  base_key: int | None = None) -> torch.Tensor | None:
     """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids;
-    `keys` [rows] int64 are the rows' Philox keys (`noise_keys`). None if the kernel cannot be built on
-    this machine (logged once; `usable` is False from then on)."""
+    `keys` [rows] int64 are the rows' Philox keys (`noise_keys`); None keys every row from `base_key`
+    (default: a fresh `step_key()`) and its row index in the kernel, with no key upload. None if the kernel
+    cannot be built on this machine (logged once; `usable` is False from then on)."""
     if _state["broken"]:
         return None
     n, vocab = logits.shape
@@ -117,7 +133,10 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
         return out
     temp = temperature.to(torch.float32).contiguous()
     try:
-        _gumbel_argmax_kernel[(n,)](logits, temp, keys, out, vocab, logits.stride(0), BLOCK_V=_BLOCK_V, num_warps=8)
+        if keys is None and base_key is None:
+            base_key = step_key()
+        _gumbel_argmax_kernel[(n,)](logits, temp, keys if keys is not None else out, base_key or 0, out, vocab,
+                                    logits.stride(0), HAS_KEYS=keys is not None, BLOCK_V=_BLOCK_V, num_warps=8)
     except Exception as e:  # noqa: BLE001 - a failed first build: keep serving on the unfused path
         if _state["compiled"]:
             raise

@@ -51,10 +51,22 @@ class CudaGraphRunner:
         self.max_size = cap
         self.max_model_len = max_model_len
         self.input_ids = torch.zeros(cap, dtype=torch.long, device=device)
-        self.positions = torch.zeros(cap, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(cap, dtype=torch.int32, device=device)
+        # positions, each group's slots and seq_lens (int32, two per int64) live in one int64 buffer, so a
+        # step uploads them with one copy from a host mirror of the same layout (`_header_host`).
+        n_groups = len(groups)
+        header = torch.zeros(cap * (1 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
+        self._header = header
+        self._header_host = np.zeros(header.shape[0], dtype=np.int64)
+        self.positions = header[:cap]
+        self.slots = [header[cap * (1 + g): cap * (2 + g)] for g in range(n_groups)]
+        self.seq_lens = header[cap * (1 + n_groups):].view(torch.int32)[:cap]
+        host = self._header_host
+        self._pos_host = host[:cap]
+        self._slots_host = [host[cap * (1 + g): cap * (2 + g)] for g in range(n_groups)]
+        self._seq_host = host[cap * (1 + n_groups):].view(np.int32)[:cap]
+        for s in self.slots:
+            s.fill_(-1)
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
-        self.slots = [torch.full((cap,), -1, dtype=torch.long, device=device) for _ in groups]
         self.block_tables = [
             torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups
         ]
@@ -127,14 +139,17 @@ class CudaGraphRunner:
             self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
         if patch is not None:
             self.input_ids[patch[0]] = patch[1]
-        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        sl = np.zeros(size, dtype=np.int32)
-        sl[:n] = seq_lens
-        self.seq_lens[:size].copy_(torch.from_numpy(sl), non_blocking=True)
-        for g in range(len(self.groups)):
-            sm = np.full(size, -1, dtype=np.int64)
+        # Padded rows [n, size): seq_len 0 and slot -1; rows past `size` are not read by this graph.
+        self._pos_host[:n] = positions
+        seq = self._seq_host
+        seq[:n] = seq_lens
+        seq[n:size] = 0
+        for g, sm in enumerate(self._slots_host):
             sm[:n] = slots[g]
-            self.slots[g][:size].copy_(torch.from_numpy(sm), non_blocking=True)
+            sm[n:size] = -1
+        # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
+        self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
+        for g in range(len(self.groups)):
             bt = block_tables[g]
             self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
         graph, out, _ = self.graphs[size]

@@ -106,6 +106,11 @@ class _RowLists:
     use_min_p: bool = False
     any_penalty: bool = False
     """Some row holds a penalty slot."""
+    params_dev: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None
+    """(temperature, top_p, top_k, min_p) of the rows on the device, uploaded by the first step that used
+    this entry: a row's parameters are fixed while its request holds it (no upload per step)."""
+    top_p_host: np.ndarray | None = None
+    top_k_host: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -218,7 +223,8 @@ class ModelRunner:
         if logits is not None and triton_sample.usable(logits := logits.float()):  # the one-pass sampler too
             n = logits.shape[0]
             keys = torch.zeros(n, dtype=torch.int64, device=self.device)
-            triton_sample.gumbel_sample(logits, torch.ones(n, device=self.device), keys)
+            triton_sample.gumbel_sample(logits, torch.ones(n, device=self.device), keys)  # seeded rows present
+            triton_sample.gumbel_sample(logits, torch.ones(n, device=self.device), None)  # keys made in the kernel
         torch.cuda.synchronize()
         logger.info("Kernel warm-up (attention variants, sampling) in %.2f s", time.perf_counter() - t0)
 
@@ -667,17 +673,24 @@ class ModelRunner:
         for i, sp, out, stops in rc.min_tokens_rows:
             if len(out) < sp.min_tokens:
                 min_tokens[i] = list(stops)
-        # Which parameters are in use was decided once for these rows (rc); only those are gathered.
-        temp = batch.temperature[rows]
-        top_p = batch.top_p[rows] if rc.use_p else None
-        top_k = batch.top_k[rows] if rc.use_k else None
+        if rc.params_dev is None:
+            # Which parameters are in use was decided once for these rows (rc); only those are gathered.
+            rc.top_p_host = batch.top_p[rows] if rc.use_p else None
+            rc.top_k_host = batch.top_k[rows] if rc.use_k else None
+            rc.params_dev = (
+                torch.from_numpy(batch.temperature[rows]).to(dev, non_blocking=True),
+                torch.from_numpy(rc.top_p_host).to(dev, non_blocking=True) if rc.use_p else None,
+                torch.from_numpy(rc.top_k_host).to(dev, non_blocking=True) if rc.use_k else None,
+                torch.from_numpy(batch.min_p[rows]).to(dev, non_blocking=True) if rc.use_min_p else None,
+            )
+        temp_t, top_p_t, top_k_t, min_p_t = rc.params_dev
         md = SamplingMetadata(
-            temperature=torch.from_numpy(temp).to(dev, non_blocking=True),
-            top_p=torch.from_numpy(top_p).to(dev, non_blocking=True) if top_p is not None else None,
-            top_k=torch.from_numpy(top_k).to(dev, non_blocking=True) if top_k is not None else None,
-            top_p_host=top_p,
-            top_k_host=top_k,
-            min_p=torch.from_numpy(batch.min_p[rows]).to(dev, non_blocking=True) if rc.use_min_p else None,
+            temperature=temp_t,
+            top_p=top_p_t,
+            top_k=top_k_t,
+            top_p_host=rc.top_p_host,
+            top_k_host=rc.top_k_host,
+            min_p=min_p_t,
             all_greedy=rc.all_greedy,
             all_random=rc.all_random,
             generators=generators,
@@ -686,8 +699,9 @@ class ModelRunner:
             req_ids=list(rc.req_ids),
             prompt_token_ids=list(prompt_ids),
         )
-        if dev.type == "cuda" and seq_lens is not None and not md.all_greedy:
-            # One-pass sampler keys; a seeded row's from (its seed, the index of the output token it samples).
+        if dev.type == "cuda" and seq_lens is not None and generators and not md.all_greedy:
+            # One-pass sampler keys when seeded rows sample: a seeded row's from (its seed, the index of the
+            # output token it samples). Without them the sampler keys every row in the kernel (no upload).
             seeded = np.fromiter(generators, dtype=np.int64, count=len(generators))
             seeds = np.array([params[i].seed for i in seeded.tolist()], dtype=np.int64)
             index = seq_lens[seeded] - np.array([len(prompt_ids[i]) for i in seeded.tolist()], dtype=np.int64)

@@ -27,11 +27,16 @@ def _keys(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(triton_sample.row_seeds(np.full(n, seed), np.arange(n))).to(DEVICE)
 
 
+@pytest.mark.parametrize("in_kernel_keys", [False, True])
 @pytest.mark.parametrize("temp", [0.5, 1.0, 2.0])
-def test_draws_follow_softmax(temp: float) -> None:
+def test_draws_follow_softmax(temp: float, in_kernel_keys: bool) -> None:
     logits = torch.tensor([1.0, 0.0, 2.0, -1.0, float("-inf"), 0.5])
     x = logits.repeat(ROWS, 1).to(DEVICE)
-    ids = triton_sample.gumbel_sample(x, torch.full((ROWS,), temp, device=DEVICE), _keys(ROWS, 1234)).cpu()
+    t = torch.full((ROWS,), temp, device=DEVICE)
+    if in_kernel_keys:  # unseeded rows: keys made in the kernel from one base key and the row index
+        ids = triton_sample.gumbel_sample(x, t, None, base_key=triton_sample.step_key()).cpu()
+    else:
+        ids = triton_sample.gumbel_sample(x, t, _keys(ROWS, 1234)).cpu()
     freq = torch.bincount(ids, minlength=6).double() / ROWS
     p = torch.softmax(logits.double() / temp, dim=0)
     assert freq[4] == 0  # -inf never drawn
@@ -56,6 +61,14 @@ def test_long_rows_seed_and_ties() -> None:
     other = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), _keys(64, 4)).cpu()
     assert not torch.equal(one, other)
     assert len(set(one.tolist())) > 50  # rows draw independent streams
+    # Keys made in the kernel: a base key repeats its draws, another base key differs, rows are independent.
+    b1, b2 = (triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), None, base_key=k).cpu()
+              for k in (2**61 + 5, 2**61 + 5))
+    assert torch.equal(b1, b2) and len(set(b1.tolist())) > 50
+    b3 = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), None, base_key=2**40 + 17).cpu()
+    assert not torch.equal(b1, b3)
+    fresh = [triton_sample.gumbel_sample(flat[:4], torch.ones(4, device=DEVICE), None).cpu() for _ in range(2)]
+    assert not torch.equal(fresh[0], fresh[1])  # no base key: a fresh one per call
 
 
 @pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
