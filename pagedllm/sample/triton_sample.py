@@ -33,6 +33,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    _ROW_STRIDE_C = tl.constexpr(_ROW_STRIDE)
+
     @triton.jit
     def _race(best, best_idx, logits_row, cols, vocab, u, inv_t):
         """Fold one tile of scores (l / T - log(-log u)) into the running per-lane maximum."""
@@ -56,7 +58,7 @@ if HAS_TRITON:
         if HAS_KEYS:
             key = tl.load(keys_ptr + row)
         else:
-            key = base_key + row * _ROW_STRIDE
+            key = base_key + row * _ROW_STRIDE_C
         logits_row = logits_ptr + row * stride_row
         offs = tl.arange(0, Q)
         best = tl.full([Q], float("-inf"), dtype=tl.float32)
