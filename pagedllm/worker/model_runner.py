@@ -420,11 +420,14 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and max_query_len == 1 and graphs.can_run(num_reqs):
             slots_g, bts = [], []
+            max_seq = int(seq_lens.max())
             for g, group in enumerate(self.kv_cache_config.groups):
                 bs = group.spec.block_size
-                bt = batch.block_tables[g][rows]
+                # Only the columns in use (a position p < seq_len has its block p // bs < max_blocks): the
+                # whole width is max_model_len / bs columns, which with a long context is megabytes a step.
+                bt = batch.block_tables[g][rows, : cdiv(max_seq, bs)]
                 slots_g.append(bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs)
-                bts.append(np.ascontiguousarray(bt[:, : cdiv(int(seq_lens.max()), bs)]))
+                bts.append(bt)
             hidden = graphs.run(input_ids, positions, seq_lens.astype(np.int32), slots_g, bts, patch)
         else:
             hidden = self._run_eager(batch, rows, computed, seq_lens, cu, n_sched, req_of_token, positions,
