@@ -50,20 +50,19 @@ class CudaGraphRunner:
         cap = self.sizes[-1]
         self.max_size = cap
         self.max_model_len = max_model_len
-        self.input_ids = torch.zeros(cap, dtype=torch.long, device=device)
-        # positions, each group's slots and seq_lens (int32, two per int64) live in one int64 buffer, so a
-        # step uploads them with one copy from a host mirror of the same layout (`_header_host`).
+        # Input ids, positions, each group's slots and seq_lens (int32, two per int64) live in one int64
+        # buffer, so a step uploads them with one copy from a host mirror of the same layout.
         n_groups = len(groups)
-        header = torch.zeros(cap * (1 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
+        header = torch.zeros(cap * (2 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
         self._header = header
         self._header_host = np.zeros(header.shape[0], dtype=np.int64)
-        self.positions = header[:cap]
-        self.slots = [header[cap * (1 + g): cap * (2 + g)] for g in range(n_groups)]
-        self.seq_lens = header[cap * (1 + n_groups):].view(torch.int32)[:cap]
         host = self._header_host
-        self._pos_host = host[:cap]
-        self._slots_host = [host[cap * (1 + g): cap * (2 + g)] for g in range(n_groups)]
-        self._seq_host = host[cap * (1 + n_groups):].view(np.int32)[:cap]
+        self.input_ids, self._ids_host = header[:cap], host[:cap]
+        self.positions, self._pos_host = header[cap: 2 * cap], host[cap: 2 * cap]
+        self.slots = [header[cap * (2 + g): cap * (3 + g)] for g in range(n_groups)]
+        self._slots_host = [host[cap * (2 + g): cap * (3 + g)] for g in range(n_groups)]
+        self.seq_lens = header[cap * (2 + n_groups):].view(torch.int32)[:cap]
+        self._seq_host = host[cap * (2 + n_groups):].view(np.int32)[:cap]
         for s in self.slots:
             s.fill_(-1)
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
@@ -134,12 +133,8 @@ class CudaGraphRunner:
         indices, ids on the device) overrides input ids not known on the host yet (async scheduling)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        dev = self.device
-        if patch is None or not isinstance(patch[0], slice):  # a slice patch covers every input id
-            self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        if patch is not None:
-            self.input_ids[patch[0]] = patch[1]
         # Padded rows [n, size): seq_len 0 and slot -1; rows past `size` are not read by this graph.
+        self._ids_host[:n] = input_ids  # ids still in flight are patched in below, after the upload
         self._pos_host[:n] = positions
         seq = self._seq_host
         seq[:n] = seq_lens
@@ -149,9 +144,15 @@ class CudaGraphRunner:
             sm[n:size] = -1
         # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
         self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
+        if patch is not None:
+            if isinstance(patch[0], slice):
+                self.input_ids[patch[0]].copy_(patch[1])
+            else:
+                self.input_ids[patch[0]] = patch[1]
         for g in range(len(self.groups)):
             bt = block_tables[g]
-            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
+            # Into a strided slice: PyTorch stages through a contiguous device temporary itself.
+            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
         graph, out, _ = self.graphs[size]
         graph.replay()
         return out[:n]
