@@ -76,13 +76,16 @@ for spec in $W; do
             | grep -v "^INFO" | tail -45 | tee -a "$OUT/bench.log"
         echo "W3P$tag: $(grep -E '^NVIDIA|copy [0-9]+ GB/s' "$OUT/bench.log" | tail -1)" >> "$summary"
     elif [ "$w" = HOST ]; then  # host time per step, 256 decodes, no-op model on the GPU (issue 3's < 1 ms)
-        for mode in cuda cuda_eager cpu; do  # cuda: decode CUDA graphs capture the no-op (as served)
-            dev=${mode%_eager}
+        echo "HOST CPU: $(lscpu | grep 'Model name' | sed 's/.*: *//')" >> "$summary"
+        # cuda: decode CUDA graphs capture the no-op (as served), three runs (this host's CPU is noisy).
+        for mode in cuda.1 cuda.2 cuda.3 cuda_eager cpu; do
+            dev=${mode%%[._]*}
             eager=(); [ "$mode" = cuda_eager ] && eager=(--enforce-eager)
             run_env env HOST_BENCH_VOCAB=32 OMP_NUM_THREADS=1 timeout 150 python3 benchmarks/host_overhead.py \
-                --final-only --device "$dev" "${eager[@]}" --json "$OUT/host_$mode$tag.json" 2>&1 | grep -v "^INFO" \
-                | tail -3 | tee -a "$OUT/bench.log"
-            echo "HOST $mode$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
+                --final-only --steps 400 --device "$dev" "${eager[@]}" --json "$OUT/host_$mode$tag.json" 2>&1 \
+                | grep -v "^INFO" | tail -1 | tee -a "$OUT/bench.log"
+            echo "HOST $mode$tag: $(tail -1 "$OUT/bench.log" | grep -o '[0-9.]* ms') (median step $(python3 -c \
+                "import json; print(round(json.load(open('$OUT/host_$mode$tag.json'))['median_ms'], 3))") ms)" >> "$summary"
         done
     elif [ "$w" = W4P ]; then  # W4 (prefix caching off) step by step, with kernel tables of 2 prefill steps
         run_env timeout 300 python3 benchmarks/step_profile.py --workload W4 --max-model-len 4096 --profile-steps 2 \
