@@ -2,7 +2,8 @@
 # End-to-end GPU run on the device machine (issue 3): engine correctness against HF on the GPU, then
 # the W1..W4 benchmarks. The SmolLM2 GGUF travels in two parts (64 MiB per call):
 #   call 1: bash benchmarks/gpu_e2e.sh part1        (carry .gguf/part1; copies it to /tmp)
-#   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1)
+#   call 2: bash benchmarks/gpu_e2e.sh run [W...]   (carry .gguf/part2 and .whl; within 30 s of call 1;
+#           `run none` runs the correctness part alone)
 # Prints a short table last and writes JSON/logs under $OUT. E2E_EXTRA="--async-scheduling" (for example) is
 # appended to every benchmark command; E2E_TAG names the output files apart; E2E_CORRECTNESS=0 skips the
 # correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
@@ -45,7 +46,8 @@ fi
 W=${*:-W1 W3 W4}
 read -r -a extra <<< "${E2E_EXTRA:-}"
 base_tag=${E2E_TAG:-}
-for spec in $W; do
+for spec in $W; do  # "none": the correctness part alone
+    [ "$spec" = none ] && continue
     w=${spec%%@*}
     envs=()
     tag=$base_tag
