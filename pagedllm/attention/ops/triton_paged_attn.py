@@ -45,9 +45,6 @@ _LOG2E = 1.4426950408889634
 # 16-bit chunk-tile config.
 _PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
     "PAGEDLLM_PREFILL_TILE") else None
-# A/B switch: PAGEDLLM_SPLIT_WAVES=W splits decode batches into up to W * SMs / (requests x kv heads) segments
-# (2: splits only below one wave of programs, the default).
-_SPLIT_WAVES = int(os.environ.get("PAGEDLLM_SPLIT_WAVES", "2"))
 
 
 def _next_pow2(x: int) -> int:
@@ -453,7 +450,7 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
     if max_query_len != 1 or device.type != "cuda":
         return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    ratio = (_SPLIT_WAVES * sms) // max(1, num_reqs * num_kv_heads)
+    ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)
     if ratio < 2:
         return 1
     return min(16, 1 << (ratio.bit_length() - 1))  # largest power of two <= ratio
