@@ -45,9 +45,6 @@ _LOG2E = 1.4426950408889634
 # 16-bit chunk-tile config.
 _PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
     "PAGEDLLM_PREFILL_TILE") else None
-# PAGEDLLM_DECODE_TILE="TILE_N,warps,stages" overrides the 16-bit decode-tile config.
-_DECODE_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_DECODE_TILE"].split(",")) if os.environ.get(
-    "PAGEDLLM_DECODE_TILE") else None
 
 
 def _next_pow2(x: int) -> int:
@@ -470,8 +467,6 @@ def launch_config(
         # Big key tiles keep many bytes in flight (H200, W1 shape: 64 keys 92% of copy bandwidth, 128 keys 96%);
         # cap one K tile at 32 KB so two stages of K and V fit in shared memory.
         tile_n = max(16, min(128, 32768 // (head_pad * elem)))
-        if _DECODE_TILE is not None and elem == 2:
-            return min_m, *_DECODE_TILE  # type: ignore[return-value]
         return min_m, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
