@@ -7,11 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_check}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+. "$(dirname "$0")/device_wheels.sh" && install_wheels
 export PYTHONPATH=.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 

@@ -20,11 +20,7 @@ shift || true
 if [ "$stage" = part1 ]; then
     cp .gguf/part1/* /tmp/ && ls -la /tmp/smol.part00 && exit 0
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+. "$(dirname "$0")/device_wheels.sh" && install_wheels
 export PYTHONPATH=.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 summary="$OUT/summary.txt"

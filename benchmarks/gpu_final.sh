@@ -7,11 +7,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_final}
 mkdir -p "$OUT"
 work=/tmp/gpu_final && rm -rf "$work" && mkdir -p "$work"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    .whl_serve/*.whl || { echo "wheel install failed"; exit 1; }
+. "$(dirname "$0")/device_wheels.sh" && install_wheels .whl .whl_serve
 GPU_CHECK_BENCH=0 OUT=$work/check bash benchmarks/gpu_check.sh > "$work/gpu_check.log" 2>&1
 PAGEDLLM_BF16_BASELINES=1 OUT=$work/e2e bash benchmarks/gpu_e2e.sh run none > "$work/e2e.log" 2>&1
-PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/gpu_serve_check.py /tmp/smollm2.gguf \
+PYTHONPATH=.:$PYTHONPATH PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/gpu_serve_check.py /tmp/smollm2.gguf \
     --out "$work/serve.json" > "$work/serve.log" 2>&1
 tar czf "$OUT/gpu_final.tgz" -C "$work" .
 grep -E "^tests:|^rc:" "$work/gpu_check.log"

@@ -8,10 +8,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_host_ab}
 mkdir -p "$OUT"
 a=$1 b=$2 runs=${3:-3}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
-fi
+. "$(dirname "$0")/device_wheels.sh" && install_wheels
 export PYTHONPATH=/tmp/site HOST_BENCH_VOCAB=32 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 for r in $(seq "$runs"); do
     for tree in "$a" "$b"; do

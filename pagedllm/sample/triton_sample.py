@@ -137,6 +137,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     try:
         if keys is None and base_key is None:
             base_key = step_key()
+        # Without keys the kernel never reads keys_ptr (HAS_KEYS=False): any int64 tensor will do.
         _gumbel_argmax_kernel[(n,)](logits, temp, keys if keys is not None else out, base_key or 0, out, vocab,
                                     logits.stride(0), HAS_KEYS=keys is not None, BLOCK_V=_BLOCK_V, num_warps=8)
     except Exception as e:  # noqa: BLE001 - a failed first build: keep serving on the unfused path

@@ -63,8 +63,6 @@ class CudaGraphRunner:
         self._slots_host = [host[cap * (2 + g): cap * (3 + g)] for g in range(n_groups)]
         self.seq_lens = header[cap * (2 + n_groups):].view(torch.int32)[:cap]
         self._seq_host = host[cap * (2 + n_groups):].view(np.int32)[:cap]
-        for s in self.slots:
-            s.fill_(-1)
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
         self.block_tables = [
             torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups
