@@ -19,15 +19,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _count(hf, prompts, ours, refs, dtype) -> str:  # noqa: ANN001
-    from tests.hf_utils import compare_greedy
+    from tests.hf_utils import judge_all
 
-    ident = fail = 0
-    for p, o, r in zip(prompts, ours, refs):
-        try:
-            ident += compare_greedy(hf, p, o, r, dtype).diverged_at is None
-        except AssertionError:
-            fail += 1
-    return f"{ident} / {len(prompts)} identical, {fail} failing"
+    res = judge_all(hf, prompts, ours, refs, dtype)
+    ident = sum(r.startswith("identical") for r in res)
+    return f"{ident} / {len(prompts)} identical, {sum(r.startswith('FAIL') for r in res)} failing"
 
 
 def _ours(path: str, prompts: list[list[int]], n: int, kernels: bool) -> list[list[int]]:
@@ -49,21 +45,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from pagedllm.transformers_utils.config import default_model_path
-    from tests.conftest import CHAT, PROMPTS
-    from tests.hf_utils import hf_greedy
+    from tests.conftest import smollm2_prompts
+    from tests.hf_utils import hf_from_gguf, hf_greedy
 
     torch.set_num_threads(2)
     path = default_model_path()
     d, f = os.path.dirname(path), os.path.basename(path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    prompts.append(tok.encode(tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
-                              add_special_tokens=False))
-    hf16 = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16).eval()
-    hf32 = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    prompts = smollm2_prompts(tok)
+    hf16 = hf_from_gguf(path, torch.bfloat16)
+    hf32 = hf_from_gguf(path, torch.float32)
     refs16 = [hf_greedy(hf16, p, args.tokens) for p in prompts]
     refs32 = [hf_greedy(hf32, p, args.tokens) for p in prompts]
     rows = {

@@ -22,25 +22,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _load(path: str, dtype: torch.dtype, **kw: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, **kw
-    ).to("cuda").eval()
-
-
-def _prompts(path: str) -> list[list[int]]:
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
-    from tests.conftest import CHAT, PROMPTS
-
-    tok = get_tokenizer(path)
-    ids = [tok.encode(p) for p in PROMPTS]
-    ids.append(tok.encode(tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False))
-    return ids
-
-
 @contextlib.contextmanager
 def _sdpa_backend(name: str) -> Iterator[None]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,20 +43,13 @@ def _no_reduced_precision_reduction() -> Iterator[None]:
 
 def _verdicts(ref_model: torch.nn.Module, prompts: list[list[int]], outs: list[list[int]],
               refs: list[list[int]]) -> dict[str, object]:
-    from tests.hf_utils import compare_greedy
+    from tests.hf_utils import judge_all
 
-    identical, near_tie, failing = 0, 0, []
-    for i, (p, o, r) in enumerate(zip(prompts, outs, refs)):
-        try:
-            c = compare_greedy(ref_model, p, o, r, torch.bfloat16)
-        except AssertionError as e:
-            failing.append(f"prompt {i}: {str(e).splitlines()[0]}")
-            continue
-        if c.diverged_at is None:
-            identical += 1
-        else:
-            near_tie += 1
-    return {"identical": identical, "near_tie": near_tie, "failing": len(failing), "failures": failing}
+    res = judge_all(ref_model, prompts, outs, refs, torch.bfloat16)
+    failing = [f"prompt {i}: {r[len('FAIL '):]}" for i, r in enumerate(res) if r.startswith("FAIL")]
+    identical = sum(r.startswith("identical") for r in res)
+    return {"identical": identical, "near_tie": len(res) - identical - len(failing), "failing": len(failing),
+            "failures": failing}
 
 
 def main() -> None:
@@ -84,11 +58,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    from tests.hf_utils import hf_greedy
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+    from tests.conftest import smollm2_prompts
+    from tests.hf_utils import hf_from_gguf, hf_greedy
 
-    prompts = _prompts(args.gguf)
+    prompts = smollm2_prompts(get_tokenizer(args.gguf))
     n = args.tokens
-    ref_model = _load(args.gguf, torch.bfloat16)
+    ref_model = hf_from_gguf(args.gguf, torch.bfloat16, "cuda")
     refs = [hf_greedy(ref_model, p, n) for p in prompts]
 
     def hf_run(model: torch.nn.Module, ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -104,10 +80,10 @@ def main() -> None:
             print(f"SDPA backend {backend}: not usable here ({str(e).splitlines()[0]})")
     variants["HF bf16 sdpa, cuBLAS reduced-precision bf16 reductions off"] = hf_run(
         ref_model, _no_reduced_precision_reduction)
-    eager = _load(args.gguf, torch.bfloat16, attn_implementation="eager")
+    eager = hf_from_gguf(args.gguf, torch.bfloat16, "cuda", attn_implementation="eager")
     variants["HF bf16 eager attention"] = hf_run(eager)
     del eager
-    f32 = _load(args.gguf, torch.float32)
+    f32 = hf_from_gguf(args.gguf, torch.float32, "cuda")
     variants["HF float32 (sdpa)"] = hf_run(f32)
     del f32
     torch.cuda.empty_cache()

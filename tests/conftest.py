@@ -55,13 +55,18 @@ PROMPTS = [
 CHAT = [{"role": "user", "content": "Tell me a joke about cats."}]
 
 
+def smollm2_prompts(tokenizer) -> list[list[int]]:  # noqa: ANN001 - a transformers tokenizer
+    """20 prompts of mixed lengths as token ids (one chat-formatted: it holds id 2, SmolLM2's EOS/pad); also
+    used by the benchmarks' bf16 reports."""
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    chat = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids.append(tokenizer.encode(chat, add_special_tokens=False))
+    return ids
+
+
 @pytest.fixture(scope="session")
 def smollm2_prompt_ids(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
-    """20 prompts of mixed lengths as token ids (one chat-formatted: it holds id 2, SmolLM2's EOS/pad)."""
-    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
-    chat = smollm2_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    ids.append(smollm2_tokenizer.encode(chat, add_special_tokens=False))
-    return ids
+    return smollm2_prompts(smollm2_tokenizer)
 
 
 @pytest.fixture(scope="session")

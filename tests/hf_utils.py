@@ -86,3 +86,27 @@ def compare_greedy(model, prompt_ids: list[int], ours: list[int], ref: list[int]
             )
             return Comparison(i, i, gap)
     return Comparison(n, None, None)
+
+
+def judge_all(model, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]],  # noqa: ANN001
+              dtype: torch.dtype, logprobs_fn=None) -> list[str]:  # noqa: ANN001
+    """Every prompt's verdict by the policy (`compare_greedy`), failures included as "FAIL <reason>", so a
+    report counts them all."""
+    res = []
+    for p, o, r in zip(prompts, ours, refs):
+        try:
+            res.append(compare_greedy(model, p, o, r, dtype, logprobs_fn).describe())
+        except AssertionError as e:
+            res.append(f"FAIL {str(e).splitlines()[0]}")
+    return res
+
+
+def hf_from_gguf(path: str, dtype: torch.dtype, device: str = "cpu", **kw: str):  # noqa: ANN201
+    """HF transformers' model from a GGUF file (dequantized to `dtype`), in eval mode on `device`."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, **kw
+    ).to(device).eval()

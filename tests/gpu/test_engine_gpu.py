@@ -14,29 +14,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from tests.hf_utils import compare_greedy, hf_greedy, hf_logprobs_fp32_head  # noqa: E402
+from tests.hf_utils import hf_from_gguf, hf_greedy, hf_logprobs_fp32_head, judge_all  # noqa: E402
 
 SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-
-
-def _hf(path: str, dtype: torch.dtype, device: str, **kw: str):  # noqa: ANN202
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, **kw
-    ).to(device).eval()
-
-
-def _judge(hf, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]], dtype: torch.dtype,  # noqa: ANN001
-           logprobs_fn=None) -> list[str]:  # noqa: ANN001
-    """Every prompt's verdict by the policy (compare_greedy), failures included, so a report counts them all."""
-    res = []
-    for p, o, r in zip(prompts, ours, refs):
-        try:
-            res.append(compare_greedy(hf, p, o, r, dtype, logprobs_fn).describe())
-        except AssertionError as e:
-            res.append(f"FAIL {str(e).splitlines()[0]}")
-    return res
 
 
 def _summary(name: str, res: list[str]) -> str:
@@ -51,12 +31,12 @@ def _ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
-    hf = _hf(smollm2_path, torch.bfloat16, "cuda")
+    hf = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda")
     refs = [hf_greedy(hf, p, 48) for p in smollm2_prompt_ids]
     llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
     assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs is not None
     ours = _ours(llm, smollm2_prompt_ids)
-    res = _judge(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16)
+    res = judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16)
     print(_summary("bf16 GPU vs HF bf16 GPU", res))
     if os.environ.get("PAGEDLLM_BF16_BASELINES") == "1":
         # How stable the verdict is: ours with 16-bit logits, and HF (eager attention) against HF (sdpa).
@@ -65,21 +45,21 @@ def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: lis
             ours16 = _ours(llm, smollm2_prompt_ids)
         finally:
             del os.environ["PAGEDLLM_FP32_LOGITS"]
-        print(_summary("bf16 GPU (bf16 logits) vs HF bf16 GPU", _judge(hf, smollm2_prompt_ids, ours16, refs,
+        print(_summary("bf16 GPU (bf16 logits) vs HF bf16 GPU", judge_all(hf, smollm2_prompt_ids, ours16, refs,
                                                                           torch.bfloat16)))
-        eager = _hf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
+        eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
         refs_eager = [hf_greedy(eager, p, 48) for p in smollm2_prompt_ids]
-        print(_summary("HF bf16 eager attention vs HF bf16 sdpa", _judge(hf, smollm2_prompt_ids, refs_eager, refs,
+        print(_summary("HF bf16 eager attention vs HF bf16 sdpa", judge_all(hf, smollm2_prompt_ids, refs_eager, refs,
                                                                           torch.bfloat16)))
         # Ours against HF's other attention implementation, judged by that model's own gaps.
-        print(_summary("bf16 GPU vs HF bf16 eager", _judge(eager, smollm2_prompt_ids, ours, refs_eager,
+        print(_summary("bf16 GPU vs HF bf16 eager", judge_all(eager, smollm2_prompt_ids, ours, refs_eager,
                                                             torch.bfloat16)))
         # The same verdicts with the reference's gap measured before bf16 logit rounding (reported only).
         fp32_head = hf_logprobs_fp32_head
         print(_summary("[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
-                       _judge(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head)))
+                       judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head)))
         print(_summary("[gap from f32 LM head] HF eager vs HF sdpa",
-                       _judge(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head)))
+                       judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head)))
     assert not [r for r in res if r.startswith("FAIL")]
 
 
@@ -89,8 +69,8 @@ def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[l
     del gpu
     cpu = LLM(smollm2_path, dtype="float32", max_model_len=2048, device="cpu", kv_cache_memory_bytes=1 << 30)
     ours_cpu = _ours(cpu, smollm2_prompt_ids)
-    hf = _hf(smollm2_path, torch.float32, "cuda")  # near-tie judge
-    res = _judge(hf, smollm2_prompt_ids, ours_gpu, ours_cpu, torch.float32)
+    hf = hf_from_gguf(smollm2_path, torch.float32, "cuda")  # near-tie judge
+    res = judge_all(hf, smollm2_prompt_ids, ours_gpu, ours_cpu, torch.float32)
     print(_summary("fp32 GPU vs CPU path", res))
     assert not [r for r in res if r.startswith("FAIL")]
 
