@@ -23,14 +23,24 @@ def main() -> None:
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
     rng = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 30000) for _ in range(rng.randint(20, 300))])
-               for _ in range(args.num_prompts)]
-    sps = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False),
-           SamplingParams(temperature=0.7, seed=11, max_tokens=48, ignore_eos=True, detokenize=False)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(100, 30000) for _ in range(rng.randint(20, 300))])
+        for _ in range(args.num_prompts)
+    ]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=48, ignore_eos=True, detokenize=False),
+    ]
     results = {}
     for mode in (False, True):
-        llm = LLM(args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
-                  async_scheduling=mode, gpu_memory_utilization=0.5)
+        llm = LLM(
+            args.model,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            async_scheduling=mode,
+            gpu_memory_utilization=0.5,
+        )
         outs = []
         for sp in sps:
             outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)])

@@ -89,9 +89,20 @@ class DecodeBatch:
     def run(self, num_splits: int = 1, **cfg) -> torch.Tensor:
         n = len(self.seq_lens_list)
         return paged_attention(
-            self.q, self.k_cache, self.v_cache, self.out, self.block_table, self.seq_lens, self.qsl,
-            num_actual_tokens=n, num_reqs=n, max_query_len=1, scale=D**-0.5,
-            num_splits=num_splits, workspace=self.workspace, **cfg,
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.out,
+            self.block_table,
+            self.seq_lens,
+            self.qsl,
+            num_actual_tokens=n,
+            num_reqs=n,
+            max_query_len=1,
+            scale=D**-0.5,
+            num_splits=num_splits,
+            workspace=self.workspace,
+            **cfg,
         )
 
     def torch_ref(self) -> torch.Tensor:
@@ -101,9 +112,14 @@ class DecodeBatch:
         impl = TorchNativeAttentionImpl(H, D, D**-0.5, KVH, None, AttentionType.DECODER)
         n = len(self.seq_lens_list)
         md = TorchNativeMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"), num_actual_tokens=n, causal=True,
-            decode_token_idx=torch.arange(n, device="cuda"), decode_block_table=self.block_table.long(),
-            decode_seq_lens=self.seq_lens, prefills=[], spans=[],
+            slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"),
+            num_actual_tokens=n,
+            causal=True,
+            decode_token_idx=torch.arange(n, device="cuda"),
+            decode_block_table=self.block_table.long(),
+            decode_seq_lens=self.seq_lens,
+            prefills=[],
+            spans=[],
         )
         return impl._decode(self.q, self.k_cache, self.v_cache, md)
 
@@ -150,8 +166,20 @@ def mixed_batch() -> dict:
     sl = torch.tensor(seq, dtype=torch.int32, device="cuda")
 
     def run(num_decodes):
-        return paged_attention(q, kc, vc, out, bt, sl, qsl, num_actual_tokens=t, num_reqs=256, max_query_len=512,
-                               scale=D**-0.5, num_decodes=num_decodes)
+        return paged_attention(
+            q,
+            kc,
+            vc,
+            out,
+            bt,
+            sl,
+            qsl,
+            num_actual_tokens=t,
+            num_reqs=256,
+            max_query_len=512,
+            scale=D**-0.5,
+            num_decodes=num_decodes,
+        )
 
     one = run(None).clone()
     two = run(255).clone()
@@ -166,22 +194,51 @@ def mixed_batch() -> dict:
     d_q = q[qsl[dq].long()].contiguous()
     d_out = torch.empty_like(d_q)
     d_bt, d_sl = bt[dq].contiguous(), sl[dq].contiguous()
-    res["decodes_alone_ms"] = bench(lambda: paged_attention(
-        d_q, kc, vc, d_out, d_bt, d_sl, d_qsl, num_actual_tokens=255, num_reqs=255, max_query_len=1,
-        scale=D**-0.5), graph=False, reps=3)
+    res["decodes_alone_ms"] = bench(
+        lambda: paged_attention(
+            d_q, kc, vc, d_out, d_bt, d_sl, d_qsl, num_actual_tokens=255, num_reqs=255, max_query_len=1, scale=D**-0.5
+        ),
+        graph=False,
+        reps=3,
+    )
     c_qsl = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
     c_q = q[100:612].contiguous()
     c_out = torch.empty_like(c_q)
-    res["chunk_alone_ms"] = bench(lambda: paged_attention(
-        c_q, kc, vc, c_out, bt[100:101].contiguous(), sl[100:101].contiguous(), c_qsl, num_actual_tokens=512,
-        num_reqs=1, max_query_len=512, scale=D**-0.5), graph=False, reps=3)
-    print("mixed 255 decodes + 512-token chunk: " + ", ".join(
-        f"{k} {v * 1e3:.1f} us" for k, v in res.items() if k.endswith("_ms")), flush=True)
+    res["chunk_alone_ms"] = bench(
+        lambda: paged_attention(
+            c_q,
+            kc,
+            vc,
+            c_out,
+            bt[100:101].contiguous(),
+            sl[100:101].contiguous(),
+            c_qsl,
+            num_actual_tokens=512,
+            num_reqs=1,
+            max_query_len=512,
+            scale=D**-0.5,
+        ),
+        graph=False,
+        reps=3,
+    )
+    print(
+        "mixed 255 decodes + 512-token chunk: "
+        + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items() if k.endswith("_ms")),
+        flush=True,
+    )
     return res
 
 
-PREFILL_TILES = ((128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                 (128, 128, 8, 2), (64, 32, 4, 3))
+PREFILL_TILES = (
+    (128, 32, 8, 3),
+    (128, 32, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+    (128, 32, 4, 4),
+    (128, 128, 8, 2),
+    (64, 32, 4, 3),
+)
 
 
 def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple[dict, tuple]:
@@ -203,8 +260,9 @@ def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple
     sl = torch.full((n,), L, dtype=torch.int32, device="cuda")
 
     def prefill(**cfg):
-        return paged_attention(q, kc, vc, out, bt, sl, qsl, num_actual_tokens=n * L, num_reqs=n,
-                               max_query_len=L, scale=D**-0.5, **cfg)
+        return paged_attention(
+            q, kc, vc, out, bt, sl, qsl, num_actual_tokens=n * L, num_reqs=n, max_query_len=L, scale=D**-0.5, **cfg
+        )
 
     flops = 4 * n * h * D * (L * (L + 1) / 2)  # causal: QK^T and PV over the lower triangle
     qh = q.view(n, L, h, D).transpose(1, 2)
@@ -242,8 +300,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
-    ap.add_argument("--prefill-only", action="store_true",
-                    help="only the prefill sweeps: 16x1024, W4's 8x2048 chunks, W2's (Llama-8B heads) 8x2048")
+    ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="only the prefill sweeps: 16x1024, W4's 8x2048 chunks, W2's (Llama-8B heads) 8x2048",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
@@ -256,18 +317,23 @@ def main() -> None:
     print(f"floors: copy {copy:.0f} GB/s, bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
     if args.prefill_only:
-        res["prefill"] = [prefill_case(n, L, h, kvh)[0]
-                          for n, L, h, kvh in ((16, 1024, H, KVH), (8, 2048, H, KVH), (8, 2048, 32, 8))]
+        res["prefill"] = [
+            prefill_case(n, L, h, kvh)[0] for n, L, h, kvh in ((16, 1024, H, KVH), (8, 2048, H, KVH), (8, 2048, 32, 8))
+        ]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         for pre in res["prefill"]:
-            best = max((k for k, r in pre.items() if isinstance(r, dict) and k.startswith("triton")),
-                       key=lambda k: pre[k]["TFLOPs"])
+            best = max(
+                (k for k, r in pre.items() if isinstance(r, dict) and k.startswith("triton")),
+                key=lambda k: pre[k]["TFLOPs"],
+            )
             sdpa_t = pre.get("torch SDPA (dense, causal)", {}).get("TFLOPs", float("nan"))
-            print(f"| prefill {pre['shape']} | default {pre['triton default']['TFLOPs']:.0f} | "
-                  f"best {best} "
-                  f"{pre[best]['TFLOPs']:.0f} | SDPA {sdpa_t:.0f} TFLOP/s |")
+            print(
+                f"| prefill {pre['shape']} | default {pre['triton default']['TFLOPs']:.0f} | "
+                f"best {best} "
+                f"{pre[best]['TFLOPs']:.0f} | SDPA {sdpa_t:.0f} TFLOP/s |"
+            )
         return
 
     rows: list[dict] = []
@@ -282,9 +348,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(500, 1501, (256,), generator=g).tolist()
     w1 = DecodeBatch(lens, 16)
-    res["w1_decode"] = {"num_reqs": 256, "mean_ctx": sum(lens) / 256, "kv_MB": w1.kv_bytes / 1e6,
-                        "default_config": launch_config(D, H // KVH, torch.bfloat16, 1),
-                        "default_splits": choose_num_splits(256, KVH, 1, torch.device("cuda"))}
+    res["w1_decode"] = {
+        "num_reqs": 256,
+        "mean_ctx": sum(lens) / 256,
+        "kv_MB": w1.kv_bytes / 1e6,
+        "default_config": launch_config(D, H // KVH, torch.bfloat16, 1),
+        "default_splits": choose_num_splits(256, KVH, 1, torch.device("cuda")),
+    }
     ref = w1.torch_ref()
     err = rel_err(w1.run(), ref)
     res["w1_decode"]["rel_err_vs_torch"] = err
@@ -293,9 +363,13 @@ def main() -> None:
     record("W1 decode default", w1, bench(lambda: w1.run()))
     record("W1 decode default (repeat)", w1, bench(lambda: w1.run()))
     variants = [
-        dict(tile_n=32), dict(tile_n=64), dict(tile_n=256),
-        dict(num_stages=3), dict(num_stages=4),
-        dict(num_warps=2), dict(num_warps=8),
+        dict(tile_n=32),
+        dict(tile_n=64),
+        dict(tile_n=256),
+        dict(num_stages=3),
+        dict(num_stages=4),
+        dict(num_warps=2),
+        dict(num_warps=8),
         dict(tile_n=64, num_stages=3),
     ]
     if args.quick:
@@ -339,14 +413,20 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['case']} | {r['ms'] * 1e3:.1f} | {r['GBps']:.0f} | {r['pct_copy']:.1f} |")
-    print(f"floors: copy {copy:.0f} GB/s; bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
-          f"reshape_and_cache {res['reshape_and_cache_16k_tokens']['GBps']:.0f} GB/s")
+    print(
+        f"floors: copy {copy:.0f} GB/s; bf16 matmul {fl['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
+        f"reshape_and_cache {res['reshape_and_cache_16k_tokens']['GBps']:.0f} GB/s"
+    )
     mx = res["mixed"]
-    print("mixed 255 decodes + 512 chunk (us): " + ", ".join(
-        f"{k[:-3]} {v * 1e3:.1f}" for k, v in mx.items() if k.endswith("_ms")) + str(mx.get("error", "")))
+    print(
+        "mixed 255 decodes + 512 chunk (us): "
+        + ", ".join(f"{k[:-3]} {v * 1e3:.1f}" for k, v in mx.items() if k.endswith("_ms"))
+        + str(mx.get("error", ""))
+    )
     for name, r in pre.items():
         if isinstance(r, dict):
             print(f"prefill 16x1024 {name}: {r['ms'] * 1e3:.0f} us, {r['TFLOPs']:.0f} TFLOP/s")
+
 
 if __name__ == "__main__":
     main()

@@ -28,16 +28,24 @@ def _count(hf, prompts, ours, refs, dtype) -> str:  # noqa: ANN001
 
 def _ours(path: str, prompts: list[list[int]], n: int, kernels: bool) -> list[list[int]]:
     """Our bf16 greedy tokens, in a child process (the C kernels' switch is read at import)."""
-    code = ("import json, sys; from pagedllm import LLM, SamplingParams, TokensPrompt; "
-            "p = json.load(sys.stdin); llm = LLM(sys.argv[1], dtype='bfloat16', max_model_len=1024, "
-            "kv_cache_memory_bytes=256 << 20); sp = SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), "
-            "ignore_eos=True, detokenize=False); outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in p], "
-            "sp, use_tqdm=False); print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))")
+    code = (
+        "import json, sys; from pagedllm import LLM, SamplingParams, TokensPrompt; "
+        "p = json.load(sys.stdin); llm = LLM(sys.argv[1], dtype='bfloat16', max_model_len=1024, "
+        "kv_cache_memory_bytes=256 << 20); sp = SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), "
+        "ignore_eos=True, detokenize=False); outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in p], "
+        "sp, use_tqdm=False); print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))"
+    )
     import json
 
     env = dict(os.environ, PAGEDLLM_CPU_KERNELS="1" if kernels else "0")
-    out = subprocess.run([sys.executable, "-c", code, path, str(n)], input=json.dumps(prompts), env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, path, str(n)],
+        input=json.dumps(prompts),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -61,10 +69,12 @@ def main() -> None:
     refs16 = [hf_greedy(hf16, p, args.tokens) for p in prompts]
     refs32 = [hf_greedy(hf32, p, args.tokens) for p in prompts]
     rows = {
-        "ours bf16 (C kernels) vs HF bf16": _count(hf16, prompts, _ours(path, prompts, args.tokens, True), refs16,
-                                                   torch.bfloat16),
-        "ours bf16 (PyTorch ops) vs HF bf16": _count(hf16, prompts, _ours(path, prompts, args.tokens, False), refs16,
-                                                     torch.bfloat16),
+        "ours bf16 (C kernels) vs HF bf16": _count(
+            hf16, prompts, _ours(path, prompts, args.tokens, True), refs16, torch.bfloat16
+        ),
+        "ours bf16 (PyTorch ops) vs HF bf16": _count(
+            hf16, prompts, _ours(path, prompts, args.tokens, False), refs16, torch.bfloat16
+        ),
         "HF bf16 vs HF float32 (judged by HF bf16)": _count(hf16, prompts, refs32, refs16, torch.bfloat16),
     }
     print(f"==== CPU, SmolLM2 bf16, {len(prompts)} prompts x {args.tokens} tokens ====")

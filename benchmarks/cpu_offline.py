@@ -99,8 +99,10 @@ def main() -> None:
         model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
         # Packed linears (cpu_gemm) released their plain weights: count them by their packed shapes.
         n_params = sum(p.numel() for p in model.parameters()) + sum(
-            m.packed_out_features * m.packed_in_features for m in model.modules()
-            if hasattr(m, "packed_weight") and m.weight.numel() == 0)
+            m.packed_out_features * m.packed_in_features
+            for m in model.modules()
+            if hasattr(m, "packed_weight") and m.weight.numel() == 0
+        )
         emb = llm.llm_engine.model_config.vocab_size * llm.llm_engine.model_config.hf_config.hidden_size
         # FLOPs per decoded token: 2 x (non-embedding params + the lm_head, tied to the embedding).
         flops_tok = 2 * (n_params - emb + emb)
@@ -118,8 +120,9 @@ def main() -> None:
             from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
             tok = get_tokenizer(path)
-            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                      dtype=dtype).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+            ).eval()
             bench_hf(hf, tok, prompts[:4], 4)
             dt, n = bench_hf(hf, tok, prompts, 128)
             res["hf_a_tok_s"] = n / dt
@@ -136,8 +139,10 @@ def main() -> None:
             hf = r.get(f"hf_{key}_tok_s")
             ratio = f"{ours / hf:6.2f}" if hf else "     -"
             print(f"{dname:9} {label:22} {ours:9.1f} {hf or 0:9.1f} {ratio} {ours / r['ceiling_tok_s']:10.1%}")
-        print(f"{dname:9} matmul ceiling {r['matmul_gflops_64x576x1536']:.1f} GFLOP/s (64x576x1536), "
-              f"{r['matmul_gflops_1024cubed']:.1f} (1024^3) -> {r['ceiling_tok_s']:.0f} tok/s")
+        print(
+            f"{dname:9} matmul ceiling {r['matmul_gflops_64x576x1536']:.1f} GFLOP/s (64x576x1536), "
+            f"{r['matmul_gflops_1024cubed']:.1f} (1024^3) -> {r['ceiling_tok_s']:.0f} tok/s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

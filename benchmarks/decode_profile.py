@@ -35,9 +35,20 @@ def _graph_time_ms(fn, reps: int = 5) -> float:
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for triton_gemv.row_gemv at batch 1
-ROW_GEMV_SWEEP = [(1, 2048, 4, 1), (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 512, 4, 1), (4, 1024, 8, 1),
-                  (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (4, 1024, 4, 3),
-                  (8, 512, 4, 3), (2, 512, 2, 1)]
+ROW_GEMV_SWEEP = [
+    (1, 2048, 4, 1),
+    (2, 1024, 4, 1),
+    (2, 2048, 8, 1),
+    (4, 512, 4, 1),
+    (4, 1024, 8, 1),
+    (4, 2048, 8, 1),
+    (8, 512, 4, 1),
+    (8, 1024, 8, 1),
+    (16, 256, 4, 1),
+    (4, 1024, 4, 3),
+    (8, 512, 4, 3),
+    (2, 512, 2, 1),
+]
 
 
 def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[dict]:
@@ -76,16 +87,33 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
                 name = "default" if cfg is None else ",".join(map(str, cfg))
                 try:
                     row_gemv[name] = _graph_time_ms(
-                        lambda ws=ws, x=x, cfg=cfg: [triton_gemv.row_gemv(x, w, config=cfg) for w in ws], reps=3)
+                        lambda ws=ws, x=x, cfg=cfg: [triton_gemv.row_gemv(x, w, config=cfg) for w in ws], reps=3
+                    )
                 except Exception as e:  # an out-of-resources config: report, go on
                     print(f"row_gemv {kind} {name}: {type(e).__name__}: {str(e)[:120]}")
             best = min(row_gemv, key=row_gemv.get)
-            print(f"row_gemv {kind} {tuple(ws[0].shape)}: cuBLAS {times['cublas']:.3f} ms, floor {floor:.3f}; "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in row_gemv.items()) + f"; best {best}", flush=True)
+            print(
+                f"row_gemv {kind} {tuple(ws[0].shape)}: cuBLAS {times['cublas']:.3f} ms, floor {floor:.3f}; "
+                + ", ".join(f"{k} {v:.3f}" for k, v in row_gemv.items())
+                + f"; best {best}",
+                flush=True,
+            )
         ms = times["cublas"]
-        rows.append({"kind": kind, "n": len(ws), "shape": list(ws[0].shape), "ms": ms, "floor_ms": floor,
-                     "GBps": nbytes / (ms * 1e-3) / 1e9, "x_floor": ms / floor, "cublaslt_ms": times["cublaslt"],
-                     "fp32_out_ms": fp32_out_ms, "engine_gemv_ms": engine_gemv_ms, "row_gemv_ms": row_gemv})
+        rows.append(
+            {
+                "kind": kind,
+                "n": len(ws),
+                "shape": list(ws[0].shape),
+                "ms": ms,
+                "floor_ms": floor,
+                "GBps": nbytes / (ms * 1e-3) / 1e9,
+                "x_floor": ms / floor,
+                "cublaslt_ms": times["cublaslt"],
+                "fp32_out_ms": fp32_out_ms,
+                "engine_gemv_ms": engine_gemv_ms,
+                "row_gemv_ms": row_gemv,
+            }
+        )
     return rows
 
 
@@ -104,8 +132,9 @@ def main() -> None:
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
     copy_gbs = floors.copy_bandwidth_gbps()
-    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
-              async_scheduling=False)
+    llm = LLM(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024, async_scheduling=False
+    )
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.executor.worker.model_runner
     model = runner.model
@@ -114,8 +143,11 @@ def main() -> None:
 
     n_out = args.steps + args.profile_steps + 20
     for i in range(args.batch):
-        engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(range(100, 100 + args.input_len))),
-                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False))
+        engine.add_request(
+            str(i),
+            TokensPrompt(prompt_token_ids=list(range(100, 100 + args.input_len))),
+            SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False),
+        )
     for _ in range(10):  # prefill + a few decodes
         engine.step()
     torch.cuda.synchronize()
@@ -137,14 +169,27 @@ def main() -> None:
             rec = by_name[ev.name[:90]]
             rec[0] += 1
             rec[1] += ev.device_time_total
-    kernels = sorted(({"name": k, "calls_per_step": c / args.profile_steps, "us_per_step": us / args.profile_steps}
-                      for k, (c, us) in by_name.items()), key=lambda r: -r["us_per_step"])
+    kernels = sorted(
+        (
+            {"name": k, "calls_per_step": c / args.profile_steps, "us_per_step": us / args.profile_steps}
+            for k, (c, us) in by_name.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )
     kernel_ms = sum(r["us_per_step"] for r in kernels) / 1e3
     n_kernels = sum(r["calls_per_step"] for r in kernels)
     floor_ms = weight_bytes / (copy_gbs * 1e9) * 1e3
-    result = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "weight_bytes": weight_bytes,
-              "weight_floor_ms": floor_ms, "step_ms": step_ms, "kernel_ms_per_step": kernel_ms,
-              "kernels_per_step": n_kernels, "linears": lin, "kernels": kernels[:40]}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_GBps": copy_gbs,
+        "weight_bytes": weight_bytes,
+        "weight_floor_ms": floor_ms,
+        "step_ms": step_ms,
+        "kernel_ms_per_step": kernel_ms,
+        "kernels_per_step": n_kernels,
+        "linears": lin,
+        "kernels": kernels[:40],
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -152,17 +197,23 @@ def main() -> None:
     print(f"\n{'kernel':90s} {'calls':>6s} {'us/step':>9s}")
     for r in kernels[:25]:
         print(f"{r['name']:90s} {r['calls_per_step']:6.1f} {r['us_per_step']:9.1f}")
-    print(f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} "
-          f"{'lt':>7s} {'gemv':>7s}")
+    print(
+        f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} "
+        f"{'lt':>7s} {'gemv':>7s}"
+    )
     for r in lin:
         gemv = f"{r['engine_gemv_ms']:7.3f}" if r["engine_gemv_ms"] is not None else f"{'-':>7s}"
-        print(f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
-              f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {gemv}"
-              + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else ""))
+        print(
+            f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
+            f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {gemv}"
+            + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else "")
+        )
     lin_ms = sum(r["ms"] for r in lin)
-    print(f"\n{result['device']}: copy {copy_gbs:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB -> floor "
-          f"{floor_ms:.3f} ms; linears alone {lin_ms:.3f} ms ({lin_ms / floor_ms:.3f}x); decode step "
-          f"{step_ms:.3f} ms ({step_ms / floor_ms:.3f}x), kernels {kernel_ms:.3f} ms in {n_kernels:.0f} launches")
+    print(
+        f"\n{result['device']}: copy {copy_gbs:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB -> floor "
+        f"{floor_ms:.3f} ms; linears alone {lin_ms:.3f} ms ({lin_ms / floor_ms:.3f}x); decode step "
+        f"{step_ms:.3f} ms ({step_ms / floor_ms:.3f}x), kernels {kernel_ms:.3f} ms in {n_kernels:.0f} launches"
+    )
 
 
 if __name__ == "__main__":

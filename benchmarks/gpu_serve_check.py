@@ -48,8 +48,21 @@ def main() -> None:
     args = ap.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     t0 = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", args.model, "--port", str(args.port),
-                               "--max-model-len", "2048", "--disable-log-requests"], env=os.environ.copy())
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm",
+            "serve",
+            args.model,
+            "--port",
+            str(args.port),
+            "--max-model-len",
+            "2048",
+            "--disable-log-requests",
+        ],
+        env=os.environ.copy(),
+    )
     res: dict[str, Any] = {}
     try:
         while _get(base + "/health")[0] != 200:
@@ -58,12 +71,20 @@ def main() -> None:
             time.sleep(0.5)
         res["startup_s"] = round(time.perf_counter() - t0, 1)
         model = json.loads(_get(base + "/v1/models")[1])["data"][0]["id"]
-        code, chat = _post(base + "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 32, "temperature": 0})
+        code, chat = _post(
+            base + "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 32,
+                "temperature": 0,
+            },
+        )
         res["chat"] = [code, chat["choices"][0]["message"]["content"] if code == 200 else chat]
-        code, stream = _post(base + "/v1/completions", {"model": model, "prompt": "The capital of France is",
-                                                        "max_tokens": 16, "temperature": 0, "stream": True})
+        code, stream = _post(
+            base + "/v1/completions",
+            {"model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "stream": True},
+        )
         chunks = [ln for ln in stream.splitlines() if ln.startswith("data: ")]
         res["stream"] = [code, len(chunks), chunks[-1] if chunks else None]
         code, bad = _post(base + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": -3})
@@ -80,8 +101,13 @@ def main() -> None:
         dt = time.perf_counter() - t
         ok = [o for c, o in outs if c == 200]
         toks = sum(o["usage"]["completion_tokens"] for o in ok)
-        res["concurrent"] = {"requests": len(outs), "ok": len(ok), "output_tokens": toks, "seconds": round(dt, 2),
-                             "output_tok_s": round(toks / dt)}
+        res["concurrent"] = {
+            "requests": len(outs),
+            "ok": len(ok),
+            "output_tokens": toks,
+            "seconds": round(dt, 2),
+            "output_tok_s": round(toks / dt),
+        }
     finally:
         server.terminate()
         try:
@@ -94,8 +120,13 @@ def main() -> None:
     print("==== pagedllm serve on the GPU ====")
     for k, v in res.items():
         print(f"{k:18s} {v}")
-    good = (res["chat"][0] == 200 and res["stream"][0] == 200 and res["bad_request"][0] == 400
-            and res["after_bad_health"] == 200 and res["concurrent"]["ok"] == args.concurrency)
+    good = (
+        res["chat"][0] == 200
+        and res["stream"][0] == 200
+        and res["bad_request"][0] == 400
+        and res["after_bad_health"] == 200
+        and res["concurrent"]["ok"] == args.concurrency
+    )
     print("serve check:", "PASS" if good else "FAIL")
     sys.exit(0 if good else 1)
 

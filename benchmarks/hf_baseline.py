@@ -53,8 +53,14 @@ def main() -> None:
     full = statistics.median(run(args.output_len) for _ in range(args.iters))
     one = statistics.median(run(1) for _ in range(args.iters))
     tpot_ms = (full - one) / max(args.output_len - 1, 1) * 1e3
-    result = {"engine": "HF transformers generate", "model": args.model, "load_s": load_s,
-              "median_request_s": full, "median_1token_s": one, "time_per_output_token_ms": tpot_ms}
+    result = {
+        "engine": "HF transformers generate",
+        "model": args.model,
+        "load_s": load_s,
+        "median_request_s": full,
+        "median_1token_s": one,
+        "time_per_output_token_ms": tpot_ms,
+    }
     line = f"HF transformers W3: time per output token {tpot_ms:.3f} ms (median request {full:.3f} s)"
     if args.device == "cuda":
         gbps = floors.copy_bandwidth_gbps(args.device)

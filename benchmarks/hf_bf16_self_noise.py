@@ -41,15 +41,20 @@ def _no_reduced_precision_reduction() -> Iterator[None]:
         m.allow_bf16_reduced_precision_reduction = saved
 
 
-def _verdicts(ref_model: torch.nn.Module, prompts: list[list[int]], outs: list[list[int]],
-              refs: list[list[int]]) -> dict[str, object]:
+def _verdicts(
+    ref_model: torch.nn.Module, prompts: list[list[int]], outs: list[list[int]], refs: list[list[int]]
+) -> dict[str, object]:
     from tests.hf_utils import judge_all
 
     res = judge_all(ref_model, prompts, outs, refs, torch.bfloat16)
-    failing = [f"prompt {i}: {r[len('FAIL '):]}" for i, r in enumerate(res) if r.startswith("FAIL")]
+    failing = [f"prompt {i}: {r[len('FAIL ') :]}" for i, r in enumerate(res) if r.startswith("FAIL")]
     identical = sum(r.startswith("identical") for r in res)
-    return {"identical": identical, "near_tie": len(res) - identical - len(failing), "failing": len(failing),
-            "failures": failing}
+    return {
+        "identical": identical,
+        "near_tie": len(res) - identical - len(failing),
+        "failing": len(failing),
+        "failures": failing,
+    }
 
 
 def main() -> None:
@@ -67,8 +72,9 @@ def main() -> None:
     ref_model = hf_from_gguf(args.gguf, torch.bfloat16, "cuda")
     refs = [hf_greedy(ref_model, p, n) for p in prompts]
 
-    def hf_run(model: torch.nn.Module, ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-               ) -> list[list[int]]:
+    def hf_run(
+        model: torch.nn.Module, ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    ) -> list[list[int]]:
         with ctx():
             return [hf_greedy(model, p, n) for p in prompts]
 
@@ -79,7 +85,8 @@ def main() -> None:
         except RuntimeError as e:  # a backend that does not take these shapes (GQA, masks) here
             print(f"SDPA backend {backend}: not usable here ({str(e).splitlines()[0]})")
     variants["HF bf16 sdpa, cuBLAS reduced-precision bf16 reductions off"] = hf_run(
-        ref_model, _no_reduced_precision_reduction)
+        ref_model, _no_reduced_precision_reduction
+    )
     eager = hf_from_gguf(args.gguf, torch.bfloat16, "cuda", attn_implementation="eager")
     variants["HF bf16 eager attention"] = hf_run(eager)
     del eager
@@ -101,8 +108,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\n==== against HF bf16 sdpa (defaults), {len(prompts)} prompts x {n} tokens, policy threshold 0.1 "
-          f"({report['_device']}) ====")
+    print(
+        f"\n==== against HF bf16 sdpa (defaults), {len(prompts)} prompts x {n} tokens, policy threshold 0.1 "
+        f"({report['_device']}) ===="
+    )
     print(f"{'variant':<62} identical  near-tie  failing")
     for name, r in report.items():
         if not name.startswith("_"):

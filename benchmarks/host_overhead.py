@@ -28,13 +28,19 @@ def main() -> None:
     ap.add_argument("--num-reqs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--final-only", action="store_true",
-                    help="FINAL_ONLY outputs, as offline LLM.generate (and bench throughput) asks")
+    ap.add_argument(
+        "--final-only",
+        action="store_true",
+        help="FINAL_ONLY outputs, as offline LLM.generate (and bench throughput) asks",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", metavar="PATH", help="write the per-step mean and median (ms) to PATH")
     ap.add_argument("--enforce-eager", action="store_true", help="with --device cuda: no CUDA graphs")
-    ap.add_argument("--phases", action="store_true",
-                    help="also time the step's phases (schedule, model runner, update_from_output, outputs)")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time the step's phases (schedule, model runner, update_from_output, outputs)",
+    )
     args = ap.parse_args()
     on_gpu = args.device == "cuda"
     # CPU: float32, the engine's defaults (the figures so far). CUDA: bfloat16 as served (see above).
@@ -47,16 +53,26 @@ def main() -> None:
         from pagedllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
         def class_noop_forward(self: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(input_ids.shape[0], self.config.hidden_size, device=input_ids.device,
-                               dtype=torch.bfloat16)
+            return torch.zeros(
+                input_ids.shape[0], self.config.hidden_size, device=input_ids.device, dtype=torch.bfloat16
+            )
 
         Qwen3ForCausalLM.forward = class_noop_forward  # type: ignore[method-assign]
 
     mod = load_workloads_module()
     cfg_dir = mod.MODELS["qwen3-0.6b"]
-    llm = LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, device=args.device, **dev_kwargs,
-              max_model_len=2048, kv_cache_memory_bytes=1 << 30, hf_overrides={"num_hidden_layers": 1},
-              max_num_seqs=1024, max_num_batched_tokens=16384)  # the GPU defaults (vLLM's limits)
+    llm = LLM(
+        cfg_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device=args.device,
+        **dev_kwargs,
+        max_model_len=2048,
+        kv_cache_memory_bytes=1 << 30,
+        hf_overrides={"num_hidden_layers": 1},
+        max_num_seqs=1024,
+        max_num_batched_tokens=16384,
+    )  # the GPU defaults (vLLM's limits)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     hidden = runner.model.config.hidden_size if hasattr(runner.model, "config") else 1024
     vocab = int(os.environ.get("HOST_BENCH_VOCAB", "1024"))  # the no-op logits: small, host work dominates
@@ -80,8 +96,7 @@ def main() -> None:
     # Prefill (chunked: 256 x 499 tokens over several steps), then a few decode steps, so that every timed
     # step is a pure 256-decode step.
     sched = engine.engine_core.engine_core.scheduler
-    while len(sched.running) < args.num_reqs or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                   for r in sched.running):
+    while len(sched.running) < args.num_reqs or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
     for _ in range(5):
         engine.step()
@@ -108,9 +123,17 @@ def main() -> None:
         print("phases, ms per step: " + ", ".join(f"{k} {v * 1e3 / args.steps:.3f}" for k, v in phases.items()))
     print(f"host time per step with {args.num_reqs} running decodes (no-op model): {dt * 1e3:.2f} ms")
     if args.json:
-        res = {"device": args.device, "num_reqs": args.num_reqs, "steps": args.steps, "vocab": vocab,
-               "final_only": args.final_only, "cuda_graphs": on_gpu and not args.enforce_eager, "mean_ms": dt * 1e3,
-               "median_ms": statistics.median(per_step) * 1e3, "max_ms": max(per_step) * 1e3}
+        res = {
+            "device": args.device,
+            "num_reqs": args.num_reqs,
+            "steps": args.steps,
+            "vocab": vocab,
+            "final_only": args.final_only,
+            "cuda_graphs": on_gpu and not args.enforce_eager,
+            "mean_ms": dt * 1e3,
+            "median_ms": statistics.median(per_step) * 1e3,
+            "max_ms": max(per_step) * 1e3,
+        }
         if phases is not None:
             res["phases_ms"] = {k: v * 1e3 / args.steps for k, v in phases.items()}
         with open(args.json, "w") as f:
@@ -123,9 +146,16 @@ def _time_phases(engine) -> dict[str, float]:  # noqa: ANN001
     core = engine.engine_core.engine_core
     runner = core.executor.worker.model_runner
     acc: dict[str, float] = {}
-    targets = [(core.scheduler, "schedule"), (runner, "_launch"), (runner, "_update_states"),
-               (runner, "_sampling_metadata"), (runner.sampler, "forward"), (runner, "_finish"),
-               (core.scheduler, "update_from_output"), (engine.output_processor, "process_outputs")]
+    targets = [
+        (core.scheduler, "schedule"),
+        (runner, "_launch"),
+        (runner, "_update_states"),
+        (runner, "_sampling_metadata"),
+        (runner.sampler, "forward"),
+        (runner, "_finish"),
+        (core.scheduler, "update_from_output"),
+        (engine.output_processor, "process_outputs"),
+    ]
     if runner.cuda_graphs is not None:
         targets.append((runner.cuda_graphs, "run"))
     for obj, name in targets:

@@ -47,8 +47,10 @@ def mixes(batch: int) -> dict[str, list[SamplingParams]]:
         "top_k=50": [SamplingParams(temperature=0.8, top_k=50)] * batch,
         "top_p=0.9": [SamplingParams(temperature=0.8, top_p=0.9)] * batch,
         "top_k+top_p+min_p": [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02)] * batch,
-        "penalties (all rows)": [SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.3,
-                                                frequency_penalty=0.3)] * batch,
+        "penalties (all rows)": [
+            SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3)
+        ]
+        * batch,
         "logprobs=5 (all rows)": [SamplingParams(temperature=0.8, logprobs=5)] * batch,
         "seeded (all rows)": [SamplingParams(temperature=0.8, seed=i) for i in range(batch)],
         "mixed (1/8 each kind)": [mixed(i) for i in range(batch)],
@@ -62,8 +64,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--flat", action="store_true",
-                    help="i.i.d. N(0, 3^2) logits (a very wide nucleus) instead of LM-like peaked ones")
+    ap.add_argument(
+        "--flat",
+        action="store_true",
+        help="i.i.d. N(0, 3^2) logits (a very wide nucleus) instead of LM-like peaked ones",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,8 +85,10 @@ def main() -> None:
     outputs = [torch.randint(0, args.vocab, (100,), generator=g).tolist() for _ in range(args.batch)]
     sampler = Sampler()
     kind = "flat N(0, 9) logits" if args.flat else "LM-like peaked logits"
-    print(f"batch {args.batch} x vocab {args.vocab}, {kind}, on {dev} ({torch.get_num_threads()} threads), "
-          f"median of {args.iters} steps after 1 warm-up")
+    print(
+        f"batch {args.batch} x vocab {args.vocab}, {kind}, on {dev} ({torch.get_num_threads()} threads), "
+        f"median of {args.iters} steps after 1 warm-up"
+    )
     for name, params in mixes(args.batch).items():
         gens = {i: torch.Generator(device=dev).manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
         md = build_sampling_metadata(params, args.vocab, prompts, outputs, generators=gens, device=dev)

@@ -36,9 +36,16 @@ def main() -> None:
     reqs, model_dir, temp = get_workload(args.workload)
     if args.num_prompts:
         reqs = reqs[: args.num_prompts]
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              max_num_seqs=1024, max_num_batched_tokens=16384, async_scheduling=False,
-              enable_prefix_caching=args.enable_prefix_caching)
+    llm = LLM(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        max_num_seqs=1024,
+        max_num_batched_tokens=16384,
+        async_scheduling=False,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     cuda = torch.cuda.is_available()
@@ -56,14 +63,23 @@ def main() -> None:
         out = orig_exec(so)
         sync()
         n_dec = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
-        steps.append({"tokens": so.total_num_scheduled_tokens, "reqs": len(so.num_scheduled_tokens),
-                      "decodes": n_dec, "exec_s": time.perf_counter() - t})
+        steps.append(
+            {
+                "tokens": so.total_num_scheduled_tokens,
+                "reqs": len(so.num_scheduled_tokens),
+                "decodes": n_dec,
+                "exec_s": time.perf_counter() - t,
+            }
+        )
         return out
 
     core.executor.execute_model = timed_exec  # type: ignore[method-assign]
     for i, (prompt, n) in enumerate(reqs):
-        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt),
-                           SamplingParams(temperature=temp, max_tokens=n, ignore_eos=True, detokenize=False))
+        engine.add_request(
+            str(i),
+            TokensPrompt(prompt_token_ids=prompt),
+            SamplingParams(temperature=temp, max_tokens=n, ignore_eos=True, detokenize=False),
+        )
     prof_done = {"prefill": 0, "mixed": 0}
     tables: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -86,7 +102,8 @@ def main() -> None:
             prof_done[want] += 1
             key = "cuda_time_total" if cuda else "cpu_time_total"
             tables[f"{want}{prof_done[want]} ({steps[-1]['tokens']} tok, {steps[-1]['decodes']} dec)"] = (
-                prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+                prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+            )
         else:
             engine.step()
         n_steps += 1
@@ -100,23 +117,32 @@ def main() -> None:
         g["exec_s"] += s["exec_s"]
     stats = engine.last_scheduler_stats
     result = {
-        "workload": args.workload, "num_requests": len(reqs), "wall_s": wall, "steps": len(steps),
-        "exec_s": sum(s["exec_s"] for s in steps), "groups": dict(groups),
+        "workload": args.workload,
+        "num_requests": len(reqs),
+        "wall_s": wall,
+        "steps": len(steps),
+        "exec_s": sum(s["exec_s"] for s in steps),
+        "groups": dict(groups),
         "num_preemptions": stats.num_preemptions if stats else None,
         "kv_tokens": core.config.cache_config.num_blocks * core.config.cache_config.block_size,
-        "max_running": max(s["reqs"] for s in steps), "step_list": steps,
+        "max_running": max(s["reqs"] for s in steps),
+        "step_list": steps,
     }
     for name, tab in tables.items():
         print(f"==== {name}\n{tab}")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"step_profile_{args.workload}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{args.workload}: {len(reqs)} requests, wall {wall:.2f} s, exec {result['exec_s']:.2f} s, "
-          f"{len(steps)} steps, preemptions {result['num_preemptions']}, KV tokens {result['kv_tokens']}, "
-          f"max running {result['max_running']}")
+    print(
+        f"{args.workload}: {len(reqs)} requests, wall {wall:.2f} s, exec {result['exec_s']:.2f} s, "
+        f"{len(steps)} steps, preemptions {result['num_preemptions']}, KV tokens {result['kv_tokens']}, "
+        f"max running {result['max_running']}"
+    )
     for k, g in groups.items():
-        print(f"  {k:8s} steps {g['steps']:5d} tokens {g['tokens']:9d} exec {g['exec_s']:7.2f} s "
-              f"({1e3 * g['exec_s'] / max(g['steps'], 1):.1f} ms/step)")
+        print(
+            f"  {k:8s} steps {g['steps']:5d} tokens {g['tokens']:9d} exec {g['exec_s']:7.2f} s "
+            f"({1e3 * g['exec_s'] / max(g['steps'], 1):.1f} ms/step)"
+        )
 
 
 if __name__ == "__main__":

@@ -161,8 +161,21 @@ async def beam_search_async(
         shown = gen[:-1] if gen and gen[-1] == eos_token_id and not params.ignore_eos else gen
         if tokenizer is not None:
             beam.text = tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
-        outputs.append(CompletionOutput(
-            index=i, text=beam.text or "", token_ids=gen, cumulative_logprob=beam.cum_logprob,
-            logprobs=beam.logprobs, finish_reason=beam.finish_reason, stop_reason=beam.stop_reason))
-    return RequestOutput(request_id=request_id, prompt=prompt_text, prompt_token_ids=list(prompt_token_ids),
-                         outputs=outputs, finished=True)
+        outputs.append(
+            CompletionOutput(
+                index=i,
+                text=beam.text or "",
+                token_ids=gen,
+                cumulative_logprob=beam.cum_logprob,
+                logprobs=beam.logprobs,
+                finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason,
+            )
+        )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt_text,
+        prompt_token_ids=list(prompt_token_ids),
+        outputs=outputs,
+        finished=True,
+    )

@@ -108,5 +108,11 @@ def smollm2_llm_chunked(smollm2_path: str):  # noqa: ANN201
     and no logprobs limit (max_logprobs=-1, so logprobs=-1 is allowed)."""
     from pagedllm import LLM
 
-    return LLM(smollm2_path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20,
-               max_num_batched_tokens=16, max_logprobs=-1)
+    return LLM(
+        smollm2_path,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        max_num_batched_tokens=16,
+        max_logprobs=-1,
+    )

@@ -35,7 +35,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
     finally:
         model.generation_config.eos_token_id = saved
     assert out.shape[1] == len(prompt_ids) + max_new_tokens
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
@@ -68,8 +68,14 @@ class Comparison:
         return f"diverged at step {self.diverged_at} (top-2 gap {self.gap:.3g})"
 
 
-def compare_greedy(model, prompt_ids: list[int], ours: list[int], ref: list[int], dtype: torch.dtype,  # noqa: ANN001
-                   logprobs_fn=None) -> Comparison:  # noqa: ANN001
+def compare_greedy(
+    model,
+    prompt_ids: list[int],
+    ours: list[int],
+    ref: list[int],
+    dtype: torch.dtype,  # noqa: ANN001
+    logprobs_fn=None,
+) -> Comparison:  # noqa: ANN001
     """Raises AssertionError unless `ours` equals `ref` up to a divergence the near-tie test excuses.
     `logprobs_fn` (default hf_logprobs) computes the reference's teacher-forced logprobs."""
     n = min(len(ours), len(ref))
@@ -88,8 +94,14 @@ def compare_greedy(model, prompt_ids: list[int], ours: list[int], ref: list[int]
     return Comparison(n, None, None)
 
 
-def judge_all(model, prompts: list[list[int]], ours: list[list[int]], refs: list[list[int]],  # noqa: ANN001
-              dtype: torch.dtype, logprobs_fn=None) -> list[str]:  # noqa: ANN001
+def judge_all(
+    model,
+    prompts: list[list[int]],
+    ours: list[list[int]],
+    refs: list[list[int]],  # noqa: ANN001
+    dtype: torch.dtype,
+    logprobs_fn=None,
+) -> list[str]:  # noqa: ANN001
     """Every prompt's verdict by the policy (`compare_greedy`), failures included as "FAIL <reason>", so a
     report counts them all."""
     res = []
@@ -107,6 +119,8 @@ def hf_from_gguf(path: str, dtype: torch.dtype, device: str = "cpu", **kw: str):
 
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, **kw
-    ).to(device).eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, **kw)
+        .to(device)
+        .eval()
+    )

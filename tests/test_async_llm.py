@@ -16,9 +16,11 @@ from pagedllm.engine.async_llm import AsyncLLM  # noqa: E402
 
 
 def test_import_pagedllm_is_lean() -> None:
-    code = ("import sys, pagedllm; from pagedllm import LLM; "
-            "bad = [m for m in ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'aiohttp') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, pagedllm; from pagedllm import LLM; "
+        "bad = [m for m in ('fastapi', 'uvicorn', 'zmq', 'prometheus_client', 'aiohttp') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -48,14 +50,19 @@ def test_output_kinds_agree(engine: AsyncLLM) -> None:
             n_outputs += 1
             text = text + out.outputs[0].text if kind == RequestOutputKind.DELTA else out.outputs[0].text
             last = out
-        assert last.finished and len(last.outputs[0].token_ids) == (10 if kind != RequestOutputKind.DELTA else
-                                                                   len(last.outputs[0].token_ids))
+        assert last.finished and len(last.outputs[0].token_ids) == (
+            10 if kind != RequestOutputKind.DELTA else len(last.outputs[0].token_ids)
+        )
         return text, n_outputs
 
     async def main() -> list[tuple[str, int]]:
-        return list(await asyncio.gather(collect(RequestOutputKind.DELTA, "d"),
-                                         collect(RequestOutputKind.CUMULATIVE, "c"),
-                                         collect(RequestOutputKind.FINAL_ONLY, "f")))
+        return list(
+            await asyncio.gather(
+                collect(RequestOutputKind.DELTA, "d"),
+                collect(RequestOutputKind.CUMULATIVE, "c"),
+                collect(RequestOutputKind.FINAL_ONLY, "f"),
+            )
+        )
 
     (delta, nd), (cum, nc), (final, nf) = run(main())
     assert delta == cum == final and delta

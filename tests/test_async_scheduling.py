@@ -19,8 +19,14 @@ SPS = [
 
 
 def _run(path: str, async_scheduling: bool, **kw: object) -> tuple[list, LLM]:
-    llm = LLM(path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20,
-              async_scheduling=async_scheduling, **kw)
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=256 << 20,
+        async_scheduling=async_scheduling,
+        **kw,
+    )
     outs = []
     for sp in SPS:
         res = llm.generate(PROMPTS[:10], sp, use_tqdm=False)

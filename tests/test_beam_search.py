@@ -31,9 +31,17 @@ def hf_beams(model, prompt: list[int], width: int, max_new: int) -> list[list[in
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt])
-    gc = GenerationConfig(num_beams=width, num_return_sequences=width, max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, bos_token_id=None, length_penalty=1.0,
-                          early_stopping=False)
+    gc = GenerationConfig(
+        num_beams=width,
+        num_return_sequences=width,
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+        length_penalty=1.0,
+        early_stopping=False,
+    )
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
@@ -41,7 +49,7 @@ def hf_beams(model, prompt: list[int], width: int, max_new: int) -> list[list[in
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     finally:
         model.generation_config.eos_token_id = saved
-    return [row[len(prompt):].tolist() for row in out]
+    return [row[len(prompt) :].tolist() for row in out]
 
 
 def test_beam_search_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_prompt_ids) -> None:  # noqa: ANN001
@@ -52,7 +60,7 @@ def test_beam_search_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_prompt_id
     outs = smollm2_llm.beam_search([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     assert kv.prefix_cache_hits > h0  # beams reuse the cached prefix blocks
     for p, out in zip(prompts, outs):
-        ours = [seq.tokens[len(p):] for seq in out.sequences]
+        ours = [seq.tokens[len(p) :] for seq in out.sequences]
         assert len(ours) == 4 and all(len(s) == MAX_TOKENS for s in ours)
         assert all(seq.tokens[: len(p)] == p for seq in out.sequences)
         scores = [seq.cum_logprob for seq in out.sequences]

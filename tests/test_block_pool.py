@@ -49,8 +49,9 @@ class FakeWorker:
 
 def make_scheduler(num_blocks: int, policy: str = "fcfs", budget: int = 64, caching: bool = True) -> Scheduler:
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96,
-                          enable_chunked_prefill=True, policy=policy)  # type: ignore[arg-type]
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96, enable_chunked_prefill=True, policy=policy
+    )  # type: ignore[arg-type]
     return Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, caching)
 
 
@@ -71,8 +72,9 @@ def check_pool(s: Scheduler) -> None:
 def test_block_pool_fuzz(seed: int) -> None:
     rng = random.Random(seed)
     policy = "priority" if seed % 3 == 0 else "fcfs"
-    s = make_scheduler(num_blocks=rng.choice([26, 30, 40, 80]), policy=policy, budget=rng.choice([8, 16, 64]),
-                       caching=seed % 2 == 0)
+    s = make_scheduler(
+        num_blocks=rng.choice([26, 30, 40, 80]), policy=policy, budget=rng.choice([8, 16, 64]), caching=seed % 2 == 0
+    )
     w = FakeWorker()
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     live: list[str] = []
@@ -115,8 +117,11 @@ def test_preemption_happens_and_recovers() -> None:
     s = make_scheduler(num_blocks=14, budget=64)
     w = FakeWorker()
     for i in range(4):
-        s.add_request(EngineCoreRequest(f"r{i}", list(range(i * 10, i * 10 + 10)),
-                                        SamplingParams(max_tokens=30, ignore_eos=True), float(i)))
+        s.add_request(
+            EngineCoreRequest(
+                f"r{i}", list(range(i * 10, i * 10 + 10)), SamplingParams(max_tokens=30, ignore_eos=True), float(i)
+            )
+        )
     outs: dict[str, list[int]] = {}
     while s.has_unfinished_requests():
         so = s.schedule()

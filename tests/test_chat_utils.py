@@ -38,9 +38,7 @@ def test_text_parts_joined_and_input_not_mutated(smollm2_tokenizer: Any) -> None
 
 def test_continue_final_message(smollm2_tokenizer: Any) -> None:
     conv = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
-    text = apply_chat_template(
-        smollm2_tokenizer, conv, add_generation_prompt=False, continue_final_message=True
-    )
+    text = apply_chat_template(smollm2_tokenizer, conv, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("<|im_start|>assistant\n1, 2,")
     with pytest.raises(ValueError, match="add_generation_prompt"):
         apply_chat_template(smollm2_tokenizer, conv, add_generation_prompt=True, continue_final_message=True)
@@ -77,9 +75,7 @@ def test_custom_template_string_file_and_kwargs(smollm2_tokenizer: Any, tmp_path
     path = tmp_path / "t.jinja"
     path.write_text(SIMPLE_TEMPLATE)
     assert load_chat_template(str(path)) == SIMPLE_TEMPLATE
-    text = apply_chat_template(
-        smollm2_tokenizer, conv, chat_template=str(path), chat_template_kwargs={"suffix": "!"}
-    )
+    text = apply_chat_template(smollm2_tokenizer, conv, chat_template=str(path), chat_template_kwargs={"suffix": "!"})
     assert text == "[user]hi\n[assistant]!"
 
 

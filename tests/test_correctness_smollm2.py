@@ -19,8 +19,7 @@ def run(llm: LLM, prompt_ids: list[list[int]], sp: SamplingParams = GREEDY48) ->
 
 def check_all(hf_model, prompt_ids, ours, refs) -> list[str]:  # noqa: ANN001
     return [
-        compare_greedy(hf_model, p, o, r[: len(o)], torch.float32).describe()
-        for p, o, r in zip(prompt_ids, ours, refs)
+        compare_greedy(hf_model, p, o, r[: len(o)], torch.float32).describe() for p, o, r in zip(prompt_ids, ours, refs)
     ]
 
 

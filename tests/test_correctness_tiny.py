@@ -25,8 +25,14 @@ def test_tiny_model_greedy_matches_hf(variant: str, prompts: list[list[int]], tm
     torch.set_num_threads(2)
     hf = make_tiny_hf_model(variant, tmp_path)
     refs = [hf_greedy(hf, p, 24) for p in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=64)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=64,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     for p, o, r in zip(prompts, outs, refs):

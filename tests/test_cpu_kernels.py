@@ -17,8 +17,15 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 needs_kernels = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 
 
-def _reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bt: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def _reference_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bt: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """Float64, one request at a time, straight from the definition."""
     d_reqs, num_heads, hd = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -39,10 +46,13 @@ def _reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,kvh,hd,bs,window", [(9, 3, 64, 16, None), (4, 4, 80, 8, None),
-                                                        (8, 2, 128, 16, 20), (12, 1, 32, 32, None)])
-def test_paged_decode_matches_reference(dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int,
-                                        window: int | None) -> None:
+@pytest.mark.parametrize(
+    "num_heads,kvh,hd,bs,window",
+    [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None)],
+)
+def test_paged_decode_matches_reference(
+    dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
+) -> None:
     g = torch.Generator().manual_seed(num_heads * 100 + hd)
     num_blocks, d_reqs = 64, 7
     k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
@@ -56,7 +66,7 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, num_heads: int, kvh:
     query = torch.randn(num_tokens, num_heads, hd, generator=g).to(dtype)
     tok_idx = torch.tensor([0, 2, 3, 5, 8, 10, 11][:d_reqs])
     out = torch.full_like(query, 7.0)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, tok_idx, out, scale, window)
 
     ref = _reference_decode(query[tok_idx], k_cache, v_cache, bt, seq_lens, scale, window)
@@ -68,9 +78,16 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, num_heads: int, kvh:
 
     # The backend's PyTorch path (used without the kernels) agrees too.
     impl = TorchNativeAttentionImpl(num_heads, hd, scale, kvh, window, AttentionType.DECODER)
-    md = TorchNativeMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_actual_tokens=0, causal=True,
-                             decode_token_idx=tok_idx, decode_block_table=bt, decode_seq_lens=seq_lens,
-                             prefills=[], spans=[])
+    md = TorchNativeMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_actual_tokens=0,
+        causal=True,
+        decode_token_idx=tok_idx,
+        decode_block_table=bt,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+        spans=[],
+    )
     torch_out = impl._decode(query[tok_idx], k_cache, v_cache, md)
     torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
 

@@ -70,14 +70,9 @@ def test_random_token_sequences_match_full_decode(smollm2_tokenizer: Any) -> Non
     for _ in range(300):
         skip = rng.random() < 0.5
         # Low ids are the single-byte tokens (incl. lone UTF-8 lead/continuation bytes) and specials.
-        ids = [
-            rng.randrange(vocab) if rng.random() < 0.6 else rng.randrange(300)
-            for _ in range(rng.randint(1, 30))
-        ]
+        ids = [rng.randrange(vocab) if rng.random() < 0.6 else rng.randrange(300) for _ in range(rng.randint(1, 30))]
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
-        d, deltas, _ = _stream(
-            tok, ids, _params(skip_special_tokens=skip), chunk=rng.randint(1, 3), prompt=prompt
-        )
+        d, deltas, _ = _stream(tok, ids, _params(skip_special_tokens=skip), chunk=rng.randint(1, 3), prompt=prompt)
         expected = tok.decode(ids, skip_special_tokens=skip)
         assert d.output_text == expected, (prompt, ids)
         assert "".join(deltas) == expected
@@ -265,6 +260,4 @@ def test_get_tokenizer_cache_and_errors(smollm2_path: str, smollm2_tokenizer: An
         get_tokenizer(smollm2_path, trust_remote_code=True)
     info = get_cached_tokenizer_info(smollm2_tokenizer)
     assert info is get_cached_tokenizer_info(smollm2_tokenizer)
-    assert (
-        info.vocab_size == len(smollm2_tokenizer) and smollm2_tokenizer.eos_token_id in info.all_special_ids
-    )
+    assert info.vocab_size == len(smollm2_tokenizer) and smollm2_tokenizer.eos_token_id in info.all_special_ids

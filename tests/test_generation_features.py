@@ -14,8 +14,9 @@ GREEDY = dict(temperature=0.0)
 
 def test_stop_string_spanning_tokens(smollm2_llm: LLM, smollm2_tokenizer) -> None:  # noqa: ANN001
     prompt = "The capital of France is"
-    base = smollm2_llm.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY),
-                                use_tqdm=False)[0].outputs[0]
+    base = smollm2_llm.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
     tok = smollm2_tokenizer
     # A stop string made of the end of one token and the start of the next.
     pieces = [tok.decode([t]) for t in base.token_ids]
@@ -29,8 +30,9 @@ def test_stop_string_spanning_tokens(smollm2_llm: LLM, smollm2_tokenizer) -> Non
     c = out.outputs[0]
     assert c.text == base.text[:cut]
     assert c.finish_reason == "stop" and c.stop_reason == stop
-    out2 = smollm2_llm.generate([prompt], SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=True,
-                                                         **GREEDY), use_tqdm=False)[0]
+    out2 = smollm2_llm.generate(
+        [prompt], SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False
+    )[0]
     assert out2.outputs[0].text == base.text[:cut] + stop
 
 
@@ -56,8 +58,7 @@ def test_n4_prefills_prompt_once(smollm2_llm: LLM) -> None:
     prompt = "Write a story about a dragon who learns to paint. " * 6  # several full blocks
     n_prompt = len(smollm2_llm.get_tokenizer().encode(prompt))
     hits0 = sched.kv.prefix_cache_hits
-    out = smollm2_llm.generate([prompt], SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=16),
-                               use_tqdm=False)
+    out = smollm2_llm.generate([prompt], SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=16), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs) == 4
     assert [o.index for o in out[0].outputs] == [0, 1, 2, 3]
     full_blocks = (n_prompt - 1) // 16 * 16
@@ -84,11 +85,17 @@ class ForceTokens(LogitsProcessor):
 def test_multibyte_streaming(smollm2_path: str, smollm2_tokenizer) -> None:  # noqa: ANN001
     text = " 猫が好き 🐱🎉 café — naïve 你好世界"
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
-    llm = LLM(smollm2_path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20,
-              logits_processors=[ForceTokens(ids)])
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=32 << 20,
+        logits_processors=[ForceTokens(ids)],
+    )
     engine = llm.llm_engine
-    engine.add_request("mb", "Say something:",
-                       SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.DELTA, **GREEDY))
+    engine.add_request(
+        "mb", "Say something:", SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.DELTA, **GREEDY)
+    )
     deltas: list[str] = []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -36,8 +36,9 @@ class _Everything:
 
 def _scheduler(num_blocks: int, budget: int, caching: bool, general: bool) -> Scheduler:
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96,
-                          enable_chunked_prefill=True, policy="fcfs")
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96, enable_chunked_prefill=True, policy="fcfs"
+    )
     s = Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, caching)
     if general:
         s.kv._fast_decode = False  # every allocation through the general path; kv_fast_limit stays 0
@@ -99,7 +100,8 @@ def test_scheduler_fast_paths_match_general(seed: int) -> None:
         check_pool(fast)
         assert list(fast.kv.pool._free) == list(ref.kv.pool._free)
         assert {h: b.block_id for h, b in fast.kv.pool.cached.items()} == {
-            h: b.block_id for h, b in ref.kv.pool.cached.items()}
+            h: b.block_id for h, b in ref.kv.pool.cached.items()
+        }
     assert hits > 0, "the fast path was never taken"
 
 
@@ -109,9 +111,12 @@ def test_stop_precheck_never_misses() -> None:
     rng = random.Random(0)
     for i in range(200):
         max_tokens = rng.randrange(1, 20)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3,
-                            stop_token_ids=[rng.randrange(50) for _ in range(rng.randrange(3))] or None,
-                            min_tokens=min(rng.randrange(0, 4), max_tokens))
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=[rng.randrange(50) for _ in range(rng.randrange(3))] or None,
+            min_tokens=min(rng.randrange(0, 4), max_tokens),
+        )
         sp.eos_token_id = rng.choice([None, rng.randrange(50)])
         s.add_request(EngineCoreRequest(f"q{i}", [1] * rng.randrange(1, 60), sp, 0.0))
         req = s.requests[f"q{i}"]
@@ -132,8 +137,12 @@ def _core_out(rid: str, toks: list[int], finish: FinishReason | None = None, cac
 
 @pytest.mark.parametrize("log_stats", [True, False])
 def test_output_processor_quiet_path_matches_general(log_stats: bool) -> None:
-    kinds = [RequestOutputKind.FINAL_ONLY, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE,
-             RequestOutputKind.DELTA]
+    kinds = [
+        RequestOutputKind.FINAL_ONLY,
+        RequestOutputKind.FINAL_ONLY,
+        RequestOutputKind.CUMULATIVE,
+        RequestOutputKind.DELTA,
+    ]
     procs = [OutputProcessor(None, log_stats=log_stats) for _ in range(2)]
     for i, kind in enumerate(kinds * 3):
         sp = SamplingParams(max_tokens=50, detokenize=False, output_kind=kind)
@@ -182,9 +191,20 @@ def _dummy_llm(async_scheduling: bool, **kw: object):  # noqa: ANN202
     from pagedllm.benchmarks.workloads import load_workloads_module
 
     cfg_dir = load_workloads_module().MODELS["qwen3-0.6b"]
-    return LLM(cfg_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
-               max_model_len=256, kv_cache_memory_bytes=64 << 20, hf_overrides={"num_hidden_layers": 1},
-               async_scheduling=async_scheduling, max_num_batched_tokens=96, seed=0, **kw)
+    return LLM(
+        cfg_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        hf_overrides={"num_hidden_layers": 1},
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=96,
+        seed=0,
+        **kw,
+    )
 
 
 def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
@@ -194,9 +214,19 @@ def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
     for sp in RUNNER_SPS:
         sp.detokenize = False
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        results.append([[(list(c.token_ids), c.finish_reason,
-                          None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs])
-                         for c in o.outputs] for o in res])
+        results.append(
+            [
+                [
+                    (
+                        list(c.token_ids),
+                        c.finish_reason,
+                        None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs],
+                    )
+                    for c in o.outputs
+                ]
+                for o in res
+            ]
+        )
     return results
 
 
@@ -216,8 +246,7 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         out = orig_states(self, so)
         stats["states_hits"] += self._states_rows is before and before is not None
         if async_scheduling:  # the in-flight index and the patch shortcut can reuse the last step's ids
-            same_ids[0] += self._in_flight is not None and self._in_flight_ids == list(
-                so.num_scheduled_tokens)
+            same_ids[0] += self._in_flight is not None and self._in_flight_ids == list(so.num_scheduled_tokens)
         return out
 
     def counting_order(self, so):  # noqa: ANN001, ANN202
@@ -281,8 +310,9 @@ def test_append_block_ids_rows_matches_per_row(multi: bool) -> None:
         b.num_blocks[:, :] = [[rng.randrange(5) for _ in range(8)] for _ in range(2)] if b is batches[0] else 0
     batches[1].num_blocks[:, :] = batches[0].num_blocks
     rows = [5, 1, 6, 2]
-    new = [tuple([rng.randrange(100) for _ in range(rng.choice([1, 2]) if multi else 1)] for _ in range(2))
-           for _ in rows]
+    new = [
+        tuple([rng.randrange(100) for _ in range(rng.choice([1, 2]) if multi else 1)] for _ in range(2)) for _ in rows
+    ]
     batches[0].append_block_ids_rows(rows, new)
     for row, ids in zip(rows, new):
         batches[1].append_block_ids(row, ids)
@@ -297,8 +327,17 @@ def _forced_general(result: ModelRunnerOutput) -> ModelRunnerOutput:
 
 
 def _req_state(s: Scheduler) -> dict:
-    return {rid: (r.status, list(r.output_token_ids), list(r.all_token_ids), list(r.block_hashes), r.stop_reason,
-                  r.num_output_placeholders) for rid, r in s.requests.items()}
+    return {
+        rid: (
+            r.status,
+            list(r.output_token_ids),
+            list(r.all_token_ids),
+            list(r.block_hashes),
+            r.stop_reason,
+            r.num_output_placeholders,
+        )
+        for rid, r in s.requests.items()
+    }
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -319,9 +358,12 @@ def test_update_plain_matches_general_loop(seed: int) -> None:
             prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
             max_tokens = rng.randrange(1, 80)
             kind = rng.randrange(3)
-            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=kind == 0,
-                                stop_token_ids=[rng.randrange(1000) for _ in range(40)] if kind == 1 else None,
-                                min_tokens=min(rng.randrange(0, 6), max_tokens) if kind == 2 else 0)
+            sp = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=kind == 0,
+                stop_token_ids=[rng.randrange(1000) for _ in range(40)] if kind == 1 else None,
+                min_tokens=min(rng.randrange(0, 6), max_tokens) if kind == 2 else 0,
+            )
             sp.eos_token_id = rng.randrange(1000) if kind != 0 else None
             if kind == 2:
                 sp.all_stop_token_ids = [sp.eos_token_id]
@@ -347,7 +389,8 @@ def test_update_plain_matches_general_loop(seed: int) -> None:
             if o.finished:
                 live.remove(o.request_id)
         assert {h: b.block_id for h, b in plain.kv.pool.cached.items()} == {
-            h: b.block_id for h, b in ref.kv.pool.cached.items()}
+            h: b.block_id for h, b in ref.kv.pool.cached.items()
+        }
     assert taken > 100
 
 
@@ -424,10 +467,12 @@ def test_scheduler_fast_loop_async_ahead(seed: int) -> None:
         so_f, so_r = fast.schedule(), ref.schedule()
         assert so_f == so_r, f"step {step}"
         assert [(r.request_id, r.num_computed_tokens, r.num_output_placeholders) for r in fast.running] == [
-            (r.request_id, r.num_computed_tokens, r.num_output_placeholders) for r in ref.running]
+            (r.request_id, r.num_computed_tokens, r.num_output_placeholders) for r in ref.running
+        ]
         # The requests this step samples for: those whose placeholders went up.
-        samples = [rid for rid in so_f.num_scheduled_tokens
-                   if fast.requests[rid].num_output_placeholders > before.get(rid, 0)]
+        samples = [
+            rid for rid in so_f.num_scheduled_tokens if fast.requests[rid].num_output_placeholders > before.get(rid, 0)
+        ]
         pending_so.append((so_f, so_r, samples, step))
         if len(pending_so) == 2 or step == 149:
             so_f0, so_r0, samples0, step0 = pending_so.pop(0)

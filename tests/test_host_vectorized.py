@@ -41,8 +41,9 @@ def _reference_build(block_size: int, common: CommonAttentionMetadata) -> TorchN
         nb = (max(seq_lens[r] for r in decode_rows) + bs - 1) // bs
         dec_bt = common.block_table[rows, :nb]
         dec_idx = common.query_start_loc[rows].long()
-    return TorchNativeMetadata(common.slot_mapping, common.num_actual_tokens, common.causal, dec_idx, dec_bt,
-                               dec_sl, prefills, spans)
+    return TorchNativeMetadata(
+        common.slot_mapping, common.num_actual_tokens, common.causal, dec_idx, dec_bt, dec_sl, prefills, spans
+    )
 
 
 def _common(qlens: list[int], ctx: list[int], block_size: int, causal: bool) -> CommonAttentionMetadata:
@@ -54,17 +55,29 @@ def _common(qlens: list[int], ctx: list[int], block_size: int, causal: bool) -> 
     bt = torch.randint(0, 1000, (n, max_blocks + 2), dtype=torch.int32)
     total = int(qsl[-1])
     return CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), seq_lens_cpu=seq,
-        num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32), block_table=bt,
-        slot_mapping=torch.arange(total, dtype=torch.int64), num_reqs=n, num_actual_tokens=total,
-        max_query_len=max(qlens, default=0), max_seq_len=int(seq.max()) if n else 0, causal=causal)
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.clone(),
+        seq_lens_cpu=seq,
+        num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
+        block_table=bt,
+        slot_mapping=torch.arange(total, dtype=torch.int64),
+        num_reqs=n,
+        num_actual_tokens=total,
+        max_query_len=max(qlens, default=0),
+        max_seq_len=int(seq.max()) if n else 0,
+        causal=causal,
+    )
 
 
 def _assert_same(a: TorchNativeMetadata, b: TorchNativeMetadata) -> None:
     assert a.num_actual_tokens == b.num_actual_tokens and a.causal == b.causal
     assert a.slot_mapping is b.slot_mapping
-    for x, y in ((a.decode_token_idx, b.decode_token_idx), (a.decode_block_table, b.decode_block_table),
-                 (a.decode_seq_lens, b.decode_seq_lens)):
+    for x, y in (
+        (a.decode_token_idx, b.decode_token_idx),
+        (a.decode_block_table, b.decode_block_table),
+        (a.decode_seq_lens, b.decode_seq_lens),
+    ):
         assert (x is None) == (y is None)
         if x is not None and y is not None:
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
@@ -95,14 +108,12 @@ def test_metadata_build_matches_per_request_loop(seed: int, causal: bool) -> Non
         qlens.append(q)
         ctx.append(rng.randint(0, 200))
     common = _common(qlens, ctx, bs, causal)
-    _assert_same(TorchNativeMetadataBuilder(bs, None, torch.device("cpu")).build(common),
-                 _reference_build(bs, common))
+    _assert_same(TorchNativeMetadataBuilder(bs, None, torch.device("cpu")).build(common), _reference_build(bs, common))
 
 
 def test_metadata_build_no_requests() -> None:
     common = _common([], [], 16, True)
-    _assert_same(TorchNativeMetadataBuilder(16, None, torch.device("cpu")).build(common),
-                 _reference_build(16, common))
+    _assert_same(TorchNativeMetadataBuilder(16, None, torch.device("cpu")).build(common), _reference_build(16, common))
 
 
 def _random_sample_literal(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -166,10 +177,19 @@ def test_block_hasher_matches_hash_chain(block_size: int, salt: str | None, lora
 
     rng = random.Random(block_size)
     for trial in range(5):
-        prompt = [rng.randrange(-2**40, 2**40) if trial == 4 else rng.randrange(50000)
-                  for _ in range(rng.randrange(0, 70))]
-        req = Request(f"r{trial}", prompt, SamplingParams(), 0.0, 100, cache_salt=salt, lora_id=lora,
-                      block_hasher=make_block_hasher(block_size))
+        prompt = [
+            rng.randrange(-(2**40), 2**40) if trial == 4 else rng.randrange(50000) for _ in range(rng.randrange(0, 70))
+        ]
+        req = Request(
+            f"r{trial}",
+            prompt,
+            SamplingParams(),
+            0.0,
+            100,
+            cache_salt=salt,
+            lora_id=lora,
+            block_hasher=make_block_hasher(block_size),
+        )
         for _ in range(30):
             for _ in range(rng.randrange(1, 6)):
                 req.all_token_ids.append(rng.randrange(50000))
@@ -178,7 +198,6 @@ def test_block_hasher_matches_hash_chain(block_size: int, salt: str | None, lora
         toks = req.all_token_ids
         parent, want = NONE_HASH, []
         for i in range(len(toks) // block_size):
-            parent = hash_block_tokens(parent, toks[i * block_size : (i + 1) * block_size],
-                                       request_extra_keys(req, i))
+            parent = hash_block_tokens(parent, toks[i * block_size : (i + 1) * block_size], request_extra_keys(req, i))
             want.append(parent)
         assert req.block_hashes == want

@@ -32,14 +32,23 @@ def check_position(d: dict[int, Logprob], ref: torch.Tensor, k: int, actual: int
         assert t in d
 
 
-def test_sample_and_prompt_logprobs_match_hf(smollm2_llm, smollm2_hf_model, smollm2_prompt_ids,
-                                             smollm2_tokenizer) -> None:  # noqa: ANN001
+def test_sample_and_prompt_logprobs_match_hf(
+    smollm2_llm, smollm2_hf_model, smollm2_prompt_ids, smollm2_tokenizer
+) -> None:  # noqa: ANN001
     prompts = [smollm2_prompt_ids[i] for i in (1, 7, -1)]
     params = [
         SamplingParams(temperature=0.8, seed=11, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=0, ignore_eos=True),
-        SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, logprobs=1, prompt_logprobs=1,
-                       logprob_token_ids=[28, 1000], ignore_eos=True),
+        SamplingParams(
+            temperature=1.0,
+            top_k=20,
+            seed=3,
+            max_tokens=8,
+            logprobs=1,
+            prompt_logprobs=1,
+            logprob_token_ids=[28, 1000],
+            ignore_eos=True,
+        ),
     ]
     outs = smollm2_llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     for p, sp, out in zip(prompts, params, outs):
@@ -59,8 +68,9 @@ def test_sample_and_prompt_logprobs_match_hf(smollm2_llm, smollm2_hf_model, smol
         for i in range(1, len(p)):
             check_position(plp[i], ref[i - 1], sp.prompt_logprobs, p[i], extra)
     # Requests without logprobs carry none.
-    plain = smollm2_llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], SamplingParams(max_tokens=2),
-                                 use_tqdm=False)[0]
+    plain = smollm2_llm.generate(
+        [TokensPrompt(prompt_token_ids=prompts[0])], SamplingParams(max_tokens=2), use_tqdm=False
+    )[0]
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
     assert plain.prompt_logprobs is None
 

@@ -125,9 +125,7 @@ def test_gguf_matches_transformers() -> None:
     cfg = make_model_config(model_dir, hf_config)
     cfg.gguf_file = path
     ours = load_model(cfg, "auto", torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=os.path.basename(path), dtype=torch.float32)
     hf_sd = hf.state_dict()
     vocab = hf_config.vocab_size
     for name, p in ours.named_parameters():

@@ -107,9 +107,7 @@ def test_stop_token_id_reason_and_metrics(op: OutputProcessor, smollm2_tokenizer
     stats = res.iteration_stats
     assert stats is not None and len(stats.itls) == 1
     (fin,) = stats.finished_requests
-    assert (
-        fin.finish_reason == "stop" and fin.num_generation_tokens == len(ids) and fin.num_cached_tokens == 4
-    )
+    assert fin.finish_reason == "stop" and fin.num_generation_tokens == len(ids) and fin.num_cached_tokens == 4
 
 
 def test_stop_string_aborts_in_core(op: OutputProcessor, smollm2_tokenizer: Any) -> None:

@@ -146,8 +146,11 @@ def test_everything_in_one_mixed_batch() -> None:
 def test_logprobs_gather_ranks_and_full_vocab() -> None:
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4))
     md = build_sampling_metadata(
-        [SamplingParams(temperature=0.0, logprobs=-1), SamplingParams(temperature=0.0, logprobs=2,
-                                                                      logprob_token_ids=[0, 31])], V
+        [
+            SamplingParams(temperature=0.0, logprobs=-1),
+            SamplingParams(temperature=0.0, logprobs=2, logprob_token_ids=[0, 31]),
+        ],
+        V,
     )
     out = Sampler()(logits.clone(), md)
     lp = logits.log_softmax(-1)
@@ -202,8 +205,9 @@ def test_token_count_slots_incremental() -> None:
         for k, t in zip(ks, toks):
             live[int(k)].append(int(t))
     for k, toks in live.items():
-        assert torch.equal(slots.output_counts[k], torch.bincount(torch.tensor(toks, dtype=torch.long),
-                                                                  minlength=V).int())
+        assert torch.equal(
+            slots.output_counts[k], torch.bincount(torch.tensor(toks, dtype=torch.long), minlength=V).int()
+        )
 
 
 class Recorder(LogitsProcessor):
@@ -238,8 +242,7 @@ class Recorder(LogitsProcessor):
 
 def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt_ids) -> None:  # noqa: ANN001
     rec = Recorder()
-    llm = LLM(smollm2_path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20,
-              logits_processors=[rec])
+    llm = LLM(smollm2_path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20, logits_processors=[rec])
     prompt = smollm2_prompt_ids[1]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     base = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -251,8 +254,9 @@ def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt
     mixed = {
         "g": greedy,
         "s": SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=6, ignore_eos=True),
-        "p": SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5, max_tokens=6,
-                            ignore_eos=True),
+        "p": SamplingParams(
+            temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5, max_tokens=6, ignore_eos=True
+        ),
         "l": SamplingParams(temperature=0.0, logprobs=3, max_tokens=6, ignore_eos=True),
         "b": banned,
     }
@@ -285,12 +289,18 @@ def test_repetition_penalty_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_pr
     model = smollm2_hf_model
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p])
-        gc = GenerationConfig(max_new_tokens=12, do_sample=False, repetition_penalty=1.3, eos_token_id=None,
-                              pad_token_id=0, bos_token_id=None)
+        gc = GenerationConfig(
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+            bos_token_id=None,
+        )
         saved = model.generation_config.eos_token_id
         model.generation_config.eos_token_id = None
         try:
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)[0, len(p):].tolist()
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)[0, len(p) :].tolist()
         finally:
             model.generation_config.eos_token_id = saved
         assert list(o.outputs[0].token_ids) == ref

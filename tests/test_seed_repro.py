@@ -47,6 +47,9 @@ def test_seed_reproducible_alone_batched_and_chunked(smollm2_llm, smollm2_llm_ch
     assert run(smollm2_llm_chunked, smollm2_prompt_ids, target_prompt, batch=False) == alone
     assert run(smollm2_llm_chunked, smollm2_prompt_ids, target_prompt, batch=True) == alone
     # A different seed gives a different sample (the seed is really used).
-    other = smollm2_llm.generate([TokensPrompt(prompt_token_ids=target_prompt)], TARGET.clone(seed=4321),
-                                 use_tqdm=False)[0].outputs[0].token_ids
+    other = (
+        smollm2_llm.generate([TokensPrompt(prompt_token_ids=target_prompt)], TARGET.clone(seed=4321), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert list(other) != alone

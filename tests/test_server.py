@@ -29,9 +29,13 @@ MAX_MODEL_LEN = 1024
 # float32: greedy outputs must not depend on the batch (bf16 rounding turns near-ties into flips).
 ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(128 << 20), "--dtype", "float32"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-CHATS = [[{"role": "user", "content": "Tell me a joke about cats."}],
-         [{"role": "system", "content": "Be brief."},
-          {"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]}]]
+CHATS = [
+    [{"role": "user", "content": "Tell me a joke about cats."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]},
+    ],
+]
 
 
 def free_port() -> int:
@@ -48,8 +52,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pagedllm", "serve", "--port", str(self.port), *extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PAGEDLLM_CPU_THREADS": "2", **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PAGEDLLM_CPU_THREADS": "2", **(env or {})},
+        )
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -89,8 +97,18 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--api-key", API_KEY, "--served-model-name", "smollm2", "smol",
-                         "--max-request-body-bytes", str(4 << 20), *ENGINE_FLAGS])
+    srv = ServerProcess(
+        [
+            "--api-key",
+            API_KEY,
+            "--served-model-name",
+            "smollm2",
+            "smol",
+            "--max-request-body-bytes",
+            str(4 << 20),
+            *ENGINE_FLAGS,
+        ]
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -110,8 +128,15 @@ def offline(server: ServerProcess):  # noqa: ANN201 - pagedllm.LLM; loaded after
     return LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=128 << 20, dtype="float32")
 
 
-def post(server: ServerProcess, path: str, body: Any = None, *, content: bytes | None = None,
-         headers: dict[str, str] | None = None, auth: bool = True) -> httpx.Response:
+def post(
+    server: ServerProcess,
+    path: str,
+    body: Any = None,
+    *,
+    content: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    auth: bool = True,
+) -> httpx.Response:
     h = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
     h.update(headers or {})
     if content is not None:
@@ -138,8 +163,7 @@ def test_completions_and_chat_match_offline(server: ServerProcess, client: opena
         ref = offline.generate(prompt, sp, use_tqdm=False)[0].outputs[0].text
         got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
         assert got.choices[0].text == ref
-        stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
-                                           stream=True)
+        stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == ref
         raw = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
         Completion.model_validate(raw.json())
@@ -148,16 +172,25 @@ def test_completions_and_chat_match_offline(server: ServerProcess, client: opena
         got = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
         assert got.choices[0].message.content == ref
         assert got.choices[0].message.role == "assistant"
-        stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
-                                                stream=True)
+        stream = client.chat.completions.create(
+            model="smol", messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
         raw = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0})
         ChatCompletion.model_validate(raw.json())
-        raw = post(server, "/v1/chat/completions",
-                   {"messages": messages, "max_tokens": 8, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        raw = post(
+            server,
+            "/v1/chat/completions",
+            {
+                "messages": messages,
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        )
         events = sse_events(raw)
         assert events[-1] == "[DONE]"
         for ev in events[:-1]:
@@ -178,7 +211,7 @@ def test_completion_prompt_forms_echo_and_usage(server: ServerProcess, client: o
     assert len(set(texts)) == 1  # text and token-id prompts agree
     r = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     echoed = r.choices[0].text
-    assert echoed.startswith(PROMPTS[0]) and texts[0].startswith(echoed[len(PROMPTS[0]):])
+    assert echoed.startswith(PROMPTS[0]) and texts[0].startswith(echoed[len(PROMPTS[0]) :])
     assert r.usage.prompt_tokens == len(ids)
     raw = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 5, "stop": ["\n"]}).json()
     Completion.model_validate(raw)
@@ -187,11 +220,17 @@ def test_completion_prompt_forms_echo_and_usage(server: ServerProcess, client: o
 def test_n3_with_seed_and_stream_usage(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="smol", messages=CHATS[0], n=3, seed=7, temperature=1.0, max_tokens=8)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
-    again = client.chat.completions.create(model="smol", messages=CHATS[0], n=3, seed=7, temperature=1.0,
-                                           max_tokens=8)
+    again = client.chat.completions.create(model="smol", messages=CHATS[0], n=3, seed=7, temperature=1.0, max_tokens=8)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
-    stream = client.completions.create(model="smollm2", prompt=PROMPTS[1], n=3, seed=3, max_tokens=8,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="smollm2",
+        prompt=PROMPTS[1],
+        n=3,
+        seed=3,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2}
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -219,8 +258,9 @@ def test_async_client_streaming(server: ServerProcess) -> None:
     async def run() -> tuple[str, str]:
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
         full = await ac.chat.completions.create(model="smol", messages=CHATS[1], max_tokens=16, temperature=0)
-        stream = await ac.chat.completions.create(model="smol", messages=CHATS[1], max_tokens=16, temperature=0,
-                                                  stream=True)
+        stream = await ac.chat.completions.create(
+            model="smol", messages=CHATS[1], max_tokens=16, temperature=0, stream=True
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         await ac.close()
         return full.choices[0].message.content or "", text
@@ -232,8 +272,9 @@ def test_async_client_streaming(server: ServerProcess) -> None:
 # ---- acceptance 2 ----------------------------------------------------------------------------------
 def test_64_concurrent_streams_equal_non_streamed(server: ServerProcess) -> None:
     topics = ["cats", "dogs", "the sea", "rain", "bread", "trains", "music", "winter"]
-    convs = [[{"role": "user", "content": f"Write one sentence about {topics[i % 8]}, variant {i}."}]
-             for i in range(64)]
+    convs = [
+        [{"role": "user", "content": f"Write one sentence about {topics[i % 8]}, variant {i}."}] for i in range(64)
+    ]
 
     async def run() -> tuple[list[str], list[str]]:
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
@@ -271,8 +312,10 @@ def test_client_disconnect_aborts(server: ServerProcess) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     def stream_then_drop() -> None:
-        with httpx.Client(timeout=120) as c, c.stream("POST", server.url + "/v1/completions",
-                                                      json={**body, "stream": True}, headers=headers) as r:
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r,
+        ):
             seen = 0
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -311,26 +354,46 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
     ("wrong_type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("prompt_wrong_type", "/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("negative_max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ("negative_temperature", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    (
+        "negative_temperature",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+        400,
+        "temperature",
+    ),
     ("prompt_over_context", "/v1/completions", {"prompt": "hello " * 1500}, 400, "maximum context length is 1024"),
     ("max_tokens_over_context", "/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "1024"),
     ("unknown_model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
     ("empty_messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("bad_role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ("bad_content_part", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+    (
+        "bad_content_part",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "text",
+    ),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("top_p_zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("token_out_of_vocab", "/v1/completions", {"prompt": [1, 99999999]}, 400, "vocab"),
-    ("stream_options_without_stream", "/v1/completions",
-     {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
+    (
+        "stream_options_without_stream",
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream",
+    ),
     ("one_mb_prompt", "/v1/completions", {"prompt": "a b " * 260_000}, 400, "maximum context length"),
     ("body_over_limit", "/v1/completions", {"prompt": "x" * (5 << 20)}, 413, "too large"),
     ("invalid_utf8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
-    ("chat_template_path", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "chat_template": "/etc/passwd"}, 400, "chat_template"),
+    (
+        "chat_template_path",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "/etc/passwd"},
+        400,
+        "chat_template",
+    ),
     ("detokenize_bad_id", "/detokenize", {"tokens": [-5]}, 400, "vocabulary"),
 ]
 
@@ -362,9 +425,15 @@ def test_bad_inputs_do_not_delay_others(server: ServerProcess) -> None:
     still succeeds."""
 
     def normal(gaps: list[float], done: threading.Event) -> None:
-        with httpx.Client(timeout=120) as c, c.stream(
-                "POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream(
+                "POST",
+                server.url + "/v1/completions",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True},
+            ) as r,
+        ):
             last = time.monotonic()
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -395,12 +464,23 @@ def test_bad_inputs_do_not_delay_others(server: ServerProcess) -> None:
 
 def test_metrics_exposed(server: ServerProcess) -> None:
     text = httpx.get(server.url + "/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
-                 "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
-                 "request_queue_time_seconds_bucket"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_prompt_tokens_bucket",
+        "request_generation_tokens_bucket",
+        "request_queue_time_seconds_bucket",
+    ):
         assert f"pagedllm:{name}{{" in text, name
     assert 'model_name="smollm2"' in text
     assert metric(server, "prompt_tokens_total") > 0
@@ -411,8 +491,14 @@ def test_penalties_and_logprobs(server: ServerProcess) -> None:
     """Passed through when SamplingParams has them (the sampling features), else a 400 naming the field."""
     from pagedllm.entrypoints.openai.serving_base import sampling_supports
 
-    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 2, "presence_penalty": 0.5,
-            "frequency_penalty": 0.5}
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+    }
     resp = post(server, "/v1/completions", body)
     if not sampling_supports("logprobs"):
         assert resp.status_code == 400
@@ -421,8 +507,11 @@ def test_penalties_and_logprobs(server: ServerProcess) -> None:
     lp = Completion.model_validate(resp.json()).choices[0].logprobs
     assert lp is not None and len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
     assert all(1 <= len(t) <= 3 for t in lp.top_logprobs or [])
-    chat = post(server, "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 4, "temperature": 0,
-                                                 "logprobs": True, "top_logprobs": 2})
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": CHATS[0], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    )
     assert chat.status_code == 200, chat.text
     content = ChatCompletion.model_validate(chat.json()).choices[0].logprobs.content
     assert content is not None and len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
@@ -434,8 +523,10 @@ LP_TOL = 1e-3
 
 def _ref_steps(logprobs: Any, token_ids: list[int]) -> list[tuple[str, float, dict[str, float]]]:
     """Offline logprobs per position: (token text, its logprob, {candidate text: logprob})."""
-    return [(pos[t].decoded_token, pos[t].logprob, {v.decoded_token: v.logprob for v in pos.values()})
-            for t, pos in zip(token_ids, logprobs)]
+    return [
+        (pos[t].decoded_token, pos[t].logprob, {v.decoded_token: v.logprob for v in pos.values()})
+        for t, pos in zip(token_ids, logprobs)
+    ]
 
 
 def _check_completion_lps(lp: dict[str, Any], ref: list[tuple[str, float, dict[str, float]]]) -> None:
@@ -534,8 +625,9 @@ def test_echo_prompt_logprobs(server: ServerProcess, client: openai.OpenAI, offl
         rest = {k: v[1:] for k, v in lp.items()}
         rest["text_offset"] = [o - lp["text_offset"][1] for o in rest["text_offset"]]
         _check_completion_lps(rest, ref)
-    parsed = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2,
-                                       echo=True)  # the SDK accepts the null
+    parsed = client.completions.create(
+        model="smollm2", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True
+    )  # the SDK accepts the null
     assert parsed.choices[0].logprobs is not None and parsed.choices[0].logprobs.token_logprobs[0] is None
 
 
@@ -553,10 +645,12 @@ def test_best_of(server: ServerProcess) -> None:
     plain = post(server, "/v1/completions", {**base, "n": 2, "best_of": 4}).json()
     assert [c["text"] for c in plain["choices"]] == [c["text"] for c in ranked[:2]]
     assert all(c["logprobs"] is None for c in plain["choices"])
-    bad = [("/v1/completions", {**base, "n": 2, "best_of": 1}, "best_of"),
-           ("/v1/completions", {**base, "best_of": 3, "stream": True}, "stream"),
-           ("/v1/chat/completions", {"messages": CHATS[0], "best_of": 2}, "best_of"),
-           ("/v1/chat/completions", {"messages": CHATS[0], "use_beam_search": True}, "use_beam_search")]
+    bad = [
+        ("/v1/completions", {**base, "n": 2, "best_of": 1}, "best_of"),
+        ("/v1/completions", {**base, "best_of": 3, "stream": True}, "stream"),
+        ("/v1/chat/completions", {"messages": CHATS[0], "best_of": 2}, "best_of"),
+        ("/v1/chat/completions", {"messages": CHATS[0], "use_beam_search": True}, "use_beam_search"),
+    ]
     for path, body, word in bad:
         resp = post(server, path, body)
         assert resp.status_code == 400 and word in resp.json()["error"]["message"], resp.text
@@ -568,16 +662,24 @@ def test_beam_search_matches_offline(server: ServerProcess, offline) -> None:  #
     from pagedllm.inputs import TokensPrompt
 
     ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
-    ref = offline.beam_search([TokensPrompt(prompt_token_ids=ids)],
-                              BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
+    ref = offline.beam_search(
+        [TokensPrompt(prompt_token_ids=ids)], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    )[0].sequences
     tok = offline.get_tokenizer()
-    body = {"prompt": PROMPTS[0], "max_tokens": 6, "use_beam_search": True, "n": 2, "best_of": 3,
-            "ignore_eos": True, "logprobs": 1}
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 6,
+        "use_beam_search": True,
+        "n": 2,
+        "best_of": 3,
+        "ignore_eos": True,
+        "logprobs": 1,
+    }
     raw = post(server, "/v1/completions", body).json()
     Completion.model_validate(raw)
     assert len(raw["choices"]) == 2
     for choice, beam in zip(raw["choices"], ref):
-        assert choice["text"] == tok.decode(beam.tokens[len(ids):], skip_special_tokens=True)
+        assert choice["text"] == tok.decode(beam.tokens[len(ids) :], skip_special_tokens=True)
         assert abs(sum(choice["logprobs"]["token_logprobs"]) - beam.cum_logprob) <= LP_TOL
         assert all(1 <= len(t) <= 2 for t in choice["logprobs"]["top_logprobs"])
     events = sse_events(post(server, "/v1/completions", {**body, "stream": True, "logprobs": None}))

@@ -30,8 +30,9 @@ def test_every_engine_arg_is_a_flag() -> None:
 
 def test_config_yaml_under_cli_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("max-model-len: 4096\nport: 9001\nserved_model_name: qwen\nenable-prefix-caching: false\n"
-                   "model: /models/x\n")
+    cfg.write_text(
+        "max-model-len: 4096\nport: 9001\nserved_model_name: qwen\nenable-prefix-caching: false\nmodel: /models/x\n"
+    )
     p = parser()
     argv = ["--config", str(cfg), "--port", "8000"]
     args = p.parse_args(argv)
@@ -45,11 +46,13 @@ def test_config_yaml_under_cli_flags(tmp_path: Path) -> None:
 
 
 def test_help_lists_groups() -> None:
-    out = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedllm", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0
     for group in ("Server options", "Model options", "Cache options", "Scheduler options"):
         assert group in out.stdout
-    out = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "--request-rate" in out.stdout and "--save-result" in out.stdout

@@ -25,9 +25,14 @@ def test_engine_core_death() -> None:
 
         def stream() -> None:
             lines: list[str] = []
-            with httpx.Client(timeout=60) as c, c.stream(
-                    "POST", srv.url + "/v1/completions",
-                    json={"prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "stream": True}) as r:
+            with (
+                httpx.Client(timeout=60) as c,
+                c.stream(
+                    "POST",
+                    srv.url + "/v1/completions",
+                    json={"prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "stream": True},
+                ) as r,
+            ):
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])

@@ -63,8 +63,15 @@ def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
 
     from pagedllm.benchmarks.floors import weight_read_bytes
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     everything = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts a tied tensor once
     embed = 128 * 32 * 2
@@ -78,8 +85,15 @@ def test_throughput_floor_counts_by_hand() -> None:
 
     from pagedllm.benchmarks.floors import throughput_floor, weight_read_bytes
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     w = weight_read_bytes(model)
     head, body = 128 * 32, w // 2 - 128 * 32

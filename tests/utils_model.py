@@ -120,13 +120,9 @@ class PagedModelRunner:
         self.num_blocks = num_blocks
         param = next(model.parameters())
         self.device = param.device
-        self.layers: dict[str, Attention] = {
-            m.layer_name: m for m in model.modules() if isinstance(m, Attention)
-        }
+        self.layers: dict[str, Attention] = {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
         for layer in self.layers.values():
-            shape = layer.backend.get_kv_cache_shape(
-                num_blocks, block_size, layer.num_kv_heads, layer.head_size
-            )
+            shape = layer.backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.num_computed = 0
 

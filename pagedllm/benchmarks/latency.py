@@ -34,8 +34,10 @@ def main(args: argparse.Namespace) -> int:
         ea.skip_tokenizer_init = True
     llm = LLM(**{k: getattr(ea, k) for k in EngineArgs.field_names()})
     rng = random.Random(3)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(args.input_len)])
-               for _ in range(args.batch_size)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(args.input_len)])
+        for _ in range(args.batch_size)
+    ]
 
     def run(n: int) -> float:
         llm.reset_prefix_cache()
@@ -66,8 +68,10 @@ def main(args: argparse.Namespace) -> int:
         floor_ms = floors.weight_read_bytes(model) / (gbps * 1e9) * 1e3
         result.update(copy_GBps=gbps, weight_floor_ms=floor_ms, x_floor=tpot * 1e3 / floor_ms)
         floor = f"; {result['x_floor']:.3f}x the weight-read floor {floor_ms:.3f} ms (copy {gbps:.0f} GB/s)"
-    print(f"Time per output token: {tpot * 1e3:.3f} ms (median request {result['median_request_s']:.3f} s, "
-          f"1-token {result['median_1token_s']:.4f} s){floor}")
+    print(
+        f"Time per output token: {tpot * 1e3:.3f} ms (median request {result['median_request_s']:.3f} s, "
+        f"1-token {result['median_1token_s']:.4f} s){floor}"
+    )
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -34,15 +34,33 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server URL (without /v1).")
     p.add_argument("--model", default=None, help="Model name to send (default: the server's first model).")
     p.add_argument("--api-key", default=None, help="Bearer token (default: PAGEDLLM_API_KEY / none).")
-    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random"],
-                   help="Prompt source: random token ids.")
+    p.add_argument(
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        default="random",
+        choices=["random"],
+        help="Prompt source: random token ids.",
+    )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
-    p.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
-                   help="Lengths drawn uniformly from [len*(1-r), len*(1+r)].")
-    p.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], metavar=("LO", "HI"),
-                   help="Random prompt token ids are drawn from [LO, HI).")
+    p.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="Lengths drawn uniformly from [len*(1-r), len*(1+r)].",
+    )
+    p.add_argument(
+        "--vocab-range",
+        type=int,
+        nargs=2,
+        default=[1000, 20000],
+        metavar=("LO", "HI"),
+        help="Random prompt token ids are drawn from [LO, HI).",
+    )
     p.add_argument("--request-rate", type=str, default="inf", help="Requests per second (Poisson), or 'inf'.")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1 = Poisson).")
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
@@ -66,18 +84,25 @@ def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return [([rng.randrange(lo, hi) for _ in range(i)], o) for i, o in zip(ins, outs)]
 
 
-async def _one(session: Any, url: str, headers: dict[str, str], model: str, prompt: list[int], max_tokens: int,
-               timeout: float) -> RequestResult:
+async def _one(
+    session: Any, url: str, headers: dict[str, str], model: str, prompt: list[int], max_tokens: int, timeout: float
+) -> RequestResult:
     import aiohttp
 
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = start
     try:
-        async with session.post(url, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
@@ -128,11 +153,18 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
     total_out = sum(r.output_tokens for r in ok)
     total_in = sum(r.prompt_len for r in ok)
     out: dict[str, Any] = {
-        "base_url": args.base_url, "dataset": args.dataset, "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "input_len": args.input_len, "output_len": args.output_len,
-        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "base_url": args.base_url,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": total_out / duration if duration else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
@@ -150,16 +182,24 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
 def print_table(s: dict[str, Any], pcts: list[str]) -> None:
     w = 50
     print("=" * w + "\n" + " Serving Benchmark Result ".center(w, "=") + "\n" + "=" * w)
-    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
-            ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    rows = [
+        ("Successful requests:", s["completed"]),
+        ("Failed requests:", s["failed"]),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]),
+        ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+    ]
     for k, v in rows:
         print(f"{k:<36}{v:>14}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         print(f" {title} ".center(w, "-"))
         print(f"{'Mean ' + name.upper() + ' (ms):':<36}{s[f'mean_{name}_ms']:>14.2f}")
         for p in pcts:

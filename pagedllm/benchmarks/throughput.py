@@ -20,8 +20,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None, help="W1|W2|W3|W4: replay a published workload exactly.")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="Lengths uniform in [len*(1-r), len*(1+r)].")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="Lengths uniform in [len*(1-r), len*(1+r)].")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--temperature", type=float, default=None, help="Default: the workload's, else 0.")
     p.add_argument("--warmup-requests", type=int, default=8)
@@ -43,8 +42,10 @@ def build_requests(args: argparse.Namespace) -> tuple[list[tuple[list[int], int]
     def draw(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r))))
 
-    return [([rng.randint(0, 10000) for _ in range(draw(args.input_len))], draw(args.output_len))
-            for _ in range(args.num_prompts)], 0.0
+    return [
+        ([rng.randint(0, 10000) for _ in range(draw(args.input_len))], draw(args.output_len))
+        for _ in range(args.num_prompts)
+    ], 0.0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -95,18 +96,34 @@ def main(args: argparse.Namespace) -> int:
         gbps, tflops = floors.copy_bandwidth_gbps(dev), floors.matmul_tflops(dev)
         mc = core.config.model_config
         f = floors.throughput_floor(
-            model, mc.num_layers, int(mc.hf_config.num_attention_heads), mc.num_kv_heads, mc.head_dim,
+            model,
+            mc.num_layers,
+            int(mc.hf_config.num_attention_heads),
+            mc.num_kv_heads,
+            mc.head_dim,
             [(len(p), n, o.num_cached_tokens) for (p, n), o in zip(reqs, outs)],
-            core.config.scheduler_config.max_num_batched_tokens, gbps, tflops,
+            core.config.scheduler_config.max_num_batched_tokens,
+            gbps,
+            tflops,
         )
-        result.update(copy_GBps=gbps, matmul_TFLOPs=tflops, floor_s=f.seconds, floor_bytes_s=f.bytes_s,
-                      floor_flops_s=f.flops_s, x_floor=elapsed / f.seconds)
-        floor = (f"; {elapsed / f.seconds:.2f}x the floor {f.seconds:.3f} s = max(bytes {f.bytes_s:.3f} s, "
-                 f"FLOPs {f.flops_s:.3f} s) at copy {gbps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s")
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
-          f"{result['total_tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)"
-          f"{floor}")
+        result.update(
+            copy_GBps=gbps,
+            matmul_TFLOPs=tflops,
+            floor_s=f.seconds,
+            floor_bytes_s=f.bytes_s,
+            floor_flops_s=f.flops_s,
+            x_floor=elapsed / f.seconds,
+        )
+        floor = (
+            f"; {elapsed / f.seconds:.2f}x the floor {f.seconds:.3f} s = max(bytes {f.bytes_s:.3f} s, "
+            f"FLOPs {f.flops_s:.3f} s) at copy {gbps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s"
+        )
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+        f"{result['total_tokens_per_second']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)"
+        f"{floor}"
+    )
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

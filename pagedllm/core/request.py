@@ -37,10 +37,29 @@ _FINISH_REASONS = {
 class Request:
     # Slots: the scheduler reads a dozen fields of every running request each step.
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "max_tokens", "priority",
-        "cache_salt", "lora_id", "status", "output_token_ids", "all_token_ids", "num_computed_tokens",
-        "num_output_placeholders", "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
-        "_block_hasher", "_hash_block_size", "next_hash_len", "stop_len", "stop_token_set", "kv_fast_limit",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "arrival_time",
+        "max_tokens",
+        "priority",
+        "cache_salt",
+        "lora_id",
+        "status",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_output_placeholders",
+        "num_cached_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "block_hashes",
+        "_block_hasher",
+        "_hash_block_size",
+        "next_hash_len",
+        "stop_len",
+        "stop_token_set",
+        "kv_fast_limit",
     )
 
     def __init__(

@@ -31,8 +31,15 @@ from pagedllm.sampling_params import SamplingParams
 def needs_sync_step(sp: SamplingParams) -> bool:
     """Whether sampling for this request reads its previous tokens on the host (so the next step cannot be
     scheduled before they are known): penalties, min_tokens, bad words, logprobs."""
-    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens
-                or sp.bad_words_token_ids or sp.logprobs is not None or sp.prompt_logprobs is not None)
+    return bool(
+        sp.presence_penalty
+        or sp.frequency_penalty
+        or sp.repetition_penalty != 1.0
+        or sp.min_tokens
+        or sp.bad_words_token_ids
+        or sp.logprobs is not None
+        or sp.prompt_logprobs is not None
+    )
 
 
 class Scheduler:
@@ -139,8 +146,13 @@ class Scheduler:
             # (pending: target >= stop_len is the general loop's "last token already in flight" test,
             # len(output) + pending >= max_tokens or target >= max_model_len, as stop_len is
             # min(prompt + max_tokens, max_model_len) and len(all) = prompt + len(output).)
-            if (num_new <= 0 or num_new > budget or target > max_model_len or target > req.kv_fast_limit
-                    or (pending and target >= req.stop_len)):
+            if (
+                num_new <= 0
+                or num_new > budget
+                or target > max_model_len
+                or target > req.kv_fast_limit
+                or (pending and target >= req.stop_len)
+            ):
                 break
             rid = req.request_id
             num_scheduled[rid] = num_new
@@ -155,8 +167,9 @@ class Scheduler:
             req = running[i]
             pending = req.num_output_placeholders
             num_tokens = len(req.all_token_ids)
-            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
-                            or num_tokens + pending >= max_model_len):
+            if pending and (
+                len(req.output_token_ids) + pending >= req.max_tokens or num_tokens + pending >= max_model_len
+            ):
                 i += 1  # its last token is already in flight
                 continue
             computed = req.num_computed_tokens
@@ -352,14 +365,22 @@ class Scheduler:
             if (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok):
                 self.running.remove(req)
                 self._free_request(req)
-                outputs_append(EngineCoreOutput(rid, tokens, req.status.finish_reason, req.stop_reason,
-                                                req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
+                outputs_append(
+                    EngineCoreOutput(
+                        rid,
+                        tokens,
+                        req.status.finish_reason,
+                        req.stop_reason,
+                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                    )
+                )
                 continue
             cached = req.num_cached_tokens
             outputs_append(EngineCoreOutput(rid, tokens, None, req.stop_reason, cached if cached > 0 else 0))
 
-    def _update_one_general(self, req: Request, rid: str, tokens: list[int], outputs: list[EngineCoreOutput],
-                            result: ModelRunnerOutput) -> None:
+    def _update_one_general(
+        self, req: Request, rid: str, tokens: list[int], outputs: list[EngineCoreOutput], result: ModelRunnerOutput
+    ) -> None:
         """The general per-request body of `update_from_output` (no logprobs) for a request that is not a
         running one-token request; placeholders already taken off."""
         if req.status != RequestStatus.RUNNING:
@@ -368,8 +389,15 @@ class Scheduler:
             return
         new_tokens, stopped = self._append_until_stop(req, tokens)
         finish_reason = self._retire_if_stopped(req, stopped)
-        outputs.append(EngineCoreOutput(rid, new_tokens, finish_reason, req.stop_reason,
-                                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0))
+        outputs.append(
+            EngineCoreOutput(
+                rid,
+                new_tokens,
+                finish_reason,
+                req.stop_reason,
+                req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+            )
+        )
 
     def _retire_if_stopped(self, req: Request, stopped: bool) -> FinishReason | None:
         """A stopped running request leaves the running list and frees its blocks: its finish reason."""
@@ -390,8 +418,9 @@ class Scheduler:
                 return new_tokens, True
         return new_tokens, False
 
-    def _late_token_of_preempted(self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int,
-                                 result: ModelRunnerOutput) -> None:
+    def _late_token_of_preempted(
+        self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int, result: ModelRunnerOutput
+    ) -> None:
         new_tokens: list[int] = []
         for tok in tokens:
             req.append_output_token_ids([tok])
@@ -403,8 +432,16 @@ class Scheduler:
             self.waiting.remove(req)
             self._free_request(req)
         lps = result.logprobs[idx] if result.logprobs is not None else None
-        outputs.append(EngineCoreOutput(req.request_id, new_tokens, finish_reason, req.stop_reason,
-                                        max(req.num_cached_tokens, 0), new_logprobs=lps))
+        outputs.append(
+            EngineCoreOutput(
+                req.request_id,
+                new_tokens,
+                finish_reason,
+                req.stop_reason,
+                max(req.num_cached_tokens, 0),
+                new_logprobs=lps,
+            )
+        )
 
     def _check_stop(self, req: Request, token: int) -> bool:
         sp = req.sampling_params

@@ -40,7 +40,8 @@ _tried = False
 
 def _cache_dir() -> Path:
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
+    )
     return Path(root) / "cpu_kernels"
 
 

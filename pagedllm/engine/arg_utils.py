@@ -27,57 +27,91 @@ def _help(text: str, group: str = "Model") -> dict[str, str]:
 
 @dataclass
 class EngineArgs:
-    model: str | None = field(default=None, metadata=_help(
-        "Model directory, .gguf file or hub id. Default: the built-in SmolLM2-135M-Instruct."))
+    model: str | None = field(
+        default=None,
+        metadata=_help("Model directory, .gguf file or hub id. Default: the built-in SmolLM2-135M-Instruct."),
+    )
     tokenizer: str | None = field(default=None, metadata=_help("Tokenizer path (default: the model's)."))
     tokenizer_mode: str = field(default="auto", metadata=_help("'auto', 'hf' or 'slow'."))
-    skip_tokenizer_init: bool = field(default=False, metadata=_help(
-        "Do not load a tokenizer: prompts must be token ids and outputs carry no text."))
+    skip_tokenizer_init: bool = field(
+        default=False, metadata=_help("Do not load a tokenizer: prompts must be token ids and outputs carry no text.")
+    )
     trust_remote_code: bool = field(default=False, metadata=_help("Not supported (must stay False)."))
-    dtype: str = field(default="auto", metadata=_help(
-        "auto | float32 | bfloat16 | float16. auto: the model's 16-bit dtype on GPU; on CPU bfloat16 "
-        "where the CPU has native bf16 (AVX-512 BF16/AMX), else float32."))
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "auto | float32 | bfloat16 | float16. auto: the model's 16-bit dtype on GPU; on CPU bfloat16 "
+            "where the CPU has native bf16 (AVX-512 BF16/AMX), else float32."
+        ),
+    )
     seed: int | None = field(default=0, metadata=_help("Global random seed."))
-    max_model_len: int | None = field(default=None, metadata=_help(
-        "Maximum context length (prompt + output). Default: the model's."))
-    hf_overrides: dict[str, Any] | None = field(default=None, metadata=_help(
-        "JSON dict of HF config attributes to override."))
+    max_model_len: int | None = field(
+        default=None, metadata=_help("Maximum context length (prompt + output). Default: the model's.")
+    )
+    hf_overrides: dict[str, Any] | None = field(
+        default=None, metadata=_help("JSON dict of HF config attributes to override.")
+    )
     revision: str | None = field(default=None, metadata=_help("Hub revision."))
-    generation_config: str = field(default="auto", metadata=_help(
-        "'auto' (use the model's generation_config.json defaults), 'vllm' (ignore them) or a directory."))
-    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = field(default="auto", metadata=_help(
-        "Weight format; 'dummy' = random weights from the config (benchmarks)."))
-    max_logprobs: int = field(default=20, metadata=_help(
-        "Largest logprobs / prompt_logprobs a request may ask for (-1: no limit)."))
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "'auto' (use the model's generation_config.json defaults), 'vllm' (ignore them) or a directory."
+        ),
+    )
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = field(
+        default="auto", metadata=_help("Weight format; 'dummy' = random weights from the config (benchmarks).")
+    )
+    max_logprobs: int = field(
+        default=20, metadata=_help("Largest logprobs / prompt_logprobs a request may ask for (-1: no limit).")
+    )
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = field(
-        default="raw_logprobs", metadata=_help(
+        default="raw_logprobs",
+        metadata=_help(
             "What logprobs report: the model's raw logprobs/logits, or processed ones (after penalties, "
-            "logits processors, temperature and top-k/top-p)."))
+            "logits processors, temperature and top-k/top-p)."
+        ),
+    )
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block.", "Cache"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes.", "Cache"))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
-        "Fraction of GPU memory the engine may use (weights + activations + KV cache).", "Cache"))
-    kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
-        "KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
-        "Force the number of KV-cache blocks (testing/preemption).", "Cache"))
-    max_num_seqs: int | None = field(default=None, metadata=_help(
-        "Most requests in one step. Default: 1024 on GPU, 256 on CPU.", "Scheduler"))
-    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
-        "Token budget per step. Default: 16384 on GPU, 4096 on CPU.", "Scheduler"))
-    enable_chunked_prefill: bool = field(default=True, metadata=_help(
-        "Split long prompts across steps to fit the token budget.", "Scheduler"))
-    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
-        "'fcfs' or 'priority' (lower value first; preemption takes the lowest priority).", "Scheduler"))
-    async_scheduling: bool | None = field(default=None, metadata=_help(
-        "Schedule and prepare the next step while the current one runs on the GPU (steps whose requests "
-        "need the previous token on the host, e.g. penalties, run synchronously). Default: on for the GPU, "
-        "off on the CPU (where nothing overlaps).", "Scheduler"))
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help("Fraction of GPU memory the engine may use (weights + activations + KV cache).", "Cache"),
+    )
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=_help("KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"),
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=_help("Force the number of KV-cache blocks (testing/preemption).", "Cache")
+    )
+    max_num_seqs: int | None = field(
+        default=None, metadata=_help("Most requests in one step. Default: 1024 on GPU, 256 on CPU.", "Scheduler")
+    )
+    max_num_batched_tokens: int | None = field(
+        default=None, metadata=_help("Token budget per step. Default: 16384 on GPU, 4096 on CPU.", "Scheduler")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_help("Split long prompts across steps to fit the token budget.", "Scheduler")
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = field(
+        default="fcfs",
+        metadata=_help("'fcfs' or 'priority' (lower value first; preemption takes the lowest priority).", "Scheduler"),
+    )
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Schedule and prepare the next step while the current one runs on the GPU (steps whose requests "
+            "need the previous token on the host, e.g. penalties, run synchronously). Default: on for the GPU, "
+            "off on the CPU (where nothing overlaps).",
+            "Scheduler",
+        ),
+    )
     enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
     device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
-    served_model_name: list[str] | None = field(default=None, metadata=_help(
-        "Model name(s) the API answers to (default: the model argument).", "Frontend"))
+    served_model_name: list[str] | None = field(
+        default=None, metadata=_help("Model name(s) the API answers to (default: the model argument).", "Frontend")
+    )
     disable_log_stats: bool = field(default=False, metadata=_help("No periodic stats log line.", "Frontend"))
 
     # ---- validation and resolution -------------------------------------------------------------

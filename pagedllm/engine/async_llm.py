@@ -123,7 +123,8 @@ class AsyncLLM:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._tokenize_pool, lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))
+            self._tokenize_pool, lambda: list(tok.encode(text, add_special_tokens=add_special_tokens))
+        )
 
     async def run_in_worker(self, fn: Any, *args: Any) -> Any:
         """Run a blocking front-end function (chat-template rendering, decoding) off the event loop."""
@@ -232,12 +233,11 @@ class AsyncLLM:
                 if not core_outs:
                     self._record(outputs, None, queue_times)
                 for start in range(0, len(core_outs), OUTPUT_CHUNK_SIZE):
-                    chunk = core_outs[start:start + OUTPUT_CHUNK_SIZE]
+                    chunk = core_outs[start : start + OUTPUT_CHUNK_SIZE]
                     processed = op.process_outputs(chunk, outputs.timestamp)
                     client.abort_requests(processed.reqs_to_abort)
                     last = start + OUTPUT_CHUNK_SIZE >= len(core_outs)
-                    self._record(outputs if last else None, processed.iteration_stats,
-                                 queue_times if last else [])
+                    self._record(outputs if last else None, processed.iteration_stats, queue_times if last else [])
                     if not last:
                         await asyncio.sleep(0)
                 self._last_step_ts = outputs.timestamp

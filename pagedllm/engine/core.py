@@ -54,7 +54,10 @@ class EngineCore:
         gc.freeze()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%d layer group(s)); engine ready in %.2f s",
-            num_blocks - 1, cc.block_size, (num_blocks - 1) * cc.block_size, len(kv_config.groups),
+            num_blocks - 1,
+            cc.block_size,
+            (num_blocks - 1) * cc.block_size,
+            len(kv_config.groups),
             time.perf_counter() - t0,
         )
 

@@ -80,8 +80,9 @@ class EngineCoreProc:
         input_socket = self.ctx.socket(zmq.PULL)
         input_socket.setsockopt(zmq.RCVHWM, 0)
         input_socket.connect(self.input_addr)
-        self._input_thread = threading.Thread(target=self._read_inputs, args=(input_socket,), name="EngineCoreInput",
-                                              daemon=True)
+        self._input_thread = threading.Thread(
+            target=self._read_inputs, args=(input_socket,), name="EngineCoreInput", daemon=True
+        )
         self._input_thread.start()
         info = {
             "pid": os.getpid(),

@@ -78,9 +78,7 @@ class IncrementalDetokenizer:
         self.stop_string_hit: str | None = None
         self._decode: Callable[[list[int]], str] | None = None
         if tokenizer is not None and params.detokenize:
-            self._decode = _make_decode_fn(
-                tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
-            )
+            self._decode = _make_decode_fn(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         # Decoding window state: `_ids` = prompt context + the output ids that belong to the text.
         self._ids: list[int] = []
         self._prefix_offset = 0

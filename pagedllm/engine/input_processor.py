@@ -113,5 +113,7 @@ class InputProcessor:
             )
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"prompt: token id {hi if hi >= self.vocab_size else lo} is out of the vocabulary "
-                             f"(size {self.vocab_size})")
+            raise ValueError(
+                f"prompt: token id {hi if hi >= self.vocab_size else lo} is out of the vocabulary "
+                f"(size {self.vocab_size})"
+            )

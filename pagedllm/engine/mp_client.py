@@ -169,8 +169,7 @@ class AsyncMPClient:
                     raise EngineStartError(f"The engine core failed to start: {msgspec.msgpack.decode(payload)}")
             if not self.proc.is_alive():
                 raise EngineStartError(
-                    f"The engine core process exited with code {self.proc.exitcode} while starting "
-                    "(see its log above)."
+                    f"The engine core process exited with code {self.proc.exitcode} while starting (see its log above)."
                 )
         raise EngineStartError(f"The engine core did not become ready within {timeout_s:.0f} s")
 
@@ -230,7 +229,8 @@ class AsyncMPClient:
             self.input_socket.send_multipart([kind, payload], copy=False)
         except zmq.Again as e:
             error = EngineDeadError(
-                f"The engine core did not take a message within {INPUT_SEND_TIMEOUT_MS / 1000:.0f} s")
+                f"The engine core did not take a message within {INPUT_SEND_TIMEOUT_MS / 1000:.0f} s"
+            )
             self.mark_dead(error)
             raise error from e
 

@@ -309,16 +309,12 @@ class OutputProcessor:
         if parent_req is not None:
             pstate = self.parent_requests.get(parent_req.request_id)
             if pstate is None:
-                pstate = _ParentState(
-                    parent_req, prompt, request.prompt_token_ids, request.arrival_time, queue
-                )
+                pstate = _ParentState(parent_req, prompt, request.prompt_token_ids, request.arrival_time, queue)
                 self.parent_requests[parent_req.request_id] = pstate
             elif pstate.queue is None:
                 pstate.queue = queue
             queue = None  # children report through the parent
-        self.request_states[request_id] = RequestState(
-            request, prompt, detokenizer, parent_req, request_index, queue
-        )
+        self.request_states[request_id] = RequestState(request, prompt, detokenizer, parent_req, request_index, queue)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forget the given requests (core or parent ids); return the core request ids to abort.
@@ -335,8 +331,7 @@ class OutputProcessor:
                 to_abort.append(rid)
         if to_abort:
             fake = [
-                EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT)
-                for r in to_abort
+                EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT) for r in to_abort
             ]
             self._process(fake, time.monotonic(), None, [], [])
         return to_abort
@@ -460,9 +455,7 @@ class OutputProcessor:
             stats.num_generation_tokens += len(new_token_ids)
 
     @staticmethod
-    def _update_parent_metrics(
-        pstate: _ParentState, state: RequestState, new_token_ids: list[int], now: float
-    ) -> None:
+    def _update_parent_metrics(pstate: _ParentState, state: RequestState, new_token_ids: list[int], now: float) -> None:
         pstate.num_cached_tokens = max(pstate.num_cached_tokens, state.num_cached_tokens)
         if not new_token_ids:
             return
@@ -502,9 +495,7 @@ class _TokenDecoder:
         return text
 
 
-def _make_dict(
-    ids: list[int], lps: list[float], ranks: list[int], decode: _TokenDecoder | None
-) -> dict[int, Logprob]:
+def _make_dict(ids: list[int], lps: list[float], ranks: list[int], decode: _TokenDecoder | None) -> dict[int, Logprob]:
     return {
         t: Logprob(logprob=lp, rank=r, decoded_token=decode(t) if decode is not None else None)
         for t, lp, r in zip(ids, lps, ranks)

@@ -70,8 +70,7 @@ def _content_to_text(content: Any, msg_index: int) -> str:
             texts.append(text)
         return "\n".join(texts)
     raise ValueError(
-        f"messages[{msg_index}].content: expected a string, a list of text parts or None, "
-        f"got {type(content).__name__}"
+        f"messages[{msg_index}].content: expected a string, a list of text parts or None, got {type(content).__name__}"
     )
 
 
@@ -82,9 +81,7 @@ def normalize_conversation(conversation: list[dict[str, Any]]) -> list[dict[str,
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(conversation):
         if not isinstance(msg, dict):
-            raise ValueError(
-                f"messages[{i}]: expected a dict with 'role' and 'content', got {type(msg).__name__}"
-            )
+            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(msg).__name__}")
         role = msg.get("role")
         if role not in VALID_ROLES:
             raise ValueError(f"messages[{i}].role: expected one of {', '.join(VALID_ROLES)}, got {role!r}")

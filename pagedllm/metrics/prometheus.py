@@ -16,12 +16,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pagedllm.engine import SchedulerStats
 from pagedllm.engine.output_processor import IterationStats
 
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -57,29 +119,32 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
-            "pagedllm:request_success", "Count of successfully processed requests.",
-            ["model_name", "finished_reason"], registry=r,
+            "pagedllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         self.request_success = {
             reason: self._request_success.labels(model_name, reason) for reason in ("stop", "length", "abort")
         }
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS
+        )
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.",
-                                          token_buckets)
-        self.request_generation_tokens = hist("request_generation_tokens",
-                                              "Number of generation tokens processed.", token_buckets)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
         self._last_preemptions = 0
 
     def record(
@@ -118,7 +183,8 @@ class PrometheusStatLogger:
             counter = self.request_success.get(fin.finish_reason)
             if counter is None:
                 counter = self.request_success[fin.finish_reason] = self._request_success.labels(
-                    self.model_name, fin.finish_reason)
+                    self.model_name, fin.finish_reason
+                )
             counter.inc()
             self.e2e.observe(fin.e2e_latency)
             self.request_prompt_tokens.observe(fin.num_prompt_tokens)

@@ -410,8 +410,15 @@ class LogprobsTensors:
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return h.copy_(t, non_blocking=True)
 
-        return LogprobsTensors(host(self.ids), host(self.lps), host(self.ranks0), host(self.ex_ranks),  # type: ignore[arg-type]
-                               self.ks, self.num_extras, self.max_k)
+        return LogprobsTensors(
+            host(self.ids),
+            host(self.lps),
+            host(self.ranks0),
+            host(self.ex_ranks),  # type: ignore[arg-type]
+            self.ks,
+            self.num_extras,
+            self.max_k,
+        )
 
     def to_lists(self) -> LogprobsLists:
         all_ids = self.ids.tolist()
@@ -465,8 +472,9 @@ def gather_logprobs_tensors(
         ex_rank = torch.stack([(logprobs >= ex_lp[:, j : j + 1]).sum(dim=-1) for j in range(max_e)], dim=1)
         ids_cols.append(ex)
         lp_cols.append(ex_lp)
-    return LogprobsTensors(torch.cat(ids_cols, dim=1), torch.cat(lp_cols, dim=1), tok_rank, ex_rank, ks,
-                           [len(e) for e in extras], max_k)
+    return LogprobsTensors(
+        torch.cat(ids_cols, dim=1), torch.cat(lp_cols, dim=1), tok_rank, ex_rank, ks, [len(e) for e in extras], max_k
+    )
 
 
 def gather_logprobs(

@@ -47,8 +47,17 @@ if HAS_TRITON:
 
     # base_key is a fresh random number every step: no "== 1" / "divisible by 16" variants of it.
     @triton.jit(do_not_specialize=["base_key"])
-    def _gumbel_argmax_kernel(logits_ptr, temp_ptr, keys_ptr, base_key, out_ptr, vocab, stride_row,
-                              HAS_KEYS: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _gumbel_argmax_kernel(
+        logits_ptr,
+        temp_ptr,
+        keys_ptr,
+        base_key,
+        out_ptr,
+        vocab,
+        stride_row,
+        HAS_KEYS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         """One program per row, its own Philox key (HAS_KEYS: from keys_ptr, else `base_key + row *
         _ROW_STRIDE`, distinct per row); each Philox call gives 4 uniforms (`rand4x`), one for each quarter of
         the BLOCK_V tile."""
@@ -86,8 +95,9 @@ def row_seeds(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(1)).astype(np.int64)  # 63 bits: a non-negative int64
 
 
-def noise_keys(n: int, seeded_rows: np.ndarray | None = None, seeds: np.ndarray | None = None,
-               index: np.ndarray | None = None) -> np.ndarray:
+def noise_keys(
+    n: int, seeded_rows: np.ndarray | None = None, seeds: np.ndarray | None = None, index: np.ndarray | None = None
+) -> np.ndarray:
     """The Philox keys of a step's n rows: rows `seeded_rows` from their (seed, output index), the others
     from a fresh step key (torch's default CPU generator: a global seed repeats runs) and their row."""
     step = int(torch.randint(0, 2**62, (1,)).item())
@@ -121,8 +131,9 @@ def step_key() -> int:
     return int(torch.randint(0, _MAX_BASE, (1,)).item())
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor | None,
-                  base_key: int | None = None) -> torch.Tensor | None:
+def gumbel_sample(
+    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor | None, base_key: int | None = None
+) -> torch.Tensor | None:
     """One sample per row from softmax(logits / temperature) (temperature > 0 per row), as int64 ids;
     `keys` [rows] int64 are the rows' Philox keys (`noise_keys`); None keys every row from `base_key`
     (default: a fresh `step_key()`) and its row index in the kernel, with no key upload. None if the kernel
@@ -138,8 +149,18 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
         if keys is None and base_key is None:
             base_key = step_key()
         # Without keys the kernel never reads keys_ptr (HAS_KEYS=False): any int64 tensor will do.
-        _gumbel_argmax_kernel[(n,)](logits, temp, keys if keys is not None else out, base_key or 0, out, vocab,
-                                    logits.stride(0), HAS_KEYS=keys is not None, BLOCK_V=_BLOCK_V, num_warps=8)
+        _gumbel_argmax_kernel[(n,)](
+            logits,
+            temp,
+            keys if keys is not None else out,
+            base_key or 0,
+            out,
+            vocab,
+            logits.stride(0),
+            HAS_KEYS=keys is not None,
+            BLOCK_V=_BLOCK_V,
+            num_warps=8,
+        )
     except Exception as e:  # noqa: BLE001 - a failed first build: keep serving on the unfused path
         if _state["compiled"]:
             raise

@@ -69,9 +69,7 @@ def _load_tokenizer(
         return AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError) as e:
         where = os.path.join(directory, gguf_name) if gguf_name else directory
-        raise ValueError(
-            f"tokenizer: could not load a tokenizer from {where!r} ({type(e).__name__}: {e})"
-        ) from e
+        raise ValueError(f"tokenizer: could not load a tokenizer from {where!r} ({type(e).__name__}: {e})") from e
 
 
 @dataclass(frozen=True)

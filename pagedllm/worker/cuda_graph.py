@@ -58,15 +58,13 @@ class CudaGraphRunner:
         self._header_host = np.zeros(header.shape[0], dtype=np.int64)
         host = self._header_host
         self.input_ids, self._ids_host = header[:cap], host[:cap]
-        self.positions, self._pos_host = header[cap: 2 * cap], host[cap: 2 * cap]
-        self.slots = [header[cap * (2 + g): cap * (3 + g)] for g in range(n_groups)]
-        self._slots_host = [host[cap * (2 + g): cap * (3 + g)] for g in range(n_groups)]
-        self.seq_lens = header[cap * (2 + n_groups):].view(torch.int32)[:cap]
-        self._seq_host = host[cap * (2 + n_groups):].view(np.int32)[:cap]
+        self.positions, self._pos_host = header[cap : 2 * cap], host[cap : 2 * cap]
+        self.slots = [header[cap * (2 + g) : cap * (3 + g)] for g in range(n_groups)]
+        self._slots_host = [host[cap * (2 + g) : cap * (3 + g)] for g in range(n_groups)]
+        self.seq_lens = header[cap * (2 + n_groups) :].view(torch.int32)[:cap]
+        self._seq_host = host[cap * (2 + n_groups) :].view(np.int32)[:cap]
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
-        self.block_tables = [
-            torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups
-        ]
+        self.block_tables = [torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]] = {}
         self.pool: Any = None
 
@@ -112,8 +110,12 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[size] = (graph, out, md)
         torch.cuda.synchronize(self.device)
-        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
-                    len(self.sizes), self.max_size, time.perf_counter() - t0)
+        logger.info(
+            "Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
+            len(self.sizes),
+            self.max_size,
+            time.perf_counter() - t0,
+        )
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.max_size

@@ -254,14 +254,24 @@ class ModelRunner:
             qsl = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32)
             pos = torch.cat([torch.arange(a, a + q) for q, a in zip(q_lens, ctx)]).to(dev)
             seq_cpu = torch.tensor(seq, dtype=torch.int32)
-            commons = [CommonAttentionMetadata(
-                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_cpu.to(dev),
-                seq_lens_cpu=seq_cpu, num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
-                block_table=torch.zeros(len(q_lens), cdiv(max(seq), group.spec.block_size), dtype=torch.int32,
-                                        device=dev),
-                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-                num_reqs=len(q_lens), num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=max(seq),
-            ) for group in self.kv_cache_config.groups]
+            commons = [
+                CommonAttentionMetadata(
+                    query_start_loc=qsl.to(dev),
+                    query_start_loc_cpu=qsl,
+                    seq_lens=seq_cpu.to(dev),
+                    seq_lens_cpu=seq_cpu,
+                    num_computed_tokens_cpu=torch.tensor(ctx, dtype=torch.int32),
+                    block_table=torch.zeros(
+                        len(q_lens), cdiv(max(seq), group.spec.block_size), dtype=torch.int32, device=dev
+                    ),
+                    slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+                    num_reqs=len(q_lens),
+                    num_actual_tokens=n,
+                    max_query_len=max(q_lens),
+                    max_seq_len=max(seq),
+                )
+                for group in self.kv_cache_config.groups
+            ]
             with set_forward_context(self._metadata_by_layer(commons)):
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), pos)
             logits = self.model.compute_logits(hidden[qsl[1:].to(dev).long() - 1])
@@ -278,8 +288,13 @@ class ModelRunner:
             return
         assert self.kv_cache_config is not None and self.model is not None
         self.cuda_graphs = CudaGraphRunner(
-            self.model, self.kv_cache_config.groups, self.builders, self.max_num_reqs,
-            cdiv(self.max_model_len, self.block_size), self.max_model_len, self.device,
+            self.model,
+            self.kv_cache_config.groups,
+            self.builders,
+            self.max_num_reqs,
+            cdiv(self.max_model_len, self.block_size),
+            self.max_model_len,
+            self.device,
         )
         self.cuda_graphs.capture()
 
@@ -433,8 +448,20 @@ class ModelRunner:
                 bts.append(bt)
             hidden = graphs.run(input_ids, positions, seq_lens.astype(np.int32), slots_g, bts, patch)
         else:
-            hidden = self._run_eager(batch, rows, computed, seq_lens, cu, n_sched, req_of_token, positions,
-                                     input_ids, total, max_query_len, patch)
+            hidden = self._run_eager(
+                batch,
+                rows,
+                computed,
+                seq_lens,
+                cu,
+                n_sched,
+                req_of_token,
+                positions,
+                input_ids,
+                total,
+                max_query_len,
+                patch,
+            )
 
         prompt_lp_done = self._gather_prompt_logprobs(req_ids, rows, computed, seq_lens, cu, hidden)
 
@@ -498,8 +525,9 @@ class ModelRunner:
         self._event_turn ^= 1
         return self._events[self._event_turn]
 
-    def _in_flight_patch(self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray,
-                         positions: np.ndarray) -> Patch | None:
+    def _in_flight_patch(
+        self, req_ids: list[str], req_of_token: np.ndarray, token_rows: np.ndarray, positions: np.ndarray
+    ) -> Patch | None:
         """(token indices, the in-flight sampled ids for them) for input tokens not known on the host yet;
         the indices are a slice when they are all the step's tokens."""
         batch = self.input_batch
@@ -510,13 +538,17 @@ class ModelRunner:
         assert self._in_flight is not None, "a step needs tokens that no launched step samples"
         sampled_gpu, index_of = self._in_flight
         n = len(unknown)
-        if (n == len(positions) == len(req_ids) and self._in_flight_ids == req_ids
-                and np.array_equal(req_of_token, self._arange[:n])):
+        if (
+            n == len(positions) == len(req_ids)
+            and self._in_flight_ids == req_ids
+            and np.array_equal(req_of_token, self._arange[:n])
+        ):
             # Every request computes one token, its own last sample, in the order the last step sampled
             # them: src below would be 0..n-1 (index_of[req_ids[k]] == k).
             return slice(0, n), sampled_gpu[:n]
-        src = np.fromiter((index_of[req_ids[r]] for r in req_of_token[unknown].tolist()), dtype=np.int64,
-                          count=len(unknown))
+        src = np.fromiter(
+            (index_of[req_ids[r]] for r in req_of_token[unknown].tolist()), dtype=np.int64, count=len(unknown)
+        )
         if n == len(positions) and src[-1] == n - 1 and np.array_equal(src, self._arange[:n]):
             # Steady decoding (every input token is the last step's sample, same order): one device copy
             # instead of two index uploads, a gather and a scatter.
@@ -531,8 +563,12 @@ class ModelRunner:
         num_reqs = step.num_reqs
         logprobs_lists: list[LogprobsLists | None] | None = None
         batch = self.input_batch
-        if (step.sampled_host is not None and step.sample_outputs is not None and batch is not None
-                and step.batch_version == batch.version):
+        if (
+            step.sampled_host is not None
+            and step.sample_outputs is not None
+            and batch is not None
+            and step.batch_version == batch.version
+        ):
             # No request entered or left the batch since the launch: every sampled request is still
             # in its row and in self.requests, so the tokens go in by row without per-request lookups.
             if step.event is not None:
@@ -549,8 +585,11 @@ class ModelRunner:
             assert step.sample_rows is not None
             host = step.sampled_host
             # The sampled ids as an array: a view of the host tensor (read right away) when it is int64.
-            toks_np = host.numpy() if host.dtype == torch.int64 and host.device.type == "cpu" else \
-                np.asarray(sampled, dtype=np.int64)
+            toks_np = (
+                host.numpy()
+                if host.dtype == torch.int64 and host.device.type == "cpu"
+                else np.asarray(sampled, dtype=np.int64)
+            )
             batch.append_tokens(step.sample_rows, toks_np)
             if step.any_penalty:  # rc.any_penalty for these rows; their slots cannot change within a version
                 batch.count_output_tokens(step.sample_rows, toks_np)
@@ -595,10 +634,21 @@ class ModelRunner:
             logprobs_lists[int(step.sample_idx[j])] = lists.slice(pos, pos + 1)
         return logprobs_lists
 
-    def _run_eager(self, batch: InputBatch, rows: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
-                   cu: np.ndarray, n_sched: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray,
-                   input_ids: np.ndarray, total: int, max_query_len: int,
-                   patch: Patch | None = None) -> torch.Tensor:
+    def _run_eager(
+        self,
+        batch: InputBatch,
+        rows: np.ndarray,
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        cu: np.ndarray,
+        n_sched: np.ndarray,
+        req_of_token: np.ndarray,
+        positions: np.ndarray,
+        input_ids: np.ndarray,
+        total: int,
+        max_query_len: int,
+        patch: Patch | None = None,
+    ) -> torch.Tensor:
         assert self.model is not None and self.kv_cache_config is not None
         num_reqs = len(rows)
         dev = self.device
@@ -619,19 +669,21 @@ class ModelRunner:
             # block p // bs < max_blocks.
             bt = batch.block_tables[g][rows, :max_blocks]
             slots = bt[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-            commons.append(CommonAttentionMetadata(
-                query_start_loc=qsl_dev,
-                query_start_loc_cpu=qsl_cpu,
-                seq_lens=seq_dev,
-                seq_lens_cpu=seq_cpu,
-                num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
-                block_table=torch.from_numpy(bt).to(dev, non_blocking=True),
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                num_reqs=num_reqs,
-                num_actual_tokens=total,
-                max_query_len=max_query_len,
-                max_seq_len=int(seq_lens.max()),
-            ))
+            commons.append(
+                CommonAttentionMetadata(
+                    query_start_loc=qsl_dev,
+                    query_start_loc_cpu=qsl_cpu,
+                    seq_lens=seq_dev,
+                    seq_lens_cpu=seq_cpu,
+                    num_computed_tokens_cpu=torch.from_numpy(computed.astype(np.int32)),
+                    block_table=torch.from_numpy(bt).to(dev, non_blocking=True),
+                    slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                    num_reqs=num_reqs,
+                    num_actual_tokens=total,
+                    max_query_len=max_query_len,
+                    max_seq_len=int(seq_lens.max()),
+                )
+            )
         with set_forward_context(self._metadata_by_layer(commons)):
             return self.model(input_ids_t, positions_t)
 
@@ -767,8 +819,13 @@ class ModelRunner:
                 stops = list(sp.all_stop_token_ids or ())
                 if stops:
                     rc.min_tokens_rows.append((i, sp, st.output_token_ids, stops))
-            if (sp.logit_bias or sp.allowed_token_ids is not None or sp.bad_words_token_ids
-                    or sp.logprobs is not None or sp.logprob_token_ids):
+            if (
+                sp.logit_bias
+                or sp.allowed_token_ids is not None
+                or sp.bad_words_token_ids
+                or sp.logprobs is not None
+                or sp.logprob_token_ids
+            ):
                 rc.any_sparse = True
             rc.out_ids.append(st.output_token_ids)
             rc.prompt_ids.append(st.prompt_token_ids)
@@ -808,7 +865,7 @@ class ModelRunner:
             md = backend.get_builder_cls()(self.block_size, None, self.device).build(common)
             with set_forward_context({name: md for name in self.attn_layers}):
                 hidden = self.model(ids, pos)
-                self.model.compute_logits(hidden[-min(n, self.max_num_reqs):])
+                self.model.compute_logits(hidden[-min(n, self.max_num_reqs) :])
         finally:
             for name, layer in self.attn_layers.items():
                 layer.impl.attn_type = saved[name]

@@ -66,7 +66,9 @@ class Worker:
             budget = int(total * cc.gpu_memory_utilization) - peak - used_by_others
             logger.info(
                 "Profiling: peak torch memory %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
-                peak / 2**30, used_by_others / 2**30, budget / 2**30,
+                peak / 2**30,
+                used_by_others / 2**30,
+                budget / 2**30,
             )
             torch.cuda.empty_cache()
         return max(int(budget // per_block), 0)

@@ -21,8 +21,10 @@ SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 def _summary(name: str, res: list[str]) -> str:
     fails = [r for r in res if r.startswith("FAIL")]
-    return (f"{name}: {sum(r.startswith('identical') for r in res)} / {len(res)} identical, {len(fails)} failing; "
-            f"{fails or res}")
+    return (
+        f"{name}: {sum(r.startswith('identical') for r in res)} / {len(res)} identical, {len(fails)} failing; "
+        f"{fails or res}"
+    )
 
 
 def _ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -45,21 +47,39 @@ def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: lis
             ours16 = _ours(llm, smollm2_prompt_ids)
         finally:
             del os.environ["PAGEDLLM_FP32_LOGITS"]
-        print(_summary("bf16 GPU (bf16 logits) vs HF bf16 GPU", judge_all(hf, smollm2_prompt_ids, ours16, refs,
-                                                                          torch.bfloat16)))
+        print(
+            _summary(
+                "bf16 GPU (bf16 logits) vs HF bf16 GPU", judge_all(hf, smollm2_prompt_ids, ours16, refs, torch.bfloat16)
+            )
+        )
         eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
         refs_eager = [hf_greedy(eager, p, 48) for p in smollm2_prompt_ids]
-        print(_summary("HF bf16 eager attention vs HF bf16 sdpa", judge_all(hf, smollm2_prompt_ids, refs_eager, refs,
-                                                                          torch.bfloat16)))
+        print(
+            _summary(
+                "HF bf16 eager attention vs HF bf16 sdpa",
+                judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16),
+            )
+        )
         # Ours against HF's other attention implementation, judged by that model's own gaps.
-        print(_summary("bf16 GPU vs HF bf16 eager", judge_all(eager, smollm2_prompt_ids, ours, refs_eager,
-                                                            torch.bfloat16)))
+        print(
+            _summary(
+                "bf16 GPU vs HF bf16 eager", judge_all(eager, smollm2_prompt_ids, ours, refs_eager, torch.bfloat16)
+            )
+        )
         # The same verdicts with the reference's gap measured before bf16 logit rounding (reported only).
         fp32_head = hf_logprobs_fp32_head
-        print(_summary("[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
-                       judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head)))
-        print(_summary("[gap from f32 LM head] HF eager vs HF sdpa",
-                       judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head)))
+        print(
+            _summary(
+                "[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
+                judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head),
+            )
+        )
+        print(
+            _summary(
+                "[gap from f32 LM head] HF eager vs HF sdpa",
+                judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head),
+            )
+        )
     assert not [r for r in res if r.startswith("FAIL")]
 
 
@@ -90,6 +110,7 @@ def test_seeded_request_repeats_in_any_batch(smollm2_path: str, smollm2_prompt_i
     others[3] = sp
     batch = llm.generate(prompts, others, use_tqdm=False)
     assert list(batch[3].outputs[0].token_ids) == list(alone)
-    unseeded = llm.generate([prompts[3]] * 2, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True),
-                            use_tqdm=False)
+    unseeded = llm.generate(
+        [prompts[3]] * 2, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids  # independent rows

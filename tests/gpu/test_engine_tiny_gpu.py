@@ -27,8 +27,9 @@ def test_graph_decodes_match_hf(variant: str, tmp_path) -> None:  # noqa: ANN001
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(20)]
     lengths = [8 + (i * 5) % 25 for i in range(20)]  # requests finish at different steps
     refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
-    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128, kv_cache_memory_bytes=64 << 20
+    )
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     assert runner.cuda_graphs is not None
     replays = []

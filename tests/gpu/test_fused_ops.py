@@ -90,9 +90,7 @@ def _qkv(n_tokens: int, h: int, kvh: int, d: int, dtype: torch.dtype, g: torch.G
     [(64, 64, 9, 3), (128, 128, 16, 8), (128, 128, 32, 8), (128, 64, 8, 2)],
 )
 @pytest.mark.parametrize("n_tokens", [1, 45])
-def test_rotary_in_place(
-    dtype: torch.dtype, head_size: int, rotary_dim: int, h: int, kvh: int, n_tokens: int
-) -> None:
+def test_rotary_in_place(dtype: torch.dtype, head_size: int, rotary_dim: int, h: int, kvh: int, n_tokens: int) -> None:
     g = torch.Generator().manual_seed(head_size * 7 + h + n_tokens)
     scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     rope = get_rope(head_size, rotary_dim, 4096, 500000.0, scaling if head_size == 128 else None)
@@ -166,7 +164,13 @@ def test_rotary_with_cache_write(
     v_before = v.clone()
     weights = (norms[0].weight, norms[1].weight, 1e-6) if qk_norm else ()
     triton_ops.rotary_embedding_(
-        positions, q, k, rope.cos_sin_cache, head_size, rotary_dim, *weights,
+        positions,
+        q,
+        k,
+        rope.cos_sin_cache,
+        head_size,
+        rotary_dim,
+        *weights,
         cache=triton_ops.KVCacheWrite(v, kc, vc, slots, num_tokens),
     )
     _close(q, ref_q)

@@ -49,8 +49,13 @@ class _AsCuda:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["switches-on", "switches-off"])
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-def test_gpu_path_matches_hf(variant: str, fused: bool, gpu_path: None, tmp_path,  # noqa: ANN001
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_path_matches_hf(
+    variant: str,
+    fused: bool,
+    gpu_path: None,
+    tmp_path,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fused_cache = fused
     monkeypatch.setenv("PAGEDLLM_FUSED_ROPE_CACHE", "1" if fused else "0")
     monkeypatch.setenv("PAGEDLLM_FUSED_GEMV", "1" if fused else "0")

@@ -263,8 +263,17 @@ def test_sliding_window(window: int) -> None:
 
 @pytest.mark.parametrize("merge_in_kernel", [False, True])
 def test_sliding_window_split_kv_bf16(merge_in_kernel: bool) -> None:
-    run_case([1] * 4, [300, 20, 700, 64], num_heads=8, num_kv_heads=2, head_size=128, window=100,
-             num_splits=8, dtype=torch.bfloat16, merge_in_kernel=merge_in_kernel)
+    run_case(
+        [1] * 4,
+        [300, 20, 700, 64],
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=128,
+        window=100,
+        num_splits=8,
+        dtype=torch.bfloat16,
+        merge_in_kernel=merge_in_kernel,
+    )
 
 
 def test_non_causal_decoder() -> None:
@@ -280,14 +289,24 @@ def test_non_causal_decoder() -> None:
 def test_split_kv_decode(num_splits: int, dtype: torch.dtype, merge_in_kernel: bool) -> None:
     # Includes contexts shorter than one tile per segment (empty segments must merge cleanly).
     ctx = [2000, 1, 15, 64, 513, 1200]
-    run_case([1] * len(ctx), ctx, num_heads=16, num_kv_heads=8, head_size=128, dtype=dtype,
-             num_splits=num_splits, seed=num_splits, merge_in_kernel=merge_in_kernel)
+    run_case(
+        [1] * len(ctx),
+        ctx,
+        num_heads=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=dtype,
+        num_splits=num_splits,
+        seed=num_splits,
+        merge_in_kernel=merge_in_kernel,
+    )
 
 
 @pytest.mark.parametrize("merge_in_kernel", [False, True])
 def test_split_kv_mixed_batch(merge_in_kernel: bool) -> None:
-    run_case([50, 1, 1], [100, 333, 7], num_heads=6, num_kv_heads=2, num_splits=4, seed=11,
-             merge_in_kernel=merge_in_kernel)
+    run_case(
+        [50, 1, 1], [100, 333, 7], num_heads=6, num_kv_heads=2, num_splits=4, seed=11, merge_in_kernel=merge_in_kernel
+    )
 
 
 def test_split_merge_in_kernel_repeated_launches() -> None:
@@ -302,10 +321,22 @@ def test_split_merge_in_kernel_repeated_launches() -> None:
     ref = b.reference(64**-0.5, None, True)
     for _ in range(3):
         out = torch.full((b.num_tokens, 8, 64), float("nan"), device=dev)
-        paged_attention(q, k_cache, v_cache, out, b.block_table.to(dev),
-                        torch.tensor(b.seq_lens, dtype=torch.int32, device=dev), b.query_start_loc.to(dev),
-                        num_actual_tokens=b.num_tokens, num_reqs=4, max_query_len=1, scale=64**-0.5,
-                        num_splits=4, workspace=ws, merge_in_kernel=True)
+        paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            b.block_table.to(dev),
+            torch.tensor(b.seq_lens, dtype=torch.int32, device=dev),
+            b.query_start_loc.to(dev),
+            num_actual_tokens=b.num_tokens,
+            num_reqs=4,
+            max_query_len=1,
+            scale=64**-0.5,
+            num_splits=4,
+            workspace=ws,
+            merge_in_kernel=True,
+        )
         got = out.double().cpu()
         assert ((got - ref).norm() / ref.norm()).item() < REL_TOL[torch.float32]
     (locks,) = [bufs[3] for bufs in ws.values()]
@@ -318,14 +349,21 @@ def test_peaked_scores(dtype: torch.dtype) -> None:
     prefix chunks, decodes and split-KV decodes."""
     q_lens, ctx_lens = [200, 70, 1, 1, 33], [0, 130, 500, 17, 64]
     run_case(q_lens, ctx_lens, num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0, seed=7)
-    run_case([1] * 4, [900, 3, 300, 64], num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0, seed=8,
-             num_splits=4)
+    run_case([1] * 4, [900, 3, 300, 64], num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0, seed=8, num_splits=4)
 
 
 @pytest.mark.parametrize("block_m,tile_n", [(16, 16), (32, 32), (64, 128)])
 def test_tile_overrides(block_m: int, tile_n: int) -> None:
-    run_case([70, 1, 1, 9], [3, 50, 129, 200], num_heads=8, num_kv_heads=2, block_size=32,
-             block_m=block_m, tile_n=tile_n, seed=block_m)
+    run_case(
+        [70, 1, 1, 9],
+        [3, 50, 129, 200],
+        num_heads=8,
+        num_kv_heads=2,
+        block_size=32,
+        block_m=block_m,
+        tile_n=tile_n,
+        seed=block_m,
+    )
 
 
 # ---- padding (CUDA-graph style) --------------------------------------------------------------------
@@ -353,8 +391,9 @@ def test_padded_requests_and_slots() -> None:
     bt = torch.cat([b.block_table, torch.zeros(2, b.block_table.shape[1], dtype=torch.int32)]).to(dev)
     seq_lens = torch.tensor(b.seq_lens + [0, 0], dtype=torch.int32, device=dev)
     qsl = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device=dev)
-    paged_attention(q, k_cache, v_cache, out, bt, seq_lens, qsl, num_actual_tokens=4, num_reqs=4,
-                    max_query_len=1, scale=d**-0.5)
+    paged_attention(
+        q, k_cache, v_cache, out, bt, seq_lens, qsl, num_actual_tokens=4, num_reqs=4, max_query_len=1, scale=d**-0.5
+    )
     ref = b.reference(d**-0.5, None)
     got = out.double().cpu()
     assert ((got[:2] - ref).norm() / ref.norm()).item() < REL_TOL[torch.float32]
@@ -417,10 +456,18 @@ def test_backend_encoder_only() -> None:
     t = 23
     q, k, v = torch.randn(t, h, d, device=dev), torch.randn(t, kvh, d, device=dev), torch.randn(t, kvh, d, device=dev)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, device=dev),
-        seq_lens_cpu=torch.tensor(lens), num_computed_tokens_cpu=torch.zeros(3, dtype=torch.int32),
-        block_table=torch.zeros(3, 1, dtype=torch.int32, device=dev), slot_mapping=torch.zeros(t, dtype=torch.long),
-        num_reqs=3, num_actual_tokens=t, max_query_len=17, max_seq_len=17, causal=False,
+        query_start_loc=qsl.to(dev),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(lens, device=dev),
+        seq_lens_cpu=torch.tensor(lens),
+        num_computed_tokens_cpu=torch.zeros(3, dtype=torch.int32),
+        block_table=torch.zeros(3, 1, dtype=torch.int32, device=dev),
+        slot_mapping=torch.zeros(t, dtype=torch.long),
+        num_reqs=3,
+        num_actual_tokens=t,
+        max_query_len=17,
+        max_seq_len=17,
+        causal=False,
     )
     md = TritonAttentionBackend.get_builder_cls()(16, None, dev).build(common)
     impl = TritonAttentionBackend.get_impl_cls()(h, d, d**-0.5, kvh, None, AttentionType.ENCODER_ONLY)
@@ -433,4 +480,3 @@ def test_backend_encoder_only() -> None:
         p = torch.softmax(torch.einsum("qhd,khd->hqk", q[q0:q1].double(), kk) * d**-0.5, -1)
         ref = torch.einsum("hqk,khd->qhd", p, vv)
         assert torch.allclose(out[q0:q1].double(), ref, atol=1e-4, rtol=1e-4)
-

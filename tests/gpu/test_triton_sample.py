@@ -62,8 +62,10 @@ def test_long_rows_seed_and_ties() -> None:
     assert not torch.equal(one, other)
     assert len(set(one.tolist())) > 50  # rows draw independent streams
     # Keys made in the kernel: a base key repeats its draws, another base key differs, rows are independent.
-    b1, b2 = (triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), None, base_key=k).cpu()
-              for k in (2**61 + 5, 2**61 + 5))
+    b1, b2 = (
+        triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), None, base_key=k).cpu()
+        for k in (2**61 + 5, 2**61 + 5)
+    )
     assert torch.equal(b1, b2) and len(set(b1.tolist())) > 50
     b3 = triton_sample.gumbel_sample(flat, torch.ones(64, device=DEVICE), None, base_key=2**40 + 17).cpu()
     assert not torch.equal(b1, b3)
@@ -101,6 +103,7 @@ def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.Mon
         def __getitem__(self, grid):  # noqa: ANN001, ANN204
             def launch(*a, **k):  # noqa: ANN002, ANN003, ANN202
                 raise RuntimeError("simulated compile failure")
+
             return launch
 
     monkeypatch.setattr(triton_sample, "_gumbel_argmax_kernel", Broken())

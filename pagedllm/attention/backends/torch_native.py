@@ -83,8 +83,9 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             seq_lens: list[int] = seq_np.tolist()
             for r in prefill_rows.tolist():
                 nb = (seq_lens[r] + bs - 1) // bs
-                prefills.append(PrefillSpan(qsl_list[r], qsl_list[r + 1], ctx[r], seq_lens[r],
-                                            common.block_table[r, :nb]))
+                prefills.append(
+                    PrefillSpan(qsl_list[r], qsl_list[r + 1], ctx[r], seq_lens[r], common.block_table[r, :nb])
+                )
         dec_idx = dec_bt = dec_sl = None
         if is_decode.any():  # some, not all (that is the path above)
             dec_rows = np.flatnonzero(is_decode)
@@ -110,8 +111,11 @@ class TorchNativeAttentionImpl(AttentionImpl):
 
     def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
         if self._use_c_kernels is None:
-            self._use_c_kernels = kv_cache.device.type == "cpu" and kv_cache[0].is_contiguous() and \
-                cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
+            self._use_c_kernels = (
+                kv_cache.device.type == "cpu"
+                and kv_cache[0].is_contiguous()
+                and cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
+            )
         return self._use_c_kernels
 
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
@@ -153,9 +157,17 @@ class TorchNativeAttentionImpl(AttentionImpl):
         if attn_metadata.decode_token_idx is not None:
             idx = attn_metadata.decode_token_idx
             if use_c and cpu_paged_attn.can_decode(query, output, k_cache):
-                cpu_paged_attn.paged_decode(query, k_cache, v_cache, attn_metadata.decode_block_table,
-                                            attn_metadata.decode_seq_lens, idx, output, self.scale,
-                                            self.sliding_window)
+                cpu_paged_attn.paged_decode(
+                    query,
+                    k_cache,
+                    v_cache,
+                    attn_metadata.decode_block_table,
+                    attn_metadata.decode_seq_lens,
+                    idx,
+                    output,
+                    self.scale,
+                    self.sliding_window,
+                )
             else:
                 output[idx] = self._decode(query[idx], k_cache, v_cache, attn_metadata)
         return output

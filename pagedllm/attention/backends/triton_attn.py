@@ -87,8 +87,9 @@ class TritonAttentionImpl(AttentionImpl):
         # (on: W3 4.78 -> 4.68 ms/token on the H200; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off), and split-KV
         # partials merged by the attention kernel's last segment program instead of a second kernel
         # (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1, off until it shows a gain).
-        self.fuses_rotary = (self.attn_type == AttentionType.DECODER
-                             and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") == "1")
+        self.fuses_rotary = (
+            self.attn_type == AttentionType.DECODER and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") == "1"
+        )
         self.merge_in_kernel = os.environ.get("PAGEDLLM_SPLIT_MERGE_IN_KERNEL", "0") == "1"
 
     def forward(
@@ -110,9 +111,18 @@ class TritonAttentionImpl(AttentionImpl):
         if rotary is None:
             reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
         else:
-            rotary_embedding_(rotary.positions, query, key, rotary.cos_sin_cache, self.head_size, rotary.rotary_dim,
-                              rotary.q_weight, rotary.k_weight, rotary.eps,
-                              KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
+            rotary_embedding_(
+                rotary.positions,
+                query,
+                key,
+                rotary.cos_sin_cache,
+                self.head_size,
+                rotary.rotary_dim,
+                rotary.q_weight,
+                rotary.k_weight,
+                rotary.eps,
+                KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n),
+            )
         num_splits = md.num_splits
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)

@@ -25,16 +25,19 @@ def available() -> bool:
         if lib is None:
             return False
         for sfx in _DTYPES.values():
-            csrc.declare(lib, f"paged_decode_{sfx}", _int, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int,
-                                                            _int, _int, _int, _f32, _i32, _int])
+            csrc.declare(
+                lib,
+                f"paged_decode_{sfx}",
+                _int,
+                [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _i32, _int],
+            )
             csrc.declare(lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64])
         _lib = lib
     return True
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    return (dtype in _DTYPES and num_heads % num_kv_heads == 0 and num_heads <= 128
-            and head_size <= 512 and available())
+    return dtype in _DTYPES and num_heads % num_kv_heads == 0 and num_heads <= 128 and head_size <= 512 and available()
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -47,8 +50,9 @@ def can_decode(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) ->
     return _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype == k_cache.dtype
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """k_cache/v_cache: [num_blocks, block_size, kvh, hd] contiguous; key/value: [T, kvh, hd]."""
     assert _lib is not None
     if not _rows_ok(key):
@@ -59,13 +63,30 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     slots = slots.to(torch.int64)
     fn = getattr(_lib, f"reshape_and_cache_{_DTYPES[k_cache.dtype]}")
-    fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-       slots.data_ptr(), slots.numel(), key.shape[1] * key.shape[2])
+    fn(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        slots.numel(),
+        key.shape[1] * key.shape[2],
+    )
 
 
-def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, token_idx: torch.Tensor, out: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> None:
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    token_idx: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
     """One query token per request: out[token_idx[d]] = attention of query[token_idx[d]] over the first
     seq_lens[d] cached positions of request d (block_table row d). query/out: [T, num_heads, hd]."""
     assert _lib is not None
@@ -77,8 +98,25 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_heads, hd = query.shape[1], query.shape[2]
     _, bs, kvh, _ = k_cache.shape
     fn = getattr(_lib, f"paged_decode_{_DTYPES[k_cache.dtype]}")
-    rc = fn(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-            block_table.stride(0), seq_lens.data_ptr(), token_idx.data_ptr(), out.data_ptr(), out.stride(0),
-            token_idx.numel(), num_heads, kvh, hd, bs, scale, sliding_window or 0, torch.get_num_threads())
+    rc = fn(
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        seq_lens.data_ptr(),
+        token_idx.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        token_idx.numel(),
+        num_heads,
+        kvh,
+        hd,
+        bs,
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise ValueError(f"paged_decode: unsupported shape (heads {num_heads}, kv heads {kvh}, head size {hd})")

@@ -43,8 +43,11 @@ except ImportError:  # CPU-only installs: the torch_native backend is used inste
 _LOG2E = 1.4426950408889634
 # A/B switch for the device benchmarks: PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the
 # 16-bit chunk-tile config.
-_PREFILL_TILE = tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(",")) if os.environ.get(
-    "PAGEDLLM_PREFILL_TILE") else None
+_PREFILL_TILE = (
+    tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(","))
+    if os.environ.get("PAGEDLLM_PREFILL_TILE")
+    else None
+)
 
 
 def _next_pow2(x: int) -> int:
@@ -301,14 +304,64 @@ if HAS_TRITON:
         else:
             t_mid = tl.minimum(tl.maximum(kv_hi // TILE_N, t0), t1)
         m_i, l_i, acc = _attn_tiles(
-            m_i, l_i, acc, q, q_pos, t0, t_mid, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC,
+            m_i,
+            l_i,
+            acc,
+            q,
+            q_pos,
+            t0,
+            t_mid,
+            kv_hi,
+            window,
+            qk_scale,
+            bt_row,
+            k_cache_ptr,
+            v_cache_ptr,
+            kvh,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            HEAD_SIZE,
+            HEAD_PAD,
+            BLOCK_SIZE,
+            TILE_N,
+            CAUSAL,
+            USE_WINDOW,
+            False,
+            DOT_PREC,
         )
         m_i, l_i, acc = _attn_tiles(
-            m_i, l_i, acc, q, q_pos, t_mid, t1, kv_hi, window, qk_scale, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC,
+            m_i,
+            l_i,
+            acc,
+            q,
+            q_pos,
+            t_mid,
+            t1,
+            kv_hi,
+            window,
+            qk_scale,
+            bt_row,
+            k_cache_ptr,
+            v_cache_ptr,
+            kvh,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            HEAD_SIZE,
+            HEAD_PAD,
+            BLOCK_SIZE,
+            TILE_N,
+            CAUSAL,
+            USE_WINDOW,
+            True,
+            DOT_PREC,
         )
 
         if NUM_SEGMENTS == 1:
@@ -331,8 +384,17 @@ if HAS_TRITON:
                 lock = lock_ptr + pid_q * tl.num_programs(1) + kvh
                 if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
                     tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-                    out = _merge_rows(part_out_ptr, part_m_ptr, part_l_ptr, (tok_g * num_heads + head) * NUM_SEGMENTS,
-                                      row_ok, offs_d, BLOCK_M, HEAD_PAD, NUM_SEGMENTS)
+                    out = _merge_rows(
+                        part_out_ptr,
+                        part_m_ptr,
+                        part_l_ptr,
+                        (tok_g * num_heads + head) * NUM_SEGMENTS,
+                        row_ok,
+                        offs_d,
+                        BLOCK_M,
+                        HEAD_PAD,
+                        NUM_SEGMENTS,
+                    )
                     tl.store(
                         out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                         out.to(out_ptr.dtype.element_ty),
@@ -340,8 +402,17 @@ if HAS_TRITON:
                     )
 
     @triton.jit
-    def _merge_rows(part_out_ptr, part_m_ptr, part_l_ptr, base, row_ok, offs_d,
-                    BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    def _merge_rows(
+        part_out_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        base,
+        row_ok,
+        offs_d,
+        BLOCK_M: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr,
+    ):
         """Combine the NUM_SEGMENTS partials (acc, max, sum) of each row; reads bypass L1 (.cg): other SMs
         wrote them during this launch."""
         m_max = tl.load(part_m_ptr + base, mask=row_ok, other=0.0, cache_modifier=".cg")
@@ -355,8 +426,12 @@ if HAS_TRITON:
             l_s = tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
             w = tl.math.exp2(m_s - m_use)  # empty segments: exp2(-inf) = 0
             l_tot += l_s * w
-            a_s = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=row_ok[:, None],
-                          other=0.0, cache_modifier=".cg")
+            a_s = tl.load(
+                part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             acc += a_s * w[:, None]
         return acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
 
@@ -456,9 +531,7 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
     return min(16, 1 << (ratio.bit_length() - 1))  # largest power of two <= ratio
 
 
-def launch_config(
-    head_size: int, group: int, dtype: torch.dtype, max_query_len: int
-) -> tuple[int, int, int, int]:
+def launch_config(head_size: int, group: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for a batch; BLOCK_M counts (token, q head) rows."""
     head_pad = _next_pow2(head_size)
     elem = 4 if dtype == torch.float32 else 2
@@ -530,8 +603,10 @@ def paged_attention(
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
     if num_decodes is not None and 0 < num_decodes < num_reqs and max_query_len > 1 and not overridden:
-        launches = [(launch_config(head_size, group, query.dtype, 1), 1),
-                    (launch_config(head_size, group, query.dtype, max_query_len), 2)]
+        launches = [
+            (launch_config(head_size, group, query.dtype, 1), 1),
+            (launch_config(head_size, group, query.dtype, max_query_len), 2),
+        ]
     else:
         cfg = launch_config(head_size, group, query.dtype, max_query_len)
         cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))

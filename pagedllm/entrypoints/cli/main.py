@@ -24,8 +24,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(llm, args: argparse.Namespace):  # noqa: ANN001, ANN201
     base = llm.get_default_sampling_params()
     changes = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    for name, attr in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                       ("min_p", "min_p"), ("sampling_seed", "seed"), ("stop", "stop")):
+    for name, attr in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("min_p", "min_p"),
+        ("sampling_seed", "seed"),
+        ("stop", "stop"),
+    ):
         if getattr(args, name) is not None:
             changes[attr] = getattr(args, name)
     from pagedllm.sampling_params import SamplingParams

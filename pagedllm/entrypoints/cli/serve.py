@@ -21,19 +21,24 @@ import zmq  # noqa: F401, E402  # isort: skip
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("model", nargs="?", default=None,
-                   help="Model directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct).")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Model directory, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct).",
+    )
     g = p.add_argument_group("Server options")
     g.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; 0.0.0.0 for all).")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer KEY' (also from PAGEDLLM_API_KEY).")
+    g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (also from PAGEDLLM_API_KEY).")
     g.add_argument("--chat-template", default=None, help="Chat template file or Jinja text (default: the model's).")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
-    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                   help="Larger request bodies get 413 (default 8 MiB).")
+    g.add_argument(
+        "--max-request-body-bytes", type=int, default=8 << 20, help="Larger request bodies get 413 (default 8 MiB)."
+    )
     g.add_argument("--config", default=None, help="YAML file of flags (keys as the flag names); CLI flags win.")
     EngineArgs.add_cli_args(p, positional_model=True)
     return p
@@ -81,7 +86,7 @@ def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def _serve_argv() -> list[str] | None:
     """The arguments after `serve` on this process's command line, if it was invoked that way."""
     argv = sys.argv[1:]
-    return argv[argv.index("serve") + 1:] if "serve" in argv else None
+    return argv[argv.index("serve") + 1 :] if "serve" in argv else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -95,8 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, handlers: dict[str, Callable[[argparse.Namespace], int]]) -> None:
-    p = sub.add_parser("serve", help="Start the OpenAI-compatible API server.",
-                       description="Serve a model over an OpenAI-compatible HTTP API.")
+    p = sub.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible API server.",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
     add_serve_args(p)
     p.set_defaults(_serve_parser=p)
     handlers["serve"] = cmd_serve

@@ -60,7 +60,9 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+    400: {"model": ErrorResponse},
+    401: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
 
@@ -68,9 +70,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 # ---- middleware (pure ASGI: BaseHTTPMiddleware would break streaming and disconnect detection) ---------
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -94,9 +100,12 @@ class AuthMiddleware:
         for key in self.keys:  # no early exit: the time taken does not depend on which key matched
             ok |= hmac.compare_digest(given, key)
         if not ok:
-            await _send_json(send, 401, error_body("Unauthorized: a valid API key is required "
-                                                   "(header 'Authorization: Bearer <key>')", 401),
-                             [(b"www-authenticate", b"Bearer")])
+            await _send_json(
+                send,
+                401,
+                error_body("Unauthorized: a valid API key is required (header 'Authorization: Bearer <key>')", 401),
+                [(b"www-authenticate", b"Bearer")],
+            )
             return
         await self.app(scope, receive, send)
 
@@ -161,8 +170,11 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     `on_close` callback then aborts whatever the iterator never got to start."""
 
     def __init__(self, stream: SSEStream, on_close: Callable[[list[str]], None]) -> None:
-        super().__init__(stream.iterator, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            stream.iterator,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._request_ids = stream.request_ids
         self._on_close = on_close
 
@@ -283,8 +295,14 @@ def build_app(
 
     def log_request(kind: str, req: Any) -> None:
         if log_requests:
-            logger.info("Received %s request: model=%s stream=%s n=%s max_tokens=%s", kind, req.model,
-                        bool(req.stream), req.n, getattr(req, "max_completion_tokens", None) or req.max_tokens)
+            logger.info(
+                "Received %s request: model=%s stream=%s n=%s max_tokens=%s",
+                kind,
+                req.model,
+                bool(req.stream),
+                req.n,
+                getattr(req, "max_completion_tokens", None) or req.max_tokens,
+            )
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -312,8 +330,12 @@ def build_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         root = engine.model_config.model
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len)
-                               for name in served_model_names])
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len)
+                for name in served_model_names
+            ]
+        )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -357,11 +379,24 @@ async def run_server(args: argparse.Namespace) -> int:
     stat_loggers: list[Any] = [prometheus]
     engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
     try:
-        app = build_app(engine, served, api_keys=api_keys, chat_template=chat_template,
-                        max_body_bytes=args.max_request_body_bytes, prometheus=prometheus,
-                        log_requests=not args.disable_log_requests)
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                   timeout_graceful_shutdown=3, timeout_keep_alive=5, access_log=False)
+        app = build_app(
+            engine,
+            served,
+            api_keys=api_keys,
+            chat_template=chat_template,
+            max_body_bytes=args.max_request_body_bytes,
+            prometheus=prometheus,
+            log_requests=not args.disable_log_requests,
+        )
+        uv_config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=3,
+            timeout_keep_alive=5,
+            access_log=False,
+        )
         server = uvicorn.Server(uv_config)
         engine.start()
         loop = asyncio.get_running_loop()

@@ -60,8 +60,9 @@ class OpenAIServingError(Exception):
         return cls(msg, 400, m.group(1) if m else None)
 
     def to_response(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type, param=self.param,
-                                             code=self.status))
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=self.status)
+        )
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -100,7 +101,9 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your {what} has "
                 f"{len(text)} characters, more than any text of {self.max_model_len} tokens can have (at most "
                 f"{self.max_chars_per_token} characters per token). Please reduce the length of the input.",
-                400, what)
+                400,
+                what,
+            )
 
     @property
     def model_name(self) -> str:
@@ -115,7 +118,10 @@ class OpenAIServing:
         if model not in self.served_model_names:
             raise OpenAIServingError(
                 f"The model `{model}` does not exist. Served models: {', '.join(self.served_model_names)}.",
-                404, "model", "NotFoundError")
+                404,
+                "model",
+                "NotFoundError",
+            )
         return model
 
     def check_prompt_len(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> int:
@@ -126,7 +132,10 @@ class OpenAIServing:
             raise OpenAIServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
                 f"{num_prompt_tokens} input tokens, which leaves no room for output. Please reduce the length of "
-                f"the input.", 400, what)
+                f"the input.",
+                400,
+                what,
+            )
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is None:
             return room
@@ -134,7 +143,10 @@ class OpenAIServing:
             raise OpenAIServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the input, {max_tokens} in the "
-                f"completion). Please reduce the length of the input or the completion.", 400, "max_tokens")
+                f"completion). Please reduce the length of the input or the completion.",
+                400,
+                "max_tokens",
+            )
         return max_tokens
 
     def build_sampling_params(
@@ -159,8 +171,9 @@ class OpenAIServing:
             if v is not None and not -2.0 <= v <= 2.0:
                 raise OpenAIServingError(f"{name}: must be in [-2, 2], got {v}", 400, name)
         if req.repetition_penalty not in (None, 1.0) and not sampling_supports("repetition_penalty"):
-            raise OpenAIServingError("repetition_penalty: not supported yet (only 1.0 is accepted)", 400,
-                                     "repetition_penalty")
+            raise OpenAIServingError(
+                "repetition_penalty: not supported yet (only 1.0 is accepted)", 400, "repetition_penalty"
+            )
         if logprobs is not None and not sampling_supports("logprobs"):
             raise OpenAIServingError("logprobs: not supported yet", 400, "logprobs")
         logit_bias: dict[int, float] | None = None
@@ -170,8 +183,9 @@ class OpenAIServing:
             try:
                 logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
             except ValueError:
-                raise OpenAIServingError("logit_bias: keys must be token ids (integers as strings)", 400,
-                                         "logit_bias") from None
+                raise OpenAIServingError(
+                    "logit_bias: keys must be token ids (integers as strings)", 400, "logit_bias"
+                ) from None
         kwargs: dict[str, Any] = {
             "n": n,
             "temperature": req.temperature if req.temperature is not None else d.get("temperature", 1.0),
@@ -253,16 +267,28 @@ class OpenAIServing:
             lp = pos.get(tid)
             tok = self.token_text(tid, lp)
             tops = sorted(pos.items(), key=lambda kv: -_lp_value(kv[1]))[:top]
-            content.append(ChatCompletionLogProb(
-                token=tok, logprob=_lp_value(lp), bytes=list(tok.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=(t := self.token_text(i, v)), logprob=_lp_value(v),
-                                         bytes=list(t.encode("utf-8"))) for i, v in tops]))
+            content.append(
+                ChatCompletionLogProb(
+                    token=tok,
+                    logprob=_lp_value(lp),
+                    bytes=list(tok.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=(t := self.token_text(i, v)), logprob=_lp_value(v), bytes=list(t.encode("utf-8"))
+                        )
+                        for i, v in tops
+                    ],
+                )
+            )
         return ChatCompletionLogProbs(content=content)
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 @dataclass

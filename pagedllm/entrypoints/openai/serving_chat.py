@@ -43,8 +43,12 @@ class OpenAIServingChat(OpenAIServing):
         if template is None:
             return self.chat_template
         if os.path.exists(template) or ("{" not in template and "\n" not in template):
-            raise OpenAIServingError("chat_template: must be Jinja template text (file paths are only accepted "
-                                     "by the server's --chat-template)", 400, "chat_template")
+            raise OpenAIServingError(
+                "chat_template: must be Jinja template text (file paths are only accepted "
+                "by the server's --chat-template)",
+                400,
+                "chat_template",
+            )
         return template
 
     async def render_messages(
@@ -63,9 +67,14 @@ class OpenAIServingChat(OpenAIServing):
 
         def render() -> str:
             return apply_chat_template(
-                tok, messages, chat_template=template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-                tools=tools)
+                tok,
+                messages,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
 
         try:
             normalize_conversation(messages)  # cheap validation first: clear 400s for bad roles/content
@@ -91,11 +100,13 @@ class OpenAIServingChat(OpenAIServing):
         extra = req.model_extra or {}
         # Unknown fields are ignored, but these completions-only ones would silently change the result.
         if extra.get("best_of") is not None:
-            raise OpenAIServingError("best_of: not supported in chat completions (a /v1/completions parameter)",
-                                     400, "best_of")
+            raise OpenAIServingError(
+                "best_of: not supported in chat completions (a /v1/completions parameter)", 400, "best_of"
+            )
         if extra.get("use_beam_search"):
-            raise OpenAIServingError("use_beam_search: not supported in chat completions (use /v1/completions)",
-                                     400, "use_beam_search")
+            raise OpenAIServingError(
+                "use_beam_search: not supported in chat completions (use /v1/completions)", 400, "use_beam_search"
+            )
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise OpenAIServingError("response_format: only {'type': 'text'} is supported", 400, "response_format")
         if req.tool_choice not in (None, "none", "auto"):
@@ -105,15 +116,22 @@ class OpenAIServingChat(OpenAIServing):
             name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise OpenAIServingError(f"{name}: must be at least 1, got {max_tokens}", 400, name)
         text, ids = await self.render_messages(
-            req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs, req.add_special_tokens, req.tools)
+            req.messages,
+            req.chat_template,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            req.add_special_tokens,
+            req.tools,
+        )
         max_tokens = self.check_prompt_len(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sp = self.build_sampling_params(req, max_tokens, bool(req.stream), logprobs)
         rid = request_id or req.request_id or f"chatcmpl-{random_uuid()}"
         try:
-            q = await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids, prompt=text), sp,
-                                              priority=req.priority)
+            q = await self.engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=ids, prompt=text), sp, priority=req.priority
+            )
         except ValueError as e:
             raise OpenAIServingError.from_value_error(e) from None
         except EngineDeadError as e:
@@ -127,8 +145,16 @@ class OpenAIServingChat(OpenAIServing):
             return SSEStream(self._stream(req, rid, created, model, stream, len(ids), echo), [rid])
         return await self._full(req, rid, created, model, stream, len(ids), echo)
 
-    async def _full(self, req: ChatCompletionRequest, rid: str, created: int, model: str,
-                    stream: AsyncIterator[RequestOutput], num_prompt_tokens: int, echo: str) -> ChatCompletionResponse:
+    async def _full(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        stream: AsyncIterator[RequestOutput],
+        num_prompt_tokens: int,
+        echo: str,
+    ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
             async for _, res in merge_async_iterators(stream):
@@ -138,18 +164,33 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         choices = [
             ChatCompletionResponseChoice(
-                index=out.index, message=ChatMessage(role="assistant", content=echo + out.text),
+                index=out.index,
+                message=ChatMessage(role="assistant", content=echo + out.text),
                 logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
             for out in sorted(final.outputs, key=lambda o: o.index)
         ]
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=self.usage(num_prompt_tokens, completion_tokens))
+        return ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=self.usage(num_prompt_tokens, completion_tokens),
+        )
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, created: int, model: str,
-                      stream: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                      echo: str) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        stream: AsyncIterator[RequestOutput],
+        num_prompt_tokens: int,
+        echo: str,
+    ) -> AsyncGenerator[str, None]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
@@ -164,18 +205,31 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # As OpenAI and vLLM: a first chunk per choice carrying the role (and echoed text, if any).
             for i in range(req.n):
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=echo))])
+                yield chunk(
+                    [ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))]
+                )
             async for _, res in merge_async_iterators(stream):
                 for out in res.outputs:
                     completion_tokens += len(out.token_ids)
-                    yield chunk([ChatCompletionResponseStreamChoice(
-                        index=out.index, delta=DeltaMessage(content=out.text),
-                        logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                    yield chunk(
+                        [
+                            ChatCompletionResponseStreamChoice(
+                                index=out.index,
+                                delta=DeltaMessage(content=out.text),
+                                logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                            )
+                        ]
+                    )
             if include_usage:
-                final = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                     usage=self.usage(num_prompt_tokens, completion_tokens))
+                final = ChatCompletionStreamResponse(
+                    id=rid,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=self.usage(num_prompt_tokens, completion_tokens),
+                )
                 yield sse(final.model_dump_json())
         except EngineDeadError as e:
             yield sse_error(engine_dead_error(e))

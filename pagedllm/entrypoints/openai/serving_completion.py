@@ -93,16 +93,20 @@ class OpenAIServingCompletion(OpenAIServing):
         params = []
         for _, ids in prompts:
             max_tokens = self.check_prompt_len(len(ids), req.max_tokens)
-            params.append(self.build_sampling_params(req, max_tokens, bool(req.stream), logprobs, n=best_of,
-                                                     prompt_logprobs=prompt_logprobs))
+            params.append(
+                self.build_sampling_params(
+                    req, max_tokens, bool(req.stream), logprobs, n=best_of, prompt_logprobs=prompt_logprobs
+                )
+            )
         engine = self.engine
         streams = []
         queued: list[str] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = f"{base_id}-{i}"
-                q = await engine.add_request(rid, TokensPrompt(prompt_token_ids=ids, prompt=text or ""),
-                                             sp, priority=req.priority)
+                q = await engine.add_request(
+                    rid, TokensPrompt(prompt_token_ids=ids, prompt=text or ""), sp, priority=req.priority
+                )
                 queued.append(rid)
                 streams.append(engine.stream_outputs(rid, q))
         except ValueError as e:
@@ -120,8 +124,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """Beam search scores beams by logprob alone: sampling controls that would change the candidates
         are refused rather than silently ignored."""
         unsupported = {
-            "stop": bool(req.stop), "stop_token_ids": bool(req.stop_token_ids), "logit_bias": bool(req.logit_bias),
-            "min_tokens": req.min_tokens > 0, "presence_penalty": bool(req.presence_penalty),
+            "stop": bool(req.stop),
+            "stop_token_ids": bool(req.stop_token_ids),
+            "logit_bias": bool(req.logit_bias),
+            "min_tokens": req.min_tokens > 0,
+            "presence_penalty": bool(req.presence_penalty),
             "frequency_penalty": bool(req.frequency_penalty),
             "repetition_penalty": req.repetition_penalty not in (None, 1.0),
             "echo": bool(req.echo and req.logprobs is not None),
@@ -131,23 +138,27 @@ class OpenAIServingCompletion(OpenAIServing):
                 what = "echo with logprobs" if name == "echo" else name
                 raise OpenAIServingError(f"{name}: {what} is not supported with use_beam_search", 400, name)
         if req.temperature is not None and req.temperature < 0:
-            raise OpenAIServingError(f"temperature: must be non-negative, got {req.temperature}", 400,
-                                     "temperature")
+            raise OpenAIServingError(f"temperature: must be non-negative, got {req.temperature}", 400, "temperature")
 
-    def _beam_search_streams(self, req: CompletionRequest, base_id: str,
-                             prompts: list[tuple[str | None, list[int]]],
-                             width: int) -> list[AsyncIterator[RequestOutput]]:
+    def _beam_search_streams(
+        self, req: CompletionRequest, base_id: str, prompts: list[tuple[str | None, list[int]]], width: int
+    ) -> list[AsyncIterator[RequestOutput]]:
         """One single-item stream per prompt: its finished beam-search RequestOutput (`n` best beams of
         `width`). Closing a stream before its item cancels the search, which aborts its step requests."""
         if width > 16:
             raise OpenAIServingError(f"best_of: at most 16 beams per request, got {width}", 400, "best_of")
         limit = self.engine.model_config.max_logprobs
         if limit != -1 and 2 * width > limit:
-            raise OpenAIServingError(f"best_of: beam search of width {width} needs {2 * width} logprobs per step, "
-                                     f"more than the server's max_logprobs={limit}", 400, "best_of")
+            raise OpenAIServingError(
+                f"best_of: beam search of width {width} needs {2 * width} logprobs per step, "
+                f"more than the server's max_logprobs={limit}",
+                400,
+                "best_of",
+            )
         if req.logprobs is not None and limit != -1 and req.logprobs > limit:
-            raise OpenAIServingError(f"logprobs: requested {req.logprobs} logprobs, more than max_logprobs={limit}",
-                                     400, "logprobs")
+            raise OpenAIServingError(
+                f"logprobs: requested {req.logprobs} logprobs, more than max_logprobs={limit}", 400, "logprobs"
+            )
         engine = self.engine
         eos = engine.input_processor.eos_token_id
         streams: list[AsyncIterator[RequestOutput]] = []
@@ -156,21 +167,40 @@ class OpenAIServingCompletion(OpenAIServing):
             try:
                 # Beam search is a deterministic search: temperature 0 unless asked (BeamSearchParams'
                 # default; vLLM would take the sampling default, whose sampled token adds a random beam).
-                params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                          temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
-                                          include_stop_str_in_output=req.include_stop_str_in_output)
+                params = BeamSearchParams(
+                    beam_width=width,
+                    max_tokens=max_tokens,
+                    ignore_eos=req.ignore_eos,
+                    temperature=req.temperature or 0.0,
+                    length_penalty=req.length_penalty,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                )
             except ValueError as e:
                 raise OpenAIServingError.from_value_error(e) from None
             streams.append(self._beam_search_one(f"{base_id}-{i}", text, ids, params, eos, req))
         return streams
 
-    async def _beam_search_one(self, rid: str, text: str | None, ids: list[int], params: BeamSearchParams,
-                               eos: int | None, req: CompletionRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def _beam_search_one(
+        self,
+        rid: str,
+        text: str | None,
+        ids: list[int],
+        params: BeamSearchParams,
+        eos: int | None,
+        req: CompletionRequest,
+    ) -> AsyncGenerator[RequestOutput, None]:
         try:
             res = await beam_search_async(
-                self.engine, ids, params, rid, eos_token_id=eos, max_model_len=self.max_model_len,
-                tokenizer=self.engine.get_tokenizer(), prompt_text=text,
-                skip_special_tokens=req.skip_special_tokens)
+                self.engine,
+                ids,
+                params,
+                rid,
+                eos_token_id=eos,
+                max_model_len=self.max_model_len,
+                tokenizer=self.engine.get_tokenizer(),
+                prompt_text=text,
+                skip_special_tokens=req.skip_special_tokens,
+            )
         except ValueError as e:
             raise OpenAIServingError.from_value_error(e) from None
         res.outputs = [replace(o, logprobs=_trim_logprobs(o, req.logprobs)) for o in res.outputs[: req.n]]
@@ -182,20 +212,37 @@ class OpenAIServingCompletion(OpenAIServing):
         best_of = req.best_of if req.best_of is not None else req.n
         if req.use_beam_search or best_of == req.n:
             return sorted(outputs, key=lambda o: o.index)
-        ranked = sorted(outputs, key=lambda o: (o.cumulative_logprob if o.cumulative_logprob is not None
-                                                else float("-inf")), reverse=True)[: req.n]
+        ranked = sorted(
+            outputs,
+            key=lambda o: o.cumulative_logprob if o.cumulative_logprob is not None else float("-inf"),
+            reverse=True,
+        )[: req.n]
         keep = req.logprobs is not None
-        return [replace(o, index=k, logprobs=o.logprobs if keep else None,
-                        cumulative_logprob=o.cumulative_logprob if keep else None) for k, o in enumerate(ranked)]
+        return [
+            replace(
+                o,
+                index=k,
+                logprobs=o.logprobs if keep else None,
+                cumulative_logprob=o.cumulative_logprob if keep else None,
+            )
+            for k, o in enumerate(ranked)
+        ]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
             return text
         return self.engine.get_tokenizer().decode(ids)
 
-    async def _full(self, req: CompletionRequest, rid: str, created: int, model: str,
-                    prompts: list[tuple[str | None, list[int]]], streams: list[AsyncIterator[RequestOutput]],
-                    num_prompt_tokens: int) -> CompletionResponse:
+    async def _full(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        prompts: list[tuple[str | None, list[int]]],
+        streams: list[AsyncIterator[RequestOutput]],
+        num_prompt_tokens: int,
+    ) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for i, res in merge_async_iterators(*streams):
@@ -211,18 +258,39 @@ class OpenAIServingCompletion(OpenAIServing):
             completion_tokens += sum(len(out.token_ids) for out in res.outputs)
             plp = res.prompt_logprobs if req.echo else None
             for out in self._select(req, res.outputs):
-                logprobs = (self.completion_logprobs(out, 0, res.prompt_token_ids, plp) if plp is not None
-                            else self.completion_logprobs(out, len(prefix)))
-                choices.append(CompletionResponseChoice(
-                    index=i * req.n + out.index, text=prefix + out.text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                logprobs = (
+                    self.completion_logprobs(out, 0, res.prompt_token_ids, plp)
+                    if plp is not None
+                    else self.completion_logprobs(out, len(prefix))
+                )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * req.n + out.index,
+                        text=prefix + out.text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                  usage=self.usage(num_prompt_tokens, completion_tokens))
+        return CompletionResponse(
+            id=rid,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=self.usage(num_prompt_tokens, completion_tokens),
+        )
 
-    async def _stream(self, req: CompletionRequest, rid: str, created: int, model: str,
-                      prompts: list[tuple[str | None, list[int]]], streams: list[AsyncIterator[RequestOutput]],
-                      num_prompt_tokens: int) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        created: int,
+        model: str,
+        prompts: list[tuple[str | None, list[int]]],
+        streams: list[AsyncIterator[RequestOutput]],
+        num_prompt_tokens: int,
+    ) -> AsyncGenerator[str, None]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
@@ -246,23 +314,39 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion_tokens += len(out.token_ids)
                     if first and i in prompt_lps:
                         logprobs = self.completion_logprobs(out, 0, prompts[i][1], prompt_lps[i])
-                        offsets[idx] = (logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                                        if logprobs is not None and logprobs.tokens else len(text))
+                        offsets[idx] = (
+                            logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                            if logprobs is not None and logprobs.tokens
+                            else len(text)
+                        )
                     else:
                         logprobs = self.completion_logprobs(out, offsets.get(idx, 0) + len(text) - len(out.text))
                         offsets[idx] = offsets.get(idx, 0) + len(text)
                     chunk = CompletionStreamResponse(
-                        id=rid, created=created, model=model,
-                        choices=[CompletionResponseStreamChoice(
-                            index=idx, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason)],
+                        id=rid,
+                        created=created,
+                        model=model,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=idx,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                            )
+                        ],
                     )
                     if continuous:
                         chunk.usage = self.usage(num_prompt_tokens, completion_tokens)
                     yield sse(chunk.model_dump_json())
             if include_usage:
-                final = CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                 usage=self.usage(num_prompt_tokens, completion_tokens))
+                final = CompletionStreamResponse(
+                    id=rid,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=self.usage(num_prompt_tokens, completion_tokens),
+                )
                 yield sse(final.model_dump_json())
         except EngineDeadError as e:
             yield sse_error(engine_dead_error(e))
@@ -277,5 +361,7 @@ def _trim_logprobs(out: CompletionOutput, k: int | None) -> list[dict[int, Logpr
     token and the top `k` (None: no logprobs)."""
     if k is None or out.logprobs is None:
         return None
-    return [{t: lp for t, lp in pos.items() if t == tid or (lp.rank is not None and (k == -1 or lp.rank <= k))}
-            for tid, pos in zip(out.token_ids, out.logprobs)]
+    return [
+        {t: lp for t, lp in pos.items() if t == tid or (lp.rank is not None and (k == -1 or lp.rank <= k))}
+        for tid, pos in zip(out.token_ids, out.logprobs)
+    ]

@@ -22,8 +22,13 @@ class OpenAIServingTokenization(OpenAIServingChat):
             if not req.messages:
                 raise OpenAIServingError("messages: must contain at least one message", 400, "messages")
             _, ids = await self.render_messages(
-                req.messages, req.chat_template, req.add_generation_prompt, req.continue_final_message,
-                req.chat_template_kwargs, req.add_special_tokens)
+                req.messages,
+                req.chat_template,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                req.add_special_tokens,
+            )
         else:
             if len(req.prompt) > 64 * self.max_model_len * self.max_chars_per_token:
                 self.precheck_text_len(req.prompt)  # /tokenize reports counts over the context, within reason

@@ -85,8 +85,9 @@ def pack_cpu_weights(model: nn.Module) -> int:
     embeddings = {id(m.weight) for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"}
     n = 0
     for module in model.modules():
-        if isinstance(module, LinearBase) and isinstance(getattr(module, "quant_method", None),
-                                                         UnquantizedLinearMethod):
+        if isinstance(module, LinearBase) and isinstance(
+            getattr(module, "quant_method", None), UnquantizedLinearMethod
+        ):
             n += pack_module(module, release=True)
         elif isinstance(module, ParallelLMHead):
             n += pack_module(module, release=id(module.weight) not in embeddings)

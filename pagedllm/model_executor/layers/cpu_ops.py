@@ -25,8 +25,9 @@ def _load() -> ctypes.CDLL | None:
         if lib is not None:
             for sfx in _DTYPES.values():
                 csrc.declare(lib, f"rms_norm_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32, _int])
-                csrc.declare(lib, f"rotary_{sfx}", None, [_p, _p, _i64, _int, _p, _i64, _int, _p, _int, _int, _i64,
-                                                          _int])
+                csrc.declare(
+                    lib, f"rotary_{sfx}", None, [_p, _p, _i64, _int, _p, _i64, _int, _p, _int, _int, _i64, _int]
+                )
                 csrc.declare(lib, f"silu_and_mul_{sfx}", None, [_p, _i64, _p, _i64, _i64, _i64, _int])
         _lib = lib
         _state["tried"] = True
@@ -49,32 +50,57 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
     return x if x.stride(1) == 1 else None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """Like RMSNorm.forward; with `residual`, it is updated in place to x + residual and returned second.
     None when the layout is not one the kernel takes."""
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else None
-    if (x2 is None or (residual is not None and (r2 is None or residual.dtype != x.dtype or r2.shape != x2.shape))
-            or weight.dtype != x.dtype or not weight.is_contiguous()):
+    if (
+        x2 is None
+        or (residual is not None and (r2 is None or residual.dtype != x.dtype or r2.shape != x2.shape))
+        or weight.dtype != x.dtype
+        or not weight.is_contiguous()
+    ):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, cols = x2.shape
     getattr(_lib, f"rms_norm_{_DTYPES[x.dtype]}")(
-        x2.data_ptr(), x2.stride(0), r2.data_ptr() if r2 is not None else None, r2.stride(0) if r2 is not None else 0,
-        weight.data_ptr(), out.data_ptr(), cols, rows, cols, eps, torch.get_num_threads())
+        x2.data_ptr(),
+        x2.stride(0),
+        r2.data_ptr() if r2 is not None else None,
+        r2.stride(0) if r2 is not None else 0,
+        weight.data_ptr(),
+        out.data_ptr(),
+        cols,
+        rows,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
     return out if residual is None else (out, residual)
 
 
-def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_size: int,
-            rotary_dim: int) -> bool:
+def rotary_(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_size: int, rotary_dim: int
+) -> bool:
     """Neox rotary embedding in place on q [T, Hq*D] and k [T, Hk*D] (row views allowed). False (nothing
     done) when the layout is not one the kernel takes."""
     t = positions.numel()
     q2, k2 = _rows(q), _rows(k)
-    if (q2 is None or k2 is None or q.dtype != k.dtype or q2.shape[0] != t or k2.shape[0] != t
-            or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.device.type != "cpu"
-            or q2.shape[1] % head_size or k2.shape[1] % head_size):
+    if (
+        q2 is None
+        or k2 is None
+        or q.dtype != k.dtype
+        or q2.shape[0] != t
+        or k2.shape[0] != t
+        or cos_sin.dtype != torch.float32
+        or not cos_sin.is_contiguous()
+        or cos_sin.device.type != "cpu"
+        or q2.shape[1] % head_size
+        or k2.shape[1] % head_size
+    ):
         return False
     pos = positions.reshape(-1)
     if pos.dtype != torch.int64 or not pos.is_contiguous():
@@ -84,8 +110,19 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: 
         if int(lo) < 0 or int(hi) >= cos_sin.shape[0]:
             raise IndexError(f"rotary embedding: position out of range [0, {cos_sin.shape[0]})")
     getattr(_lib, f"rotary_{_DTYPES[q.dtype]}")(
-        pos.data_ptr(), q2.data_ptr(), q2.stride(0), q2.shape[1] // head_size, k2.data_ptr(), k2.stride(0),
-        k2.shape[1] // head_size, cos_sin.data_ptr(), head_size, rotary_dim, t, torch.get_num_threads())
+        pos.data_ptr(),
+        q2.data_ptr(),
+        q2.stride(0),
+        q2.shape[1] // head_size,
+        k2.data_ptr(),
+        k2.stride(0),
+        k2.shape[1] // head_size,
+        cos_sin.data_ptr(),
+        head_size,
+        rotary_dim,
+        t,
+        torch.get_num_threads(),
+    )
     return True
 
 
@@ -97,6 +134,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     rows, two_d = x2.shape
     d = two_d // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    getattr(_lib, f"silu_and_mul_{_DTYPES[x.dtype]}")(x2.data_ptr(), x2.stride(0), out.data_ptr(), d, rows, d,
-                                                      torch.get_num_threads())
+    getattr(_lib, f"silu_and_mul_{_DTYPES[x.dtype]}")(
+        x2.data_ptr(), x2.stride(0), out.data_ptr(), d, rows, d, torch.get_num_threads()
+    )
     return out

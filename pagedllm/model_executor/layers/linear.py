@@ -43,9 +43,7 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any] | None) -> None:
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(
-            f"{what}: shape mismatch, parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
-        )
+        raise ValueError(f"{what}: shape mismatch, parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
     dst.copy_(src)
 
 
@@ -189,7 +187,9 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = output_sizes
         self.output_partition_sizes = self._partition_sizes()
         self._create_params(
-            input_size, self.output_partition_sizes, self.output_size_per_partition if bias else None,
+            input_size,
+            self.output_partition_sizes,
+            self.output_size_per_partition if bias else None,
             {"output_dim": 0},
         )
 

@@ -82,8 +82,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cpu_ops.usable(query) and cpu_ops.rotary_(positions, query, key, self.cos_sin_cache, self.head_size,
-                                                     self.rotary_dim):
+        if cpu_ops.usable(query) and cpu_ops.rotary_(
+            positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim
+        ):
             return query, key  # rotated in place by one C pass
         cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
         half = self.rotary_dim // 2

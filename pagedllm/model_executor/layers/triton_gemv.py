@@ -47,8 +47,9 @@ def enabled(x: torch.Tensor) -> bool:
 if HAS_TRITON:
 
     @triton.jit
-    def _prologue_tile(x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k_ok, K, stride_xm, stride_rm, rstd,
-                       PROLOGUE: tl.constexpr):
+    def _prologue_tile(
+        x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k_ok, K, stride_xm, stride_rm, rstd, PROLOGUE: tl.constexpr
+    ):
         """The [BLOCK_M, BLOCK_K] tile of the GEMV's input `a`, in the activation dtype."""
         dt = x_ptr.dtype.element_ty
         mask = m_ok[:, None] & k_ok[None, :]
@@ -120,13 +121,19 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             a = _prologue_tile(x_ptr, res_ptr, nw_ptr, rm, rk, m_ok, k_ok, K, stride_xm, stride_rm, rstd, PROLOGUE)
-            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+            w = tl.load(
+                w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N]
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
 
 
 def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -175,13 +182,30 @@ def fused_gemv(
     assert res.stride(-1) == 1
     bn, bk, nw, ns = _config(n, k, x.dtype)
     _fused_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, res, res_out if res_out is not None else x, norm_weight if norm_weight is not None else x,
-        weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), res.stride(0), res_out.stride(0) if res_out is not None else 0,
-        weight.stride(0), y.stride(0), eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+        x,
+        res,
+        res_out if res_out is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        res.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        weight.stride(0),
+        y.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=16,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=nw, num_stages=ns,
+        num_warps=nw,
+        num_stages=ns,
     )
     return y, res_out
 
@@ -260,9 +284,19 @@ def row_gemv(
     bn, bk, nw, ns = config or row_gemv_config(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _row_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN=n % bn == 0 and k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=nw, num_stages=ns,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN=n % bn == 0 and k % bk == 0,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
     )
     return y
 

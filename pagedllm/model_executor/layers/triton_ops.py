@@ -174,10 +174,12 @@ if HAS_TRITON:
         sin = sin.to(dt).to(tl.float32)
         cos = cos[None, :]
         sin = sin[None, :]
-        _rope_heads(q_ptr + t * stride_qt, qw_ptr, num_q_heads, cos, sin, eps,
-                    HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
-        _rope_heads(k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps,
-                    HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+        _rope_heads(
+            q_ptr + t * stride_qt, qw_ptr, num_q_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM
+        )
+        _rope_heads(
+            k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM
+        )
         if WRITE_CACHE:  # the token's rotated k and its v go to their paged-cache slot, as reshape_and_cache
             slot = tl.load(slot_ptr + t, mask=t < n_cache, other=-1).to(tl.int64)
             if slot >= 0:  # slot -1: padding (CUDA graphs), nothing written
@@ -232,8 +234,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if n_rows:
         block = _next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
-            x2, x2, out, out, weight, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0),
-            n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
+            x2,
+            x2,
+            out,
+            out,
+            weight,
+            x2.stride(0),
+            x2.stride(0),
+            out.stride(0),
+            out.stride(0),
+            n_cols,
+            eps,
+            HAS_RESIDUAL=False,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
         )
     return out.view(x.shape)
 
@@ -254,8 +268,20 @@ def fused_add_rms_norm(
     if n_rows:
         block = _next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
-            x2, r2, out, res_out, weight, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+            x2,
+            r2,
+            out,
+            res_out,
+            weight,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n_cols,
+            eps,
+            HAS_RESIDUAL=True,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
         )
     return out.view(x.shape), res_out.view(x.shape)
 
@@ -318,18 +344,42 @@ def rotary_embedding_(
         kc, vc = cache.k_cache, cache.v_cache
         assert v2.stride(-1) == 1 and kc.stride() == vc.stride() and kc.stride(-1) == 1
         assert kc.shape[2:] == (num_kv_heads, head_size), "cache layout [blocks, block_size, kv_heads, head]"
-        cache_args = (v2, cache.slot_mapping, kc, vc, v2.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-                      min(cache.num_tokens, n_tokens))
+        cache_args = (
+            v2,
+            cache.slot_mapping,
+            kc,
+            vc,
+            v2.stride(0),
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            min(cache.num_tokens, n_tokens),
+        )
         block_size = kc.shape[1]
     else:
         cache_args = (k2, k2, k2, k2, 0, 0, 0, 0, 0)  # unused (WRITE_CACHE=False)
         block_size = 1
     _rope_kernel[(n_tokens,)](
-        q2, k2, positions, cos_sin_cache,
-        q_weight if has_norm else q2, k_weight if has_norm else k2,
-        q2.stride(0), k2.stride(0), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads, eps, *cache_args,
-        HEAD_SIZE=head_size, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, HAS_NORM=has_norm,
-        WRITE_CACHE=cache is not None, CACHE_BLOCK=block_size, BLOCK_D=_next_pow2(head_size),
+        q2,
+        k2,
+        positions,
+        cos_sin_cache,
+        q_weight if has_norm else q2,
+        k_weight if has_norm else k2,
+        q2.stride(0),
+        k2.stride(0),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        num_kv_heads,
+        eps,
+        *cache_args,
+        HEAD_SIZE=head_size,
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        HAS_NORM=has_norm,
+        WRITE_CACHE=cache is not None,
+        CACHE_BLOCK=block_size,
+        BLOCK_D=_next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
     )

@@ -78,9 +78,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1:] != param.shape[1:]:
             raise ValueError(
                 f"{self.prefix}: checkpoint shape {tuple(loaded_weight.shape)} does not match "

@@ -62,9 +62,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) 
 
 def resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
     if load_format not in LOAD_FORMATS:
-        raise ValueError(
-            f"load_format: unknown value {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}"
-        )
+        raise ValueError(f"load_format: unknown value {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     if load_format != "auto":
         return load_format
     if model_config.gguf_file:

@@ -17,9 +17,7 @@ PT_INDEX = "pytorch_model.bin.index.json"
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
     """Copies a whole (unsharded) tensor into a parameter of the same shape."""
     if param.shape != loaded_weight.shape:
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
-        )
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
 
 
@@ -67,9 +65,7 @@ def pt_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         del state
 
 
-def initialize_dummy_weights(
-    model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234
-) -> None:
+def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234) -> None:
     """Deterministic small uniform weights U(low, high) for every parameter, drawn on the parameter's own
     device (an 8B model drawn on the CPU takes ~45 s; on the GPU, well under a second); RMSNorm weights
     are set to 1 so activations keep a sane scale."""

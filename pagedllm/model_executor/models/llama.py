@@ -62,16 +62,12 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, prefix: str = ""
-    ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
         )
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
-        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +157,14 @@ class LlamaAttention(nn.Module):
         if not self.qk_norm:
             return RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim)
         if rope.rotary_dim == self.head_dim and self.q_norm.weight.dtype == q.dtype:
-            return RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim, self.q_norm.weight,
-                              self.k_norm.weight, self.q_norm.variance_epsilon)
+            return RotaryArgs(
+                positions,
+                rope.cos_sin_cache,
+                rope.rotary_dim,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.variance_epsilon,
+            )
         t = q.shape[0]
         q.copy_(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size))
         k.copy_(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size))
@@ -178,9 +180,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config)
-        )
+        self.self_attn = LlamaAttention(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -226,14 +226,22 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         ln, post_ln = self.input_layernorm, self.post_attention_layernorm
         qkv, new_residual = triton_gemv.fused_gemv(
-            hidden_states, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln.weight, residual=residual,
+            hidden_states,
+            attn.qkv_proj.weight,
+            attn.qkv_proj.bias,
+            norm_weight=ln.weight,
+            residual=residual,
             eps=ln.variance_epsilon,
         )
         residual = hidden_states if new_residual is None else new_residual
         hidden_states = attn.forward_qkv(positions, qkv)
         gate_up, residual = triton_gemv.fused_gemv(
-            hidden_states, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=post_ln.weight,
-            residual=residual, eps=post_ln.variance_epsilon,
+            hidden_states,
+            mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias,
+            norm_weight=post_ln.weight,
+            residual=residual,
+            eps=post_ln.variance_epsilon,
         )
         out, _ = triton_gemv.fused_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_and_mul=True)
         assert residual is not None
@@ -251,8 +259,7 @@ class LlamaModel(nn.Module):
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=float(getattr(config, "rms_norm_eps", 1e-6)))
 
