@@ -24,7 +24,7 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.core.stop import append_until_stop
+from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
@@ -146,7 +146,11 @@ class Scheduler:
                 i += 1
                 continue
             computed = req.num_computed_tokens
-            num_new = min(target - computed, budget, max_model_len - computed)
+            num_new = target - computed  # clipped by the budget and max_model_len (no min(): per request)
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_model_len - computed:
+                num_new = max_model_len - computed
             if num_new <= 0:
                 i += 1
                 continue
@@ -282,7 +286,12 @@ class Scheduler:
                 continue
             # (Async scheduling) a request preempted while its token was in flight keeps it (it was sampled,
             # and a seeded request must not sample it again), then waits to recompute as usual.
-            new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
+            if len(tokens) == 1:  # one sampled token (every decode): inline, no list building (NOTES H1/H10)
+                new_tokens, tok = tokens, tokens[0]
+                n = req.append_output_token(tok)
+                stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok, max_model_len)
+            else:
+                new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
             finish_reason = None
             if stopped:
                 finish_reason = req.status.finish_reason

@@ -32,10 +32,6 @@ def may_stop(req: Request, token: int, num_tokens: int) -> bool:
 
 def append_until_stop(req: Request, tokens: list[int], max_model_len: int) -> tuple[list[int], bool]:
     """Appends `tokens` to `req` one by one until one stops it: (the tokens appended, stopped)."""
-    if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
-        tok = tokens[0]
-        n = req.append_output_token(tok)
-        return tokens, may_stop(req, tok, n) and check_stop(req, tok, max_model_len)
     new_tokens: list[int] = []
     for tok in tokens:
         n = req.append_output_token(tok)
