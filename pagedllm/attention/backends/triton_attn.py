@@ -35,7 +35,7 @@ from pagedllm.attention.ops.triton_paged_attn import (
     paged_attention,
     reshape_and_cache,
 )
-from pagedllm.model_executor.layers.triton_ops import KVCacheWrite, rotary_embedding_
+from pagedllm.model_executor.layers.triton_ops import KVCacheWrite, apply_rotary_
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
@@ -107,18 +107,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if rotary is None:
             reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
         else:
-            rotary_embedding_(
-                rotary.positions,
-                query,
-                key,
-                rotary.cos_sin_cache,
-                self.head_size,
-                rotary.rotary_dim,
-                rotary.q_weight,
-                rotary.k_weight,
-                rotary.eps,
-                KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n),
-            )
+            apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
         num_splits = md.num_splits
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)

@@ -19,10 +19,14 @@ code; nothing here launches or compiles a kernel at import time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.utils import next_pow2
+
+if TYPE_CHECKING:
+    from pagedllm.attention.backends.abstract import RotaryArgs
 
 try:
     import triton
@@ -380,4 +384,22 @@ def rotary_embedding_(
         CACHE_BLOCK=block_size,
         BLOCK_D=next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
+    )
+
+
+def apply_rotary_(
+    rotary: RotaryArgs, query: torch.Tensor, key: torch.Tensor, head_size: int, cache: KVCacheWrite | None = None
+) -> None:
+    """`rotary_embedding_` with the arguments an attention layer was handed in `rotary`."""
+    rotary_embedding_(
+        rotary.positions,
+        query,
+        key,
+        rotary.cos_sin_cache,
+        head_size,
+        rotary.rotary_dim,
+        rotary.q_weight,
+        rotary.k_weight,
+        rotary.eps,
+        cache,
     )
