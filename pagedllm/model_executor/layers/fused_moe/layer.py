@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -22,21 +23,27 @@ EXPERT_NAMES_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 EXPERT_NAMES_MIXTRAL = ("w1", "w3", "w2")
 
 
-def expert_params_mapping(num_experts: int, names: tuple[str, str, str]) -> list[tuple[str, str, int | None, str]]:
-    """(fused parameter suffix, checkpoint name fragment, expert id, shard id) for every per-expert
-    tensor, plus transformers v5's already-stacked `experts.gate_up_proj` / `experts.down_proj`."""
-    gate, up, down = names
-    mapping: list[tuple[str, str, int | None, str]] = [
-        ("experts.w13_weight", "experts.gate_up_proj", None, "w13"),
-        ("experts.w2_weight", "experts.down_proj", None, "w2"),
-    ]
-    for e in range(num_experts):
-        mapping += [
-            ("experts.w13_weight", f"experts.{e}.{gate}.weight", e, "w1"),
-            ("experts.w13_weight", f"experts.{e}.{up}.weight", e, "w3"),
-            ("experts.w2_weight", f"experts.{e}.{down}.weight", e, "w2"),
-        ]
-    return mapping
+_PER_EXPERT_RE = re.compile(r"^(?P<pre>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED_RE = re.compile(r"^(?P<pre>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def match_expert_weight(name: str, names: tuple[str, str, str]) -> tuple[str, int | None, str] | None:
+    """(parameter name, expert id, shard id) of a checkpoint tensor of the routed experts, else None.
+    Takes per-expert tensors (`...experts.7.gate_proj.weight`, projection names `names` = (gate, up,
+    down)) and transformers v5's stacked `...experts.gate_up_proj` / `...experts.down_proj`."""
+    m = _PER_EXPERT_RE.match(name)
+    if m is not None:
+        shard = {names[0]: "w1", names[1]: "w3", names[2]: "w2"}.get(m["proj"])
+        if shard is None:
+            return None
+        param = "w2_weight" if shard == "w2" else "w13_weight"
+        return f"{m['pre']}.{param}", int(m["e"]), shard
+    m = _STACKED_RE.match(name)
+    if m is not None:
+        if m["proj"] == "gate_up_proj":
+            return f"{m['pre']}.w13_weight", None, "w13"
+        return f"{m['pre']}.w2_weight", None, "w2"
+    return None
 
 
 class FusedMoE(nn.Module):
