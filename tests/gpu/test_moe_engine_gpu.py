@@ -37,5 +37,7 @@ def test_moe_graph_decodes_match_hf(variant: str, tmp_path) -> None:  # noqa: AN
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
     assert replays and max(replays) == 20 and min(replays) < 20
-    verdicts = [compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32) for p, o, r in zip(prompts, outs, refs)]
+    verdicts = [
+        compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32) for p, o, r in zip(prompts, outs, refs)
+    ]
     print(variant, sum(v.diverged_at is None for v in verdicts), "of", len(verdicts), "identical")

@@ -11,7 +11,13 @@ from tests.utils_model import TINY_COMMON
 MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
     ),
     "qwen3_moe_dense_layer": (
         "Qwen3MoeConfig",

@@ -79,7 +79,9 @@ class FusedMoE(nn.Module):
         self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
         dtype = params_dtype or torch.get_default_dtype()
         inter = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
+        )
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             set_weight_attrs(p, {"weight_loader": self.weight_loader})

@@ -9,7 +9,9 @@ import torch
 from pagedllm.model_executor.layers import triton_ops
 
 
-def torch_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) exactly as HF's Qwen2/Qwen3-MoE and Mixtral
     routers compute them."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
