@@ -1,9 +1,11 @@
 """Tiles of the fused MoE grouped GEMMs (`pagedllm/model_executor/layers/fused_moe/configs.py`) timed on
-the GPU for one shape (default W6: Qwen3-30B-A3B, E=128, I=768, H=2048, top-8) at several batch sizes;
-prints the best (up, down) pair per batch bucket as a Python literal for `configs.TUNED`, with its time
-and the time of `default_config`, and the bytes-of-touched-experts floor at the measured copy bandwidth.
+the GPU for one shape (default W6: Qwen3-30B-A3B, E=128, I=768, H=2048, top-8) at several batch sizes.
+Every GEMM is timed alone, replayed from a CUDA graph (as decode runs; no launch overhead), for each tile;
+per bucket the BLOCK_M with the least up + down time wins, with its best up and down tiles. Writes the
+table as JSON (`--out`, the format of `fused_moe/tuned/*.json`) and prints, per bucket, the tuned and the
+default time of the two GEMMs and the floor (bytes of the experts touched / copy bandwidth).
 
-    python3 benchmarks/moe_tune.py --out $OUT/moe_tune.json
+    python3 benchmarks/moe_tune.py --out $OUT/E128_N768_K2048.json
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -18,8 +21,26 @@ from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers.fused_moe import configs, triton_moe
 
 
-def _time(fn, reps: int = 20) -> float:  # noqa: ANN001
-    return floors._median_ms(fn, warmup=3, reps=reps)
+def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median time of one replay of `fn` captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return floors._median_ms(g.replay, warmup=3, reps=reps)
+
+
+def candidates() -> list[configs.Config]:
+    out = []
+    for bm, bn, bk, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256), (3, 4)):
+        if bk == 256 and (bm > 16 or bn == 128):
+            continue
+        if bm == 64 and bk == 128 and stages == 4:
+            continue  # shared memory
+        warps = 8 if bm * bn >= 64 * 128 else 4
+        out.append(configs._cfg(bm, bn, bk, 8 if bm >= 64 else 1, warps, stages))
+    return out
 
 
 def main() -> None:
@@ -36,44 +57,63 @@ def main() -> None:
     gbps = floors.copy_bandwidth_gbps(dev)
     w13 = torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16) * h**-0.5
     w2 = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16) * i**-0.5
-    cands = []
-    for bm, bn, bk, stages in itertools.product((16, 32, 64), (64, 128), (64, 128), (3, 4)):
-        if bm == 64 and bk == 128 and stages == 4:
-            continue  # too much shared memory
-        cands.append(configs._cfg(bm, bn, bk, 8 if bm >= 64 else 1, 8 if bm >= 64 else 4, stages))
-    results = {}
+    cands = candidates()
+    buckets: dict[str, dict] = {}
+    report = {}
     for t in [int(x) for x in a.batches.split(",")]:
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         logits = torch.randn(t, e, device=dev, dtype=torch.bfloat16)
         weights, ids = triton_moe.fused_topk(logits, k, True)
         touched = int(torch.unique(ids).numel())
         floor_ms = touched * 3 * i * h * 2 / (gbps * 1e9) * 1e3
-        default = configs.default_config(e, t * k)
-        t_default = _time(lambda: triton_moe.fused_experts(x, w13, w2, weights, ids, default))
-        best: dict[int, tuple[float, dict]] = {}
+        inter = torch.empty(t * k, 2 * i, device=dev, dtype=torch.bfloat16)
+        act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(t * k, h, device=dev, dtype=torch.bfloat16)
+        wflat = weights.reshape(-1)
+
+        def gemms(up: configs.Config, down: configs.Config) -> tuple[float, float]:
+            s, eids, npp = triton_moe.moe_align_block_size(ids, up["BLOCK_M"], e)
+            t_up = graph_ms(lambda: triton_moe._grouped_gemm(x, w13, inter, None, s, eids, npp, k, up))
+            t_dn = graph_ms(lambda: triton_moe._grouped_gemm(act, w2, out, wflat, s, eids, npp, 1, down))
+            return t_up, t_dn
+
+        d_up, d_dn = gemms(*configs.default_config(e, t * k))
+        best_up: dict[int, tuple[float, configs.Config]] = {}
+        best_dn: dict[int, tuple[float, configs.Config]] = {}
         for c in cands:
             bm = c["BLOCK_M"]
-            if bm > 16 and t * k / e < 4:
+            if bm > 16 and t * k / e < 2:
                 continue
             try:
-                ms = _time(lambda: triton_moe.fused_experts(x, w13, w2, weights, ids, (c, c)), reps=10)
+                tu, td = gemms(c, c)
             except Exception:  # noqa: BLE001 - out of resources for this tile
                 continue
-            if ms < best.get(bm, (1e9, {}))[0]:
-                best[bm] = (ms, c)
-        ms, c = min(best.values(), key=lambda v: v[0])
-        results[t] = {"best_ms": ms, "config": c, "default_ms": t_default, "touched": touched, "floor_ms": floor_ms}
+            if tu < best_up.get(bm, (1e9, c))[0]:
+                best_up[bm] = (tu, c)
+            if td < best_dn.get(bm, (1e9, c))[0]:
+                best_dn[bm] = (td, c)
+        bm = min(best_up, key=lambda m: best_up[m][0] + best_dn[m][0])
+        tuned_ms = best_up[bm][0] + best_dn[bm][0]
+        buckets[str(t)] = {"up": best_up[bm][1], "down": best_dn[bm][1]}
+        report[t] = {"tuned_ms": tuned_ms, "default_ms": d_up + d_dn, "floor_ms": floor_ms, "touched": touched}
         print(
-            f"T={t:5d}: best {ms:.3f} ms {c}; default {t_default:.3f} ms; floor {floor_ms:.3f} ms ({touched} experts)",
+            f"T={t:5d}: up+down tuned {tuned_ms:.3f} ms (BLOCK_M {bm}), default {d_up + d_dn:.3f} ms; "
+            f"floor {floor_ms:.3f} ms ({touched} experts); up {best_up[bm][1]}; down {best_dn[bm][1]}",
             flush=True,
         )
-    print("TUNED[(%d, %d, %d)] = {" % (e, i, h))
-    for t, r in results.items():
-        print(f"    {t}: ({r['config']}, {r['config']}),")
-    print("}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"copy_GBps": gbps, "gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "shape": [e, i, h],
+                    "gpu": torch.cuda.get_device_name(),
+                    "copy_GBps": gbps,
+                    "report": report,
+                    "buckets": buckets,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
