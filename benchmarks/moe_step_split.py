@@ -1,7 +1,8 @@
 """Where a W6 (Qwen3-30B-A3B shape, dummy bf16) step's GPU time goes: attention (the paged attention op,
 RoPE and KV-cache write included), the q/k/v and o projections, the MoE block (router, routing, sort,
 grouped GEMMs, SiLU, sum) and everything else (norms, embedding, LM head, sampler), as device time of the
-kernels launched inside each module (torch.profiler ranges opened by forward hooks). Eager mode (kernel
+kernels launched inside each module (torch.profiler ranges opened by forward hooks; a kernel counts
+under the innermost range above the op that launched it). Eager mode (kernel
 device times are those a CUDA graph replays; the graph removes the launch gaps). Profiles decode steps at
 the full batch of 256 after every prompt is prefilled, and one prefill step.
 
@@ -47,17 +48,25 @@ def add_ranges(model: torch.nn.Module) -> None:
 
 
 def split(prof: Any, steps: int) -> dict[str, float]:
-    """ms per step: total kernel time, and the device time under each range."""
-    total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
-    by = {e.key: e.device_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("split::")}
-    moe, core, block = by.get("split::moe", 0.0), by.get("split::attn_core", 0.0), by.get("split::attn_block", 0.0)
-    return {
-        "total_ms": total,
-        "moe_ms": moe,
-        "attention_ms": core,
-        "qkv_o_proj_ms": block - core,
-        "other_ms": total - moe - block,
-    }
+    """ms of kernel time per step by category: each kernel goes to the innermost `split::` range above
+    the CPU op that launched it (the MoE block, the attention op inside the attention block, the rest
+    of the attention block), else to "other"."""
+    cats = {"moe_ms": 0.0, "attention_ms": 0.0, "qkv_o_proj_ms": 0.0, "other_ms": 0.0}
+    key = {"split::moe": "moe_ms", "split::attn_core": "attention_ms", "split::attn_block": "qkv_o_proj_ms"}
+    for ev in prof.events():
+        kernels = getattr(ev, "kernels", None) or []
+        if not kernels:
+            continue
+        us = sum(k.duration for k in kernels)
+        anc, cat = ev, "other_ms"
+        while anc is not None:
+            if anc.name in key:
+                cat = key[anc.name]
+                break
+            anc = anc.cpu_parent
+        cats[cat] += us / 1e3 / steps
+    cats["total_ms"] = sum(cats.values())
+    return cats
 
 
 def main() -> None:

@@ -3,9 +3,10 @@
 `fused_experts` runs, with no host synchronisation and no Python loop over experts (so a decode batch
 can be captured in a CUDA graph):
 
-1. `moe_align_block_size`: the (token, k) pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M with a sentinel id, and the expert of every BLOCK_M block (fixed-size outputs
-   sized for the worst case; `num_tokens_post_padded` tells the kernel where the real blocks end);
+1. `moe_align_block_size`: the (token, k) pairs grouped by expert (an atomic count per expert, then
+   every pair placed at its expert's offset + its rank), each expert's run padded to a multiple of
+   BLOCK_M with a sentinel id, and the expert of every BLOCK_M block (fixed-size outputs sized for the
+   worst case; `num_tokens_post_padded` tells the kernel where the real blocks end);
 2. grouped GEMM `x @ w13[e].T` for every block (rows gathered from x by token id);
 3. SiLU-and-mul (`triton_ops.silu_and_mul`);
 4. grouped GEMM `act @ w2[e].T` times the routing weight, written per (token, k) pair;
@@ -61,6 +62,55 @@ if HAS_TRITON:
         kmask = koffs < TOP_K
         tl.store(weights_ptr + row * TOP_K + koffs, top_w, mask=kmask)
         tl.store(ids_ptr + row * TOP_K + koffs, top_i, mask=kmask)
+
+    @triton.jit
+    def _count_experts_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
+        """counts[e] += 1 per pair routed to e; the pair's rank among them (order within an expert is
+        arbitrary: every pair's output row depends on its own row only)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        e = tl.load(ids_ptr + offs, mask=mask, other=0)
+        rank = tl.atomic_add(counts_ptr + e, 1, mask=mask)
+        tl.store(rank_ptr + offs, rank, mask=mask)
+
+    @triton.jit
+    def _place_pairs_kernel(
+        ids_ptr,
+        counts_ptr,
+        rank_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        npp_ptr,
+        n,
+        num_experts,
+        num_blocks,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """Every program recomputes the experts' padded offsets from the counts (E is small) and places
+        its BLOCK pairs at offset[e] + rank, and labels its BLOCK blocks with their expert; program 0
+        also writes the sentinel n into each expert's padding and the padded total."""
+        pid = tl.program_id(0)
+        eo = tl.arange(0, BLOCK_E)
+        emask = eo < num_experts
+        counts = tl.load(counts_ptr + eo, mask=emask, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        pmask = offs < n
+        e = tl.load(ids_ptr + offs, mask=pmask, other=0)
+        rank = tl.load(rank_ptr + offs, mask=pmask, other=0)
+        start_of_e = tl.sum(tl.where(eo[None, :] < e[:, None], padded[None, :], 0), axis=1)
+        tl.store(sorted_ptr + start_of_e + rank, offs, mask=pmask)
+        blk = pid * BLOCK + tl.arange(0, BLOCK)
+        owner = tl.sum(((ends[None, :] <= blk[:, None] * BLOCK_M) & emask[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1), mask=blk < num_blocks)
+        if pid == 0:
+            tl.store(npp_ptr, tl.sum(padded, axis=0))
+            po = tl.arange(0, BLOCK_M)
+            pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
+            tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
 
     @triton.jit
     def _grouped_gemm_kernel(
@@ -156,27 +206,41 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted pair ids [max_padded] int32 with sentinel T*k in the padding, expert of every BLOCK_M
-    block [max_padded / BLOCK_M] int32, number of real padded slots [1] int32), from device-side ops
-    only (no host sync, fixed shapes for a given T: capturable)."""
-    flat = topk_ids.reshape(-1).long()
+    """(pair ids grouped by expert [max_padded] int32, each expert's run padded to a multiple of
+    BLOCK_M with the sentinel T*k; the expert of every BLOCK_M block [max_padded / BLOCK_M] int32; the
+    number of real padded slots [1] int32). Two launches and a memset, no host sync, shapes fixed by T
+    (capturable); slots past the padded total are left unwritten (the GEMMs stop before them)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
     n = flat.numel()
     device = flat.device
     max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    sorted_experts, order = torch.sort(flat, stable=True)
-    rank = torch.arange(n, device=device) - first_of_expert[sorted_experts]
-    dest = starts[sorted_experts] + rank
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+    num_blocks = max_padded // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(n, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    block = 256
+    _count_experts_kernel[(triton.cdiv(n, block),)](flat, counts, rank, n, BLOCK=block)
+    grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
+    _place_pairs_kernel[grid](
+        flat,
+        counts,
+        rank,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        n,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK=block,
+        BLOCK_E=_next_pow2(num_experts),
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, num_post
 
 
 def _grouped_gemm(
