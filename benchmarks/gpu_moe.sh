@@ -19,12 +19,17 @@ for stage in ${MOE_STAGES:-tests W6 tune W1}; do
                 tests/gpu/test_moe_engine_gpu.py 2>&1 | grep -v "^INFO" | tail -25 | tee "$OUT/tests.log"
             echo "tests: $(tail -1 "$OUT/tests.log") | $(grep -E 'identical' "$OUT/tests.log" | tr '\n' ' ')" >> "$summary" ;;
         tune)
-            timeout 200 python3 benchmarks/moe_tune.py --out "$OUT/E128_N768_K2048.json" 2>&1 | tee "$OUT/tune.log" | tail -25
+            timeout 240 python3 benchmarks/moe_tune.py --out "$OUT/E128_N768_K2048.json" 2>&1 | tee "$OUT/tune.log" | tail -25
             grep -E '^T=' "$OUT/tune.log" | cut -c1-140 >> "$summary" ;;
         split)
             timeout 200 python3 benchmarks/moe_step_split.py --out "$OUT/w6_split.json" 2>&1 | grep -v "^INFO" \
                 | tee "$OUT/split.log" | tail -45
             echo "split: $(tr -d '\n ' < "$OUT/w6_split.json")" >> "$summary" ;;
+        W6OLD)  # A/B in the same lease: the fused-MoE options as first measured (call 3)
+            PAGEDLLM_MOE_FUSED_SILU=0 PAGEDLLM_MOE_PLACE_BLOCK=256 timeout 300 python3 -m pagedllm bench throughput \
+                --workload W6 --max-model-len 2048 --load-format dummy --output-json "$OUT/W6OLD.json" 2>&1 \
+                | grep -v "^INFO" | tail -5 | tee -a "$OUT/bench.log"
+            echo "W6 (SiLU unfused, place block 256): $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary" ;;
         W6T)
             PAGEDLLM_MOE_CONFIG=$OUT/E128_N768_K2048.json timeout 300 python3 -m pagedllm bench throughput --workload W6 \
                 --max-model-len 2048 --load-format dummy --output-json "$OUT/W6T.json" 2>&1 | grep -v "^INFO" | tail -5 \

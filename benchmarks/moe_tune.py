@@ -1,6 +1,7 @@
 """Tiles of the fused MoE grouped GEMMs (`pagedllm/model_executor/layers/fused_moe/configs.py`) timed on
 the GPU for one shape (default W6: Qwen3-30B-A3B, E=128, I=768, H=2048, top-8) at several batch sizes.
-Every GEMM is timed alone, replayed from a CUDA graph (as decode runs; no launch overhead), for each tile;
+Every GEMM is timed alone (the up GEMM with SiLU-and-mul in its epilogue unless PAGEDLLM_MOE_FUSED_SILU=0),
+replayed from a CUDA graph (as decode runs; no launch overhead), for each tile;
 per bucket the BLOCK_M with the least up + down time wins, with its best up and down tiles. Writes the
 table as JSON (`--out`, the format of `fused_moe/tuned/*.json`) and prints, per bucket, the tuned and the
 default time of the two GEMMs and the floor (bytes of the experts touched / copy bandwidth).
@@ -71,10 +72,15 @@ def main() -> None:
         out = torch.empty(t * k, h, device=dev, dtype=torch.bfloat16)
         wflat = weights.reshape(-1)
 
-        def gemms(up: configs.Config, down: configs.Config) -> tuple[float, float]:
-            s, eids, npp = triton_moe.moe_align_block_size(ids, up["BLOCK_M"], e)
-            t_up = graph_ms(lambda: triton_moe._grouped_gemm(x, w13, inter, None, s, eids, npp, k, up))
-            t_dn = graph_ms(lambda: triton_moe._grouped_gemm(act, w2, out, wflat, s, eids, npp, 1, down))
+        def gemms(up: configs.Config, down: configs.Config, bufs: tuple = (x, ids, inter, act, out, wflat)) -> tuple:
+            """(up ms, down ms) with these tiles (the buffers bound now: called within this iteration)."""
+            xb, idb, interb, actb, outb, wb = bufs
+            s, eids, npp = triton_moe.moe_align_block_size(idb, up["BLOCK_M"], e)
+            if triton_moe.FUSED_SILU:  # the up GEMM writes silu(gate) * up
+                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, actb, None, s, eids, npp, k, up, True))
+            else:
+                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, interb, None, s, eids, npp, k, up))
+            t_dn = graph_ms(lambda: triton_moe._grouped_gemm(actb, w2, outb, wb, s, eids, npp, 1, down))
             return t_up, t_dn
 
         d_up, d_dn = gemms(*configs.default_config(e, t * k))

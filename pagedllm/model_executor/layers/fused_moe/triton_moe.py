@@ -7,8 +7,8 @@ can be captured in a CUDA graph):
    every pair placed at its expert's offset + its rank), each expert's run padded to a multiple of
    BLOCK_M with a sentinel id, and the expert of every BLOCK_M block (fixed-size outputs sized for the
    worst case; `num_tokens_post_padded` tells the kernel where the real blocks end);
-2. grouped GEMM `x @ w13[e].T` for every block (rows gathered from x by token id);
-3. SiLU-and-mul (`triton_ops.silu_and_mul`);
+2. grouped GEMM `x @ w13[e].T` for every block (rows gathered from x by token id), with
+3. SiLU-and-mul in its epilogue (each program computes matching gate and up columns);
 4. grouped GEMM `act @ w2[e].T` times the routing weight, written per (token, k) pair;
 5. the sum over the k experts of each token.
 
@@ -18,11 +18,18 @@ Kernel tile sizes come from `configs.get_config` (a table tuned for the W6 shape
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
 from pagedllm.model_executor.layers.triton_ops import HAS_TRITON, _next_pow2
+
+# SiLU-and-mul in the up GEMM's epilogue (PAGEDLLM_MOE_FUSED_SILU=0: a separate kernel, as measured first).
+FUSED_SILU = os.environ.get("PAGEDLLM_MOE_FUSED_SILU", "1") != "0"
+# Pairs per program of the placement kernel (PAGEDLLM_MOE_PLACE_BLOCK; 256 in the first measured version).
+PLACE_BLOCK = int(os.environ.get("PAGEDLLM_MOE_PLACE_BLOCK", "64"))
 
 if HAS_TRITON:
     import triton
@@ -134,16 +141,17 @@ if HAS_TRITON:
         stride_cn,
         A_ROW_DIV: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr,
+        FUSE_SILU: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
     ):
-        """K is a compile-time constant (one of the model's two widths), which also keeps the K loop
-        runnable under the Triton interpreter. C[pair] = A[pair // A_ROW_DIV] @ B[expert(pair)].T (times the pair's routing weight), for the
+        """C[pair] = A[pair // A_ROW_DIV] @ B[expert(pair)].T (times the pair's routing weight), for the
         pairs of each BLOCK_M block of the expert-sorted order; sentinel ids (>= num_valid_tokens) are
-        padding and are neither read nor written."""
+        padding and are neither read nor written. K is a compile-time constant (one of the model's two
+        widths), which also keeps the K loop runnable under the Triton interpreter."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(EM, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -163,6 +171,7 @@ if HAS_TRITON:
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_left = K - k0
             a = tl.load(a_ptrs, mask=tok_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
@@ -171,8 +180,20 @@ if HAS_TRITON:
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
+            if FUSE_SILU:  # the up rows sit N rows below the gate rows of the same expert
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=offs_k[:, None] < k_left, other=0.0)
+                if IEEE:
+                    acc_up += tl.dot(a, b_up, input_precision="ieee")
+                else:
+                    acc_up += tl.dot(a, b_up)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if FUSE_SILU:
+            # Rounded as the unfused path rounds: gate and up to the activation dtype, silu(gate) too.
+            g = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+            u = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(c_ptr.dtype.element_ty).to(tl.float32)
+            acc = act * u
         if MUL_ROUTED_WEIGHT:
             w = tl.load(topk_weights_ptr + offs_tok, mask=tok_mask, other=0.0).to(tl.float32)
             acc = acc * w[:, None]
@@ -222,8 +243,8 @@ def moe_align_block_size(
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
-    block = 256
-    _count_experts_kernel[(triton.cdiv(n, block),)](flat, counts, rank, n, BLOCK=block)
+    _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
+    block = PLACE_BLOCK  # small: each program does [block x E] comparisons, many programs in parallel
     grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
     _place_pairs_kernel[grid](
         flat,
@@ -253,9 +274,12 @@ def _grouped_gemm(
     num_post_padded: torch.Tensor,
     a_row_div: int,
     config: dict[str, int],
+    fuse_silu: bool = False,
 ) -> None:
+    """c[pair] = a[pair // a_row_div] @ b[e].T (x the routing weight if given); with `fuse_silu`, b holds
+    gate rows then up rows and c = silu(gate) * up, half b's rows wide."""
     em = sorted_ids.numel()
-    n, k = b.shape[1], b.shape[2]
+    n, k = b.shape[1] // (2 if fuse_silu else 1), b.shape[2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
@@ -279,6 +303,7 @@ def _grouped_gemm(
         c.stride(1),
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        FUSE_SILU=fuse_silu,
         IEEE=a.dtype == torch.float32,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -308,9 +333,13 @@ def fused_experts(
     assert up_cfg["BLOCK_M"] == down_cfg["BLOCK_M"], "both GEMMs walk the same BLOCK_M-aligned order"
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, up_cfg["BLOCK_M"], num_experts)
-    inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, top_k, up_cfg)
-    act = triton_ops.silu_and_mul(inter)
+    if FUSED_SILU:
+        act = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, act, None, sorted_ids, expert_ids, num_post, top_k, up_cfg, fuse_silu=True)
+    else:
+        inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, top_k, up_cfg)
+        act = triton_ops.silu_and_mul(inter)
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, num_post, 1, down_cfg)
     return out.view(t, top_k, hidden).sum(dim=1)
