@@ -41,6 +41,8 @@ def candidates() -> list[configs.Config]:
             continue  # shared memory
         warps = 8 if bm * bn >= 64 * 128 else 4
         out.append(configs._cfg(bm, bn, bk, 8 if bm >= 64 else 1, warps, stages))
+    # Prefill-sized tiles (timed only where experts get >= 2 rows on average).
+    out += [configs._cfg(128, 128, 64, 8, 8, 3), configs._cfg(128, 64, 64, 8, 4, 3)]
     return out
 
 
