@@ -1,10 +1,8 @@
-"""Where a W6 (Qwen3-30B-A3B shape, dummy bf16) step's GPU time goes: attention (the paged attention op,
-RoPE and KV-cache write included), the q/k/v and o projections, the MoE block (router, routing, sort,
-grouped GEMMs, SiLU, sum) and everything else (norms, embedding, LM head, sampler), as device time of the
-kernels launched inside each module (torch.profiler ranges opened by forward hooks; a kernel counts
-under the innermost range above the op that launched it). Eager mode (kernel
-device times are those a CUDA graph replays; the graph removes the launch gaps). Profiles decode steps at
-the full batch of 256 after every prompt is prefilled, and one prefill step.
+"""Where a W6 (Qwen3-30B-A3B shape, dummy bf16) step's GPU time goes: the MoE block (routing, token
+placement, grouped GEMMs, SiLU, sum over k), attention (paged attention, RoPE + KV-cache write), the dense
+GEMMs (q/k/v, o, router, LM head) and the rest (norms, sampler), as kernel device time grouped by kernel
+name. Eager mode (kernel device times are those a CUDA graph replays; the graph removes the launch gaps).
+Profiles decode steps at the full batch of 256 after every prompt is prefilled, and one prefill step.
 
     python3 benchmarks/moe_step_split.py --out $OUT/w6_split.json
 """
@@ -16,57 +14,30 @@ import json
 from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
-from pagedllm.attention.layer import Attention
-from pagedllm.benchmarks import floors
 from pagedllm.benchmarks.workloads import get_workload
-from pagedllm.model_executor.models.llama import LlamaAttention
-from pagedllm.model_executor.models.moe_common import SparseMoeBlock
 
-RANGES = {SparseMoeBlock: "split::moe", Attention: "split::attn_core", LlamaAttention: "split::attn_block"}
-
-
-def add_ranges(model: torch.nn.Module) -> None:
-    def pre(name: str) -> Any:
-        def hook(mod: torch.nn.Module, args: Any) -> None:
-            mod._split_rf = record_function(name)  # type: ignore[attr-defined]
-            mod._split_rf.__enter__()  # type: ignore[attr-defined]
-
-        return hook
-
-    def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-        mod._split_rf.__exit__(None, None, None)  # type: ignore[attr-defined]
-
-    for m in model.modules():
-        for cls, name in RANGES.items():
-            if isinstance(m, cls):
-                m.register_forward_pre_hook(pre(name))
-                m.register_forward_hook(post)
+# Kernel-name fragments per category, first match wins. "reduce_kernel" is the MoE's sum over the k
+# experts (W6 has no other reduction kernel in a step but the sampler's, which is small).
+CATEGORIES = (
+    ("moe", ("_grouped_gemm", "_topk_softmax", "_count_experts", "_place_pairs", "_silu_and_mul", "reduce_kernel")),
+    ("attention", ("_paged_attn", "_rope", "cache")),
+    ("dense_gemm", ("nvjet", "gemm", "cutlass", "xmma", "_gemv")),
+)
 
 
 def split(prof: Any, steps: int) -> dict[str, float]:
-    """ms of kernel time per step by category: each kernel goes to the innermost `split::` range above
-    the CPU op that launched it (the MoE block, the attention op inside the attention block, the rest
-    of the attention block), else to "other"."""
-    cats = {"moe_ms": 0.0, "attention_ms": 0.0, "qkv_o_proj_ms": 0.0, "other_ms": 0.0}
-    key = {"split::moe": "moe_ms", "split::attn_core": "attention_ms", "split::attn_block": "qkv_o_proj_ms"}
-    for ev in prof.events():
-        kernels = getattr(ev, "kernels", None) or []
-        if not kernels:
+    """ms of kernel time per step by category."""
+    cats = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    for ev in prof.key_averages():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        us = sum(k.duration for k in kernels)
-        anc, cat = ev, "other_ms"
-        while anc is not None:
-            if anc.name in key:
-                cat = key[anc.name]
-                break
-            anc = anc.cpu_parent
-        cats[cat] += us / 1e3 / steps
-    cats["total_ms"] = sum(cats.values())
-    return cats
+        cat = next((name for name, frags in CATEGORIES if any(f in ev.key for f in frags)), "other")
+        cats[cat] += ev.self_device_time_total / 1e3 / steps
+    cats["total"] = sum(cats.values())
+    return {f"{k}_ms": v for k, v in cats.items()}
 
 
 def main() -> None:
@@ -87,9 +58,6 @@ def main() -> None:
     )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
-    model = floors.in_process_model(llm)
-    assert model is not None
-    add_ranges(model)
     for i, (prompt, _) in enumerate(reqs):
         sp = SamplingParams(temperature=temp, max_tokens=100, ignore_eos=True, detokenize=False)
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), sp)
