@@ -6,25 +6,17 @@ between them, and one prompt repeats a single token (tokens of a batch routed id
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams, TokensPrompt
-from tests.hf_utils import compare_greedy, hf_greedy, hf_logprobs
+from tests.models.hf_check import check_against_hf, mixed_prompts
 from tests.models.tiny_configs import MOE_VARIANTS, tiny_config
-from tests.utils_model import VOCAB, make_tiny_hf_model
-
-MAX_TOKENS = 32
-LOGPROB_TOL = 1e-4
+from tests.utils_model import make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(18)
-    out = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 17, 30, 41, 12, 25)]
-    return out + [[7] * 20]
+    return mixed_prompts() + [[7] * 20]  # one prompt of a single repeated token
 
 
 def _tie_router_rows(hf) -> None:  # noqa: ANN001
@@ -34,41 +26,13 @@ def _tie_router_rows(hf) -> None:  # noqa: ANN001
         gate.weight[2].copy_(gate.weight[1])
 
 
-def _llm(path: str, chunk: int) -> LLM:
-    return LLM(
-        path,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=128,
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=chunk,
-        enable_prefix_caching=False,
-    )
-
-
 @pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
 def test_moe_greedy_and_prompt_logprobs_match_hf(variant: str, prompts: list[list[int]], tmp_path) -> None:  # noqa: ANN001
     torch.set_num_threads(2)
-    config = tiny_config(MOE_VARIANTS, variant)
-    hf = make_tiny_hf_model(variant, tmp_path, config=config)
+    hf = make_tiny_hf_model(variant, tmp_path, config=tiny_config(MOE_VARIANTS, variant))
     _tie_router_rows(hf)
     hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, prompt_logprobs=0)
-    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    for chunk in (256, 16):  # 16: every prompt above 16 tokens is prefilled in chunks
-        llm = _llm(str(tmp_path), chunk)
-        outs = llm.generate(reqs, sp, use_tqdm=False)
-        for p, o, r in zip(prompts, outs, refs):
-            compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
-            ref_lp = hf_logprobs(hf, p)
-            plp = o.prompt_logprobs
-            assert plp is not None and plp[0] is None and len(plp) == len(p)
-            for i in range(1, len(p)):
-                got = plp[i][p[i]].logprob
-                want = float(ref_lp[i - 1, p[i]])
-                assert abs(got - want) < LOGPROB_TOL, (variant, chunk, i, got, want)
-        del llm
+    check_against_hf(hf, str(tmp_path), prompts)
 
 
 def test_expert_weights_are_stacked_from_per_expert_tensors(tmp_path) -> None:  # noqa: ANN001

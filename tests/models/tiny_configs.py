@@ -43,6 +43,11 @@ MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48}),
 }
 
+# Dense architectures added with issue 18.
+DENSE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+}
+
 
 def tiny_config(variants: dict[str, tuple[str, dict[str, Any]]], name: str) -> Any:
     import transformers
