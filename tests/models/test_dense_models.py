@@ -11,8 +11,12 @@ from tests.models.hf_check import check_against_hf, mixed_prompts
 from tests.models.tiny_configs import DENSE_VARIANTS, tiny_config
 from tests.utils_model import make_tiny_hf_model
 
+SLOW = {"phi3", "opt_post_ln_proj"}  # CI time: run with `pytest -m slow`
 
-@pytest.mark.parametrize("variant", sorted(DENSE_VARIANTS))
+
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=[pytest.mark.slow] if v in SLOW else []) for v in sorted(DENSE_VARIANTS)]
+)
 def test_dense_greedy_and_prompt_logprobs_match_hf(variant: str, tmp_path) -> None:  # noqa: ANN001
     torch.set_num_threads(2)
     hf = make_tiny_hf_model(variant, tmp_path, config=tiny_config(DENSE_VARIANTS, variant))

@@ -46,6 +46,31 @@ MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 # Dense architectures added with issue 18.
 DENSE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt2": (
+        "GPT2Config",
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "opt": (
+        "OPTConfig",
+        {"ffn_dim": 128, "word_embed_proj_dim": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # opt-350m's layout: post-LayerNorm blocks, a narrower embedding projected in and out.
+    "opt_post_ln_proj": (
+        "OPTConfig",
+        {
+            "ffn_dim": 128,
+            "word_embed_proj_dim": 32,
+            "do_layer_norm_before": False,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+}
+# Configs with their own names for the sizes: built from these keys of TINY_COMMON only.
+_OWN_NAMES = {
+    "GPT2Config": ("vocab_size",),
+    "OPTConfig": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"),
 }
 
 
@@ -53,4 +78,7 @@ def tiny_config(variants: dict[str, tuple[str, dict[str, Any]]], name: str) -> A
     import transformers
 
     cls_name, overrides = variants[name]
-    return getattr(transformers, cls_name)(**{**TINY_COMMON, **overrides})
+    common = TINY_COMMON
+    if cls_name in _OWN_NAMES:
+        common = {k: TINY_COMMON[k] for k in _OWN_NAMES[cls_name]}
+    return getattr(transformers, cls_name)(**{**common, **overrides})
