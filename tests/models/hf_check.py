@@ -21,7 +21,7 @@ def mixed_prompts(seed: int = 18) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 17, 30, 41, 12, 25, 6)]
 
 
-def check_against_hf(hf, model_dir: str, prompts: list[list[int]], max_model_len: int = 128) -> None:  # noqa: ANN001
+def check_against_hf(hf, model_dir: str, prompts: list[list[int]], expect_sliding_group: bool = False) -> None:  # noqa: ANN001
     refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     ref_lps = [hf_logprobs(hf, p) for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, prompt_logprobs=0)
@@ -31,7 +31,7 @@ def check_against_hf(hf, model_dir: str, prompts: list[list[int]], max_model_len
             model_dir,
             dtype="float32",
             skip_tokenizer_init=True,
-            max_model_len=max_model_len,
+            max_model_len=128,
             kv_cache_memory_bytes=8 << 20,
             max_num_batched_tokens=chunk,
             enable_prefix_caching=False,
@@ -44,4 +44,6 @@ def check_against_hf(hf, model_dir: str, prompts: list[list[int]], max_model_len
             for i in range(1, len(p)):
                 got, want = plp[i][p[i]].logprob, float(ref_lp[i - 1, p[i]])
                 assert abs(got - want) < LOGPROB_TOL, (chunk, i, got, want)
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv.groups
+        assert any(g.spec.sliding_window for g in groups) == expect_sliding_group
         del llm

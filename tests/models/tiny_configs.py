@@ -67,6 +67,23 @@ DENSE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+DENSE_VARIANTS["gemma3"] = (
+    "Gemma3TextConfig",
+    {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+        "final_logit_softcapping": 30.0,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
 # Configs with their own names for the sizes: built from these keys of TINY_COMMON only.
 _OWN_NAMES = {
     "GPT2Config": ("vocab_size",),
