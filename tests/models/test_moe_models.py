@@ -1,4 +1,4 @@
-"""Issue 18, acceptance 1 (MoE): tiny random Qwen3-MoE, Qwen2-MoE (shared expert + gate) and Mixtral
+"""Issue 18, acceptance 1 (MoE): tiny random Qwen3-MoE, Qwen2-MoE (shared expert + gate), Mixtral and OLMoE
 checkpoints, saved per expert as HF does, give greedy outputs equal to HF transformers in float32 on the
 CPU (8 prompts of mixed lengths x 32 tokens in one batch, once with chunked prefill forced) and prompt
 logprobs within 1e-4. Two experts of layer 0 get identical router rows, so every token's routing ties
@@ -26,7 +26,7 @@ def _tie_router_rows(hf) -> None:  # noqa: ANN001
         gate.weight[2].copy_(gate.weight[1])
 
 
-SLOW = {"qwen3_moe_dense_layer"}  # CI time: run with `pytest -m slow`
+SLOW = {"qwen3_moe_dense_layer", "olmoe"}  # CI time: run with `pytest -m slow`
 
 
 @pytest.mark.parametrize(

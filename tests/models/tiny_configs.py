@@ -41,6 +41,18 @@ MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "olmoe": (
+        "OlmoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "norm_topk_prob": True,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 
 # Dense architectures added with issue 18.
