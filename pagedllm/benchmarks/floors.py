@@ -74,9 +74,11 @@ def matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int 
 def moe_expert_params(model: torch.nn.Module) -> tuple[int, float]:
     """(routed-expert parameters of the model, the fraction top_k / E of them one token uses); (0, 1.0)
     for a dense model."""
+    from pagedllm.model_executor.layers.fused_moe import FusedMoE
+
     total, active = 0, 1.0
     for m in model.modules():
-        if hasattr(m, "w13_weight") and hasattr(m, "top_k") and hasattr(m, "num_experts"):
+        if isinstance(m, FusedMoE):
             total += m.w13_weight.numel() + m.w2_weight.numel()
             active = m.top_k / m.num_experts
     return total, active

@@ -10,10 +10,10 @@ from torch import nn
 
 from pagedllm.model_executor.layers.fused_moe.layer import EXPERT_NAMES_MIXTRAL
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
-from pagedllm.model_executor.models.moe_common import MoeDecoderLayerMixin, MoeForCausalLM, SparseMoeBlock
+from pagedllm.model_executor.models.moe_common import MoeForCausalLM, SparseMoeBlock
 
 
-class MixtralDecoderLayer(MoeDecoderLayerMixin, LlamaDecoderLayer):
+class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
         return SparseMoeBlock(config, int(config.intermediate_size), renormalize=True, prefix=prefix)
 

@@ -1,6 +1,7 @@
-"""Pieces shared by the mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral): the sparse MoE
-block (router + routed experts + optional gated shared expert), the decoder-layer hook that puts it in
-place of the dense MLP, and checkpoint loading of per-expert tensors into the stacked expert weights."""
+"""Pieces shared by the mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): the sparse
+MoE block (router + routed experts + optional gated shared expert), which the decoder layers put in place
+of the dense MLP through `LlamaDecoderLayer.make_mlp`, and checkpoint loading of per-expert tensors into
+the stacked expert weights."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pagedllm.model_executor.layers.fused_moe.layer import (
     num_experts_of,
 )
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
-from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
@@ -64,15 +65,6 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     return layer_idx not in only_mlp and num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
 
 
-class MoeDecoderLayerMixin:
-    """Keeps the decode fast path (norms fused into dense GEMVs) to layers whose MLP is dense."""
-
-    mlp: nn.Module
-
-    def _small_batch_ok(self, x: torch.Tensor) -> bool:
-        return isinstance(self.mlp, LlamaMLP) and LlamaDecoderLayer._small_batch_ok(self, x)  # type: ignore[arg-type]
-
-
 class MoeForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM whose loader also fills the stacked expert weights from per-expert tensors.
 
@@ -98,7 +90,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                     continue
                 pname, expert_id, shard_id = match
                 param = params[pname]
-                param.weight_loader(param, tensor, shard_id, expert_id)
+                param.weight_loader(param, tensor, shard_id, expert_id)  # type: ignore[attr-defined]
                 done = seen.setdefault(pname, set())
                 if expert_id is None:
                     shards = ("w1", "w3") if shard_id == "w13" else (shard_id,)

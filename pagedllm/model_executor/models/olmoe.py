@@ -13,7 +13,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
-from pagedllm.model_executor.models.moe_common import MoeDecoderLayerMixin, MoeForCausalLM, SparseMoeBlock
+from pagedllm.model_executor.models.moe_common import MoeForCausalLM, SparseMoeBlock
 
 
 class OlmoeAttention(LlamaAttention):
@@ -34,7 +34,7 @@ class OlmoeAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 
-class OlmoeDecoderLayer(MoeDecoderLayerMixin, LlamaDecoderLayer):
+class OlmoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
         super().__init__(config, layer_idx, prefix)
         self.self_attn = OlmoeAttention(config, layer_idx, prefix=f"{prefix}.self_attn")

@@ -10,7 +10,6 @@ from torch import nn
 
 from pagedllm.model_executor.models.llama import LlamaModel
 from pagedllm.model_executor.models.moe_common import (
-    MoeDecoderLayerMixin,
     MoeForCausalLM,
     SparseMoeBlock,
     is_sparse_layer,
@@ -18,7 +17,7 @@ from pagedllm.model_executor.models.moe_common import (
 from pagedllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 
-class Qwen2MoeDecoderLayer(MoeDecoderLayerMixin, Qwen2DecoderLayer):
+class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
     def make_mlp(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return super().make_mlp(config, layer_idx, prefix)

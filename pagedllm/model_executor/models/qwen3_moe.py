@@ -9,7 +9,6 @@ from torch import nn
 
 from pagedllm.model_executor.models.llama import LlamaModel
 from pagedllm.model_executor.models.moe_common import (
-    MoeDecoderLayerMixin,
     MoeForCausalLM,
     SparseMoeBlock,
     is_sparse_layer,
@@ -17,7 +16,7 @@ from pagedllm.model_executor.models.moe_common import (
 from pagedllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 
 
-class Qwen3MoeDecoderLayer(MoeDecoderLayerMixin, Qwen3DecoderLayer):
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def make_mlp(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return super().make_mlp(config, layer_idx, prefix)

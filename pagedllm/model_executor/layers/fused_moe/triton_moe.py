@@ -24,7 +24,8 @@ import torch
 
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
-from pagedllm.model_executor.layers.triton_ops import HAS_TRITON, _next_pow2
+from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
+from pagedllm.utils import next_pow2
 
 # SiLU-and-mul in the up GEMM's epilogue (PAGEDLLM_MOE_FUSED_SILU=0: a separate kernel, as measured first).
 FUSED_SILU = os.environ.get("PAGEDLLM_MOE_FUSED_SILU", "1") != "0"
@@ -216,8 +217,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
             logits.stride(0),
             e,
             TOP_K=top_k,
-            BLOCK_E=_next_pow2(e),
-            BLOCK_K=_next_pow2(top_k),
+            BLOCK_E=next_pow2(e),
+            BLOCK_K=next_pow2(top_k),
             RENORMALIZE=renormalize,
             num_warps=1 if e <= 64 else 2,
         )
@@ -258,7 +259,7 @@ def moe_align_block_size(
         num_blocks,
         BLOCK_M=block_m,
         BLOCK=block,
-        BLOCK_E=_next_pow2(num_experts),
+        BLOCK_E=next_pow2(num_experts),
         num_warps=4,
     )
     return sorted_ids, expert_ids, num_post
