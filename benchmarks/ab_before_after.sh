@@ -14,9 +14,11 @@ for w in "${@:-W1 W3}"; do
         dir=$root
         case $side in before*) dir=$root/.carry_before ;; esac
         [ "$w" = HOST ] && [ "${side%_2}" != "$side" ] && continue  # HOST already runs 3x per side
-        (cd "$dir" && E2E_CORRECTNESS=0 E2E_TAG="_$side" OUT="$OUT/runs" bash benchmarks/gpu_e2e.sh run "$w" \
-            >"$OUT/runs/log_${w}_$side.txt" 2>&1)
-        sed "s/^/$side: /" "$OUT/runs/summary.txt"
+        run_out="$OUT/runs/${w}_$side"
+        mkdir -p "$run_out"
+        (cd "$dir" && E2E_CORRECTNESS=0 E2E_TAG="_$side" OUT="$run_out" bash benchmarks/gpu_e2e.sh run "$w" \
+            >"$run_out/log.txt" 2>&1)
+        sed "s/^/$side: /" "$run_out/summary.txt"
     done
 done
 tar -czf "$OUT/ab.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"

@@ -86,7 +86,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     def configure(self) -> None:
         # RoPE fused with the KV-cache write (NOTES session 5 #1; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off).
-        self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.fused_rope_cache()
+        self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
 
     def forward(
         self,
