@@ -71,6 +71,19 @@ def matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int 
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def moe_expert_params(model: torch.nn.Module) -> tuple[int, float]:
+    """(routed-expert parameters of the model, the fraction top_k / E of them one token uses); (0, 1.0)
+    for a dense model."""
+    from pagedllm.model_executor.layers.fused_moe import FusedMoE
+
+    total, active = 0, 1.0
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            total += m.w13_weight.numel() + m.w2_weight.numel()
+            active = m.top_k / m.num_experts
+    return total, active
+
+
 @dataclass
 class ThroughputFloor:
     """The least time a batch of requests can take on this GPU: the bytes it must move at copy bandwidth,
@@ -107,6 +120,7 @@ def throughput_floor(
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     head_params = head.numel() if isinstance(head, torch.Tensor) else 0
     body_params = w_bytes // el - head_params
+    expert_params, active = moe_expert_params(model)
     kv_token = 2 * num_kv_heads * head_dim * el * num_layers  # K and V of one token, all layers
     computed = sampled = ctx_sum = kv_read = 0
     for n_in, n_out, cached in requests:
@@ -116,6 +130,12 @@ def throughput_floor(
         ctx_sum += n * (n + 1) // 2 - cached * (cached + 1) // 2  # each computed token attends to its prefix
         kv_read += n_in + (n_in + 1 + n) * (n - n_in) // 2  # prefill once, then one context per decode token
     steps = max(max((o for _, o, _ in requests), default=0), -(-computed // max_num_batched_tokens))
+    if expert_params:
+        # MoE: a token multiplies only its top-k experts; a step reads the experts its tokens picked,
+        # for uniform routing 1 - (1 - k/E)^(tokens per step) of them on average.
+        body_params -= round(expert_params * (1 - active))
+        touched = 1 - (1 - active) ** (computed / max(1, steps))
+        w_bytes -= round(expert_params * el * (1 - touched))
     flops = 2 * body_params * computed + 2 * head_params * sampled + 4 * num_heads * head_dim * num_layers * ctx_sum
     nbytes = steps * w_bytes + kv_token * (computed + kv_read)
     return ThroughputFloor(nbytes, flops, nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12))

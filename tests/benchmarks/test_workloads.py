@@ -8,7 +8,10 @@ import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "workloads")
+# tests/benchmarks/ -> the repository root's benchmarks/workloads/
+ROOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "workloads"
+)
 
 
 def _load():
@@ -24,6 +27,7 @@ EXPECTED = {
     "W2": ("llama-3.1-8b", 1000, 1_024_000, 128_000),
     "W3": ("llama-3.1-8b", 1, 128, 256),
     "W4": ("qwen3-0.6b", 64, 131_200, 2_048),
+    "W6": ("qwen3-30b-a3b", 256, 142_827, 133_966),
 }
 
 
@@ -48,7 +52,7 @@ def test_w1_length_ranges_and_w4_shared_prefix() -> None:
     assert len({tuple(p[2000:]) for p, _ in w4}) == 64
 
 
-@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.1-8b"])
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.1-8b", "qwen3-30b-a3b"])
 def test_model_configs_present(model: str) -> None:
     with open(os.path.join(ROOT, model, "config.json")) as f:
         cfg = json.load(f)

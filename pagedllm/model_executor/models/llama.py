@@ -180,15 +180,19 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=bool(getattr(config, "mlp_bias", False)),
-            prefix=f"{prefix}.mlp",
-        )
+        self.mlp = self.make_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+
+    def make_mlp(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        """The layer's feed-forward block (overridden by the mixture-of-experts models)."""
+        return LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            prefix=prefix,
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
