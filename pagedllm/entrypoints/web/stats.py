@@ -80,6 +80,9 @@ class DashboardStats:
             return {"time": now, "available": False}
         body = read_registry(self.prometheus)
         total, in_use, cached_free = self.prometheus.last_scheduler_stats.kv_blocks
+        if total == 0:  # no step yet: the pool is all free (the core reports its size, null block included)
+            info = getattr(self.engine.engine_core, "ready_info", None) or {}
+            total = max(int(info.get("num_blocks", 1)) - 1, 0)
         body["kv_blocks"] = {"total": total, "in_use": in_use, "cached_free": cached_free}
         if not self.history or now - self.history[-1][0] >= HISTORY_MIN_INTERVAL:
             self.history.append((now, body["prompt_tokens"], body["generation_tokens"]))

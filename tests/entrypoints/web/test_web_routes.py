@@ -1,0 +1,62 @@
+"""Web UI routes without a browser: `--disable-web-ui`, and the O(1) KV-block counts behind the grid."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedllm.core.block_pool import BlockPool
+from tests.entrypoints.web.conftest import API_KEY, SERVER_FLAGS
+from tests.test_server import ServerProcess
+
+
+@pytest.mark.slow
+def test_pages_public_and_stats_need_key(web_server: Any) -> None:
+    for path in ("/", "/dashboard", "/ui/chat.js", "/ui/dashboard.js", "/ui/common.js", "/ui/style.css"):
+        assert httpx.get(web_server.url + path).status_code == 200, path
+    assert httpx.get(web_server.url + "/dashboard/api/stats").status_code == 401
+    assert httpx.get(web_server.url + "/ui/missing.js").status_code == 404
+    r = httpx.get(web_server.url + "/dashboard/api/stats", headers={"Authorization": f"Bearer {API_KEY}"})
+    body = r.json()
+    assert r.status_code == 200 and body["available"] and body["kv_blocks"]["total"] == 90
+
+
+@pytest.mark.slow
+def test_disable_web_ui() -> None:
+    srv = ServerProcess(["--disable-web-ui", *SERVER_FLAGS])
+    try:
+        srv.wait_ready()
+        for path in ("/", "/dashboard", "/ui/chat.js", "/dashboard/api/stats"):
+            assert httpx.get(srv.url + path).status_code == 404, path
+        assert httpx.get(srv.url + "/v1/models").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_snapshot_counts_track_pool() -> None:
+    rng = random.Random(0)
+    pool = BlockPool(64, enable_caching=True)
+    held: list[list[Any]] = []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.4 and pool.num_free_blocks:
+            blocks = pool.get_new_blocks(rng.randint(1, min(4, pool.num_free_blocks)))
+            for b in blocks:
+                if rng.random() < 0.6:
+                    pool.cache_block(b, rng.randbytes(2))  # small hash space: duplicates and hits happen
+            held.append(blocks)
+        elif op < 0.6 and pool.cached:
+            hit = rng.choice(list(pool.cached.values()))
+            pool.touch([hit])
+            held.append([hit])
+        elif held:
+            pool.free_blocks(reversed(held.pop(rng.randrange(len(held)))))
+        if step % 500 == 499 and not held:
+            assert pool.reset_prefix_cache()
+        pool.check_invariants()
+        total, in_use, cached_free = pool.snapshot_counts()
+        assert total == 63 and in_use == 63 - pool.num_free_blocks
+        assert cached_free == sum(1 for b in pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is not None)
