@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     keys = [k for k, v in results[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     keys = [k for k in keys if all(isinstance(r.get(k), (int, float)) for r in results[1:])]
     width = max([len(k) for k in keys] + [6])
-    print(f"{"metric":<{width}}" + "".join(f"{os.path.basename(p)[-28:]:>30}" for p in args.results))
+    print(f"{'metric':<{width}}" + "".join(f"{os.path.basename(p)[-28:]:>30}" for p in args.results))
     for k in keys:
         print(f"{k:<{width}}" + "".join(f"{r[k]:>30.4g}" for r in results))
     if args.plot:
