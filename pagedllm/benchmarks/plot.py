@@ -54,7 +54,8 @@ def _draw_run(ax_rate: Any, ax_cdf: Any, result: dict[str, Any], title: str) -> 
     rate = series.get("rate") or []
     if rate:
         ts, vs = zip(*rate)
-        ax_rate.step(ts, vs, where="post", color="tab:blue")
+        ax_rate.step(ts, vs, where="pre", color="tab:blue")  # each value covers the span ending at its time
+        ax_rate.set_ylim(bottom=0)
         mean = sum(vs) / len(vs)
         ax_rate.axhline(mean, color="tab:gray", ls="--", lw=0.8, label=f"mean {mean:.1f} tok/s")
         ax_rate.legend(loc="lower right", fontsize=8)
