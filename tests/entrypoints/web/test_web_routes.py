@@ -18,8 +18,11 @@ def test_pages_public_and_stats_need_key(web_server: Any) -> None:
     for path in ("/", "/dashboard", "/ui/chat.js", "/ui/dashboard.js", "/ui/common.js", "/ui/style.css"):
         assert httpx.get(web_server.url + path).status_code == 200, path
     assert httpx.get(web_server.url + "/dashboard/api/stats").status_code == 401
-    assert httpx.get(web_server.url + "/ui/missing.js").status_code == 404
-    r = httpx.get(web_server.url + "/dashboard/api/stats", headers={"Authorization": f"Bearer {API_KEY}"})
+    # Only the shipped files are public: anything else under /ui is behind the key like any route.
+    assert httpx.get(web_server.url + "/ui/missing.js").status_code == 401
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(web_server.url + "/ui/missing.js", headers=auth).status_code == 404
+    r = httpx.get(web_server.url + "/dashboard/api/stats", headers=auth)
     body = r.json()
     assert r.status_code == 200 and body["available"] and body["kv_blocks"]["total"] == 90
 
