@@ -61,6 +61,17 @@ def get_beam_search_score(
     return cumulative_logprob / (seq_len**length_penalty)
 
 
+def beam_step_params(params: BeamSearchParams) -> SamplingParams:
+    """One beam-search step: a single token with the top 2 x width logprobs of every beam's continuation."""
+    return SamplingParams(
+        logprobs=2 * params.beam_width,
+        max_tokens=1,
+        temperature=params.temperature,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
 def create_sort_beams_key_function(
     eos_token_id: int | None, length_penalty: float
 ) -> Callable[[BeamSearchSequence], float]:
@@ -118,13 +129,7 @@ async def beam_search_async(
     """
     width = params.beam_width
     sort_key = create_sort_beams_key_function(eos_token_id, params.length_penalty)
-    step_params = SamplingParams(
-        logprobs=2 * width,
-        max_tokens=1,
-        temperature=params.temperature,
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    step_params = beam_step_params(params)
     inst = BeamSearchInstance(list(prompt_token_ids))
 
     async def run_step(rid: str, beam: BeamSearchSequence) -> RequestOutput | None:

@@ -52,17 +52,7 @@ class Attention(nn.Module):
         if rotary is not None and not self.impl.fuses_rotary:
             from pagedllm.model_executor.layers import triton_ops
 
-            triton_ops.rotary_embedding_(
-                rotary.positions,
-                q,
-                k,
-                rotary.cos_sin_cache,
-                self.head_size,
-                rotary.rotary_dim,
-                rotary.q_weight,
-                rotary.k_weight,
-                rotary.eps,
-            )
+            triton_ops.apply_rotary_(rotary, q, k, self.head_size)
             rotary = None
         q3 = q.view(t, self.num_heads, self.head_size)
         k3 = k.view(t, self.num_kv_heads, self.head_size)

@@ -13,6 +13,7 @@ from pagedllm.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
     BeamSearchSequence,
+    beam_step_params,
     create_sort_beams_key_function,
 )
 from pagedllm.engine.arg_utils import EngineArgs
@@ -90,13 +91,7 @@ class LLM:
         engine = self.llm_engine
         eos = engine.input_processor.eos_token_id
         sort_key = create_sort_beams_key_function(eos, params.length_penalty)
-        step_params = SamplingParams(
-            logprobs=2 * width,
-            max_tokens=1,
-            temperature=params.temperature,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        step_params = beam_step_params(params)
         instances: list[BeamSearchInstance] = []
         for p in prompts:
             _, ids, _ = engine.input_processor.tokenize(p)
@@ -131,7 +126,7 @@ class LLM:
                         new_beams[id(inst)].append(seq)
             for inst in instances:
                 inst.beams = sorted(new_beams[id(inst)], key=sort_key, reverse=True)[:width]
-        tok = engine.tokenizer
+        tok = engine.tokenizer  # type: ignore[assignment]
         results = []
         for inst in instances:
             for beam in inst.beams:
@@ -139,7 +134,7 @@ class LLM:
             best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
             for beam in best:
                 if tok is not None:
-                    beam.text = tok.decode(beam.tokens, skip_special_tokens=not params.include_stop_str_in_output)
+                    beam.text = tok.decode(beam.tokens, skip_special_tokens=not params.include_stop_str_in_output)  # type: ignore[attr-defined]
             results.append(BeamSearchOutput(sequences=best))
         return results
 

@@ -7,9 +7,8 @@ import argparse
 import asyncio
 import hmac
 import json
-import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError
@@ -69,7 +69,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 # ---- middleware (pure ASGI: BaseHTTPMiddleware would break streaming and disconnect detection) ---------
-async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     data = json.dumps(body).encode()
     await send(
         {
@@ -375,8 +377,8 @@ async def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     api_keys = [args.api_key] if args.api_key else []
-    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
-        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    if not api_keys and envs.PAGEDLLM_API_KEY:
+        api_keys = [envs.PAGEDLLM_API_KEY]
     config = engine_args.create_engine_config()
     served = list(engine_args.served_model_name or []) or [engine_args.model or "SmolLM2-135M-Instruct"]
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)

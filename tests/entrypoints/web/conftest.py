@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from tests.test_server import ServerProcess  # noqa: E402
+from tests.entrypoints.openai.test_server import ServerProcess  # noqa: E402
 
 API_KEY = "web-ui-key-7f3a"
 # 90 KV blocks of 16 tokens: a burst of a few requests visibly fills the dashboard's grid.

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.core.block_pool import BlockPool
 from tests.entrypoints.web.conftest import API_KEY, SERVER_FLAGS
-from tests.test_server import ServerProcess
+from tests.entrypoints.openai.test_server import ServerProcess
 
 
 @pytest.mark.slow
