@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from pagedllm.core.block_pool import BlockPool
-from tests.entrypoints.web.conftest import API_KEY, SERVER_FLAGS
 from tests.entrypoints.openai.test_server import ServerProcess
+from tests.entrypoints.web.conftest import API_KEY, SERVER_FLAGS
 
 
 @pytest.mark.slow
