@@ -56,6 +56,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     """Tokens looked up in the prefix cache since the last stats (vLLM counts tokens)."""
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    kv_blocks: tuple[int, int, int] = (0, 0, 0)
+    """(usable blocks, in use, free but still cached) from `BlockPool.snapshot_counts`: the dashboard's grid."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

@@ -13,6 +13,7 @@ import statistics
 import time
 
 from pagedllm.benchmarks import floors
+from pagedllm.benchmarks.plot import add_plot_arg, plot_run
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -23,6 +24,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--num-iters-warmup", type=int, default=3)
     p.add_argument("--output-json", default=None)
+    add_plot_arg(p)
     EngineArgs.add_cli_args(p)
 
 
@@ -48,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
 
     for _ in range(args.num_iters_warmup):
         run(args.output_len)
-    full = sorted(run(args.output_len) for _ in range(args.num_iters))
+    full_in_order = [run(args.output_len) for _ in range(args.num_iters)]
+    full = sorted(full_in_order)
     one = sorted(run(1) for _ in range(args.num_iters))
     tpot = (statistics.median(full) - statistics.median(one)) / max(args.output_len - 1, 1)
     result = {
@@ -72,6 +75,19 @@ def main(args: argparse.Namespace) -> int:
         f"Time per output token: {tpot * 1e3:.3f} ms (median request {result['median_request_s']:.3f} s, "
         f"1-token {result['median_1token_s']:.4f} s){floor}"
     )
+    if getattr(args, "plot", None):
+        tokens = args.batch_size * args.output_len
+        ends = [sum(full_in_order[: i + 1]) for i in range(len(full_in_order))]
+        result["series"] = {
+            "rate": [[t, tokens / lat] for t, lat in zip(ends, full_in_order)],
+            "rate_label": "output tokens/s per timed batch",
+            "rate_x": "time in timed batches (s)",
+            "latency": {f"{args.output_len}-token batch": full, "1-token batch": one},
+        }
+        plot_run(
+            result, args.plot, f"bench latency: batch {args.batch_size}, in {args.input_len}, out {args.output_len}"
+        )
+        print(f"Plot saved to {args.plot}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

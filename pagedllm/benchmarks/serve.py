@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm import envs
+from pagedllm.benchmarks.plot import add_plot_arg, plot_run, rate_from_token_times
 
 
 @dataclass
@@ -30,6 +31,8 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start: float = 0.0
+    """time.perf_counter() when the request was sent (for the --plot token-rate series)."""
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,6 +73,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--percentiles", default="50,90,99", help="Comma-separated percentiles to report.")
     p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write the results as JSON.")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="Per-request timeout in seconds.")
+    add_plot_arg(p)
     return p
 
 
@@ -101,7 +105,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
+    start = res.start = time.perf_counter()
     last = start
     try:
         async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -246,12 +250,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - start
     summary = summarize(list(results), duration, args)
     summary["model"] = model
+    if getattr(args, "plot", None):
+        summary["series"] = serve_series(list(results), start)
     return summary
+
+
+def serve_series(results: list[RequestResult], run_start: float) -> dict[str, Any]:
+    """The --plot data: token arrival times binned to tokens/s, and the TTFT / ITL / E2E samples."""
+    ok = [r for r in results if r.ok]
+    times = []
+    for r in ok:
+        t = r.start - run_start + r.ttft
+        times.append(t)
+        for gap in r.itl:
+            t += gap
+            times.append(t)
+    return {
+        "rate": rate_from_token_times(times),
+        "rate_label": "output tokens/s (streamed chunks)",
+        "latency": {
+            "TTFT": [r.ttft for r in ok],
+            "ITL": [x for r in ok for x in r.itl],
+            "E2E": [r.latency for r in ok],
+        },
+    }
 
 
 def main(args: argparse.Namespace) -> int:
     summary = asyncio.run(run(args))
     print_table(summary, [p.strip() for p in args.percentiles.split(",") if p.strip()])
+    if getattr(args, "plot", None):
+        plot_run(summary, args.plot, f"bench serve: {summary['model']} ({summary['completed']} requests)")
+        print(f"Plot saved to {args.plot}")
     if args.save_result:
         with open(args.save_result, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

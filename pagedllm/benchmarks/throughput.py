@@ -13,6 +13,7 @@ import random
 import time
 
 from pagedllm.benchmarks import floors
+from pagedllm.benchmarks.plot import add_plot_arg, plot_run, rate_from_token_times, spread_tokens
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -25,6 +26,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="Default: the workload's, else 0.")
     p.add_argument("--warmup-requests", type=int, default=8)
     p.add_argument("--output-json", default=None)
+    add_plot_arg(p)
     EngineArgs.add_cli_args(p)
 
 
@@ -124,7 +126,32 @@ def main(args: argparse.Namespace) -> int:
         f"{result['output_tokens_per_second']:.2f} output tokens/s ({elapsed:.2f} s; start-up {startup:.1f} s)"
         f"{floor}"
     )
+    if getattr(args, "plot", None):
+        result["series"] = throughput_series(outs)
+        plot_run(result, args.plot, f"bench throughput: {len(reqs)} requests, {n_out} output tokens")
+        print(f"Plot saved to {args.plot}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def throughput_series(outs: list) -> dict:
+    """The --plot data from each request's metrics (arrival, first token, finish: one clock)."""
+    ms = [o.metrics for o in outs if o.metrics is not None and o.metrics.finished_time is not None]
+    if not ms:
+        return {}
+    t0 = min(m.arrival_time for m in ms)
+    spans = [
+        (m.first_token_time - t0, m.finished_time - t0, len(o.outputs[0].token_ids))
+        for o, m in zip(outs, ms)
+        if m.first_token_time is not None
+    ]
+    return {
+        "rate": rate_from_token_times(spread_tokens(spans)),
+        "rate_label": "output tokens/s (spread first token..finish)",
+        "latency": {
+            "TTFT": [m.first_token_time - m.arrival_time for m in ms if m.first_token_time is not None],
+            "E2E": [m.finished_time - m.arrival_time for m in ms],
+        },
+    }

@@ -34,6 +34,9 @@ class BlockPool:
         # Free blocks in eviction order: the first is evicted first. Freed blocks go to the end.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_cached_free = 0
+        """Free blocks still holding a cached hash (reusable by a prefix hit until evicted); kept as a
+        counter so the stats snapshot (`snapshot_counts`) is O(1)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +45,11 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction of usable blocks in use; cached blocks that are free count as free (as vLLM)."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def snapshot_counts(self) -> tuple[int, int, int]:
+        """(usable blocks, blocks in use, free blocks still cached), in O(1): the dashboard's KV grid."""
+        usable = self.num_blocks - 1
+        return usable, usable - len(self._free), self.num_cached_free
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
@@ -54,6 +62,7 @@ class BlockPool:
         for _ in range(n):
             block = popitem(last=False)[1]
             if block.block_hash is not None:
+                self.num_cached_free -= 1
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -70,6 +79,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -83,6 +94,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is not None:
+                    self.num_cached_free += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Registers a full block under its hash. If an identical block is already cached, the index
@@ -92,6 +105,8 @@ class BlockPool:
         if block_hash not in self.cached:
             self.cached[block_hash] = block
             block.block_hash = block_hash
+            if block.ref_cnt == 0:
+                self.num_cached_free += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no request holds a block."""
@@ -100,6 +115,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.num_cached_free = 0
         return True
 
     def check_invariants(self) -> None:
@@ -109,3 +125,4 @@ class BlockPool:
             assert (b.ref_cnt == 0) == (b.block_id in self._free), b
         for h, b in self.cached.items():
             assert b.block_hash == h, b
+        assert self.num_cached_free == sum(1 for b in self._free.values() if b.block_hash is not None)

@@ -325,6 +325,7 @@ class Scheduler:
             prefix_cache_queries=q - self._last_queries,
             prefix_cache_hits=h - self._last_hits,
             num_preemptions=self.num_preemptions,
+            kv_blocks=self.kv.pool.snapshot_counts(),
         )
         self._last_queries, self._last_hits = q, h
         return stats

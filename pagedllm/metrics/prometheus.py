@@ -146,6 +146,8 @@ class PrometheusStatLogger:
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self._last_preemptions = 0
+        self.last_scheduler_stats = SchedulerStats()
+        """The core's latest gauges, kept for readers outside Prometheus (the web dashboard's KV grid)."""
 
     def record(
         self,
@@ -154,7 +156,7 @@ class PrometheusStatLogger:
         queue_times: Sequence[float] = (),
     ) -> None:
         if scheduler_stats is not None:
-            s = scheduler_stats
+            s = self.last_scheduler_stats = scheduler_stats
             self.num_requests_running.set(s.num_running_reqs)
             self.num_requests_waiting.set(s.num_waiting_reqs)
             self.kv_cache_usage.set(s.kv_cache_usage)

@@ -13,6 +13,7 @@ BENCHMARKS: list[tuple[str, str, str]] = [
     ("throughput", "pagedllm.benchmarks.throughput", "Offline throughput (random lengths or --workload W1..W4)."),
     ("latency", "pagedllm.benchmarks.latency", "Per-token decode latency of one batch."),
     ("serve", "pagedllm.benchmarks.serve", "Load-test an OpenAI-compatible server (TTFT/TPOT/ITL, throughput)."),
+    ("compare", "pagedllm.benchmarks.plot", "Compare saved result JSONs (table; --plot draws them side by side)."),
 ]
 
 

@@ -37,6 +37,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
     g.add_argument(
+        "--disable-web-ui", action="store_true", help="Do not serve the chat page (/) and the dashboard (/dashboard)."
+    )
+    g.add_argument(
         "--max-request-body-bytes", type=int, default=8 << 20, help="Larger request bodies get 413 (default 8 MiB)."
     )
     g.add_argument("--config", default=None, help="YAML file of flags (keys as the flag names); CLI flags win.")

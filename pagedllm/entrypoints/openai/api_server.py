@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.web import mount_web_ui
 from pagedllm.logger import init_logger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -85,12 +86,13 @@ async def _send_json(
 class AuthMiddleware:
     """`Authorization: Bearer <key>` on every route but the public ones; keys compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.keys = [f"Bearer {k}".encode() for k in api_keys]
+        self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in self.public_paths or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = b""
@@ -255,6 +257,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prometheus: PrometheusStatLogger | None = None,
     log_requests: bool = True,
+    web_ui: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
@@ -359,8 +362,9 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    public = PUBLIC_PATHS | (mount_web_ui(app, engine, prometheus) if web_ui else frozenset())
     if api_keys:
-        app.add_middleware(AuthMiddleware, api_keys=api_keys)  # type: ignore[arg-type]
+        app.add_middleware(AuthMiddleware, api_keys=api_keys, public_paths=public)  # type: ignore[arg-type]
     # Added last = outermost: oversized bodies are refused before anything else reads them.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)  # type: ignore[arg-type]
     return app
@@ -389,6 +393,7 @@ async def run_server(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_request_body_bytes,
             prometheus=prometheus,
             log_requests=not args.disable_log_requests,
+            web_ui=not getattr(args, "disable_web_ui", False),
         )
         uv_config = uvicorn.Config(
             app,
