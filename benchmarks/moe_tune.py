@@ -78,7 +78,7 @@ def main() -> None:
             """(up ms, down ms) with these tiles (the buffers bound now: called within this iteration)."""
             xb, idb, interb, actb, outb, wb = bufs
             s, eids, npp = triton_moe.moe_align_block_size(idb, up["BLOCK_M"], e)
-            if triton_moe.FUSED_SILU:  # the up GEMM writes silu(gate) * up
+            if triton_moe.fused_silu():  # the up GEMM writes silu(gate) * up
                 t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, actb, None, s, eids, npp, k, up, True))
             else:
                 t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, interb, None, s, eids, npp, k, up))

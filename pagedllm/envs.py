@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     PAGEDLLM_FUSED_ROPE_CACHE: bool
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
     PAGEDLLM_WORKLOADS_DIR: str | None
+    PAGEDLLM_MOE_CONFIG: str | None
+    PAGEDLLM_MOE_FUSED_SILU: bool
+    PAGEDLLM_MOE_PLACE_BLOCK: int
     CC: str | None
 
 
@@ -72,6 +75,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_LOG_TRITON_COMPILES": lambda: os.environ.get("PAGEDLLM_LOG_TRITON_COMPILES"),
     # Where the benchmark workload configs live (default: the repo's benchmarks/workloads).
     "PAGEDLLM_WORKLOADS_DIR": lambda: os.environ.get("PAGEDLLM_WORKLOADS_DIR"),
+    # A fused-MoE tile table (JSON) to use instead of the shipped ones (model_executor/layers/fused_moe/tuned).
+    "PAGEDLLM_MOE_CONFIG": lambda: os.environ.get("PAGEDLLM_MOE_CONFIG"),
+    # SiLU-and-mul in the fused MoE up GEMM's epilogue (0: a separate kernel).
+    "PAGEDLLM_MOE_FUSED_SILU": _flag("PAGEDLLM_MOE_FUSED_SILU"),
+    # (token, expert) pairs per program of the fused MoE placement kernel.
+    "PAGEDLLM_MOE_PLACE_BLOCK": lambda: int(os.environ.get("PAGEDLLM_MOE_PLACE_BLOCK", "64")),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
-from tests.models.tiny_configs import MOE_VARIANTS, tiny_config  # noqa: E402
+from tests.model_executor.models.tiny_configs import MOE_VARIANTS, tiny_config  # noqa: E402
 from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
 
 

@@ -14,6 +14,8 @@ import json
 import os
 from functools import cache
 
+from pagedllm import envs
+
 Config = dict[str, int]
 Table = dict[int, tuple[Config, Config]]
 
@@ -41,7 +43,7 @@ def parse_table(data: dict) -> Table:
 
 @cache
 def load_table(num_experts: int, inter: int, hidden: int) -> Table | None:
-    env = os.environ.get("PAGEDLLM_MOE_CONFIG")
+    env = envs.PAGEDLLM_MOE_CONFIG
     paths = [env] if env else []
     paths.append(os.path.join(_TUNED_DIR, table_file_name(num_experts, inter, hidden)))
     for path in paths:

@@ -18,19 +18,28 @@ Kernel tile sizes come from `configs.get_config` (a table tuned for the W6 shape
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
+from pagedllm import envs
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
 from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
 from pagedllm.utils import next_pow2
 
-# SiLU-and-mul in the up GEMM's epilogue (PAGEDLLM_MOE_FUSED_SILU=0: a separate kernel, as measured first).
-FUSED_SILU = os.environ.get("PAGEDLLM_MOE_FUSED_SILU", "1") != "0"
-# Pairs per program of the placement kernel (PAGEDLLM_MOE_PLACE_BLOCK; 256 in the first measured version).
-PLACE_BLOCK = int(os.environ.get("PAGEDLLM_MOE_PLACE_BLOCK", "64"))
+
+@functools.cache
+def fused_silu() -> bool:
+    """SiLU-and-mul in the up GEMM's epilogue (PAGEDLLM_MOE_FUSED_SILU=0: a separate kernel, as measured first)."""
+    return bool(envs.PAGEDLLM_MOE_FUSED_SILU)
+
+
+@functools.cache
+def place_block() -> int:
+    """Pairs per program of the placement kernel (PAGEDLLM_MOE_PLACE_BLOCK; 256 in the first measured version)."""
+    return int(envs.PAGEDLLM_MOE_PLACE_BLOCK)
+
 
 if HAS_TRITON:
     import triton
@@ -245,7 +254,7 @@ def moe_align_block_size(
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
-    block = PLACE_BLOCK  # small: each program does [block x E] comparisons, many programs in parallel
+    block = place_block()  # small: each program does [block x E] comparisons, many programs in parallel
     grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
     _place_pairs_kernel[grid](
         flat,
@@ -334,7 +343,7 @@ def fused_experts(
     assert up_cfg["BLOCK_M"] == down_cfg["BLOCK_M"], "both GEMMs walk the same BLOCK_M-aligned order"
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, up_cfg["BLOCK_M"], num_experts)
-    if FUSED_SILU:
+    if fused_silu():
         act = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, act, None, sorted_ids, expert_ids, num_post, top_k, up_cfg, fuse_silu=True)
     else:

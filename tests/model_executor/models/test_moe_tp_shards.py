@@ -9,7 +9,7 @@ import torch
 from pagedllm.distributed.parallel_state import set_tensor_parallel_state
 from pagedllm.model_executor.layers.fused_moe import select_experts, torch_moe
 from pagedllm.model_executor.model_loader import load_model
-from tests.models.tiny_configs import MOE_VARIANTS, tiny_config
+from tests.model_executor.models.tiny_configs import MOE_VARIANTS, tiny_config
 from tests.utils_model import make_model_config, make_tiny_hf_model
 
 TP = 2

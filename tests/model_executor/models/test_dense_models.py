@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.hf_check import check_against_hf, mixed_prompts
-from tests.models.tiny_configs import DENSE_VARIANTS, tiny_config
+from tests.model_executor.models.hf_check import check_against_hf, mixed_prompts
+from tests.model_executor.models.tiny_configs import DENSE_VARIANTS, tiny_config
 from tests.utils_model import make_tiny_hf_model
 
 SLOW = {"phi3", "opt_post_ln_proj"}  # CI time: run with `pytest -m slow`
