@@ -14,6 +14,7 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.controls import EngineCoreControlsMixin
 from pagedllm.executor.abstract import Executor, StepResult
 from pagedllm.logger import init_logger
 from pagedllm.sample.logits_processor import LogitsProcessor
@@ -21,7 +22,7 @@ from pagedllm.sample.logits_processor import LogitsProcessor
 logger = init_logger(__name__)
 
 
-class EngineCore:
+class EngineCore(EngineCoreControlsMixin):
     def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
@@ -62,12 +63,15 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.check_can_run()  # controls: not while asleep (level >= 1)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.scheduling_paused:  # controls: sleep(level=0)
+            return self.paused_step()
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():

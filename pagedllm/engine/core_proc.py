@@ -46,7 +46,20 @@ UTILITY_RESULT = b"R"
 READY = b"Y"
 FAILED = b"F"
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"}) | frozenset(
+    {  # engine controls (engine/controls.py)
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "collective_rpc",
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "start_profile",
+        "stop_profile",
+    }
+)
 """EngineCore methods the front end may call remotely (plus `ping`, answered by the loop itself)."""
 
 
@@ -122,7 +135,8 @@ class EngineCoreProc:
         core = self.core
         stats_dirty = False
         while True:
-            if not core.has_unfinished_requests() and not stats_dirty:
+            idle = not core.has_unfinished_requests() or core.scheduling_paused  # paused: sleep(level=0)
+            if idle and not stats_dirty:
                 kind, payload = self.input_queue.get()  # idle: block, no spinning
                 if self._handle(kind, payload):
                     return

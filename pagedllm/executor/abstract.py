@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
@@ -38,6 +38,10 @@ class Executor(ABC):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Launch a step; `.result()` waits for it. Executors that cannot overlap run it now."""
         return _Done(self.execute_model(scheduler_output))
+
+    @abstractmethod
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker method (name, or callable taking the worker first) on every worker; their results."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process
         """Release workers (nothing to do in-process)."""
