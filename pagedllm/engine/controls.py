@@ -137,3 +137,59 @@ class EngineCoreControlsMixin:
     def stop_profile(self) -> list[str]:
         """Returns the trace files written (one per worker)."""
         return self.collective_rpc("stop_profile")
+
+
+class AsyncLLMControlsMixin:
+    """The same controls on `AsyncLLM`, as utility calls to the core process (string method names only for
+    collective_rpc: a callable cannot cross the process boundary)."""
+
+    engine_core: Any
+    _released: frozenset[str] = frozenset()
+    """What the front end knows is asleep on the device (requests are refused meanwhile)."""
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine_core.call_utility("sleep", level)
+        if level >= 1:
+            self._released = frozenset({"weights", "kv_cache"})
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility("wake_up", tags)
+        self._released = self._released - set(WAKE_TAGS if tags is None else tags)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.engine_core.call_utility("is_sleeping"))
+
+    def check_can_run(self) -> None:
+        if self._released:
+            raise EngineSleepingError(
+                f"The engine is sleeping ({' and '.join(sorted(self._released))} released); call /wake_up first"
+            )
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        if not isinstance(method, str):
+            raise ValueError("collective_rpc: only worker method names can be sent to the engine-core process")
+        return await self.engine_core.call_utility("collective_rpc", method, timeout, list(args), kwargs)
+
+    async def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        await self.engine_core.call_utility("init_weight_transfer_engine", request)
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        await self.engine_core.call_utility("start_weight_update", is_checkpoint_format)
+
+    async def update_weights(self, request: dict[str, Any]) -> None:
+        await self.engine_core.call_utility("update_weights", request)
+
+    async def finish_weight_update(self) -> None:
+        await self.engine_core.call_utility("finish_weight_update")
+
+    async def start_profile(self) -> None:
+        await self.engine_core.call_utility("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        return await self.engine_core.call_utility("stop_profile")

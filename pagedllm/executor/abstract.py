@@ -40,7 +40,9 @@ class Executor(ABC):
         return _Done(self.execute_model(scheduler_output))
 
     @abstractmethod
-    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Run a worker method (name, or callable taking the worker first) on every worker; their results."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process

@@ -29,7 +29,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
         return [run_worker_method(self.worker, method, args, kwargs)]
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
