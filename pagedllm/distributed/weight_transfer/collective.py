@@ -31,7 +31,19 @@ def _check_init_info(init_info: dict[str, Any]) -> tuple[str, int, int, int]:
     return str(init_info["master_address"]), int(init_info["master_port"]), int(init_info.get("rank_offset", 1)), world
 
 
-def make_group(backend: str, address: str, port: int, rank: int, world: int, timeout_s: float) -> Any:
+class TransferGroup:
+    """A process group plus the TCPStore it was built on (kept alive with it: rank 0 hosts the store)."""
+
+    def __init__(self, group: Any, store: Any, rank: int, world_size: int) -> None:
+        self.group, self.store, self.rank, self.world_size = group, store, rank, world_size
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.group.broadcast([tensor], opts).wait()
+
+
+def make_group(backend: str, address: str, port: int, rank: int, world: int, timeout_s: float) -> TransferGroup:
     """A process group of `world` ranks on its own TCPStore (rank 0 hosts the store)."""
     if not 0 <= rank < world:
         raise ValueError(f"init_info: rank {rank} is outside world_size {world}")
@@ -44,8 +56,7 @@ def make_group(backend: str, address: str, port: int, rank: int, world: int, tim
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         group = dist.ProcessGroupNCCL(prefix, rank, world, opts)
-    group._pagedllm_store = store  # keep the store (and its server, on rank 0) alive with the group
-    return group
+    return TransferGroup(group, store, rank, world)
 
 
 class _CollectiveEngine(WeightTransferEngine):
@@ -53,7 +64,7 @@ class _CollectiveEngine(WeightTransferEngine):
 
     def __init__(self, config: dict[str, Any], device: torch.device, rank: int = 0) -> None:
         super().__init__(config, device, rank)
-        self.group: Any = None
+        self.group: TransferGroup | None = None
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         address, port, offset, world = _check_init_info(init_info)
@@ -72,7 +83,7 @@ class _CollectiveEngine(WeightTransferEngine):
         # when the update is then rejected (else the trainer would hang).
         for name, dtype, shape in parse_update_list(update_info):
             buf = torch.empty(shape, dtype=dtype, device=dev)
-            self.group.broadcast([buf], 0).wait()
+            self.group.broadcast(buf, 0)
             out.append((name, buf))
         return out
 
@@ -80,7 +91,7 @@ class _CollectiveEngine(WeightTransferEngine):
         self.group = None
 
     @classmethod
-    def trainer_init(cls, init_info: dict[str, Any]) -> Any:
+    def trainer_init(cls, init_info: dict[str, Any]) -> TransferGroup:
         """Run in the trainer's process: hosts the store, joins as rank 0; returns the group."""
         address, port, _, world = _check_init_info(init_info)
         return make_group(cls.backend, address, port, 0, world, float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S)))
@@ -94,7 +105,7 @@ class _CollectiveEngine(WeightTransferEngine):
             t = tensor.detach().contiguous()
             if cls.transfer_device == "cpu":
                 t = t.cpu()
-            group.broadcast([t], 0).wait()
+            group.broadcast(t, 0)
 
 
 class GlooWeightTransferEngine(_CollectiveEngine):
