@@ -171,10 +171,10 @@ class EngineCoreProc:
                 if method not in UTILITY_METHODS:
                     raise ValueError(f"unknown utility method {method!r}")
                 result = "pong" if method == "ping" else getattr(self.core, method)(*args)
-                reply = (call_id, True, result)
+                encoded = self.encoder.encode((call_id, True, result))  # a result msgpack cannot carry: an error
             except Exception as e:
-                reply = (call_id, False, f"{type(e).__name__}: {e}")
-            self.output_socket.send_multipart([UTILITY_RESULT, self.encoder.encode(reply)])
+                encoded = self.encoder.encode((call_id, False, f"{type(e).__name__}: {e}"))
+            self.output_socket.send_multipart([UTILITY_RESULT, encoded])
         elif kind == SHUTDOWN:
             return True
         return False
