@@ -1,5 +1,6 @@
 """HTTP control routes: /sleep, /wake_up, /is_sleeping (dev mode + --enable-sleep-mode), /collective_rpc,
-/start_profile, /stop_profile, against a `pagedllm serve` subprocess with the default model (slow: ~2 min on the 2-core machine)."""
+/start_profile, /stop_profile, against a `pagedllm serve` subprocess with the default model (the server
+tests are slow: ~2 min on the 2-core machine)."""
 
 from __future__ import annotations
 
