@@ -119,6 +119,14 @@ class EngineArgs:
             "Allow sleep(level)/wake_up (and, with PAGEDLLM_SERVER_DEV_MODE=1, POST /sleep, /wake_up).", "Controls"
         ),
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata=_help(
+            "Batch-invariant mode (also PAGEDLLM_BATCH_INVARIANT=1): bitwise identical greedy/seeded outputs "
+            "whatever the batch, prefix caching or chunking (fixed reduction orders; CPU only for now).",
+            "Controls",
+        ),
+    )
     weight_transfer_config: dict[str, Any] | None = field(
         default=None,
         metadata=_help(
@@ -165,12 +173,17 @@ class EngineArgs:
 
     def _validate_controls(self) -> None:
         from pagedllm.distributed.weight_transfer import check_weight_transfer_config
+        from pagedllm.model_executor.layers.batch_invariant import env_enabled as env_batch_invariant
 
         for name in ("weight_transfer_config", "profiler_config"):
             v = getattr(self, name)
             if isinstance(v, str):
                 setattr(self, name, json.loads(v))
         check_weight_transfer_config(self.weight_transfer_config)
+        if self.batch_invariant or env_batch_invariant():
+            self.batch_invariant = True
+            if self.resolved_device() != "cpu":
+                raise ValueError("batch_invariant: only the CPU is batch-invariant for now (device must be 'cpu')")
         pc = self.profiler_config
         if pc is not None:
             if not isinstance(pc, dict):
@@ -237,6 +250,7 @@ class EngineArgs:
                 "enable_sleep_mode": self.enable_sleep_mode,
                 "weight_transfer_config": self.weight_transfer_config,
                 "profiler_config": self.profiler_config,
+                "batch_invariant": self.batch_invariant,
             },
         )
 

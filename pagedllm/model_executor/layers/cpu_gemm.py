@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers import batch_invariant
 
 logger = init_logger(__name__)
 
@@ -28,7 +29,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _PACKED_DTYPES
         and weight.dim() == 2
-        and os.environ.get("PAGEDLLM_CPU_PACKED_GEMM", "1") != "0"
+        and (os.environ.get("PAGEDLLM_CPU_PACKED_GEMM", "1") != "0" or batch_invariant.enabled())
         and pack_supported(weight.dtype)
     )
 
@@ -54,6 +55,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         return x.new_empty(*lead, out_features)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if batch_invariant.enabled():
+        return batch_invariant.tiled_rows(
+            x2, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, bias, "none", [], "")
+        ).view(*lead, out_features)
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*lead, out_features)
 
