@@ -72,7 +72,9 @@ def main() -> None:
     def outs() -> list[Any]:
         llm.reset_prefix_cache()
         res = llm.generate(prompts, sp, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [{t: x.logprob for t, x in s.items()} for s in o.outputs[0].logprobs]) for o in res]
+        return [
+            (o.outputs[0].token_ids, [{t: x.logprob for t, x in s.items()} for s in o.outputs[0].logprobs]) for o in res
+        ]
 
     ref = outs()
     runner = llm.collective_rpc(lambda w: w.model_runner)[0]
