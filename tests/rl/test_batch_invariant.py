@@ -3,6 +3,8 @@ all together vs with cached prefixes vs with chunked prefill forced."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -12,6 +14,13 @@ from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.cpu_gemm import pack_supported, packed_linear
 from tests.rl.helpers import keys
 from tests.utils_model import make_tiny_hf_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reset_flag() -> Iterator[None]:
+    """The mode is process-wide (set when an engine's worker starts): leave it off for the next modules."""
+    yield
+    batch_invariant.set_enabled(False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
