@@ -4,7 +4,6 @@ different weights) and prompts, made once per session."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +23,8 @@ ENGINE_KW: dict[str, Any] = dict(
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(A, B): tiny random Llama safetensors checkpoints of the same shape (variant with biases, so fused
-    qkv/gate_up parameters and their bias shards are all exercised)."""
+    """(A, B): tiny random Llama safetensors checkpoints of the same shape (fused qkv / gate_up parameters
+    exercised through the checkpoint names). The bias variant is not used: its greedy outputs are constant."""
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("rl_ckpts")
     a, b = root / "A", root / "B"
@@ -38,7 +37,3 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def rl_prompts() -> list[list[int]]:
     rng = random.Random(26)
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 19, 33, 8, 40, 12)]
-
-
-def ckpt_dir(path: str) -> Path:
-    return Path(path)
