@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
     PAGEDLLM_WORKLOADS_DIR: str | None
     PAGEDLLM_MOE_CONFIG: str | None
+    PAGEDLLM_TORCH_PROFILER_DIR: str | None
+    PAGEDLLM_BATCH_INVARIANT: bool
+    PAGEDLLM_SERVER_DEV_MODE: bool
     PAGEDLLM_MOE_FUSED_SILU: bool
     PAGEDLLM_MOE_PLACE_BLOCK: int
     CC: str | None
@@ -81,6 +84,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_MOE_FUSED_SILU": _flag("PAGEDLLM_MOE_FUSED_SILU"),
     # (token, expert) pairs per program of the fused MoE placement kernel.
     "PAGEDLLM_MOE_PLACE_BLOCK": lambda: int(os.environ.get("PAGEDLLM_MOE_PLACE_BLOCK", "64")),
+    # Where `start_profile` / `stop_profile` write torch-profiler traces when --profiler-config names none.
+    "PAGEDLLM_TORCH_PROFILER_DIR": lambda: os.environ.get("PAGEDLLM_TORCH_PROFILER_DIR"),
+    # Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT), as the `batch_invariant` engine argument.
+    "PAGEDLLM_BATCH_INVARIANT": lambda: os.environ.get("PAGEDLLM_BATCH_INVARIANT", "0") == "1",
+    # Development routes of the server (/sleep, /wake_up, /collective_rpc, ...), as VLLM_SERVER_DEV_MODE.
+    "PAGEDLLM_SERVER_DEV_MODE": lambda: os.environ.get("PAGEDLLM_SERVER_DEV_MODE", "0") == "1",
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

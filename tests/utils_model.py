@@ -70,14 +70,21 @@ def tiny_hf_config(variant: str) -> Any:
 
 
 def make_tiny_hf_model(
-    variant: str, out_dir: str | os.PathLike[str], seed: int = 0, config: Any | None = None
+    variant: str,
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    config: Any | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """Random float32 HF model of `variant` (or of the given HF `config`), saved as safetensors to out_dir.
-    Output layer scaled by 10 so the logits are peaked (differences in the forward show up in them)."""
+    """Random float32 HF model of `variant` (or of the given HF `config`; config attributes `overrides`
+    applied), saved as safetensors to out_dir. Output layer scaled by 10 so the logits are peaked
+    (differences in the forward show up in them)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = config if config is not None else tiny_hf_config(variant)
+    for k, v in (overrides or {}).items():
+        setattr(config, k, v)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)  # also the embedding when tied

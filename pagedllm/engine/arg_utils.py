@@ -113,6 +113,34 @@ class EngineArgs:
         default=None, metadata=_help("Model name(s) the API answers to (default: the model argument).", "Frontend")
     )
     disable_log_stats: bool = field(default=False, metadata=_help("No periodic stats log line.", "Frontend"))
+    enable_sleep_mode: bool = field(
+        default=False,
+        metadata=_help(
+            "Allow sleep(level)/wake_up (and, with PAGEDLLM_SERVER_DEV_MODE=1, POST /sleep, /wake_up).", "Controls"
+        ),
+    )
+    batch_invariant: bool = field(
+        default=False,
+        metadata=_help(
+            "Batch-invariant mode (also PAGEDLLM_BATCH_INVARIANT=1): bitwise identical greedy/seeded outputs "
+            "whatever the batch, prefix caching or chunking (fixed reduction orders; CPU only for now).",
+            "Controls",
+        ),
+    )
+    weight_transfer_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            'Weight updates from a trainer: {"backend": "nccl" | "gloo" | "checkpoint"} (default checkpoint).',
+            "Controls",
+        ),
+    )
+    profiler_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            'Profiling: {"profiler": "torch", "torch_profiler_dir": DIR} for start_profile / stop_profile.',
+            "Controls",
+        ),
+    )
 
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
@@ -141,6 +169,27 @@ class EngineArgs:
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        from pagedllm.distributed.weight_transfer import check_weight_transfer_config
+        from pagedllm.model_executor.layers.batch_invariant import env_enabled as env_batch_invariant
+
+        for name in ("weight_transfer_config", "profiler_config"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                setattr(self, name, json.loads(v))
+        check_weight_transfer_config(self.weight_transfer_config)
+        if self.batch_invariant or env_batch_invariant():
+            self.batch_invariant = True
+            if self.resolved_device() != "cpu":
+                raise ValueError("batch_invariant: only the CPU is batch-invariant for now (device must be 'cpu')")
+        pc = self.profiler_config
+        if pc is not None:
+            if not isinstance(pc, dict):
+                raise ValueError(f"profiler_config: expected a dict, got {pc!r}")
+            if pc.get("profiler", "torch") != "torch":
+                raise ValueError(f"profiler_config.profiler: only 'torch' is supported, got {pc.get('profiler')!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -197,6 +246,12 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self.load_format),
             device=device,
             enforce_eager=self.enforce_eager,
+            extra={
+                "enable_sleep_mode": self.enable_sleep_mode,
+                "weight_transfer_config": self.weight_transfer_config,
+                "profiler_config": self.profiler_config,
+                "batch_invariant": self.batch_invariant,
+            },
         )
 
     # ---- CLI -----------------------------------------------------------------------------------

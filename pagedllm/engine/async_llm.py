@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.controls import AsyncLLMControlsMixin
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -45,7 +46,7 @@ LARGE_TEXT_CHARS = 4096
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncLLMControlsMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -142,6 +143,7 @@ class AsyncLLM:
         self.start()
         if self.engine_core.dead:
             raise self.dead_error
+        self.check_can_run()  # controls: not while asleep
         if arrival_time is None:
             arrival_time = time.monotonic()
         if isinstance(prompt, str) and len(prompt) > LARGE_TEXT_CHARS:

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.controls import EngineCoreControlsMixin
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
@@ -22,7 +23,7 @@ from pagedllm.utils import cdiv
 logger = init_logger(__name__)
 
 
-class EngineCore:
+class EngineCore(EngineCoreControlsMixin):
     def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
@@ -63,12 +64,15 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.check_can_run()  # controls: not while asleep (level >= 1)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.scheduling_paused:  # controls: sleep(level=0)
+            return self.paused_step()
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():

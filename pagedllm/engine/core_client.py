@@ -3,6 +3,8 @@ client for a core in its own process behind the same methods."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
@@ -25,6 +27,10 @@ class InprocClient:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`EngineCore.<method>(*args)` (controls: sleep, update_weights, collective_rpc, ...)."""
+        return getattr(self.engine_core, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -48,7 +48,20 @@ from pagedllm.messages import (
 logger = init_logger(__name__)
 
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"}) | frozenset(
+    {  # engine controls (engine/controls.py)
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "collective_rpc",
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "start_profile",
+        "stop_profile",
+    }
+)
 """EngineCore methods the front end may call remotely (plus `ping`, answered by the loop itself)."""
 
 
@@ -124,7 +137,8 @@ class EngineCoreProc:
         core = self.core
         stats_dirty = False
         while True:
-            if not core.has_unfinished_requests() and not stats_dirty:
+            idle = not core.has_unfinished_requests() or core.scheduling_paused  # paused: sleep(level=0)
+            if idle and not stats_dirty:
                 kind, payload = self.input_queue.get()  # idle: block, no spinning
                 if self._handle(kind, payload):
                     return
@@ -159,10 +173,10 @@ class EngineCoreProc:
                 if method not in UTILITY_METHODS:
                     raise ValueError(f"unknown utility method {method!r}")
                 result = "pong" if method == "ping" else getattr(self.core, method)(*args)
-                reply = (call_id, True, result)
+                encoded = self.encoder.encode((call_id, True, result))  # a result msgpack cannot carry: an error
             except Exception as e:
-                reply = (call_id, False, f"{type(e).__name__}: {e}")
-            self.output_socket.send_multipart([UTILITY_RESULT, self.encoder.encode(reply)])
+                encoded = self.encoder.encode((call_id, False, f"{type(e).__name__}: {e}"))
+            self.output_socket.send_multipart([UTILITY_RESULT, encoded])
         elif kind == SHUTDOWN:
             return True
         return False

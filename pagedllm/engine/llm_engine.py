@@ -46,6 +46,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)
         self.last_scheduler_stats: SchedulerStats | None = None
+        self.prometheus = None
+        """The metrics `LLM.get_metrics()` reads (with log_stats), in a registry of its own."""
+        if log_stats:
+            from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+            self.prometheus = PrometheusStatLogger(config.model_config.model, config.model_config.max_model_len)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -80,6 +86,8 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         self.last_scheduler_stats = outputs.scheduler_stats
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
+        if self.prometheus is not None:
+            self.prometheus.record(outputs.scheduler_stats, processed.iteration_stats)
         self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 

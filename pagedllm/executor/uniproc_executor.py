@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, StepFuture
 from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.worker.controls import run_worker_method
 from pagedllm.worker.worker import Worker
 
 
@@ -24,6 +27,11 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(
+        self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        return [run_worker_method(self.worker, method, args, kwargs)]
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         worker = self.worker

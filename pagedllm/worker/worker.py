@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.worker import compile_log
 from pagedllm.worker.async_output import PendingStep
@@ -35,6 +36,7 @@ class Worker:
             compile_log.install()
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
+        batch_invariant.set_enabled(bool(config.extra.get("batch_invariant")))
         self.model_runner = ModelRunner(config, self.device, logits_processors)
 
     def load_model(self) -> None:

@@ -23,6 +23,7 @@ from pagedllm.attention.backends.abstract import (
     CommonAttentionMetadata,
 )
 from pagedllm.attention.ops import cpu_paged_attn
+from pagedllm.model_executor.layers import batch_invariant
 
 
 @dataclass
@@ -111,6 +112,38 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
+def batch_invariant_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSpan],
+    output: torch.Tensor,
+    impl: AttentionImpl,
+) -> None:
+    """Prefill chunks as rows of the decode kernel: query token i of a chunk attends to the first
+    context_len + i + 1 cached positions (its K/V were written just before)."""
+    idx, lens, tables = [], [], []
+    width = max(p.blocks.numel() for p in prefills)
+    for p in prefills:
+        n = p.q_end - p.q_start
+        idx.append(torch.arange(p.q_start, p.q_end))
+        lens.append(torch.arange(p.context_len + 1, p.context_len + n + 1, dtype=torch.int32))
+        row = torch.zeros(width, dtype=torch.int32)
+        row[: p.blocks.numel()] = p.blocks.to(torch.int32)
+        tables.append(row.expand(n, width))
+    cpu_paged_attn.paged_decode(
+        query,
+        k_cache,
+        v_cache,
+        torch.cat(tables).contiguous(),
+        torch.cat(lens),
+        torch.cat(idx),
+        output,
+        impl.scale,
+        impl.sliding_window,
+    )
+
+
 class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     _use_c_kernels: bool | None = None  # decided at the first forward, from the cache's dtype and device
 
@@ -142,7 +175,11 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
             k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
             v_cache.view(-1, kvh, hd).index_copy_(0, slots, value[:n].to(v_cache.dtype))
 
-        for p in attn_metadata.prefills:
+        bi = use_c and batch_invariant.enabled() and cpu_paged_attn.can_decode(query, output, k_cache)
+        if bi and attn_metadata.prefills:
+            # One kernel, one reduction order for every query token (see layers/batch_invariant.py).
+            batch_invariant_prefill(query, k_cache, v_cache, attn_metadata.prefills, output, self)
+        for p in attn_metadata.prefills if not bi else ():
             q = query[p.q_start : p.q_end]
             if p.context_len == 0 and self.sliding_window is None:
                 # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed.

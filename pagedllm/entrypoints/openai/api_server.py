@@ -25,6 +25,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.control_routes import add_control_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -264,6 +265,7 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
     tokenization = OpenAIServingTokenization(engine, served_model_names, chat_template)
     app.state.engine = engine
+    add_control_routes(app, engine)  # /sleep, /wake_up, /is_sleeping, /start_profile, ... (dev mode / config)
 
     @app.exception_handler(OpenAIServingError)
     async def _openai_error(_: Request, exc: OpenAIServingError) -> JSONResponse:

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.logger import init_logger
+from pagedllm.model_executor.layers import batch_invariant
 
 logger = init_logger(__name__)
 
@@ -27,7 +28,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _PACKED_DTYPES
         and weight.dim() == 2
-        and envs.PAGEDLLM_CPU_PACKED_GEMM
+        and (envs.PAGEDLLM_CPU_PACKED_GEMM or batch_invariant.enabled())
         and pack_supported(weight.dtype)
     )
 
@@ -53,6 +54,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         return x.new_empty(*lead, out_features)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if batch_invariant.enabled():
+        return batch_invariant.tiled_rows(
+            x2, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, bias, "none", [], "")
+        ).view(*lead, out_features)
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*lead, out_features)
 

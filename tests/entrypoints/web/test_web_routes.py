@@ -69,8 +69,8 @@ def test_dashboard_numbers_are_the_metrics_numbers() -> None:
     """`read_registry` (the dashboard's source) against `/metrics`' own text for the same registry."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pagedllm.engine import SchedulerStats
     from pagedllm.entrypoints.web.stats import read_registry
+    from pagedllm.messages import SchedulerStats
     from pagedllm.metrics.prometheus import PrometheusStatLogger
 
     prom = PrometheusStatLogger("m", 2048)
