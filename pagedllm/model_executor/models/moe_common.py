@@ -65,6 +65,22 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     return layer_idx not in only_mlp and num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
 
 
+class QwenSparseMlpMixin:
+    """Qwen2-MoE / Qwen3-MoE decoder layers: a `SparseMoeBlock` on the sparse layers (with Qwen2-MoE's gated
+    shared expert when the config has one), the dense MLP of the base layer elsewhere."""
+
+    def make_mlp(self, config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return super().make_mlp(config, layer_idx, prefix)  # type: ignore[misc]
+        return SparseMoeBlock(
+            config,
+            int(config.moe_intermediate_size),
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            shared_intermediate_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+            prefix=prefix,
+        )
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM whose loader also fills the stacked expert weights from per-expert tensors.
 
