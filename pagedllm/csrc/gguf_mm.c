@@ -1,9 +1,10 @@
 /* Matrix multiply with GGUF block-quantized weights kept packed (built by pagedllm/csrc/__init__.py).
  *
  * y[m, n] = sum_k W[n, k] * x[m, k], W in one of the GGUF block formats (the bytes of the file, row-major
- * [N, K / QK * block_bytes]), x quantized on the fly per block of 32 to int8 with a float scale, as
- * llama.cpp does with its Q8 activations: each block product is an integer dot (AVX-512 VNNI `vpdpbusd`, or
- * AVX2 `vpmaddubsw` + `vpmaddwd`), scaled once per block. Scalar C is the portable fallback and the
+ * [N, K / QK * block_bytes]), x quantized on the fly per block of 32 to int16 with a float scale (as
+ * llama.cpp quantizes activations per block, but to 16 bits: its 8-bit Q8 activations moved SmolLM2's layer
+ * outputs by up to 2.6% and its greedy outputs at 17 of 20 prompts, see benchmarks/NOTES.md): each block
+ * product is an integer dot (AVX-512 VNNI `vpdpwssd`, or AVX2 `vpmaddwd`), scaled once per block. Scalar C is the portable fallback and the
  * reference the SIMD paths are tested against (`gguf_set_isa`).
  *
  * Formats (ggml's block layouts; `value` = dequantized weight):
@@ -14,7 +15,7 @@
  *     32, (Q5_K: 32 B of high bits), 128 B nibbles;                   value = d * sc_j * q - dmin * m_j
  *   Q6_K (256, 210 B): 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, f16 d;
  *                                                                      value = d * sc_g * (q - 32)
- * Activation blocks: xq int8 [M, K] (row stride K), xd[M, K/32] = scale, xs[M, K/32] = scale * sum(q), so a
+ * Activation blocks: xq int16 [M, K] (row stride K), xd[M, K/32] = scale, xs[M, K/32] = scale * sum(q), so a
  * weight block's additive term (Q4_1's m, the K-quants' mins, Q4_0's -8) costs one multiply per block.
  */
 #include <math.h>
@@ -56,7 +57,7 @@ static inline uint16_t rd16(const uint8_t* p) {
 
 /* ---- activation quantization ------------------------------------------------------------------- */
 #define DEFINE_QUANT(SUFFIX, T, LOAD)                                                                    \
-    void gguf_quantize_q8_##SUFFIX(const T* x, int64_t x_stride, int64_t M, int64_t K, int8_t* xq,       \
+    void gguf_quantize_act_##SUFFIX(const T* x, int64_t x_stride, int64_t M, int64_t K, int16_t* xq,     \
                                    float* xd, float* xs, int num_threads) {                              \
         const int64_t nb = K / 32;                                                                       \
         const int nt = M * K >= 65536 ? num_threads : 1;                                                 \
@@ -68,12 +69,12 @@ static inline uint16_t rd16(const uint8_t* p) {
                     v[i] = LOAD(xr[b * 32 + i]);                                                         \
                     amax = fmaxf(amax, fabsf(v[i]));                                                     \
                 }                                                                                        \
-                const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;                         \
+                const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;                       \
                 int sum = 0;                                                                             \
-                int8_t* q = xq + m * K + b * 32;                                                         \
+                int16_t* q = xq + m * K + b * 32;                                                        \
                 for (int i = 0; i < 32; i++) {                                                           \
                     const int qi = (int)roundf(v[i] * id);                                               \
-                    q[i] = (int8_t)qi;                                                                   \
+                    q[i] = (int16_t)qi;                                                                  \
                     sum += qi;                                                                           \
                 }                                                                                        \
                 xd[m * nb + b] = d;                                                                      \
@@ -181,14 +182,14 @@ static int block_bytes(int type) {
     }
 }
 
-static inline int idot16(const int8_t* a, const int8_t* b) {
+static inline int idot16(const int8_t* a, const int16_t* b) {
     int s = 0;
     for (int i = 0; i < 16; i++) s += (int)a[i] * (int)b[i];
     return s;
 }
 
 /* One weight row against `nm` activation rows (`xstride` elements apart; block stats `bstride` apart). */
-static void rows_generic(int type, const uint8_t* w, int64_t K, const int8_t* xq, const float* xd,
+static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* xq, const float* xd,
                          const float* xs, int64_t xstride, int64_t bstride, int nm, float* out) {
     const int qk = block_elems(type), bb = block_bytes(type);
     const int64_t nblk = K / qk;
@@ -198,7 +199,7 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int8_t* xq
     for (int64_t b = 0; b < nblk; b++) {
         unpack_block(type, w + b * bb, q, sc, mn);
         for (int m = 0; m < nm; m++) {
-            const int8_t* y = xq + m * xstride + b * qk;
+            const int16_t* y = xq + m * xstride + b * qk;
             const float* yd = xd + m * bstride + b * (qk / 32);
             const float* ys = xs + m * bstride + b * (qk / 32);
             float a = 0.0f;
@@ -214,13 +215,12 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int8_t* xq
 
 /* ---- SIMD paths for the 32-element formats -------------------------------------------------------- */
 #ifdef GGUF_X86
-/* The integer dot of 32 unsigned (u) by 32 signed (s) bytes as 8 int32 lanes. */
-#define DOT_VNNI(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
-#define DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+/* The integer dot of 32 int16 weights (w0: elements 0..15, w1: 16..31) with 32 int16 activations as 8
+ * int32 lanes: AVX2 `vpmaddwd`, or AVX-512 VNNI `vpdpwssd`. */
+#define DOT_VNNI(w0, w1, y0, y1) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), (w0), (y0)), (w1), (y1))
+#define DOT_AVX2(w0, w1, y0, y1) _mm256_add_epi32(_mm256_madd_epi16((w0), (y0)), _mm256_madd_epi16((w1), (y1)))
 
-/* Weight block -> (unsigned 32-byte operand, signed multiplier transform, d, additive term per block).
- * Q4_0/Q4_1: q in 0..15 unsigned, y as is; Q4_0's -8 folds into the offset (-8 d * xs).
- * Q8_0: |q| unsigned and y with q's sign, so the product keeps its sign (llama.cpp's trick). */
+/* Q4_0/Q4_1: nibbles 0..15 (Q4_0's -8 folds into the per-block offset, -8 d * xs); Q8_0: int8. */
 #define DEFINE_ROWS_SIMD(ISA, TARGET, DOT)                                                               \
     __attribute__((target(TARGET))) static inline float hsum_##ISA(__m256 v) {                            \
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                  \
@@ -229,7 +229,7 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int8_t* xq
         return _mm_cvtss_f32(s);                                                                          \
     }                                                                                                     \
     __attribute__((target(TARGET))) static void rows_##ISA(int type, const uint8_t* w, int64_t K,         \
-                                                           const int8_t* xq, const float* xd,             \
+                                                           const int16_t* xq, const float* xd,            \
                                                            const float* xs, int64_t xstride,              \
                                                            int64_t bstride, int nm, float* out) {         \
         const int bb = block_bytes(type);                                                                 \
@@ -242,20 +242,22 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int8_t* xq
             const uint8_t* blk = w + b * bb;                                                              \
             const float d = _cvtsh_ss(rd16(blk));                                                         \
             float o; /* additive term per unit of xs */                                                   \
-            __m256i u, sgn = _mm256_setzero_si256();                                                      \
+            __m256i w0, w1;                                                                               \
             if (type == T_Q8_0) {                                                                         \
-                sgn = _mm256_loadu_si256((const __m256i*)(blk + 2));                                      \
-                u = _mm256_sign_epi8(sgn, sgn);                                                           \
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));                    \
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));                   \
                 o = 0.0f;                                                                                 \
             } else {                                                                                      \
                 const __m128i v = _mm_loadu_si128((const __m128i*)(blk + (type == T_Q4_0 ? 2 : 4)));      \
-                u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));      \
+                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));                                          \
+                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));                       \
                 o = type == T_Q4_0 ? -8.0f * d : _cvtsh_ss(rd16(blk + 2));                                \
             }                                                                                             \
             for (int m = 0; m < nm; m++) {                                                                \
-                __m256i y = _mm256_loadu_si256((const __m256i*)(xq + m * xstride + b * 32));              \
-                if (type == T_Q8_0) y = _mm256_sign_epi8(y, sgn);                                         \
-                const __m256 p = _mm256_cvtepi32_ps(DOT(u, y));                                           \
+                const int16_t* y = xq + m * xstride + b * 32;                                             \
+                const __m256i y0 = _mm256_loadu_si256((const __m256i*)y);                                 \
+                const __m256i y1 = _mm256_loadu_si256((const __m256i*)(y + 16));                          \
+                const __m256 p = _mm256_cvtepi32_ps(DOT(w0, w1, y0, y1));                                 \
                 acc[m][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[m * bstride + b]), acc[m][b & 1]); \
                 off[m] += o * xs[m * bstride + b];                                                        \
             }                                                                                             \
@@ -293,7 +295,7 @@ int gguf_block_bytes(int type) { return block_bytes(type); }
 /* out[m * out_stride + n] (float32, or bfloat16 when out_bf16) for n < N, m < M. Rows of W are split
  * across threads in chunks; each chunk stays in cache while every group of ROWS_MAX activation rows
  * passes over it. Returns 0, or -1 for a type or K the kernels do not take. */
-int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xd,
+int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
             const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads) {
     const int bb = block_bytes(type);
     if (bb == 0 || K % block_elems(type) != 0) return -1;
@@ -307,7 +309,7 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, 
         const int64_t n1 = (c + 1) * chunk < N ? (c + 1) * chunk : N;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
             const int nm = M - m0 < ROWS_MAX ? (int)(M - m0) : ROWS_MAX;
-            const int8_t* y = xq + m0 * K;
+            const int16_t* y = xq + m0 * K;
             const float* yd = xd + m0 * nbx;
             const float* ys = xs + m0 * nbx;
             for (int64_t n = c * chunk; n < n1; n++) {

@@ -37,7 +37,7 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.ran
 
 
 def activation_reference(x: torch.Tensor) -> torch.Tensor:
-    """The int8-per-32 activations the kernels multiply with, dequantized (float64)."""
+    """The int16-per-32 activations the kernels multiply with, dequantized (float64)."""
     xq, xd, _ = gq.quantize_activations(x)
     return (xq.double().view(x.shape[0], -1, 32) * xd.double()[..., None]).view(x.shape)
 
@@ -78,9 +78,9 @@ def test_matmul_matches_gguf_reference(qtype: GGMLQuantizationType, shape: tuple
     ref_q = activation_reference(x) @ w_ref.T
     scale = (activation_reference(x).abs() @ w_ref.abs().T).clamp_min(1e-30)
     assert ((y - ref_q).abs() / scale).max() < 2e-6
-    # ...and within the Q8 activation rounding (|x| / 254 per element at most) of float32 x.
+    # ...and within the activation rounding (half a step of amax / 32767 per element) of float32 x.
     ref = x.double() @ w_ref.T
-    bound = (x.double().abs().view(m, -1, 32).amax(-1, keepdim=True) / 254).expand(m, k // 32, 32).reshape(m, k)
+    bound = (x.double().abs().view(m, -1, 32).amax(-1, keepdim=True) / 65534).expand(m, k // 32, 32).reshape(m, k)
     assert ((y - ref).abs() <= bound @ w_ref.abs().T + 1e-5 * scale).all()
 
 

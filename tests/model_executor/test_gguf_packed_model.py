@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -52,14 +53,17 @@ def test_default_model_is_packed() -> None:
     assert not any(isinstance(m.quant_method, gq.GGUFLinearMethod) for m in model.modules() if isinstance(m, LinearBase))
 
 
-def test_quantization_args_validated(tmp_path: Path) -> None:
+def test_quantization_args_validated() -> None:
     with pytest.raises(ValueError, match="contradicts gguf_dequantize"):
         model_config(quantization="gguf", gguf_dequantize=True)
     with pytest.raises(ValueError, match="quantization: unsupported method 'awq'"):
         model_config(quantization="awq")
     assert model_config(quantization="gguf").quantization == "gguf"
-    parser_args = EngineArgs.__dataclass_fields__
-    assert "gguf_dequantize" in parser_args and "quantization" in parser_args
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--gguf-dequantize"]))
+    assert args.gguf_dequantize is True and args.quantization is None
 
 
 def _teacher_forced(llm: LLM, ids: list[int], k: int = 2) -> dict[int, float]:
@@ -174,6 +178,6 @@ def test_truncated_and_unsupported_files(tmp_path: Path, smollm2_path: str) -> N
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    cfg = EngineArgs(device="cpu").create_engine_config().model_config.hf_config
+    cfg = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3)
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type Q8_1"):
         list(gguf_weights_iterator(str(odd), cfg))

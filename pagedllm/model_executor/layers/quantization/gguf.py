@@ -3,8 +3,9 @@
 A layer's weight is one or more `GGUFWeight` parts (the file's bytes, [rows, row_bytes] uint8) stacked by
 output rows: a fused projection (qkv, gate_up) whose sub-weights share a type is one part, and mixed types
 (a Q4_K_M file's Q6_K `attn_v` next to Q4_K q/k) stay separate parts writing into slices of the output.
-Activations are quantized once per call to int8 per block of 32 (llama.cpp's Q8 activations) and every
-part dots them with its blocks; the output is in the activation's dtype (float32 logits for the LM head).
+Activations are quantized once per call to int16 per block of 32 (llama.cpp quantizes them per block to
+int8; 16 bits keep the logits within ~1e-3 of the dequantized model's) and every part dots them with its
+blocks; the output is in the activation's dtype (float32 logits for the LM head).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None or not hasattr(lib, "gguf_mm"):
         return None
     for sfx in ("f32", "bf16"):
-        csrc.declare(lib, f"gguf_quantize_q8_{sfx}", None, [_p, _i64, _i64, _i64, _p, _p, _p, _int])
+        csrc.declare(lib, f"gguf_quantize_act_{sfx}", None, [_p, _i64, _i64, _i64, _p, _p, _p, _int])
     csrc.declare(lib, "gguf_mm", _int, [_int, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int])
     csrc.declare(lib, "gguf_dequantize", _int, [_int, _p, _i64, _i64, _p, _int])
     csrc.declare(lib, "gguf_set_isa", _int, [_int])
@@ -80,14 +81,14 @@ class GGUFWeight:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32/bfloat16 (K % 32 == 0) -> (int8 [M, K], scales [M, K/32], scale*sum [M, K/32])."""
+    """x [M, K] float32/bfloat16 (K % 32 == 0) -> (int16 [M, K], scales [M, K/32], scale*sum [M, K/32])."""
     lib = _lib()
     assert lib is not None
     m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int8)
+    xq = torch.empty(m, k, dtype=torch.int16)
     xd = torch.empty(m, k // 32, dtype=torch.float32)
     xs = torch.empty_like(xd)
-    fn = lib.gguf_quantize_q8_bf16 if x.dtype == torch.bfloat16 else lib.gguf_quantize_q8_f32
+    fn = lib.gguf_quantize_act_bf16 if x.dtype == torch.bfloat16 else lib.gguf_quantize_act_f32
     fn(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), torch.get_num_threads())
     return xq, xd, xs
 
