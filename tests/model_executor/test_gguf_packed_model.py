@@ -23,7 +23,6 @@ from pagedllm.model_executor.model_loader.loader import load_model
 pytestmark = pytest.mark.skipif(not gq.kernels_available(), reason="no C compiler: GGUF kernels not built")
 
 TEXT = Path(__file__).parent / "data" / "declaration_of_independence.txt"
-GREEDY48 = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 GAP = 0.05  # the issue's bound on the dequantized model's top-2 logprob gap where outputs may diverge
 
 
@@ -47,10 +46,7 @@ def test_default_model_is_packed() -> None:
     assert all("weight" not in dict(m.named_parameters()) for m in linears)
     assert {p.type_name for m in linears for p in m.quant_method.parts} == {"Q4_1"}
     assert [p.type_name for p in model.lm_head.gguf_weight] == ["Q8_0"]  # tied: token_embd's blocks
-    dense = model_config(gguf_dequantize=True)
-    assert dense.quantization is None
-    model = load_model(dense, "auto", "cpu")
-    assert not any(isinstance(m.quant_method, gq.GGUFLinearMethod) for m in model.modules() if isinstance(m, LinearBase))
+    assert model_config(gguf_dequantize=True).quantization is None  # loaded dense by conftest's smollm2_llm
 
 
 def test_quantization_args_validated() -> None:
@@ -66,41 +62,46 @@ def test_quantization_args_validated() -> None:
     assert args.gguf_dequantize is True and args.quantization is None
 
 
-def _teacher_forced(llm: LLM, ids: list[int], k: int = 2) -> dict[int, float]:
-    """The model's top-k next-token logprobs after `ids`."""
-    out = llm.generate(
-        [TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=1, logprobs=k), use_tqdm=False
-    )[0]
-    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
-
-
-def test_greedy_matches_dequantized(packed_llm: LLM, smollm2_llm: LLM, smollm2_prompt_ids: list[list[int]]) -> None:
-    """>= 16/20 prompts x 48 tokens identical; the rest diverge only where the dequantized model's top-2
-    gap is below 0.05. Prints the measured logit (logprob) error, teacher-forced on the reference."""
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in smollm2_prompt_ids]
-    ours = [list(o.outputs[0].token_ids) for o in packed_llm.generate(prompts, GREEDY48, use_tqdm=False)]
-    sp_ref = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
-    refs = smollm2_llm.generate(prompts, sp_ref, use_tqdm=False)
-    identical, verdicts, errors = 0, [], []
-    for p, o, r in zip(smollm2_prompt_ids, ours, refs):
-        ref = list(r.outputs[0].token_ids)
-        # Logprob error of the packed model, teacher-forced on the reference's tokens.
-        forced = packed_llm.generate(
-            [TokensPrompt(prompt_token_ids=p + ref[:-1])],
-            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-            use_tqdm=False,
-        )[0].prompt_logprobs
-        for j, tok in enumerate(ref[:-1]):
-            errors.append(abs(forced[len(p) + j][tok].logprob - r.outputs[0].logprobs[j][tok].logprob))
-        step = next((i for i, (a, b) in enumerate(zip(o, ref)) if a != b), None)
-        if step is None:
-            identical += 1
-            continue
-        top = sorted(_teacher_forced(smollm2_llm, p + ref[:step]).values(), reverse=True)
+@pytest.mark.parametrize(
+    "n_prompts,n_tokens", [(5, 16), pytest.param(20, 48, marks=pytest.mark.slow)], ids=["5x16", "20x48"]
+)
+def test_greedy_matches_dequantized(
+    packed_llm: LLM, smollm2_llm: LLM, smollm2_prompt_ids: list[list[int]], n_prompts: int, n_tokens: int
+) -> None:
+    """>= 80% of the prompts identical (the issue: 16/20 x 48 tokens); the rest diverge only where the
+    dequantized model's top-2 gap is below 0.05. Prints the logprob error, teacher-forced on the reference."""
+    prompt_ids = smollm2_prompt_ids[:n_prompts]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+    greedy = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+    ours = [list(o.outputs[0].token_ids) for o in packed_llm.generate(prompts, greedy, use_tqdm=False)]
+    sp_ref = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True, logprobs=1)
+    refs = [r.outputs[0] for r in smollm2_llm.generate(prompts, sp_ref, use_tqdm=False)]
+    forced_sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    forced = packed_llm.generate(
+        [TokensPrompt(prompt_token_ids=p + list(r.token_ids[:-1])) for p, r in zip(prompt_ids, refs)],
+        forced_sp,
+        use_tqdm=False,
+    )
+    errors = [
+        abs(f.prompt_logprobs[len(p) + j][tok].logprob - r.logprobs[j][tok].logprob)
+        for p, r, f in zip(prompt_ids, refs, forced)
+        for j, tok in enumerate(r.token_ids[:-1])
+    ]
+    steps = [next((i for i, (a, b) in enumerate(zip(o, r.token_ids)) if a != b), None) for o, r in zip(ours, refs)]
+    diverged = [(p, list(r.token_ids[:s]), s) for p, r, s in zip(prompt_ids, refs, steps) if s is not None]
+    tops = smollm2_llm.generate(
+        [TokensPrompt(prompt_token_ids=p + prefix) for p, prefix, _ in diverged],
+        SamplingParams(temperature=0.0, max_tokens=1, logprobs=2),
+        use_tqdm=False,
+    )
+    verdicts = []
+    for (_, _, step), out in zip(diverged, tops):
+        top = sorted((lp.logprob for lp in out.outputs[0].logprobs[0].values()), reverse=True)
         verdicts.append((step, top[0] - top[1]))
-    print(f"identical {identical}/20; divergences (step, reference top-2 gap): {verdicts}; "
-          f"logprob error max {max(errors):.4f} mean {np.mean(errors):.5f} over {len(errors)} positions")  # fmt: skip
-    assert identical >= 16
+    identical = len(prompts) - len(diverged)
+    print(f"identical {identical}/{len(prompts)}; divergences (step, reference top-2 gap): {verdicts}; "
+          f"logprob error max {max(errors):.5f} mean {np.mean(errors):.6f} over {len(errors)} positions")  # fmt: skip
+    assert identical >= 0.8 * len(prompts)
     assert all(gap < GAP for _, gap in verdicts), verdicts
 
 
@@ -114,6 +115,7 @@ def _perplexity(llm: LLM, ids: list[int]) -> float:
     return math.exp(sum(nll) / len(nll))
 
 
+@pytest.mark.slow
 def test_perplexity_within_one_percent(packed_llm: LLM, smollm2_llm: LLM, smollm2_tokenizer) -> None:  # noqa: ANN001
     ids = smollm2_tokenizer.encode(TEXT.read_text())
     assert 1800 <= len(ids) <= 2040
