@@ -97,9 +97,7 @@ def smollm2_llm(smollm2_path: str):  # noqa: ANN201
     GGUF weights dequantized at load as HF does (the packed path has its own tests: tests/model_executor)."""
     from pagedllm import LLM
 
-    return LLM(
-        smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20, gguf_dequantize=True
-    )
+    return LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20, gguf_dequantize=True)
 
 
 # ---- Sampling surface (logprobs, seeds): an engine that chunks every prompt -----------------------

@@ -95,9 +95,7 @@ def load_gguf_packed(model: nn.Module, path: str, hf_config: Any) -> set[str]:
         if tgt is not None:
             sources.setdefault(tgt[0], []).append((tgt[1], tgt[2], tensor, heads))
     packed_layers = {
-        name
-        for name, src in sources.items()
-        if len(src) == src[0][1] and all(_packable(t) for _, _, t, _ in src)
+        name for name, src in sources.items() if len(src) == src[0][1] and all(_packable(t) for _, _, t, _ in src)
     }
     loaded: set[str] = set()
     nbytes = 0
