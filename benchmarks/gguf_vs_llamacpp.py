@@ -175,13 +175,13 @@ def main() -> None:
     for eng in engines.values():  # warm-up
         eng.decode(short, 8)
     for r in range(args.repeats):
-        for name, eng in engines.items():
-            res[name].setdefault("decode_1x128", []).append(eng.decode(short, 128))
-            for b in args.batches:
-                res[name].setdefault(f"batch_{b}x128", []).append(eng.batch(short, b, 128))
-            for n in args.prefill:
-                res[name].setdefault(f"prefill_{n}", []).append(eng.prefill(prompt_ids(base, n)))
-            print(f"round {r}: {name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res[name].items()), flush=True)
+        jobs: list[tuple[str, Any]] = [("decode_1x128", lambda e: e.decode(short, 128))]
+        jobs += [(f"batch_{b}x128", lambda e, b=b: e.batch(short, b, 128)) for b in args.batches]
+        jobs += [(f"prefill_{n}", lambda e, n=n: e.prefill(prompt_ids(base, n))) for n in args.prefill]
+        for key, job in jobs:  # each figure: both engines back to back
+            for name, eng in engines.items():
+                res[name].setdefault(key, []).append(job(eng))
+                print(f"round {r}: {name} {key} {res[name][key][-1]:.1f}", flush=True)
     if args.long:
         t = time.perf_counter()
         ours.prefill(prompt_ids(base, args.long))
