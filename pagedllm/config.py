@@ -51,6 +51,8 @@ class ModelConfig:
     generation_defaults: dict[str, Any]
     max_logprobs: int
     sliding_window: int | None
+    quantization: str | None = None
+    """'gguf' when a .gguf model's weights stay packed (the default; `gguf_dequantize=True` turns it off)."""
     logprobs_mode: str = "raw_logprobs"
     """What logprobs report: raw_logprobs | raw_logits (the model's) | processed_logprobs |
     processed_logits (after penalties, processors, temperature, top-k/top-p), as vLLM."""
@@ -181,8 +183,11 @@ def build_model_config(
     device: str,
     load_format: str,
     logprobs_mode: str = "raw_logprobs",
+    quantization: str | None = None,
+    gguf_dequantize: bool = False,
 ) -> ModelConfig:
     model_dir, gguf_file = resolve_model_path(model, revision)
+    quantization = resolve_quantization(quantization, gguf_dequantize, gguf_file)
     hf_config = get_hf_config(model_dir, gguf_file)
     for k, v in (hf_overrides or {}).items():
         setattr(hf_config, k, v)
@@ -216,4 +221,27 @@ def build_model_config(
         max_logprobs=max_logprobs,
         sliding_window=get_sliding_window(hf_config),
         logprobs_mode=logprobs_mode,
+        quantization=quantization,
     )
+
+
+QUANTIZATION_METHODS = ("gguf",)
+
+
+def resolve_quantization(quantization: str | None, gguf_dequantize: bool, gguf_file: str | None) -> str | None:
+    """The quantization method in force: a .gguf model runs packed ('gguf') unless `gguf_dequantize`."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization: unsupported method {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if gguf_file is None:
+        if quantization == "gguf":
+            raise ValueError("quantization: 'gguf' needs a .gguf model file")
+        if gguf_dequantize:
+            raise ValueError("gguf_dequantize: applies to .gguf models only")
+        return quantization
+    if gguf_dequantize:
+        if quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps GGUF weights packed; it contradicts gguf_dequantize=True")
+        return None
+    return "gguf"

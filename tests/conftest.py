@@ -93,10 +93,11 @@ def smollm2_hf_greedy(smollm2_hf_model, smollm2_prompt_ids) -> list[list[int]]: 
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path: str):  # noqa: ANN201
-    """pagedllm's float32 SmolLM2 with default engine settings (shared by tests that don't change them)."""
+    """pagedllm's float32 SmolLM2 with default engine settings (shared by tests that don't change them), its
+    GGUF weights dequantized at load as HF does (the packed path has its own tests: tests/model_executor)."""
     from pagedllm import LLM
 
-    return LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    return LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=256 << 20, gguf_dequantize=True)
 
 
 # ---- Sampling surface (logprobs, seeds): an engine that chunks every prompt -----------------------
@@ -115,4 +116,5 @@ def smollm2_llm_chunked(smollm2_path: str):  # noqa: ANN201
         kv_cache_memory_bytes=64 << 20,
         max_num_batched_tokens=16,
         max_logprobs=-1,
+        gguf_dequantize=True,
     )

@@ -1,7 +1,8 @@
 """C kernels for the CPU path, built on first use and loaded with ctypes.
 
 `paged_attn.c` (decode attention over the paged KV cache, cache writes), `layers.c` (fused residual +
-RMSNorm, rotary embedding) and `activation.c` (SiLU-and-mul). Each file is compiled with the system C compiler (about a
+RMSNorm, rotary embedding) and `activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls
+with packed GGUF weights). Each file is compiled with the system C compiler (about a
 second each) into one shared library in a cache directory keyed by the sources, the compiler and the
 CPU: no torch headers, no build step at install time. Where there is no compiler, or
 `PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path (the
@@ -31,6 +32,7 @@ _SOURCES = {
     "paged_attn.c": ["-ffast-math"],
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
+    "gguf_mm.c": ["-fno-math-errno"],
 }
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
 

@@ -61,6 +61,17 @@ class EngineArgs:
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = field(
         default="auto", metadata=_help("Weight format; 'dummy' = random weights from the config (benchmarks).")
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "Quantization method of the weights: 'gguf' (GGUF blocks kept packed, the default for a .gguf "
+            "model on the CPU; on the GPU the weights are dequantized to dtype for now)."
+        ),
+    )
+    gguf_dequantize: bool = field(
+        default=False,
+        metadata=_help("Dequantize a .gguf model's weights to dtype at load instead of keeping them packed."),
+    )
     max_logprobs: int = field(
         default=20, metadata=_help("Largest logprobs / prompt_logprobs a request may ask for (-1: no limit).")
     )
@@ -219,6 +230,8 @@ class EngineArgs:
             logprobs_mode=self.logprobs_mode,
             device=device,
             load_format=self.load_format,
+            quantization=self.quantization,
+            gguf_dequantize=self.gguf_dequantize,
         )
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else 4096)

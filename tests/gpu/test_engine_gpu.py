@@ -74,7 +74,14 @@ def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[l
     gpu = LLM(smollm2_path, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.3)
     ours_gpu = _ours(gpu, smollm2_prompt_ids)
     del gpu
-    cpu = LLM(smollm2_path, dtype="float32", max_model_len=2048, device="cpu", kv_cache_memory_bytes=1 << 30)
+    cpu = LLM(
+        smollm2_path,
+        dtype="float32",
+        max_model_len=2048,
+        device="cpu",
+        kv_cache_memory_bytes=1 << 30,
+        gguf_dequantize=True,
+    )
     ours_cpu = _ours(cpu, smollm2_prompt_ids)
     hf = hf_from_gguf(smollm2_path, torch.float32, "cuda")  # near-tie judge
     res = judge_all(hf, smollm2_prompt_ids, ours_gpu, ours_cpu, torch.float32)

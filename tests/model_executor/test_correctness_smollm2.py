@@ -48,7 +48,13 @@ SP24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def test_batch_invariance(name, kwargs, smollm2_path, smollm2_hf_model, smollm2_prompt_ids, smollm2_hf_greedy) -> None:  # noqa: ANN001
     prompts = smollm2_prompt_ids[SUBSET]
     refs = smollm2_hf_greedy[SUBSET]
-    args = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20, **kwargs}
+    args = {
+        "dtype": "float32",
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 64 << 20,
+        "gguf_dequantize": True,
+        **kwargs,
+    }
     llm = LLM(smollm2_path, **args)
     together = run(llm, prompts, SP24)
     check_all(smollm2_hf_model, prompts, together, refs)

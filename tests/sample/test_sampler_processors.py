@@ -243,7 +243,14 @@ class Recorder(LogitsProcessor):
 
 def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt_ids) -> None:  # noqa: ANN001
     rec = Recorder()
-    llm = LLM(smollm2_path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20, logits_processors=[rec])
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=32 << 20,
+        logits_processors=[rec],
+        gguf_dequantize=True,
+    )
     prompt = smollm2_prompt_ids[1]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     base = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0].outputs[0].token_ids

@@ -143,7 +143,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] (padding columns removed, gathered across ranks)."""
         packed = getattr(self, "packed_weight", None)  # CPU bf16, see model_loader/cpu_packing.py
-        if packed is not None:
+        gguf_parts = getattr(self, "gguf_weight", None)  # packed GGUF blocks, see model_loader/gguf_packed.py
+        if gguf_parts is not None:
+            from pagedllm.model_executor.layers.quantization.gguf import gguf_matmul
+
+            logits = gguf_matmul(hidden_states, gguf_parts, self.bias, out_dtype=torch.float32)
+        elif packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding

@@ -20,6 +20,6 @@ def pack_cpu_weights(model: nn.Module) -> int:
             getattr(module, "quant_method", None), UnquantizedLinearMethod
         ):
             n += pack_module(module, release=True)
-        elif isinstance(module, ParallelLMHead):
+        elif isinstance(module, ParallelLMHead) and getattr(module, "gguf_weight", None) is None:
             n += pack_module(module, release=id(module.weight) not in embeddings)
     return n

@@ -101,6 +101,22 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
         raise ValueError(f"weights missing from the checkpoint for these parameters: {shown}")
 
 
+def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
+    """Whether the GGUF weights stay packed: `quantization="gguf"` (the default for a .gguf model unless
+    `gguf_dequantize`) on the CPU with the C kernels built; otherwise they are dequantized to `dtype`."""
+    if getattr(model_config, "quantization", None) != "gguf":
+        return False
+    from pagedllm.model_executor.layers.quantization.gguf import kernels_available
+
+    if torch.device(device).type != "cpu":
+        logger.info("gguf: packed kernels are CPU-only for now; dequantizing the weights to %s", model_config.dtype)
+        return False
+    if not kernels_available():
+        logger.warning("gguf: the C kernels are unavailable; dequantizing the weights to %s", model_config.dtype)
+        return False
+    return True
+
+
 def load_model(model_config: ModelConfig, load_format: str, device: torch.device | str) -> nn.Module:
     """Builds the model for `model_config` on `device` in `model_config.dtype` and loads its weights.
 
@@ -112,6 +128,12 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
     with torch.no_grad():
         if fmt == "dummy":
             initialize_dummy_weights(model, seed=model_config.seed if model_config.seed is not None else 1234)
+        elif fmt == "gguf" and _gguf_packed(model_config, device):
+            from pagedllm.model_executor.model_loader.gguf_packed import load_gguf_packed
+
+            assert model_config.gguf_file is not None
+            loaded = load_gguf_packed(model, model_config.gguf_file, model_config.hf_config)
+            check_all_loaded(model, loaded)
         else:
             loaded = model.load_weights(get_weights_iterator(model_config, fmt))  # type: ignore[operator]
             check_all_loaded(model, loaded)

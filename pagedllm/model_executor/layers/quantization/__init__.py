@@ -1,0 +1,1 @@
+"""Quantized linear methods (`quantization=...`, as vLLM names them): `gguf` keeps GGUF block weights packed."""

@@ -1,0 +1,168 @@
+"""GGUF block-quantized weights kept packed, multiplied by the C kernels of `pagedllm/csrc/gguf_mm.c`.
+
+A layer's weight is one or more `GGUFWeight` parts (the file's bytes, [rows, row_bytes] uint8) stacked by
+output rows: a fused projection (qkv, gate_up) whose sub-weights share a type is one part, and mixed types
+(a Q4_K_M file's Q6_K `attn_v` next to Q4_K q/k) stay separate parts writing into slices of the output.
+Activations are quantized once per call to int16 per block of 32 (llama.cpp quantizes them per block to
+int8; 16 bits keep the logits within ~1e-3 of the dequantized model's) and every part dots them with its
+blocks; the output is in the activation's dtype (float32 logits for the LM head).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm import csrc
+from pagedllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+
+# ggml type ids (gguf.GGMLQuantizationType) the kernels take: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+PACKED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+_i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    lib = csrc.load()
+    if lib is None or not hasattr(lib, "gguf_mm"):
+        return None
+    for sfx in ("f32", "bf16"):
+        csrc.declare(lib, f"gguf_quantize_act_{sfx}", None, [_p, _i64, _i64, _i64, _p, _p, _p, _int])
+    csrc.declare(lib, "gguf_mm", _int, [_int, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int])
+    csrc.declare(lib, "gguf_dequantize", _int, [_int, _p, _i64, _i64, _p, _int])
+    csrc.declare(lib, "gguf_set_isa", _int, [_int])
+    return lib
+
+
+def kernels_available() -> bool:
+    return _lib() is not None
+
+
+def set_isa(level: int) -> int:
+    """Forces the kernels' instruction set (0 portable C, 1 AVX2, 2 AVX-512 VNNI, -1 the best this CPU
+    has); returns the level in use, which is never above what the CPU supports."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the GGUF CPU kernels are not available (no C compiler?)")
+    return int(lib.gguf_set_isa(level))
+
+
+def isa_name() -> str:
+    lib = _lib()
+    return "none" if lib is None else _ISA_NAMES[int(lib.gguf_set_isa(-1))]
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    qk, nbytes = _BLOCK[qtype]
+    if cols % qk:
+        raise ValueError(f"{PACKED_TYPES[qtype]} rows must have a multiple of {qk} elements, got {cols}")
+    return cols // qk * nbytes
+
+
+@dataclass
+class GGUFWeight:
+    """One packed weight: `data` is [rows, row_bytes(qtype, cols)] uint8, the GGUF file's blocks."""
+
+    qtype: int
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def type_name(self) -> str:
+        return PACKED_TYPES[self.qtype]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32/bfloat16 (K % 32 == 0) -> (int16 [M, K], scales [M, K/32], scale*sum [M, K/32])."""
+    lib = _lib()
+    assert lib is not None
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int16)
+    xd = torch.empty(m, k // 32, dtype=torch.float32)
+    xs = torch.empty_like(xd)
+    fn = lib.gguf_quantize_act_bf16 if x.dtype == torch.bfloat16 else lib.gguf_quantize_act_f32
+    fn(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), torch.get_num_threads())
+    return xq, xd, xs
+
+
+def gguf_matmul(
+    x: torch.Tensor,
+    parts: list[GGUFWeight],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype)."""
+    lib = _lib()
+    assert lib is not None
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    n = sum(p.rows for p in parts)
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(m, n, dtype=kernel_dtype)
+    if m:
+        xq, xd, xs = quantize_activations(x2)
+        nt = torch.get_num_threads()
+        start = 0
+        for p in parts:
+            dst = out.data_ptr() + start * out.element_size()
+            rc = lib.gguf_mm(
+                p.qtype, p.data.data_ptr(), p.rows, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, dst, n,
+                int(kernel_dtype == torch.bfloat16), nt,
+            )  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"gguf_mm: {p.type_name} weight with {k} columns is not supported")
+            start += p.rows
+    if bias is not None:
+        out += bias.to(out.dtype)
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
+    return out.view(*lead, n)
+
+
+def dequantize(w: GGUFWeight) -> torch.Tensor:
+    """The weight as float32 [rows, cols] (the C kernels' own dequantization)."""
+    lib = _lib()
+    assert lib is not None
+    out = torch.empty(w.rows, w.cols, dtype=torch.float32)
+    if lib.gguf_dequantize(w.qtype, w.data.data_ptr(), w.rows, w.cols, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"cannot dequantize {w.type_name} with {w.cols} columns")
+    return out
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """Linear layer whose weight is GGUF blocks kept packed (installed by the GGUF loader after the layer
+    was built: the dense placeholder weight is dropped)."""
+
+    def __init__(self, parts: list[GGUFWeight]) -> None:
+        self.parts = parts
+
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("GGUF weights are installed by the loader")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gguf_matmul(x, self.parts, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+
+def install(layer: LinearBase, parts: list[GGUFWeight]) -> None:
+    """Makes `layer` multiply with `parts`, dropping its dense weight parameter."""
+    layer._parameters.pop("weight", None)
+    layer.quant_method = GGUFLinearMethod(parts)

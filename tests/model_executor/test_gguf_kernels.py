@@ -1,0 +1,111 @@
+"""Acceptance 1: the packed GGUF kernels (`pagedllm/csrc/gguf_mm.c`) against the `gguf` package's own
+reference dequantization (`gguf.quants.dequantize`) times a float32 matmul, for every supported type, odd
+shapes, every instruction-set level this CPU has (AVX-512 VNNI, AVX2, portable C)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedllm.model_executor.layers.quantization import gguf as gq
+
+pytestmark = pytest.mark.skipif(not gq.kernels_available(), reason="no C compiler: GGUF kernels not built")
+
+TYPES = [GGMLQuantizationType[name] for name in gq.PACKED_TYPES.values()]
+# Offsets of the float16 scale fields inside each block (random bytes there could be inf/NaN).
+_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SHAPES = [(1, 1, 1), (1, 37, 3), (3, 64, 5), (5, 19, 2), (17, 8, 1), (64, 33, 4)]  # (M, N, K blocks)
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Weights in `qtype`: quantized from floats by gguf's own quantizer where it has one, else random
+    block bytes with small finite float16 scales (every bit pattern of the quant fields is exercised)."""
+    qk, nbytes = GGML_QUANT_SIZES[qtype]
+    try:
+        return gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+    except NotImplementedError:
+        pass
+    raw = rng.integers(0, 256, size=(rows, cols // qk, nbytes), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype.name]:
+        scale = rng.uniform(-0.02, 0.02, size=(rows, cols // qk)).astype(np.float16)
+        raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(rows, cols // qk, 2)
+    return raw.reshape(rows, -1)
+
+
+def activation_reference(x: torch.Tensor) -> torch.Tensor:
+    """The int16-per-32 activations the kernels multiply with, dequantized (float64)."""
+    xq, xd, _ = gq.quantize_activations(x)
+    return (xq.double().view(x.shape[0], -1, 32) * xd.double()[..., None]).view(x.shape)
+
+
+@pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512vnni"])
+def isa(request: pytest.FixtureRequest):  # noqa: ANN201
+    if gq.set_isa(request.param) != request.param:
+        gq.set_isa(-1)
+        pytest.skip(f"this CPU has no ISA level {request.param}")
+    yield request.param
+    gq.set_isa(-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_dequantize_matches_gguf(qtype: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(int(qtype))
+    qk = GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, 7, 3 * qk, rng)
+    w = gq.GGUFWeight(int(qtype), torch.from_numpy(raw), 7, 3 * qk)
+    ref = gguf_dequantize(raw, qtype).reshape(7, 3 * qk)
+    np.testing.assert_array_equal(gq.dequantize(w).numpy(), ref)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matmul_matches_gguf_reference(qtype: GGMLQuantizationType, shape: tuple[int, int, int], isa: int) -> None:
+    m, n, kb = shape
+    qk = GGML_QUANT_SIZES[qtype][0]
+    k = kb * qk
+    rng = np.random.default_rng(m * 1000 + n * 10 + kb)
+    raw = random_blocks(qtype, n, k, rng)
+    w_ref = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
+    w = gq.GGUFWeight(int(qtype), torch.from_numpy(raw), n, k)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = gq.gguf_matmul(x, [w]).double()
+    assert y.shape == (m, n)
+    # Exact up to float32 rounding against the quantized activations the kernel used...
+    ref_q = activation_reference(x) @ w_ref.T
+    scale = (activation_reference(x).abs() @ w_ref.abs().T).clamp_min(1e-30)
+    assert ((y - ref_q).abs() / scale).max() < 2e-6
+    # ...and within the activation rounding (half a step of amax / 32767 per element) of float32 x.
+    ref = x.double() @ w_ref.T
+    bound = (x.double().abs().view(m, -1, 32).amax(-1, keepdim=True) / 65534).expand(m, k // 32, 32).reshape(m, k)
+    assert ((y - ref).abs() <= bound @ w_ref.abs().T + 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=["Q4_1", "Q6_K"])
+def test_bf16_activations_and_parts(qtype: GGMLQuantizationType) -> None:
+    """bfloat16 in and out, several parts of mixed types stacked by rows (a fused layer), a bias."""
+    rng = np.random.default_rng(7)
+    k = 512
+    raw_a = random_blocks(qtype, 48, k, rng)
+    raw_b = random_blocks(GGMLQuantizationType.Q8_0, 16, k, rng)
+    parts = [
+        gq.GGUFWeight(int(qtype), torch.from_numpy(raw_a), 48, k),
+        gq.GGUFWeight(int(GGMLQuantizationType.Q8_0), torch.from_numpy(raw_b), 16, k),
+    ]
+    x = torch.randn(3, 2, k).to(torch.bfloat16)
+    bias = torch.randn(64).to(torch.bfloat16)
+    y = gq.gguf_matmul(x, parts, bias)
+    assert y.shape == (3, 2, 64) and y.dtype == torch.bfloat16
+    w = torch.cat([torch.from_numpy(gguf_dequantize(r, t).reshape(-1, k)) for r, t in ((raw_a, qtype), (raw_b, 8))])
+    x2 = x.reshape(6, k).float()
+    ref = (activation_reference(x2) @ w.double().T + bias.double()).view(3, 2, 64)
+    torch.testing.assert_close(y.double(), ref, atol=0.02, rtol=0.01)  # bf16 output rounding
+    assert gq.gguf_matmul(x[:0], parts).shape == (0, 2, 64)
+
+
+def test_unsupported_shape_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gq.row_bytes(int(GGMLQuantizationType.Q4_K), 100)
