@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import json
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -18,13 +16,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.middleware import (
+    DEFAULT_BODY_TIMEOUT_S,
+    AuthMiddleware,
+    BodySizeLimitMiddleware,
+    CatchAllMiddleware,
+    TimeoutH11Protocol,
+    unwrap_limit_error,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,6 +46,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_base import (
+    DEFAULT_MAX_N,
     OpenAIServingError,
     SSEStream,
     engine_dead_error,
@@ -48,6 +55,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.logger import init_logger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -58,109 +66,15 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 """Request bodies above this get a 413 (8 MiB: a full context of text fits many times over)."""
 
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse},
     401: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
+    408: {"model": ErrorResponse},
+    413: {"model": ErrorResponse},
+    500: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
-
-
-# ---- middleware (pure ASGI: BaseHTTPMiddleware would break streaming and disconnect detection) ---------
-async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-class AuthMiddleware:
-    """`Authorization: Bearer <key>` on every route but the public ones; keys compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
-        self.app = app
-        self.keys = [f"Bearer {k}".encode() for k in api_keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                given = value
-                break
-        ok = False
-        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            await _send_json(
-                send,
-                401,
-                error_body("Unauthorized: a valid API key is required (header 'Authorization: Bearer <key>')", 401),
-                [(b"www-authenticate", b"Bearer")],
-            )
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`: checked on Content-Length up front, and counted while reading
-    (chunked uploads), so a huge body is never buffered whole."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self) -> str:
-        return f"Request body too large: the limit is {self.max_bytes} bytes"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await _send_json(send, 413, error_body(self._message(), 413))
-                    return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self._message())
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await _send_json(send, 413, error_body(self._message(), 413))
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -253,11 +167,19 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     prometheus: PrometheusStatLogger | None = None,
     log_requests: bool = True,
+    trust_request_chat_template: bool = False,
+    max_n: int = DEFAULT_MAX_N,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
     tokenization = OpenAIServingTokenization(engine, served_model_names, chat_template)
+    if trust_request_chat_template:
+        sandbox = TemplateSandbox(engine.get_tokenizer())
+        chat.template_sandbox = tokenization.template_sandbox = sandbox
+        app.state.template_sandbox = sandbox
+    completion.max_n = chat.max_n = max_n
     app.state.engine = engine
 
     @app.exception_handler(OpenAIServingError)
@@ -272,8 +194,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         cause = exc.__cause__
-        if isinstance(cause, BodyTooLarge):
-            return JSONResponse(error_body(str(cause), 413), status_code=413)
+        limit = unwrap_limit_error(exc)
+        if limit is not None:
+            return JSONResponse(error_body(limit[1], limit[0]), status_code=limit[0])
         if isinstance(cause, UnicodeDecodeError):
             return JSONResponse(error_body(f"Request body is not valid UTF-8: {cause}", 400), status_code=400)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
@@ -282,11 +205,6 @@ def build_app(
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(engine_dead_error(exc).to_response().model_dump(), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
     def respond(result: Any) -> Response:
         if isinstance(result, SSEStream):
@@ -357,10 +275,15 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    app.add_middleware(CatchAllMiddleware)  # type: ignore[arg-type]
     if api_keys:
         app.add_middleware(AuthMiddleware, api_keys=api_keys)  # type: ignore[arg-type]
     # Added last = outermost: oversized bodies are refused before anything else reads them.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(
+        BodySizeLimitMiddleware,  # type: ignore[arg-type]
+        max_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+    )
     return app
 
 
@@ -378,6 +301,7 @@ async def run_server(args: argparse.Namespace) -> int:
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)
     stat_loggers: list[Any] = [prometheus]
     engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    app: FastAPI | None = None
     try:
         app = build_app(
             engine,
@@ -387,14 +311,20 @@ async def run_server(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_request_body_bytes,
             prometheus=prometheus,
             log_requests=not args.disable_log_requests,
+            trust_request_chat_template=args.trust_request_chat_template,
+            max_n=args.max_n,
+            body_timeout_s=args.timeout_request_body,
         )
+        TimeoutH11Protocol.header_timeout_s = args.timeout_request_header
         uv_config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=3,
-            timeout_keep_alive=5,
+            timeout_keep_alive=args.timeout_keep_alive,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            http=TimeoutH11Protocol,
             access_log=False,
         )
         server = uvicorn.Server(uv_config)
@@ -411,6 +341,8 @@ async def run_server(args: argparse.Namespace) -> int:
         await server.serve()
         return 1 if engine.errored else 0
     finally:
+        if app is not None and getattr(app.state, "template_sandbox", None) is not None:
+            app.state.template_sandbox.close()
         engine.shutdown()
 
 
