@@ -92,8 +92,12 @@ class EngineArgs:
         default=None, metadata=_help("Most requests in one step. Default: 1024 on GPU, 256 on CPU.", "Scheduler")
     )
     max_num_batched_tokens: int | None = field(
-        default=None, metadata=_help("Token budget per step. Default: 16384 on GPU, 256 on CPU (a step of a long prompt then takes about a "
-            "second on two cores instead of tens: other requests keep streaming, aborts land between chunks).", "Scheduler")
+        default=None,
+        metadata=_help(
+            "Token budget per step. Default: 16384 on GPU, 256 on CPU (a chunk of a long prompt then takes "
+            "about a second on two cores: other requests keep streaming, aborts land between chunks).",
+            "Scheduler",
+        ),
     )
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("Split long prompts across steps to fit the token budget.", "Scheduler")
