@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -147,13 +147,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
             return f"Invalid JSON in request body: {ctx.get('error', err.get('msg'))}", None
-        # Union members add the member type to the location ("prompt.list[int]"): keep the field path only.
-        field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-")) and x != "list")
+        # Union members add the member type to the location ("prompt.list[int]", "TokenizeChatRequest"):
+        # keep the field path only.
+        loc = [x for x in loc if not x.startswith(("list[", "str", "int", "function-")) and x != "list"]
+        loc = [x for x in loc if not x[:1].isupper()]
+        field = ".".join(loc)
+        msg = str(err.get("msg"))
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if err.get("type") == "value_error" and not loc and ctx_error is not None:
+            # A whole-body check (protocol.check_json_value) already names its field: "prompt: ...".
+            msg = str(ctx_error)
+            field, _, msg = msg.partition(": ")
+            loc = [field.split(".")[0]]
         if param is None and loc:
             param = loc[0]
         msgs = by_field.setdefault(field or "body", [])
-        if err.get("msg") not in msgs:
-            msgs.append(str(err.get("msg")))
+        if msg not in msgs:
+            msgs.append(msg)
     parts = [f"{f}: {' or '.join(m)}" for f, m in list(by_field.items())[:5]]
     return "; ".join(parts), param
 
@@ -222,7 +232,9 @@ def build_app(
                 getattr(req, "max_completion_tokens", None) or req.max_tokens,
             )
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    empty_200 = {200: {"description": "Healthy (empty body)", "content": {}}, 503: {"model": ErrorResponse}}
+
+    @app.get("/health", response_class=Response, responses=empty_200)
     async def health() -> Response:
         if not engine.errored and not engine.engine_core.proc.is_alive():
             engine.engine_core._on_process_exit()  # do not wait for the sentinel callback's turn
@@ -230,7 +242,7 @@ def build_app(
             return JSONResponse(error_body(str(engine.dead_error), 503), status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, responses=empty_200)
     async def ping() -> Response:
         return await health()
 
@@ -238,7 +250,7 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": pagedllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
