@@ -62,6 +62,7 @@ class OpenAIRequestModel(OpenAIBaseModel):
     def _check_raw(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for k, v in data.items():
+                check_json_value(k, 1, "body")
                 check_json_value(v, 1, str(k))
         return data
 
