@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 from tests.stress.conftest import auth  # noqa: E402
 from tests.test_server import ServerProcess  # noqa: E402
 
-SMOKE_CASES = 12
+SMOKE_CASES = 8
 CHECKS = [not_a_server_error, content_type_conformance, response_schema_conformance]
 
 
