@@ -210,3 +210,26 @@ def test_openapi_documents_message_schema(stress_server: ServerProcess) -> None:
     for path in ("/health", "/ping", "/metrics"):
         op = spec["paths"][path]["get"]
         assert "application/json" not in op["responses"]["200"].get("content", {}), (path, op)
+
+
+def test_socket_reset_mid_sse(stress_server: ServerProcess) -> None:
+    """Fault: the client's socket is reset (RST, not FIN) in the middle of an SSE stream: the request is
+    aborted (counted), nothing stays running, and the server keeps serving."""
+    import struct
+
+    aborts = metric(stress_server, "request_success_total", 'finished_reason="abort"')
+    body = json.dumps({"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}).encode()
+    s = _raw(stress_server)
+    s.sendall(_request("/v1/completions", body))
+    data = b""
+    while b"data: {" not in data:
+        data += s.recv(4096)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()  # linger 0: the kernel sends RST
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(stress_server, "num_requests_running") > 0:
+        time.sleep(0.2)
+    assert metric(stress_server, "num_requests_running") == 0
+    assert metric(stress_server, "request_success_total", 'finished_reason="abort"') == aborts + 1
+    ok = post(stress_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
