@@ -59,7 +59,7 @@ def run_soak(server: ServerProcess, num_streams: int, seed: int = 0) -> None:
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=num_streams + 10, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
             ref = await _reference(client, server.url)
             idle_kv = metric(server, "kv_cache_usage_perc")
             rss0 = rss_bytes(pid)

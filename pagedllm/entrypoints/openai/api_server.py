@@ -75,6 +75,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     500: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response; with stream=true, server-sent events of the chunk objects, then [DONE]",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **ERROR_RESPONSES,
+}
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -267,13 +274,13 @@ def build_app(
             ]
         )
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         log_request("completion", body)
         result = await run_until_disconnect(raw_request, completion.create_completion(body))
         return respond(result) if result is not None else Response(status_code=499)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         log_request("chat completion", body)
         result = await run_until_disconnect(raw_request, chat.create_chat_completion(body))
