@@ -14,14 +14,16 @@ from tests.stress.conftest import auth, metric
 from tests.test_server import ServerProcess
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 170  # ~1,700 tokens: 7 chunks of 256
-MAX_GAP_S = 3.0
-"""Bound on the short stream's longest inter-token gap while the long prompt prefills (about 1 s per
-chunk on an idle 2-core machine; the bound leaves room for a busy one). One unchunked step of this prompt
-took over 10 s."""
+NUM_CHUNKS = 1700 // 256
+"""Chunks of the long prefill at the CPU default budget. The test asserts the interleaving (the short
+stream gets tokens between chunks, so no gap is more than a fraction of the long request's time), not a
+wall-clock bound: a chunk takes about a second on an idle 2-core machine but 10-25 s on the shared CI
+machine under a load average of 14."""
 
 
 def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) -> None:
     gaps: list[float] = []
+    stamps: list[float] = []
     running_seen: list[float] = []
 
     def short_stream() -> None:
@@ -34,6 +36,7 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     now = time.monotonic()
+                    stamps.append(now)
                     if last is not None:
                         gaps.append(now - last)
                     last = now
@@ -47,14 +50,19 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
     short.start()
     time.sleep(1.0)
     long = threading.Thread(target=long_request)
+    t0 = time.monotonic()
     long.start()
     while long.is_alive():
         running_seen.append(metric(stress_server, "num_requests_running"))
         time.sleep(0.5)
+    t1 = time.monotonic()
     short.join()
-    assert len(gaps) >= 30
-    assert max(gaps) < MAX_GAP_S, sorted(gaps)[-5:]
-    assert max(running_seen) >= 1  # the metrics were updated during the long prefill
+    during = [t for t in stamps if t0 < t < t1]
+    # Unchunked, the short stream would get nothing while the long prompt's one step ran.
+    assert len(during) >= NUM_CHUNKS - 2, (len(during), t1 - t0, sorted(gaps)[-5:])
+    assert max(gaps) < 0.5 * (t1 - t0), (max(gaps), t1 - t0)
+    assert max(running_seen) >= 2  # the metrics showed both requests running during the long prefill
+    print(f"long request {t1 - t0:.1f} s, short-stream tokens meanwhile {len(during)}, max gap {max(gaps):.1f} s")
 
 
 def test_abort_lands_between_chunks(stress_server: ServerProcess) -> None:
@@ -69,6 +77,5 @@ def test_abort_lands_between_chunks(stress_server: ServerProcess) -> None:
     while metric(stress_server, "num_requests_running") > 0 and time.monotonic() - t0 < 30:
         time.sleep(0.1)
     assert metric(stress_server, "num_requests_running") == 0
-    assert time.monotonic() - t0 < 2 * MAX_GAP_S
     # Not the whole prompt was prefilled: the abort stopped it between chunks.
     assert metric(stress_server, "prompt_tokens_total") - before < 1700
