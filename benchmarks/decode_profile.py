@@ -4,7 +4,7 @@
 
 In one process: the copy-bandwidth floor; every linear layer of the model run as the decode step runs
 it (M = batch rows, all layers in order, replayed as one CUDA graph so L2 never holds the next weight)
-under cuBLAS, cuBLASLt and the engine's small-batch GEMV (`triton_gemv`), against bytes / copy bandwidth;
+under cuBLAS, cuBLASLt and the engine's batch-1 row GEMV (`triton_gemv`), against bytes / copy bandwidth;
 then the engine's own decode step (CUDA graph, synchronous scheduling)
 timed over many steps, and a torch.profiler trace of a few steps grouped by kernel name. The gap between
 the step's wall time and the sum of its kernels is launch/idle time inside and between graph replays.
@@ -76,9 +76,6 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
         fp32_out_ms = None
         if kind == "lm_head":  # the engine's LM head on CUDA writes float32 logits (PAGEDLLM_FP32_LOGITS)
             fp32_out_ms = _graph_time_ms(lambda ws=ws, x=x: [torch.mm(x, w.t(), out_dtype=torch.float32) for w in ws])
-        engine_gemv_ms = None
-        if triton_gemv.HAS_TRITON and x.shape[0] <= triton_gemv.MAX_ROWS:  # PAGEDLLM_FUSED_GEMV's GEMV, plain
-            engine_gemv_ms = _graph_time_ms(lambda ws=ws, x=x: [triton_gemv.fused_gemv(x, w) for w in ws])
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         floor = nbytes / (copy_gbs * 1e9) * 1e3
         row_gemv: dict[str, float] = {}
@@ -110,7 +107,6 @@ def linear_table(model: torch.nn.Module, batch: int, copy_gbs: float) -> list[di
                 "x_floor": ms / floor,
                 "cublaslt_ms": times["cublaslt"],
                 "fp32_out_ms": fp32_out_ms,
-                "engine_gemv_ms": engine_gemv_ms,
                 "row_gemv_ms": row_gemv,
             }
         )
@@ -197,15 +193,11 @@ def main() -> None:
     print(f"\n{'kernel':90s} {'calls':>6s} {'us/step':>9s}")
     for r in kernels[:25]:
         print(f"{r['name']:90s} {r['calls_per_step']:6.1f} {r['us_per_step']:9.1f}")
-    print(
-        f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} "
-        f"{'lt':>7s} {'gemv':>7s}"
-    )
+    print(f"\n{'linear':14s} {'n':>3s} {'shape':>14s} {'cublas':>7s} {'floor':>7s} {'GB/s':>6s} {'x':>5s} {'lt':>7s}")
     for r in lin:
-        gemv = f"{r['engine_gemv_ms']:7.3f}" if r["engine_gemv_ms"] is not None else f"{'-':>7s}"
         print(
             f"{r['kind']:14s} {r['n']:3d} {str(tuple(r['shape'])):>14s} {r['ms']:7.3f} {r['floor_ms']:7.3f} "
-            f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f} {gemv}"
+            f"{r['GBps']:6.0f} {r['x_floor']:5.2f} {r['cublaslt_ms']:7.3f}"
             + (f"; float32 out {r['fp32_out_ms']:.3f}" if r["fp32_out_ms"] else "")
         )
     lin_ms = sum(r["ms"] for r in lin)

@@ -7,7 +7,7 @@
 # Prints a short table last and writes JSON/logs under $OUT. E2E_EXTRA="--async-scheduling" (for example) is
 # appended to every benchmark command; E2E_TAG names the output files apart; E2E_CORRECTNESS=0 skips the
 # correctness part. A workload may carry environment settings for its run alone, for same-call A/B:
-#   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_BLAS=cublaslt
+#   bash benchmarks/gpu_e2e.sh run W3 W3@PAGEDLLM_FUSED_ROPE_CACHE=0 W3@PAGEDLLM_ROW_GEMV=0
 # (several settings: W3@A=1,B=2 -- commas separate the settings, so a value cannot hold one)
 # HF3 runs HF transformers' generate on W3 (same-call baseline). W3P profiles W3's decode step (benchmarks/decode_profile.py: linears vs cuBLAS/cuBLASLt/Triton, kernels).
 # HOST measures host time per step (benchmarks/host_overhead.py --device cuda with graphs, eager, then cpu).

@@ -150,9 +150,9 @@ def _time_phases(engine) -> dict[str, float]:  # noqa: ANN001
         (core.scheduler, "schedule"),
         (runner, "_launch"),
         (runner, "_update_states"),
-        (runner, "_sampling_metadata"),
+        (runner.sampling, "build"),
         (runner.sampler, "forward"),
-        (runner, "_finish"),
+        (runner, "finish_step"),
         (core.scheduler, "update_from_output"),
         (engine.output_processor, "process_outputs"),
     ]

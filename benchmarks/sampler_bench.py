@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampling_batch import build_sampling_metadata
 
 
 def mixes(batch: int) -> dict[str, list[SamplingParams]]:

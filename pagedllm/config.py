@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from pagedllm import envs
 from pagedllm.platforms import current_platform
 from pagedllm.transformers_utils.config import (
     get_hf_config,
@@ -190,7 +191,7 @@ def build_model_config(
         max_model_len = derived
     elif max_model_len <= 0:
         raise ValueError(f"max_model_len: must be positive, got {max_model_len}")
-    elif max_model_len > derived and not os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+    elif max_model_len > derived and not envs.PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN:
         raise ValueError(
             f"max_model_len: {max_model_len} exceeds the model's maximum length {derived} "
             "(max_position_embeddings); set PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to override."

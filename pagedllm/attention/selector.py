@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionBackend
 
 
 def get_attn_backend(device: torch.device | str) -> type[AttentionBackend]:
-    name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND")
+    name = envs.PAGEDLLM_ATTENTION_BACKEND
     dev = torch.device(device)
     if name == "TRITON" or (name is None and dev.type == "cuda"):
         try:

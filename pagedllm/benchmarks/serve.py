@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm import envs
+
 
 @dataclass
 class RequestResult:
@@ -208,12 +210,11 @@ def print_table(s: dict[str, Any], pcts: list[str]) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import os
 
     import aiohttp
 
     base = args.base_url.rstrip("/")
-    key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    key = args.api_key or envs.PAGEDLLM_API_KEY
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     rate = float("inf") if args.request_rate == "inf" else float(args.request_rate)
     requests = make_requests(args)

@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         dev = next(model.parameters()).device
         gbps, tflops = floors.copy_bandwidth_gbps(dev), floors.matmul_tflops(dev)
         mc = core.config.model_config
-        f = floors.throughput_floor(
+        fl = floors.throughput_floor(
             model,
             mc.num_layers,
             int(mc.hf_config.num_attention_heads),
@@ -109,14 +109,14 @@ def main(args: argparse.Namespace) -> int:
         result.update(
             copy_GBps=gbps,
             matmul_TFLOPs=tflops,
-            floor_s=f.seconds,
-            floor_bytes_s=f.bytes_s,
-            floor_flops_s=f.flops_s,
-            x_floor=elapsed / f.seconds,
+            floor_s=fl.seconds,
+            floor_bytes_s=fl.bytes_s,
+            floor_flops_s=fl.flops_s,
+            x_floor=elapsed / fl.seconds,
         )
         floor = (
-            f"; {elapsed / f.seconds:.2f}x the floor {f.seconds:.3f} s = max(bytes {f.bytes_s:.3f} s, "
-            f"FLOPs {f.flops_s:.3f} s) at copy {gbps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s"
+            f"; {elapsed / fl.seconds:.2f}x the floor {fl.seconds:.3f} s = max(bytes {fl.bytes_s:.3f} s, "
+            f"FLOPs {fl.flops_s:.3f} s) at copy {gbps:.0f} GB/s, matmul {tflops:.0f} TFLOP/s"
         )
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "

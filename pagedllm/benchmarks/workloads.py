@@ -7,9 +7,11 @@ import importlib.util
 import os
 from types import ModuleType
 
+from pagedllm import envs
+
 
 def workloads_dir() -> str:
-    env = os.environ.get("PAGEDLLM_WORKLOADS_DIR")
+    env = envs.PAGEDLLM_WORKLOADS_DIR
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))

@@ -7,10 +7,7 @@ from dataclasses import dataclass
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import KVCacheGroup
 from pagedllm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedllm.utils import cdiv
 
 
 class SingleTypeKVCacheManager:

@@ -6,7 +6,7 @@ import enum
 import sys
 from collections.abc import Callable
 
-from pagedllm.engine import EngineCoreRequest, FinishReason
+from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -24,7 +24,8 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from pagedllm.core.stop import append_until_stop
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -123,9 +124,9 @@ class Scheduler:
         preempted: set[str] = set()
         no_new_blocks = self.kv.no_new_blocks
 
-        # 1. Running requests, in order. This loop runs for every running request every step: locals,
-        # no property calls, and the KV manager is only asked when the request's decode may need a block
-        # (`kv_fast_limit`); block lists only for those requests (patched in after the loop).
+        # 1. Running requests, in order. This loop runs for every running request every step: locals, no
+        # property calls, and the KV manager is only asked when the request's tokens may need a block
+        # (`kv_fast_limit`, NOTES H1: -0.25 ms per 256-decode step); block lists only for those requests.
         running = self.running
         max_model_len = self.max_model_len
         async_scheduling = self.async_scheduling
@@ -135,49 +136,17 @@ class Scheduler:
         computed_append = cached.num_computed_tokens.append
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
         i = 0
-        # Fast prefix: requests that need no clipping (budget, max_model_len), are not skipped and stay
-        # inside their blocks (no KV call) -- steady decoding, all of them. The first other request ends
-        # it, and the general loop below takes over from there (nothing of it was recorded yet).
-        for req in running:
-            pending = req.num_output_placeholders
-            target = len(req.all_token_ids) + pending
-            computed = req.num_computed_tokens
-            num_new = target - computed
-            # (pending: target >= stop_len is the general loop's "last token already in flight" test,
-            # len(output) + pending >= max_tokens or target >= max_model_len, as stop_len is
-            # min(prompt + max_tokens, max_model_len) and len(all) = prompt + len(output).)
-            if (
-                num_new <= 0
-                or num_new > budget
-                or target > max_model_len
-                or target > req.kv_fast_limit
-                or (pending and target >= req.stop_len)
-            ):
-                break
-            rid = req.request_id
-            num_scheduled[rid] = num_new
-            sched_ids_append(rid)
-            computed_append(computed)
-            req.num_computed_tokens = target
-            if async_scheduling:
-                req.num_output_placeholders = pending + 1  # this step samples a token nobody has seen yet
-            budget -= num_new
-            i += 1
         while i < len(running) and budget > 0:
             req = running[i]
             pending = req.num_output_placeholders
-            num_tokens = len(req.all_token_ids)
-            if pending and (
-                len(req.output_token_ids) + pending >= req.max_tokens or num_tokens + pending >= max_model_len
-            ):
-                i += 1  # its last token is already in flight
+            target = len(req.all_token_ids) + pending
+            # With a token in flight, target >= stop_len means its last token is already in flight (stop_len
+            # is min(prompt + max_tokens, max_model_len)).
+            if pending and target >= req.stop_len:
+                i += 1
                 continue
             computed = req.num_computed_tokens
-            num_new = num_tokens + pending - computed
-            if num_new > budget:
-                num_new = budget
-            if num_new > max_model_len - computed:
-                num_new = max_model_len - computed
+            num_new = min(target - computed, budget, max_model_len - computed)
             if num_new <= 0:
                 i += 1
                 continue
@@ -197,15 +166,15 @@ class Scheduler:
                     ids = blocks.get_block_ids()
                     if any(ids):
                         block_updates.append((len(sched_ids), ids))
-            # Victims only come from the not-yet-scheduled tail, so this request stays scheduled: record it
-            # for the worker now ("cached": the worker already holds its state).
+            # Victims only come from the not-yet-scheduled tail, so this request stays scheduled: record it for
+            # the worker now ("cached": the worker already holds its state).
             rid = req.request_id
             num_scheduled[rid] = num_new
             sched_ids_append(rid)
             computed_append(computed)
             computed += num_new
             req.num_computed_tokens = computed
-            if async_scheduling and computed >= num_tokens + pending:
+            if async_scheduling and computed >= target:
                 req.num_output_placeholders = pending + 1  # this step samples a token nobody has seen yet
             budget -= num_new
             i += 1
@@ -292,6 +261,7 @@ class Scheduler:
 
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """The step's sampled tokens join their requests; stopped requests finish and free their blocks."""
         outputs: list[EngineCoreOutput] = []
         outputs_append = outputs.append
         # Locals for the per-request loop (it runs for every running request, every step).
@@ -299,31 +269,28 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs
-        check_stop = self._check_stop
-        if logprobs is None and not prompt_logprobs:
-            self._update_plain(result, outputs)
-            return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+        max_model_len = self.max_model_len
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
-            if req.num_output_placeholders:
-                req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
-            if req.status != running_status:
-                if req.status == RequestStatus.PREEMPTED and self.async_scheduling:
-                    # Preempted while its token was in flight: keep the token (it was sampled, and a seeded
-                    # request must not sample it again), then the request waits to recompute as usual.
-                    self._late_token_of_preempted(req, tokens, outputs, idx, result)
+            pending = req.num_output_placeholders
+            if pending:
+                req.num_output_placeholders = pending - len(tokens) if pending > len(tokens) else 0
+            status = req.status
+            if status != running_status and (status != RequestStatus.PREEMPTED or not self.async_scheduling):
                 continue
-            if len(tokens) == 1:  # the common case: one sampled token, no per-token list building
-                new_tokens = tokens
-                tok = tokens[0]
-                n = req.append_output_token(tok)
-                # Only a token that can stop it, or reaching stop_len, needs the full stop check.
-                stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok)
-            else:
-                new_tokens, stopped = self._append_until_stop(req, tokens)
-            finish_reason = self._retire_if_stopped(req, stopped)
+            # (Async scheduling) a request preempted while its token was in flight keeps it (it was sampled,
+            # and a seeded request must not sample it again), then waits to recompute as usual.
+            new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
+            finish_reason = None
+            if stopped:
+                finish_reason = req.status.finish_reason
+                if status == running_status:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
+                self._free_request(req)
             lps = logprobs[idx] if logprobs is not None else None
             if lps is not None and len(lps) > len(new_tokens):
                 lps = lps.slice(0, len(new_tokens))
@@ -339,125 +306,6 @@ class Scheduler:
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
-
-    def _update_plain(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
-        """`update_from_output`'s loop for a step without logprobs or prompt logprobs (every step of a
-        request that asks for neither): the same effects, with the logprobs bookkeeping left out and the
-        one-token running request (a decode) handled inline; anything else takes the general per-request
-        code. Kept in step with the loop in `update_from_output` (tests compare the two)."""
-        outputs_append = outputs.append
-        get_request = self.requests.get
-        running_status = RequestStatus.RUNNING
-        check_stop = self._check_stop
-        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
-            req = get_request(rid)
-            if req is None or not tokens:
-                continue  # finished/aborted meanwhile, or a partial prefill chunk
-            pending = req.num_output_placeholders
-            if pending:  # max(0, pending - len(tokens)) without the call
-                k = len(tokens)
-                req.num_output_placeholders = pending - k if pending > k else 0
-            if req.status != running_status or len(tokens) != 1:
-                self._update_one_general(req, rid, tokens, outputs, result)
-                continue
-            tok = tokens[0]
-            n = req.append_output_token(tok)
-            if (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok):
-                self.running.remove(req)
-                self._free_request(req)
-                outputs_append(
-                    EngineCoreOutput(
-                        rid,
-                        tokens,
-                        req.status.finish_reason,
-                        req.stop_reason,
-                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-                    )
-                )
-                continue
-            cached = req.num_cached_tokens
-            outputs_append(EngineCoreOutput(rid, tokens, None, req.stop_reason, cached if cached > 0 else 0))
-
-    def _update_one_general(
-        self, req: Request, rid: str, tokens: list[int], outputs: list[EngineCoreOutput], result: ModelRunnerOutput
-    ) -> None:
-        """The general per-request body of `update_from_output` (no logprobs) for a request that is not a
-        running one-token request; placeholders already taken off."""
-        if req.status != RequestStatus.RUNNING:
-            if req.status == RequestStatus.PREEMPTED and self.async_scheduling:
-                self._late_token_of_preempted(req, tokens, outputs, 0, result)  # result.logprobs is None
-            return
-        new_tokens, stopped = self._append_until_stop(req, tokens)
-        finish_reason = self._retire_if_stopped(req, stopped)
-        outputs.append(
-            EngineCoreOutput(
-                rid,
-                new_tokens,
-                finish_reason,
-                req.stop_reason,
-                req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-            )
-        )
-
-    def _retire_if_stopped(self, req: Request, stopped: bool) -> FinishReason | None:
-        """A stopped running request leaves the running list and frees its blocks: its finish reason."""
-        if not stopped:
-            return None
-        reason = req.status.finish_reason
-        self.running.remove(req)
-        self._free_request(req)
-        return reason
-
-    def _append_until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], bool]:
-        """Appends `tokens` to `req` one by one until one stops it: (the tokens appended, stopped)."""
-        new_tokens: list[int] = []
-        for tok in tokens:
-            req.append_output_token_ids([tok])
-            new_tokens.append(tok)
-            if self._check_stop(req, tok):
-                return new_tokens, True
-        return new_tokens, False
-
-    def _late_token_of_preempted(
-        self, req: Request, tokens: list[int], outputs: list[EngineCoreOutput], idx: int, result: ModelRunnerOutput
-    ) -> None:
-        new_tokens: list[int] = []
-        for tok in tokens:
-            req.append_output_token_ids([tok])
-            new_tokens.append(tok)
-            if self._check_stop(req, tok):
-                break
-        finish_reason = req.status.finish_reason
-        if finish_reason is not None:
-            self.waiting.remove(req)
-            self._free_request(req)
-        lps = result.logprobs[idx] if result.logprobs is not None else None
-        outputs.append(
-            EngineCoreOutput(
-                req.request_id,
-                new_tokens,
-                finish_reason,
-                req.stop_reason,
-                max(req.num_cached_tokens, 0),
-                new_logprobs=lps,
-            )
-        )
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        sp = req.sampling_params
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and token == sp.eos_token_id and token is not None:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return True
-        if n_out >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def make_stats(self) -> SchedulerStats:
         q, h = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits

@@ -20,6 +20,7 @@ class NewRequestData:
     """Block ids per KV-cache group."""
     num_computed_tokens: int
     lora_id: int | None = None
+    """Hook for multi-LoRA (issue: multi-LoRA serving): the adapter this request runs with; None today."""
 
 
 @dataclass
@@ -42,16 +43,17 @@ class SchedulerOutput:
     speculative decoding schedules the draft tokens too)."""
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Hook for speculative decoding (issue: speculative decoding): per request, the proposed tokens this
+    step verifies (counted in num_scheduled_tokens). Nothing sets it yet."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that finished or were aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    """Hook for structured outputs (issue: structured outputs): request id -> its row in grammar_bitmask.
+    Nothing sets it yet."""
     grammar_bitmask: np.ndarray | None = None
-    """Per-request allowed-token bitmask for structured outputs (rows follow structured_output_request_ids)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+    """Hook for structured outputs: the allowed-token bitmask of those requests, filled on the host while
+    the device runs the forward. Nothing sets it yet."""
 
 
 @dataclass
@@ -63,7 +65,3 @@ class ModelRunnerOutput:
     """Per request, in req_ids order: logprobs of the sampled tokens (None: not requested / no row asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Requests whose prompt logprobs were completed this step -> all of them (prompt positions 1..n-1)."""
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}

@@ -19,6 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pagedllm import envs
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,9 +40,7 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
+    root = envs.PAGEDLLM_CACHE_DIR
     return Path(root) / "cpu_kernels"
 
 
@@ -60,7 +59,7 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = envs.CC or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.info("CPU kernels: no C compiler found; using the PyTorch paths")
         return None
@@ -96,7 +95,7 @@ def load() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
+            if envs.PAGEDLLM_CPU_KERNELS:
                 try:
                     _lib = _build()
                 except Exception as e:  # a broken toolchain must not stop the engine

@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineCoreOutputs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
@@ -29,6 +28,7 @@ from pagedllm.engine.output_processor import IterationStats, OutputProcessor, Re
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
 from pagedllm.logger import init_logger
+from pagedllm.messages import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams

@@ -9,14 +9,15 @@ import gc
 import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
-from pagedllm.executor.abstract import Executor, StepResult
+from pagedllm.executor import get_executor_class
+from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.sample.logits_processor import LogitsProcessor
+from pagedllm.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -25,7 +26,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
-        executor_cls = Executor.get_class(config)
+        executor_cls = get_executor_class(config)
         self.executor = executor_cls(config, logits_processors)  # type: ignore[call-arg]
         num_blocks = self.executor.determine_num_blocks()
         cc = config.cache_config
@@ -43,7 +44,7 @@ class EngineCore:
         # Engine-wide logits processors may read the previous tokens on the host: no scheduling ahead.
         self.async_scheduling = config.scheduler_config.async_scheduling and not logits_processors
         self.scheduler.async_scheduling = self.async_scheduling
-        self._pending: tuple[SchedulerOutput, StepResult] | None = None
+        self._pending: tuple[SchedulerOutput, StepFuture] | None = None
         """Async scheduling: the launched step whose results are not read yet."""
         self.num_steps_ahead = 0
         """Steps launched before the previous step's results were read (async scheduling at work)."""

@@ -4,8 +4,8 @@ client for a core in its own process behind the same methods."""
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core import EngineCore
+from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.sample.logits_processor import LogitsProcessor
 
 

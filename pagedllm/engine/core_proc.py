@@ -31,20 +31,22 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.logger import init_logger
+from pagedllm.messages import (
+    ABORT,
+    ADD,
+    FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_RESULT,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
 
 logger = init_logger(__name__)
 
-# Message types (first frame).
-ADD = b"A"
-ABORT = b"X"
-UTILITY = b"U"
-SHUTDOWN = b"S"
-OUTPUTS = b"O"
-UTILITY_RESULT = b"R"
-READY = b"Y"
-FAILED = b"F"
 
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
 """EngineCore methods the front end may call remotely (plus `ping`, answered by the loop itself)."""
@@ -169,7 +171,7 @@ class EngineCoreProc:
         self.output_socket.send_multipart([OUTPUTS, self.encoder.encode(outputs)], copy=False)
 
     def _send_abort_output(self, request_id: str) -> None:
-        from pagedllm.engine import EngineCoreOutput, FinishReason
+        from pagedllm.messages import EngineCoreOutput, FinishReason
 
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT)
         self._send(EngineCoreOutputs(outputs=[out], timestamp=time.monotonic()))

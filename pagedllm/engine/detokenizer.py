@@ -19,7 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from pagedllm.engine import EngineCoreRequest
+    from pagedllm.messages import EngineCoreRequest
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens used as left context for the first output tokens (a leading space or a BPE merge
@@ -42,8 +42,8 @@ def _make_decode_fn(
         backend_decode = backend.decode
         return lambda ids: backend_decode(ids, skip_special_tokens=skip_special_tokens)
     if getattr(tokenizer, "is_fast", False):
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[return-value]
+    return lambda ids: tokenizer.decode(  # type: ignore[return-value]
         ids,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,

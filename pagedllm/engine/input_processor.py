@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import ModelConfig
-from pagedllm.engine import EngineCoreRequest
 from pagedllm.inputs import PromptType
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
+                ids = prompt["prompt_token_ids"]  # type: ignore[typeddict-item]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise ValueError("prompt_token_ids: must be a list of integers")
                 return prompt.get("prompt"), list(ids), salt  # type: ignore[return-value]

@@ -12,6 +12,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
+from pagedllm.messages import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(config.model_config, self.tokenizer, logits_processors)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)
-        self.last_scheduler_stats = None
+        self.last_scheduler_stats: SchedulerStats | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:

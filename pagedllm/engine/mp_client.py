@@ -30,8 +30,9 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
-from pagedllm.engine.core_proc import (
+from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.logger import init_logger
+from pagedllm.messages import (
     ABORT,
     ADD,
     FAILED,
@@ -40,9 +41,9 @@ from pagedllm.engine.core_proc import (
     SHUTDOWN,
     UTILITY,
     UTILITY_RESULT,
-    run_engine_core,
+    EngineCoreOutputs,
+    EngineCoreRequest,
 )
-from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
 

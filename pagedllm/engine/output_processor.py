@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.logprobs import Logprob, LogprobsLists, PromptLogprobs, SampleLogprobs
+from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -491,9 +491,9 @@ class _TokenDecoder:
     def __call__(self, token_id: int) -> str:
         text = self.cache.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self.cache[token_id] = text
-        return text
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[assignment]
+            self.cache[token_id] = text  # type: ignore[assignment]
+        return text  # type: ignore[return-value]
 
 
 def _make_dict(ids: list[int], lps: list[float], ranks: list[int], decode: _TokenDecoder | None) -> dict[int, Logprob]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedllm.engine import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -126,7 +126,7 @@ def apply_chat_template(
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=tools,
+            tools=tools,  # type: ignore[arg-type]
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

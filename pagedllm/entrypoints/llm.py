@@ -131,7 +131,7 @@ class LLM:
                         new_beams[id(inst)].append(seq)
             for inst in instances:
                 inst.beams = sorted(new_beams[id(inst)], key=sort_key, reverse=True)[:width]
-        tok = engine.tokenizer
+        tok = engine.tokenizer  # type: ignore[assignment]
         results = []
         for inst in instances:
             for beam in inst.beams:
@@ -139,7 +139,7 @@ class LLM:
             best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
             for beam in best:
                 if tok is not None:
-                    beam.text = tok.decode(beam.tokens, skip_special_tokens=not params.include_stop_str_in_output)
+                    beam.text = tok.decode(beam.tokens, skip_special_tokens=not params.include_stop_str_in_output)  # type: ignore[attr-defined]
             results.append(BeamSearchOutput(sequences=best))
         return results
 

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
-class StepResult(Protocol):
-    def result(self) -> ModelRunnerOutput: ...
+class StepFuture:
+    """A launched step's result: `result()` waits for it (once)."""
 
-
-class _Done:
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        self._wait = wait
 
     def result(self) -> ModelRunnerOutput:
-        return self.output
+        return self._wait()
 
 
 class Executor(ABC):
@@ -35,17 +33,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Launch a step; `.result()` waits for it. Executors that cannot overlap run it now."""
-        return _Done(self.execute_model(scheduler_output))
+        output = self.execute_model(scheduler_output)
+        return StepFuture(lambda: output)
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op in-process
         """Release workers (nothing to do in-process)."""
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        if config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported for now")
-        from pagedllm.executor.uniproc_executor import UniProcExecutor
-
-        return UniProcExecutor

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import Executor, StepFuture
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker
 
 
@@ -26,5 +25,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        return self.worker.execute_model_async(scheduler_output)
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        worker = self.worker
+        step = worker.execute_model_async(scheduler_output)
+        return StepFuture(lambda: worker.finish_step(step))

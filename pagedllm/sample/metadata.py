@@ -1,4 +1,4 @@
-"""Per-step sampling parameters of the rows that sample, as tensors (built by the model runner).
+"""Per-step sampling parameters of the rows that sample, as tensors (built by `worker/sampling_batch.py`).
 
 Row i of every per-row field is row i of the logits handed to the sampler. Optional features are
 sparse in rows: `*_rows` index tensors name the rows that use the feature, so a batch where only a
@@ -74,7 +74,7 @@ class SamplingMetadata:
         return int(self.temperature.shape[0])
 
 
-def upload(values: Sequence[int] | Sequence[float], dtype: type, device: torch.device) -> torch.Tensor:
+def upload(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: type, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without synchronizing the device (a plain `torch.tensor(...,
     device="cuda")` copies blocking, i.e. waits for the work already queued on the stream)."""
     return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device, non_blocking=True)
@@ -84,67 +84,6 @@ def fill_at(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, value: floa
     """`t[rows, cols] = value` without a host-to-device copy: a plain indexed setitem copies the Python
     scalar from pageable memory, which synchronizes a CUDA stream."""
     t.index_put_((rows, cols), torch.full((), value, dtype=t.dtype, device=t.device))
-
-
-def build_sampling_metadata(
-    params: Sequence[SamplingParams],
-    vocab_size: int,
-    prompt_token_ids: Sequence[list[int]] | None = None,
-    output_token_ids: Sequence[list[int]] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-    req_ids: Sequence[str] | None = None,
-    device: torch.device | str = "cpu",
-) -> SamplingMetadata:
-    """SamplingMetadata straight from SamplingParams and token lists (tests, benchmarks and callers
-    without a persistent batch; the model runner builds the same thing from its InputBatch)."""
-    n = len(params)
-    prompts = [list(p) for p in prompt_token_ids] if prompt_token_ids is not None else [[] for _ in range(n)]
-    outputs = list(output_token_ids) if output_token_ids is not None else [[] for _ in range(n)]
-    dev = torch.device(device)
-    greedy = [p.sampling_type_greedy for p in params]
-    # Host arrays first: which parameters are in use is decided on them, then only those are uploaded.
-    top_p = np.array([p.top_p for p in params], dtype=np.float32)
-    top_k = np.array([p.top_k for p in params], dtype=np.int64)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    min_tokens: dict[int, list[int]] = {}
-    for i, p in enumerate(params):
-        if p.min_tokens and len(outputs[i]) < p.min_tokens and p.all_stop_token_ids:
-            min_tokens[i] = list(p.all_stop_token_ids)
-    use_p, use_k = bool((top_p < 1.0).any()), bool((top_k > 0).any())
-    md = SamplingMetadata(
-        temperature=upload([p.temperature for p in params], np.float32, dev),
-        top_p=upload(top_p, np.float32, dev) if use_p else None,
-        top_k=upload(top_k, np.int64, dev) if use_k else None,
-        top_p_host=top_p if use_p else None,
-        top_k_host=top_k if use_k else None,
-        min_p=upload(min_p, np.float32, dev) if (min_p > 0).any() else None,
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
-        generators=dict(generators or {}),
-        min_tokens=min_tokens,
-        output_token_ids=outputs,
-        req_ids=list(req_ids) if req_ids is not None else [str(i) for i in range(n)],
-        prompt_token_ids=prompts,
-    )
-    pen = [i for i, p in enumerate(params) if p.has_penalties]
-    if pen:
-        mask = torch.zeros(len(pen), vocab_size, dtype=torch.bool, device=dev)
-        counts = torch.zeros(len(pen), vocab_size, dtype=torch.int32, device=dev)
-        for j, i in enumerate(pen):
-            if prompts[i]:
-                mask[j, torch.tensor(prompts[i], device=dev)] = True
-            if outputs[i]:
-                counts[j].index_add_(
-                    0, torch.tensor(outputs[i], device=dev), torch.ones(len(outputs[i]), dtype=torch.int32, device=dev)
-                )
-        md.penalty_rows = torch.tensor(pen, dtype=torch.int64, device=dev)
-        md.presence_penalties = torch.tensor([params[i].presence_penalty for i in pen], device=dev)
-        md.frequency_penalties = torch.tensor([params[i].frequency_penalty for i in pen], device=dev)
-        md.repetition_penalties = torch.tensor([params[i].repetition_penalty for i in pen], device=dev)
-        md.prompt_token_mask = mask
-        md.output_token_counts = counts
-    fill_sparse_fields(md, params, dev)
-    return md
 
 
 def fill_sparse_fields(md: SamplingMetadata, params: Sequence[SamplingParams], device: torch.device) -> None:

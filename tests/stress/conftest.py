@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from tests.test_server import ServerProcess  # noqa: E402
+from tests.entrypoints.openai.test_server import ServerProcess  # noqa: E402
 
 API_KEY = "stress-key"
 HEADER_TIMEOUT_S = 2.0

@@ -1,7 +1,7 @@
 """Faults (issue 14, acceptance 3) that need their own server: KV-cache exhaustion. 100 long prompts
 against a cache that holds a fraction of them: the scheduler preempts and recomputes, every request
 finishes with its full output, equal (float32, greedy) to the same prompt run alone. (The engine core
-killed: tests/test_server_kill.py; a client socket reset mid-SSE: test_hostile.py.)"""
+killed: tests/entrypoints/openai/test_server_kill.py; a client socket reset mid-SSE: test_hostile.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.entrypoints.openai.test_server import ServerProcess
 from tests.stress.conftest import API_KEY, STRESS_FLAGS, auth, metric
-from tests.test_server import ServerProcess
 
 NUM_BLOCKS = 96  # x 16 tokens: about 10 of the 100 prompts fit at once
 MAX_TOKENS = 8

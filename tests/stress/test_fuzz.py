@@ -15,8 +15,8 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance  # noqa: E402
 
+from tests.entrypoints.openai.test_server import ServerProcess  # noqa: E402
 from tests.stress.conftest import auth  # noqa: E402
-from tests.test_server import ServerProcess  # noqa: E402
 
 SMOKE_CASES = 8
 CHECKS = [not_a_server_error, content_type_conformance, response_schema_conformance]

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.entrypoints.openai.test_server import ServerProcess
 from tests.stress.conftest import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, auth, metric, rss_bytes
-from tests.test_server import ServerProcess
 
 CHAT = [{"role": "user", "content": "hi"}]
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -10,8 +10,8 @@ import time
 
 import httpx
 
+from tests.entrypoints.openai.test_server import ServerProcess
 from tests.stress.conftest import auth, metric
-from tests.test_server import ServerProcess
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 170  # ~1,700 tokens: 7 chunks of 256
 NUM_CHUNKS = 1700 // 256

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.entrypoints.openai.test_server import ServerProcess
 from tests.stress.conftest import auth, metric, rss_bytes
-from tests.test_server import ServerProcess
 
 PROMPTS = [f"Write a word about the number {i}:" for i in range(8)]
 MAX_TOKENS = 6

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -41,6 +41,18 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    kv_cache_free: bool = False
+    """Attend within this step's tokens only, neither reading nor writing the KV cache (bidirectional, as
+    encoder-only layers): the profiling forward that runs before the cache exists."""
+
+
+class AttentionMetadata(Protocol):
+    """What every backend's per-step metadata carries (each backend adds its own fields)."""
+
+    num_actual_tokens: int
+    num_reqs: int
+    slot_mapping: torch.Tensor
+    kv_cache_free: bool
 
 
 @dataclass
@@ -64,10 +76,13 @@ class AttentionMetadataBuilder(ABC):
         self.device = device
 
     @abstractmethod
-    def build(self, common: CommonAttentionMetadata) -> Any: ...
+    def build(self, common: CommonAttentionMetadata) -> AttentionMetadata: ...
 
 
-class AttentionImpl(ABC):
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionImpl(ABC, Generic[M]):
     fuses_rotary: bool = False
     """True where `forward` takes `rotary=` and applies it itself (with the KV-cache write)."""
 
@@ -98,7 +113,7 @@ class AttentionImpl(ABC):
         key: torch.Tensor,  # [T, num_kv_heads, head_size]
         value: torch.Tensor,  # [T, num_kv_heads, head_size]
         kv_cache: torch.Tensor | None,
-        attn_metadata: Any,
+        attn_metadata: M,
         output: torch.Tensor,  # [T, num_heads, head_size], written in place
         rotary: RotaryArgs | None = None,  # only given to impls with fuses_rotary
     ) -> torch.Tensor: ...
@@ -106,6 +121,9 @@ class AttentionImpl(ABC):
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    supports_cuda_graphs: bool = False
+    """Whether a pure-decode step can be captured: every tensor the kernels read lives in fixed-shape
+    buffers the runner can keep, and the launch depends only on host ints fixed per batch size."""
 
     @staticmethod
     @abstractmethod

@@ -47,6 +47,8 @@ class TorchNativeMetadata:
     prefills: list[PrefillSpan]
     # Encoder-only: plain sequence spans.
     spans: list[tuple[int, int]]
+    num_reqs: int = 0
+    kv_cache_free: bool = False
 
 
 class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
@@ -75,6 +77,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
                 decode_seq_lens=common.seq_lens[:n],
                 prefills=prefills,
                 spans=spans,
+                num_reqs=n,
             )
         is_decode = (qlen == 1) if common.causal else np.zeros(n, dtype=bool)
         prefill_rows = np.flatnonzero((qlen > 0) & ~is_decode)
@@ -103,10 +106,12 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             decode_seq_lens=dec_sl,
             prefills=prefills,
             spans=spans,
+            num_reqs=n,
+            kv_cache_free=common.kv_cache_free,
         )
 
 
-class TorchNativeAttentionImpl(AttentionImpl):
+class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     _use_c_kernels: bool | None = None  # decided at the first forward, from the cache's dtype and device
 
     def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
@@ -121,7 +126,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
         assert rotary is None, "this backend does not fuse RoPE (fuses_rotary is False)"
         n = attn_metadata.num_actual_tokens
-        if self.attn_type == AttentionType.ENCODER_ONLY:
+        if self.attn_type == AttentionType.ENCODER_ONLY or attn_metadata.kv_cache_free:
             for q0, q1 in attn_metadata.spans:
                 output[q0:q1] = self._sdpa(query[q0:q1], key[q0:q1], value[q0:q1], None, causal=False)
             return output
@@ -161,8 +166,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
                     query,
                     k_cache,
                     v_cache,
-                    attn_metadata.decode_block_table,
-                    attn_metadata.decode_seq_lens,
+                    attn_metadata.decode_block_table,  # type: ignore[arg-type]
+                    attn_metadata.decode_seq_lens,  # type: ignore[arg-type]
                     idx,
                     output,
                     self.scale,
@@ -192,8 +197,8 @@ class TorchNativeAttentionImpl(AttentionImpl):
         d_reqs = q.shape[0]
         kvh, hd, g = self.num_kv_heads, self.head_size, self.num_heads // self.num_kv_heads
         bt = md.decode_block_table
-        nb, bs = bt.shape[1], k_cache.shape[1]
-        flat = bt.reshape(-1).long()
+        nb, bs = bt.shape[1], k_cache.shape[1]  # type: ignore[union-attr]
+        flat = bt.reshape(-1).long()  # type: ignore[union-attr]
         length = nb * bs
         k = k_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
@@ -202,7 +207,7 @@ class TorchNativeAttentionImpl(AttentionImpl):
         qg = q.view(d_reqs, kvh, g, hd).float()
         scores = torch.matmul(qg, k.transpose(2, 3)).mul_(self.scale)  # [D, kvh, g, L]
         pos = torch.arange(length, device=q.device)[None, :]
-        seq = md.decode_seq_lens[:, None].long()
+        seq = md.decode_seq_lens[:, None].long()  # type: ignore[index]
         valid = pos < seq
         if self.sliding_window is not None:
             valid &= pos >= seq - self.sliding_window

@@ -15,12 +15,12 @@ Raises ImportError at import when Triton is missing, so the selector falls back 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -53,6 +53,7 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool
+    kv_cache_free: bool = False
     num_decodes: int | None = None  # requests with exactly one query token (host int)
     num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
     workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
@@ -77,20 +78,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
             causal=common.causal,
+            kv_cache_free=common.kv_cache_free,
             num_decodes=num_decodes,
         )
 
 
-class TritonAttentionImpl(AttentionImpl):
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     def configure(self) -> None:
-        # Two launches fewer per layer where they apply (A/B switches): RoPE fused with the KV-cache write
-        # (on: W3 4.78 -> 4.68 ms/token on the H200; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off), and split-KV
-        # partials merged by the attention kernel's last segment program instead of a second kernel
-        # (PAGEDLLM_SPLIT_MERGE_IN_KERNEL=1, off until it shows a gain).
-        self.fuses_rotary = (
-            self.attn_type == AttentionType.DECODER and os.environ.get("PAGEDLLM_FUSED_ROPE_CACHE", "1") == "1"
-        )
-        self.merge_in_kernel = os.environ.get("PAGEDLLM_SPLIT_MERGE_IN_KERNEL", "0") == "1"
+        # RoPE fused with the KV-cache write (NOTES session 5 #1; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off).
+        self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
 
     def forward(
         self,
@@ -104,7 +100,7 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
-        if self.attn_type == AttentionType.ENCODER_ONLY:
+        if self.attn_type == AttentionType.ENCODER_ONLY or md.kv_cache_free:
             return self._encoder_forward(query, key, value, md, output)
         assert kv_cache is not None, "decoder attention needs its KV cache"
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -143,7 +139,6 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=num_splits,
             workspace=md.workspace,
             num_decodes=md.num_decodes,
-            merge_in_kernel=self.merge_in_kernel,
         )
         return output
 
@@ -168,6 +163,7 @@ class TritonAttentionImpl(AttentionImpl):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -14,10 +14,8 @@ launches (every request one tile) use one program per request instead.
 
 With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
 segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum);
-a second kernel merges them -- or, with `merge_in_kernel`, the last segment program of each tile does
-(an atomic per-tile counter says which is last), saving a launch per layer. That path exists for
-batches with few (kv head, request) pairs and long contexts, where one program per pair cannot fill
-the GPU.
+a second kernel merges them. That path exists for batches with few (kv head, request) pairs and long
+contexts, where one program per pair cannot fill the GPU.
 
 Importing this module never calls Triton (the kernels compile on first launch) and works without
 Triton installed (`HAS_TRITON` is then False and the launchers raise).
@@ -26,9 +24,10 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from pagedllm.utils import next_pow2
 
 try:
     import triton
@@ -41,17 +40,6 @@ except ImportError:  # CPU-only installs: the torch_native backend is used inste
     HAS_TRITON = False
 
 _LOG2E = 1.4426950408889634
-# A/B switch for the device benchmarks: PAGEDLLM_PREFILL_TILE="BLOCK_M,TILE_N,warps,stages" overrides the
-# 16-bit chunk-tile config.
-_PREFILL_TILE = (
-    tuple(int(x) for x in os.environ["PAGEDLLM_PREFILL_TILE"].split(","))
-    if os.environ.get("PAGEDLLM_PREFILL_TILE")
-    else None
-)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 if HAS_TRITON:
@@ -204,7 +192,6 @@ if HAS_TRITON:
         part_out_ptr,
         part_m_ptr,
         part_l_ptr,
-        lock_ptr,
         qk_scale,
         num_reqs,
         num_heads,
@@ -233,7 +220,6 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
-        MERGE_IN_KERNEL: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -376,64 +362,6 @@ if HAS_TRITON:
             tl.store(part_m_ptr + part, m_i, mask=row_ok)
             tl.store(part_l_ptr + part, l_i, mask=row_ok)
             tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-            if MERGE_IN_KERNEL:
-                # The last of this tile's segments to finish merges them all (no second launch). Every
-                # thread's stores are issued before the barrier; the acq_rel atomic publishes them and, for
-                # the last one, makes the others' visible. Its counter goes back to 0 for the next launch.
-                tl.debug_barrier()
-                lock = lock_ptr + pid_q * tl.num_programs(1) + kvh
-                if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
-                    tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
-                    out = _merge_rows(
-                        part_out_ptr,
-                        part_m_ptr,
-                        part_l_ptr,
-                        (tok_g * num_heads + head) * NUM_SEGMENTS,
-                        row_ok,
-                        offs_d,
-                        BLOCK_M,
-                        HEAD_PAD,
-                        NUM_SEGMENTS,
-                    )
-                    tl.store(
-                        out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                        out.to(out_ptr.dtype.element_ty),
-                        mask=row_ok[:, None] & d_ok[None, :],
-                    )
-
-    @triton.jit
-    def _merge_rows(
-        part_out_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        base,
-        row_ok,
-        offs_d,
-        BLOCK_M: tl.constexpr,
-        HEAD_PAD: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr,
-    ):
-        """Combine the NUM_SEGMENTS partials (acc, max, sum) of each row; reads bypass L1 (.cg): other SMs
-        wrote them during this launch."""
-        m_max = tl.load(part_m_ptr + base, mask=row_ok, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, NUM_SEGMENTS):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_tot = tl.zeros_like(m_use)
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-        for s in tl.static_range(NUM_SEGMENTS):
-            m_s = tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-            w = tl.math.exp2(m_s - m_use)  # empty segments: exp2(-inf) = 0
-            l_tot += l_s * w
-            a_s = tl.load(
-                part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            acc += a_s * w[:, None]
-        return acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
 
     @triton.jit
     def _merge_segments_kernel(
@@ -501,8 +429,8 @@ def reshape_and_cache(
         v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
-        KVH_PAD=_next_pow2(num_kv_heads),
-        HEAD_PAD=_next_pow2(head_size),
+        KVH_PAD=next_pow2(num_kv_heads),
+        HEAD_PAD=next_pow2(head_size),
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=4,
     )
@@ -517,10 +445,9 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
     """Segments per query tile for the split-KV path: >1 only for pure-decode batches under one wave.
 
     With 128-key tiles a decode program holds ~128 KB of shared memory, so one runs per SM: a batch of
-    fewer (request, kv head) pairs than SMs leaves SMs idle. H200 (132 SMs), Qwen3-0.6B heads: 8 x 8000
-    tokens ran 2.2x faster with 4 segments; 32 x 4000 (256 pairs) and 256 x ~1000 gained nothing from any
-    split. Depends on host-known batch shape only (never on context lengths), so a CUDA graph captured
-    for a batch size stays a good choice whatever lengths are replayed through it.
+    fewer (request, kv head) pairs than SMs leaves SMs idle (figures: benchmarks/NOTES.md, "Tuning
+    figures behind code heuristics"). Depends on host-known batch shape only (never on context lengths), so
+    a CUDA graph captured for a batch size stays a good choice whatever lengths are replayed through it.
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
@@ -533,22 +460,17 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
 
 def launch_config(head_size: int, group: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for a batch; BLOCK_M counts (token, q head) rows."""
-    head_pad = _next_pow2(head_size)
+    head_pad = next_pow2(head_size)
     elem = 4 if dtype == torch.float32 else 2
-    min_m = max(16, _next_pow2(group))
+    min_m = max(16, next_pow2(group))
     if max_query_len * group <= 16:  # decode-dominated: a single 16-row tile per request
-        # Big key tiles keep many bytes in flight (H200, W1 shape: 64 keys 92% of copy bandwidth, 128 keys 96%);
-        # cap one K tile at 32 KB so two stages of K and V fit in shared memory.
+        # Big key tiles keep many bytes in flight (NOTES, tuning figures); one K tile at most 32 KB so two
+        # stages of K and V fit in shared memory.
         tile_n = max(16, min(128, 32768 // (head_pad * elem)))
         return min_m, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
-    if _PREFILL_TILE is not None:
-        bm, tn, nw, ns = _PREFILL_TILE
-        return max(min_m, bm), tn, nw, ns
-    # H200, bf16, head 128, 128 rows x 32 keys: group 2 (Qwen3-0.6B), 8 x 2048-token prompts: 8 warps 292
-    # TFLOP/s, 4 warps 275; group 4 (Llama-3.1-8B): 8 warps 199, 4 warps 302. Wider key tiles (64, 128) and
-    # 64-row tiles were slower in both (benchmarks/NOTES.md).
+    # 128 rows x 32 keys; 8 warps for GQA group 2, 4 for group >= 4 (NOTES, tuning figures).
     return max(min_m, 128), 32, (4 if group >= 4 else 8), 3
 
 
@@ -574,13 +496,10 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_decodes: int | None = None,
-    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
-    `merge_in_kernel` (split-KV only): the last segment program of each tile merges the partials, instead
-    of a second kernel launch (per-tile counters in the workspace, left at zero after every launch).
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch.
@@ -594,8 +513,8 @@ def paged_attention(
     assert query.stride(-1) == 1 and output.stride(-1) == 1
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
     group = num_heads // num_kv_heads
-    head_pad = _next_pow2(head_size)
-    num_splits = max(1, _next_pow2(num_splits))
+    head_pad = next_pow2(head_size)
+    num_splits = max(1, next_pow2(num_splits))
     use_window = sliding_window is not None and sliding_window > 0
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
     overridden = any(x is not None for x in (block_m, tile_n, num_warps, num_stages))
@@ -609,7 +528,7 @@ def paged_attention(
         ]
     else:
         cfg = launch_config(head_size, group, query.dtype, max_query_len)
-        cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))
+        cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))  # type: ignore[assignment]
         launches = [(cfg, 0)]
 
     if num_splits > 1:
@@ -617,20 +536,16 @@ def paged_attention(
         bufs = workspace.get(key) if workspace is not None else None
         if bufs is None:
             n_part = num_actual_tokens * num_heads * num_splits
-            # One counter per (query tile, kv head) of the largest grid a launch of this batch can have.
-            n_locks = (num_actual_tokens + num_reqs) * num_kv_heads
             bufs = (
                 torch.empty(n_part * head_pad, dtype=torch.float32, device=query.device),
                 torch.empty(n_part, dtype=torch.float32, device=query.device),
                 torch.empty(n_part, dtype=torch.float32, device=query.device),
-                torch.zeros(n_locks, dtype=torch.int32, device=query.device),
             )
             if workspace is not None:
                 workspace[key] = bufs
-        part_out, part_m, part_l, locks = bufs
+        part_out, part_m, part_l = bufs
     else:
-        part_out = part_m = part_l = locks = output  # unused by the kernel
-    merge_in_kernel = merge_in_kernel and num_splits > 1
+        part_out = part_m = part_l = output  # unused by the kernel
 
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
@@ -653,7 +568,6 @@ def paged_attention(
             part_out,
             part_m,
             part_l,
-            locks,
             scale * _LOG2E,
             num_reqs,
             num_heads,
@@ -682,11 +596,10 @@ def paged_attention(
             DOT_PREC=dot_prec,
             FILTER=filt,
             DIRECT=direct,
-            MERGE_IN_KERNEL=merge_in_kernel,
             num_warps=nw,
             num_stages=ns,
         )
-    if num_splits > 1 and not merge_in_kernel:
+    if num_splits > 1:
         _merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,
             part_out,

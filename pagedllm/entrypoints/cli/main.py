@@ -53,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outs:
         if len(outs) > 1:
             print(f"=== {out.prompt!r}")
-        print(out.prompt + out.outputs[0].text if args.echo else out.outputs[0].text)
+        print((out.prompt or "") + out.outputs[0].text if args.echo else out.outputs[0].text)
     return 0
 
 

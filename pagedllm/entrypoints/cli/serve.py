@@ -107,7 +107,7 @@ def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if action.nargs in ("+", "*") and not isinstance(value, list):
             value = [value]
         if action.type is not None and not isinstance(value, (list, dict, bool)) and value is not None:
-            value = action.type(value)
+            value = action.type(value)  # type: ignore[operator]
         setattr(args, dest, value)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -19,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError
@@ -239,7 +239,10 @@ def build_app(
                 getattr(req, "max_completion_tokens", None) or req.max_tokens,
             )
 
-    empty_200 = {200: {"description": "Healthy (empty body)", "content": {}}, 503: {"model": ErrorResponse}}
+    empty_200: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Healthy (empty body)", "content": {}},
+        503: {"model": ErrorResponse},
+    }
 
     @app.get("/health", response_class=Response, responses=empty_200)
     async def health() -> Response:
@@ -313,8 +316,8 @@ async def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     api_keys = [args.api_key] if args.api_key else []
-    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
-        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    if not api_keys and envs.PAGEDLLM_API_KEY:
+        api_keys = [envs.PAGEDLLM_API_KEY]
     config = engine_args.create_engine_config()
     served = list(engine_args.served_model_name or []) or [engine_args.model or "SmolLM2-135M-Instruct"]
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)

@@ -398,13 +398,13 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
     remaining = len(tasks)
     try:
         while remaining:
-            item = await queue.get()
+            item = await queue.get()  # type: ignore[assignment]
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
+                yield item  # type: ignore[misc]
     finally:
         for t in tasks:
             if not t.done():

@@ -251,7 +251,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_dead_error(e) from None
         choices: list[CompletionResponseChoice] = []
         completion_tokens = 0
-        for i, res in enumerate(finals):
+        for i, res in enumerate(finals):  # type: ignore[assignment]
             assert res is not None
             prefix = self._echo_text(*prompts[i]) if req.echo else ""
             # Usage counts every generated token, the best_of samples not returned included (as OpenAI).

@@ -1,20 +1,19 @@
 """Prepacked (oneDNN) weights for the CPU linear layers (bfloat16 and float32).
 
 `F.linear` hands the BLAS a plain [out, in] weight on every call, which it re-blocks each time; packing
-once after loading takes that off every step. Measured on the 2-core dev machine (AMX bf16), SmolLM2-135M's
-linear shapes per step: bf16 11.9 -> 5.5 ms at 1 token, 21.2 -> 12.9 ms at 64; float32 29 -> 17 ms at 7
-tokens, 75 -> 66 ms at 64, but 9.5 -> 12 ms at 1 token (benchmarks/NOTES.md). The plain weight is
-released after packing, so memory stays at one copy. `PAGEDLLM_CPU_PACKED_GEMM=0` turns packing off.
+once after loading takes that off every step (about 2x in bf16 at 1 token on the dev CPU:
+benchmarks/NOTES.md, "Tuning figures behind code heuristics"). The plain weight is released after
+packing, so memory stays at one copy. `PAGEDLLM_CPU_PACKED_GEMM=0` turns packing off.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -28,7 +27,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _PACKED_DTYPES
         and weight.dim() == 2
-        and os.environ.get("PAGEDLLM_CPU_PACKED_GEMM", "1") != "0"
+        and envs.PAGEDLLM_CPU_PACKED_GEMM
         and pack_supported(weight.dtype)
     )
 
@@ -74,21 +73,3 @@ def pack_module(module: nn.Module, release: bool) -> bool:
     if release:
         weight.data = torch.empty(0, dtype=weight.dtype)
     return True
-
-
-def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack every unquantized linear layer and the LM head of a CPU model; returns how many were packed.
-    Tied LM heads keep the embedding's plain weight (the embedding lookup reads it)."""
-    from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead
-
-    embeddings = {id(m.weight) for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"}
-    n = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase) and isinstance(
-            getattr(module, "quant_method", None), UnquantizedLinearMethod
-        ):
-            n += pack_module(module, release=True)
-        elif isinstance(module, ParallelLMHead):
-            n += pack_module(module, release=id(module.weight) not in embeddings)
-    return n

@@ -91,15 +91,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        packed = getattr(layer, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
+        packed = getattr(layer, "packed_weight", None)  # CPU bf16, see model_loader/cpu_packing.py
         if packed is not None:
-            return packed_linear(x, packed, bias, layer.packed_out_features)
-        if triton_gemv.row_gemv_enabled(x, layer.weight):  # batch-1 decode: one launch, no split-K reduce
-            return triton_gemv.row_gemv(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+            return packed_linear(x, packed, bias, int(layer.packed_out_features))  # type: ignore[arg-type]
+        weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+        if triton_gemv.row_gemv_enabled(x, weight):  # batch-1 decode: one launch, no split-K reduce
+            return triton_gemv.row_gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed_out_features: int
+
     def __init__(
         self,
         input_size: int,

@@ -37,6 +37,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor
+
     """Applies RoPE to q [T, H*D] and k [T, KVH*D] (or [T, H, D]) at the given positions [T]."""
 
     def __init__(
@@ -83,7 +85,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if cpu_ops.usable(query) and cpu_ops.rotary_(
-            positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim
+            positions,
+            query,
+            key,
+            self.cos_sin_cache,
+            self.head_size,
+            self.rotary_dim,
         ):
             return query, key  # rotated in place by one C pass
         cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.utils import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -31,10 +33,6 @@ except ImportError:  # CPU-only installs
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -232,7 +230,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows:
-        block = _next_pow2(n_cols)
+        block = next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
             x2,
             x2,
@@ -266,7 +264,7 @@ def fused_add_rms_norm(
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     res_out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows:
-        block = _next_pow2(n_cols)
+        block = next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
             x2,
             r2,
@@ -294,7 +292,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = width // 2
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
     if n_rows:
-        block = min(1024, _next_pow2(d))
+        block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
         )
@@ -337,8 +335,8 @@ def rotary_embedding_(
     num_q_heads = q2.shape[1] // head_size
     num_kv_heads = k2.shape[1] // head_size
     half = rotary_dim // 2
-    block_h = _next_pow2(max(num_q_heads, num_kv_heads))
-    block_half = _next_pow2(half)
+    block_h = next_pow2(max(num_q_heads, num_kv_heads))
+    block_half = next_pow2(half)
     if cache is not None:
         v2 = cache.value.view(n_tokens, -1)
         kc, vc = cache.k_cache, cache.v_cache
@@ -380,6 +378,6 @@ def rotary_embedding_(
         HAS_NORM=has_norm,
         WRITE_CACHE=cache is not None,
         CACHE_BLOCK=block_size,
-        BLOCK_D=_next_pow2(head_size),
+        BLOCK_D=next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
     )

@@ -7,19 +7,18 @@ ranks. Rows past the real vocabulary are zero and their logits are cut off by `c
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers import triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import set_weight_attrs
 
@@ -36,7 +35,7 @@ def _fp32_logits_ok(h: torch.Tensor) -> bool:
         h.is_cuda
         and h.dtype in (torch.bfloat16, torch.float16)
         and h.dim() == 2
-        and os.environ.get("PAGEDLLM_FP32_LOGITS", "1") != "0"
+        and envs.PAGEDLLM_FP32_LOGITS
         and _mm_out_dtype_supported(h.device, h.dtype)
     )
 
@@ -110,6 +109,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     Use `tie_weights(embedding)` to share the input embedding's weight (tie_word_embeddings).
     """
 
+    bias: torch.Tensor | None
+    packed_out_features: int
+
     def __init__(
         self,
         num_embeddings: int,
@@ -140,17 +142,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] (padding columns removed, gathered across ranks)."""
-        packed = getattr(self, "packed_weight", None)  # CPU bf16, see cpu_gemm.pack_cpu_weights
+        packed = getattr(self, "packed_weight", None)  # CPU bf16, see model_loader/cpu_packing.py
         if packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
             # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same
-            # GEMM, and the sampler wanted float32 anyway. A few rows: the small-batch GEMV, if switched on.
-            if triton_gemv.enabled(hidden_states):
-                logits, _ = triton_gemv.fused_gemv(hidden_states, self.weight, out_dtype=torch.float32)
-            else:
-                logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
+            # GEMM, and the sampler wanted float32 anyway.
+            logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:

@@ -38,7 +38,7 @@ def get_architectures(hf_config: Any) -> list[str]:
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
         mt = getattr(hf_config, "model_type", None)
-        archs = [_MODEL_TYPE_TO_ARCH.get(mt, "LlamaForCausalLM")]
+        archs = [_MODEL_TYPE_TO_ARCH.get(mt, "LlamaForCausalLM")]  # type: ignore[arg-type]
     return archs
 
 

@@ -17,14 +17,13 @@ from torch import nn
 from pagedllm.attention.backends.abstract import RotaryArgs
 from pagedllm.attention.layer import Attention
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-from pagedllm.model_executor.layers import triton_gemv, triton_ops
+from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    UnquantizedLinearMethod,
 )
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -190,13 +189,10 @@ class LlamaDecoderLayer(nn.Module):
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self._small_batch_ok_cached: bool | None = None
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if triton_gemv.enabled(hidden_states) and self._small_batch_ok(hidden_states):
-            return self._forward_small_batch(positions, hidden_states, residual)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -205,47 +201,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
-
-    def _small_batch_ok(self, x: torch.Tensor) -> bool:
-        """Plain (unquantized, unsharded) weights and norms in the activation dtype (fixed once loaded:
-        decided on the first call)."""
-        ok = self._small_batch_ok_cached
-        if ok is None:
-            linears = (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-            ok = all(type(m.quant_method) is UnquantizedLinearMethod and m.tp_size == 1 for m in linears) and all(
-                n.weight.dtype == x.dtype for n in (self.input_layernorm, self.post_attention_layernorm)
-            )
-            self._small_batch_ok_cached = ok
-        return ok
-
-    def _forward_small_batch(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode batches of a few rows: the norms ride in the q/k/v and gate/up GEMVs, SiLU-and-mul in
-        the down GEMV (`triton_gemv`): two launches fewer per layer, same rounding."""
-        attn, mlp = self.self_attn, self.mlp
-        ln, post_ln = self.input_layernorm, self.post_attention_layernorm
-        qkv, new_residual = triton_gemv.fused_gemv(
-            hidden_states,
-            attn.qkv_proj.weight,
-            attn.qkv_proj.bias,
-            norm_weight=ln.weight,
-            residual=residual,
-            eps=ln.variance_epsilon,
-        )
-        residual = hidden_states if new_residual is None else new_residual
-        hidden_states = attn.forward_qkv(positions, qkv)
-        gate_up, residual = triton_gemv.fused_gemv(
-            hidden_states,
-            mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias,
-            norm_weight=post_ln.weight,
-            residual=residual,
-            eps=post_ln.variance_epsilon,
-        )
-        out, _ = triton_gemv.fused_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_and_mul=True)
-        assert residual is not None
-        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -312,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
                 if pname not in params:
                     continue
                 param = params[pname]
-                param.weight_loader(param, tensor, shard_id)
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                 shards = fused_shards.setdefault(pname, set())
                 shards.add(shard_id)
                 if len(shards) == _SHARDS_PER_FUSED[fused]:

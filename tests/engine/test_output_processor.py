@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -13,7 +13,7 @@ from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.engine import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 

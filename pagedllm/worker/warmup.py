@@ -1,0 +1,100 @@
+"""Forwards on dummy inputs before serving: the profiling forward that sizes the KV cache, and the
+warm-up batches that make Triton compile its launch variants at start-up (before this, W2 on the H200
+stalled ~5 s on compiles inside running steps). Neither writes to a KV cache."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.core.kv_cache_utils import KVCacheGroup
+from pagedllm.forward_context import set_forward_context
+from pagedllm.logger import init_logger
+from pagedllm.model_executor.models.interfaces import CausalLM
+from pagedllm.sample import triton_sample
+from pagedllm.utils import cdiv
+from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer
+
+logger = init_logger(__name__)
+
+
+def _forward(model: CausalLM, q_lens: list[int], ctx: list[int], md: dict, device: torch.device) -> torch.Tensor:
+    """A forward over requests with `q_lens` new tokens after `ctx` computed ones: the logits of each last token."""
+    n = sum(q_lens)
+    pos = torch.cat([torch.arange(a, a + q) for q, a in zip(q_lens, ctx)]).to(device)
+    with set_forward_context(md):
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device), pos)
+    last = torch.from_numpy(np.cumsum(q_lens) - 1).to(device)
+    return model.compute_logits(hidden[last])
+
+
+@torch.inference_mode()
+def profile_forward(
+    model: CausalLM,
+    backend: type[AttentionBackend],
+    layer_names: list[str],
+    num_tokens: int,
+    num_logits: int,
+    block_size: int,
+    device: torch.device,
+) -> None:
+    """One forward over `num_tokens` dummy tokens with KV-cache-free attention (the cache does not exist
+    yet) and `num_logits` logits rows: the step's peak activation memory."""
+    cu = np.array([0, num_tokens])
+    seq = np.array([num_tokens])
+    common = build_commons(
+        cu, seq, np.zeros(1), [np.zeros((1, 1), np.int32)], [np.full(num_tokens, -1)], num_tokens, device, False, True
+    )[0]
+    md = backend.get_builder_cls()(block_size, None, device).build(common)
+    with set_forward_context(dict.fromkeys(layer_names, md)):
+        hidden = model(
+            torch.zeros(num_tokens, dtype=torch.long, device=device), torch.arange(num_tokens, device=device)
+        )
+        model.compute_logits(hidden[-num_logits:])
+
+
+@torch.inference_mode()
+def run_dummy_batches(
+    model: CausalLM,
+    groups: list[KVCacheGroup],
+    builders: list,
+    max_num_reqs: int,
+    max_num_tokens: int,
+    max_model_len: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The warm-up's forwards (any device): slots are -1 (nothing written to the cache) and block tables
+    point at the null block. Returns the last batch's logits (None if nothing ran)."""
+    logits = None
+    c = max(2, min(64, (max_model_len - 16) // 2))
+    # Chunks of 64 get the chunk tiles; a 2-token chunk next to a decode gets decode tiles (what a step whose
+    # budget leaves a prompt's last few tokens runs); decode batches of 1..64 requests compile the split-KV
+    # variants that eager decoding (no CUDA graphs) picks by batch size.
+    shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 2], [16, 0])]
+    shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max_num_reqs]
+    for q_lens, ctx in shapes:
+        n = sum(q_lens)
+        seq = np.array(q_lens) + np.array(ctx)
+        if n > max_num_tokens or int(seq.max()) > max_model_len:
+            continue
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        tables = [np.zeros((len(q_lens), cdiv(int(seq.max()), g.spec.block_size)), np.int32) for g in groups]
+        slots = [np.full(n, -1, dtype=np.int64) for _ in groups]
+        commons = build_commons(cu, seq, np.array(ctx), tables, slots, max(q_lens), device)
+        logits = _forward(model, q_lens, ctx, metadata_by_layer(builders, groups, commons), device)
+    return logits
+
+
+def warm_up_kernels(logits: torch.Tensor | None, device: torch.device, t0: float) -> None:
+    """After `run_dummy_batches` on a GPU: the one-pass sampler's variants too (seeded rows present, and
+    keys made in the kernel)."""
+    if logits is not None and triton_sample.usable(logits := logits.float()):
+        n = logits.shape[0]
+        keys = torch.zeros(n, dtype=torch.int64, device=device)
+        triton_sample.gumbel_sample(logits, torch.ones(n, device=device), keys)
+        triton_sample.gumbel_sample(logits, torch.ones(n, device=device), None)
+    torch.cuda.synchronize()
+    logger.info("Kernel warm-up (attention variants, sampling) in %.2f s", time.perf_counter() - t0)

@@ -1,0 +1,185 @@
+"""The scheduler on its own (no model): token budget and chunked prefill, max_num_seqs, stop conditions,
+preemption order, aborts, and async scheduling's in-flight placeholders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.messages import EngineCoreRequest, FinishReason
+from pagedllm.sampling_params import SamplingParams
+from tests.core.test_block_pool import FakeWorker, check_pool
+
+
+def _sched(
+    num_blocks: int = 64,
+    budget: int = 16,
+    max_seqs: int = 4,
+    chunked: bool = True,
+    policy: str = "fcfs",
+    async_scheduling: bool = False,
+    max_model_len: int = 96,
+) -> Scheduler:
+    spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        policy=policy,  # type: ignore[arg-type]
+        async_scheduling=async_scheduling,
+    )
+    return Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, enable_prefix_caching=True)
+
+
+def _add(s: Scheduler, rid: str, n_prompt: int, priority: int = 0, **kw: object) -> None:
+    sp = SamplingParams(**kw)  # type: ignore[arg-type]
+    base = 1000 * (len(s.requests) + 1)  # distinct prompts: no prefix-cache hits between requests
+    s.add_request(EngineCoreRequest(rid, list(range(base, base + n_prompt)), sp, float(len(s.requests)), priority))
+
+
+def _step(s: Scheduler, so: SchedulerOutput, tokens: dict[str, int]) -> dict[str, object]:
+    """Feeds back one sampled token per request that completed its known tokens; returns outputs by id."""
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[tokens[r]] if r in tokens else [] for r in ids]
+    out = s.update_from_output(so, ModelRunnerOutput(ids, sampled))
+    return {o.request_id: o for o in out.outputs}
+
+
+def test_budget_chunks_a_long_prompt_and_decodes_go_first() -> None:
+    s = _sched(budget=16)
+    _add(s, "a", 5, max_tokens=8)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 5}
+    _step(s, so, {"a": 1})
+    _add(s, "long", 40, max_tokens=4)
+    so = s.schedule()
+    # The running decode first (1 token), then the new prompt's first chunk fills the rest of the budget.
+    assert so.num_scheduled_tokens == {"a": 1, "long": 15}
+    assert so.total_num_scheduled_tokens == 16
+    _step(s, so, {"a": 2})
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "long": 15}
+    assert [c for c in so.scheduled_cached_reqs.num_computed_tokens] == [6, 15]
+
+
+def test_without_chunked_prefill_a_prompt_over_the_budget_waits() -> None:
+    s = _sched(budget=16, chunked=False, max_model_len=64)
+    _add(s, "big", 20, max_tokens=2)
+    _add(s, "small", 4, max_tokens=2)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {}  # FCFS: the head of the queue does not fit, nothing jumps it
+    assert len(s.waiting) == 2
+
+
+def test_max_num_seqs_limits_running() -> None:
+    s = _sched(budget=64, max_seqs=2)
+    for i in range(4):
+        _add(s, f"r{i}", 3, max_tokens=4)
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["r0", "r1"]
+    assert len(s.running) == 2 and len(s.waiting) == 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "tokens", "reason", "stop_reason", "n_out"),
+    [
+        ({"max_tokens": 10}, [7, 2, 9], FinishReason.STOP, None, 2),  # eos (id 2)
+        ({"max_tokens": 10, "ignore_eos": True}, [2, 2, 2], None, None, 3),
+        ({"max_tokens": 10, "min_tokens": 3}, [2, 2, 2, 5], FinishReason.STOP, None, 3),
+        ({"max_tokens": 10, "stop_token_ids": [9]}, [7, 9, 1], FinishReason.STOP, 9, 2),
+        ({"max_tokens": 2}, [7, 8, 9], FinishReason.LENGTH, None, 2),
+    ],
+)
+def test_stop_conditions(
+    kw: dict, tokens: list[int], reason: FinishReason | None, stop_reason: int | None, n_out: int
+) -> None:
+    s = _sched()
+    sp = SamplingParams(**kw)
+    sp.eos_token_id = 2
+    s.add_request(EngineCoreRequest("r", [100, 101, 102], sp, 0.0))
+    outs = []
+    for tok in tokens:
+        so = s.schedule()
+        if not so.num_scheduled_tokens:
+            break
+        out = _step(s, so, {"r": tok})["r"]
+        outs.append(out)
+        if out.finished:
+            break
+    assert sum(len(o.new_token_ids) for o in outs) == n_out
+    assert outs[-1].finish_reason == reason
+    if reason is not None:
+        assert outs[-1].stop_reason == stop_reason
+        assert "r" not in s.requests and not s.running
+        assert s.kv.usage == 0.0
+
+
+def test_max_model_len_caps_generation() -> None:
+    s = _sched(max_model_len=8)
+    _add(s, "r", 6, max_tokens=100)
+    reasons = []
+    for _ in range(5):
+        so = s.schedule()
+        if not so.num_scheduled_tokens:
+            break
+        reasons.append(_step(s, so, {"r": 5})["r"].finish_reason)
+    assert reasons == [None, FinishReason.LENGTH]  # 6 prompt + 2 output = max_model_len
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_picks_the_lowest_ranked(policy: str) -> None:
+    # 5 usable blocks of 4 tokens: three 6-token prompts take 2 blocks each once decoding past 8 tokens.
+    s = _sched(num_blocks=7, budget=64, max_seqs=3, policy=policy)
+    _add(s, "a", 6, priority=5, max_tokens=20)
+    _add(s, "b", 6, priority=0, max_tokens=20)
+    _add(s, "c", 6, priority=1, max_tokens=20)
+    w = FakeWorker()
+    preempted: list[str] = []
+    for _ in range(10):
+        so = s.schedule()
+        preempted += sorted(so.preempted_req_ids)
+        s.update_from_output(so, w.execute(so))
+        check_pool(s)
+        if preempted:
+            break
+    # FCFS: the latest arrival (c); priority: the highest priority value (a).
+    assert preempted[0] == ("c" if policy == "fcfs" else "a")
+    victim = s.requests[preempted[0]]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+
+
+def test_abort_frees_and_is_reported_to_the_worker() -> None:
+    s = _sched()
+    _add(s, "a", 5, max_tokens=8)
+    _add(s, "b", 5, max_tokens=8)
+    so = s.schedule()
+    _step(s, so, {"a": 1, "b": 1})
+    done = s.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in done] == ["a"]
+    so = s.schedule()
+    assert "a" in so.finished_req_ids and list(so.num_scheduled_tokens) == ["b"]
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests() and s.kv.usage == 0.0
+
+
+def test_async_placeholders_do_not_overschedule() -> None:
+    """With async scheduling the next step is scheduled before the last token is known: a request whose
+    final token is already in flight is not scheduled again, and placeholders are settled by the output."""
+    s = _sched(async_scheduling=True)
+    _add(s, "r", 4, max_tokens=2)
+    so1 = s.schedule()  # prefill; samples output 1 (in flight)
+    assert s.requests["r"].num_output_placeholders == 1
+    so2 = s.schedule()  # decode on the in-flight token; samples output 2, the last
+    assert so2.num_scheduled_tokens == {"r": 1}
+    assert s.requests["r"].num_output_placeholders == 2
+    assert s.schedule().num_scheduled_tokens == {}  # its last token is in flight: nothing more to schedule
+    _step(s, so1, {"r": 7})
+    assert s.requests["r"].num_output_placeholders == 1
+    out = _step(s, so2, {"r": 8})["r"]
+    assert out.finish_reason == FinishReason.LENGTH and "r" not in s.requests
