@@ -25,7 +25,7 @@ from pagedllm.engine.controls import AsyncLLMControlsMixin
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pagedllm.engine.output_processor import IterationStats, OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
 from pagedllm.logger import init_logger
@@ -216,8 +216,12 @@ class AsyncLLM(AsyncLLMControlsMixin):
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (parent or core ids); synchronous so generator cleanup can call it."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        core_ids = self.output_processor.abort_requests(ids)
+        op = self.output_processor
+        stats = IterationStats(iteration_timestamp=time.monotonic()) if self.stat_loggers else None
+        core_ids = op.abort_requests(ids, stats)
         self.engine_core.abort_requests(core_ids)
+        if stats is not None and stats.finished_requests:
+            self._record(None, stats, [])  # aborts count in request_success{finished_reason="abort"}
 
     async def reset_prefix_cache(self) -> bool:
         self.start()

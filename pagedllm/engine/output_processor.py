@@ -316,11 +316,12 @@ class OutputProcessor:
             queue = None  # children report through the parent
         self.request_states[request_id] = RequestState(request, prompt, detokenizer, parent_req, request_index, queue)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+    def abort_requests(self, request_ids: Iterable[str], stats: IterationStats | None = None) -> list[str]:
         """Forget the given requests (core or parent ids); return the core request ids to abort.
 
         A request read through a queue gets a last output with finish_reason "abort", so its reader
-        ends; the offline LLM (no queue) gets nothing.
+        ends; the offline LLM (no queue) gets nothing. With `stats`, the aborted requests are added to
+        its `finished_requests` (finish_reason "abort"), so metrics count them.
         """
         to_abort: list[str] = []
         for rid in request_ids:
@@ -333,7 +334,7 @@ class OutputProcessor:
             fake = [
                 EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT) for r in to_abort
             ]
-            self._process(fake, time.monotonic(), None, [], [])
+            self._process(fake, time.monotonic(), stats, [], [])
         return to_abort
 
     def process_outputs(

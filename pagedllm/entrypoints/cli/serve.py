@@ -42,6 +42,34 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 << 20, help="Larger request bodies get 413 (default 8 MiB)."
     )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept chat templates sent in requests (rendered in a sandbox process with time and size limits); "
+        "without it such requests get a 400, as vLLM.",
+    )
+    g.add_argument("--max-n", type=int, default=16, help="Largest n (and best_of) a request may ask for.")
+    g.add_argument(
+        "--timeout-keep-alive", type=int, default=5, help="Close idle keep-alive connections after this many seconds."
+    )
+    g.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=10.0,
+        help="Close a connection whose request line and headers are not complete within this many seconds.",
+    )
+    g.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=30.0,
+        help="408 when a request body stops arriving for this many seconds.",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=16 * 1024,
+        help="Largest request line plus headers accepted, in bytes (h11's limit; uvicorn's default 16 KiB).",
+    )
     g.add_argument("--config", default=None, help="YAML file of flags (keys as the flag names); CLI flags win.")
     EngineArgs.add_cli_args(p, positional_model=True)
     return p

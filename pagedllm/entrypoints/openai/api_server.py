@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import json
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 import pagedllm
 from pagedllm import envs
@@ -26,6 +24,15 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
+from pagedllm.entrypoints.openai.middleware import (
+    DEFAULT_BODY_TIMEOUT_S,
+    PUBLIC_PATHS,
+    AuthMiddleware,
+    BodySizeLimitMiddleware,
+    CatchAllMiddleware,
+    TimeoutH11Protocol,
+    unwrap_limit_error,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -41,6 +48,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_base import (
+    DEFAULT_MAX_N,
     OpenAIServingError,
     SSEStream,
     engine_dead_error,
@@ -49,6 +57,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.web import mount_web_ui
 from pagedllm.logger import init_logger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -60,112 +69,22 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 """Request bodies above this get a 413 (8 MiB: a full context of text fits many times over)."""
 
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse},
     401: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
+    408: {"model": ErrorResponse},
+    413: {"model": ErrorResponse},
+    500: {"model": ErrorResponse},
     503: {"model": ErrorResponse},
 }
-
-
-# ---- middleware (pure ASGI: BaseHTTPMiddleware would break streaming and disconnect detection) ---------
-async def _send_json(
-    send: Send, status: int, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()
-) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-class AuthMiddleware:
-    """`Authorization: Bearer <key>` on every route but the public ones; keys compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_keys: list[str], public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
-        self.app = app
-        self.keys = [f"Bearer {k}".encode() for k in api_keys]
-        self.public_paths = public_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.public_paths or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                given = value
-                break
-        ok = False
-        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            await _send_json(
-                send,
-                401,
-                error_body("Unauthorized: a valid API key is required (header 'Authorization: Bearer <key>')", 401),
-                [(b"www-authenticate", b"Bearer")],
-            )
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`: checked on Content-Length up front, and counted while reading
-    (chunked uploads), so a huge body is never buffered whole."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self) -> str:
-        return f"Request body too large: the limit is {self.max_bytes} bytes"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await _send_json(send, 413, error_body(self._message(), 413))
-                    return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self._message())
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await _send_json(send, 413, error_body(self._message(), 413))
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response; with stream=true, server-sent events of the chunk objects, then [DONE]",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **ERROR_RESPONSES,
+}
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -238,13 +157,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
             return f"Invalid JSON in request body: {ctx.get('error', err.get('msg'))}", None
-        # Union members add the member type to the location ("prompt.list[int]"): keep the field path only.
-        field = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-")) and x != "list")
+        # Union members add the member type to the location ("prompt.list[int]", "TokenizeChatRequest"):
+        # keep the field path only.
+        loc = [x for x in loc if not x.startswith(("list[", "str", "int", "function-")) and x != "list"]
+        loc = [x for x in loc if not x[:1].isupper()]
+        field = ".".join(loc)
+        msg = str(err.get("msg"))
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if err.get("type") == "value_error" and not loc and ctx_error is not None:
+            # A whole-body check (protocol.check_json_value) already names its field: "prompt: ...".
+            msg = str(ctx_error)
+            field, _, msg = msg.partition(": ")
+            loc = [field.split(".")[0]]
         if param is None and loc:
             param = loc[0]
         msgs = by_field.setdefault(field or "body", [])
-        if err.get("msg") not in msgs:
-            msgs.append(str(err.get("msg")))
+        if msg not in msgs:
+            msgs.append(msg)
     parts = [f"{f}: {' or '.join(m)}" for f, m in list(by_field.items())[:5]]
     return "; ".join(parts), param
 
@@ -259,11 +188,19 @@ def build_app(
     prometheus: PrometheusStatLogger | None = None,
     log_requests: bool = True,
     web_ui: bool = True,
+    trust_request_chat_template: bool = False,
+    max_n: int = DEFAULT_MAX_N,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
     tokenization = OpenAIServingTokenization(engine, served_model_names, chat_template)
+    if trust_request_chat_template:
+        sandbox = TemplateSandbox(engine.get_tokenizer())
+        chat.template_sandbox = tokenization.template_sandbox = sandbox
+        app.state.template_sandbox = sandbox
+    completion.max_n = chat.max_n = max_n
     app.state.engine = engine
     add_control_routes(app, engine)  # /sleep, /wake_up, /is_sleeping, /start_profile, ... (dev mode / config)
 
@@ -279,8 +216,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         cause = exc.__cause__
-        if isinstance(cause, BodyTooLarge):
-            return JSONResponse(error_body(str(cause), 413), status_code=413)
+        limit = unwrap_limit_error(exc)
+        if limit is not None:
+            return JSONResponse(error_body(limit[1], limit[0]), status_code=limit[0])
         if isinstance(cause, UnicodeDecodeError):
             return JSONResponse(error_body(f"Request body is not valid UTF-8: {cause}", 400), status_code=400)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
@@ -289,11 +227,6 @@ def build_app(
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(engine_dead_error(exc).to_response().model_dump(), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
     def respond(result: Any) -> Response:
         if isinstance(result, SSEStream):
@@ -311,7 +244,12 @@ def build_app(
                 getattr(req, "max_completion_tokens", None) or req.max_tokens,
             )
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    empty_200: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Healthy (empty body)", "content": {}},
+        503: {"model": ErrorResponse},
+    }
+
+    @app.get("/health", response_class=Response, responses=empty_200)
     async def health() -> Response:
         if not engine.errored and not engine.engine_core.proc.is_alive():
             engine.engine_core._on_process_exit()  # do not wait for the sentinel callback's turn
@@ -319,7 +257,7 @@ def build_app(
             return JSONResponse(error_body(str(engine.dead_error), 503), status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, responses=empty_200)
     async def ping() -> Response:
         return await health()
 
@@ -327,7 +265,7 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": pagedllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -344,13 +282,13 @@ def build_app(
             ]
         )
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         log_request("completion", body)
         result = await run_until_disconnect(raw_request, completion.create_completion(body))
         return respond(result) if result is not None else Response(status_code=499)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         log_request("chat completion", body)
         result = await run_until_disconnect(raw_request, chat.create_chat_completion(body))
@@ -365,10 +303,15 @@ def build_app(
         return await tokenization.detokenize(body)
 
     public = PUBLIC_PATHS | (mount_web_ui(app, engine, prometheus) if web_ui else frozenset())
+    app.add_middleware(CatchAllMiddleware)  # type: ignore[arg-type]
     if api_keys:
         app.add_middleware(AuthMiddleware, api_keys=api_keys, public_paths=public)  # type: ignore[arg-type]
     # Added last = outermost: oversized bodies are refused before anything else reads them.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(
+        BodySizeLimitMiddleware,  # type: ignore[arg-type]
+        max_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+    )
     return app
 
 
@@ -386,6 +329,7 @@ async def run_server(args: argparse.Namespace) -> int:
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)
     stat_loggers: list[Any] = [prometheus]
     engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    app: FastAPI | None = None
     try:
         app = build_app(
             engine,
@@ -396,14 +340,20 @@ async def run_server(args: argparse.Namespace) -> int:
             prometheus=prometheus,
             log_requests=not args.disable_log_requests,
             web_ui=not getattr(args, "disable_web_ui", False),
+            trust_request_chat_template=args.trust_request_chat_template,
+            max_n=args.max_n,
+            body_timeout_s=args.timeout_request_body,
         )
+        TimeoutH11Protocol.header_timeout_s = args.timeout_request_header
         uv_config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=3,
-            timeout_keep_alive=5,
+            timeout_keep_alive=args.timeout_keep_alive,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            http=TimeoutH11Protocol,
             access_log=False,
         )
         server = uvicorn.Server(uv_config)
@@ -420,6 +370,8 @@ async def run_server(args: argparse.Namespace) -> int:
         await server.serve()
         return 1 if engine.errored else 0
     finally:
+        if app is not None and getattr(app.state, "template_sandbox", None) is not None:
+            app.state.template_sandbox.close()
         engine.shutdown()
 
 

@@ -1,21 +1,70 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2), field for field as OpenAI's,
-plus vLLM's extra sampling parameters. Unknown request fields are accepted and ignored (as vLLM)."""
+plus vLLM's extra sampling parameters. Unknown request fields are accepted and ignored (as vLLM).
+
+Request bodies are strict: no coercion (`n: true`, `max_tokens: "16"` and `prompt: [[false]]` are 400s,
+not 1, 16 and token 0), no NaN or infinity in any number, integers that go to the engine within int64
+(the core's msgspec/torch types), text that is valid Unicode (a lone surrogate such as `"\ud800"` cannot
+be encoded to UTF-8, so the tokenizer would fail on it) and JSON nested at most `MAX_JSON_DEPTH` deep."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of lists/objects accepted anywhere in a request body (chat messages with content
+parts and tool schemas need well under 20)."""
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+def check_json_value(value: Any, depth: int = 0, where: str = "body") -> None:
+    """Raise ValueError for nesting deeper than MAX_JSON_DEPTH or strings that are not valid Unicode."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where}: invalid Unicode text (a lone surrogate {value[e.start]!r} at character {e.start})"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json_value(k, depth + 1, where)
+            check_json_value(v, depth + 1, f"{where}.{k}" if depth == 0 else where)
+    elif isinstance(value, list):
+        for v in value:
+            check_json_value(v, depth + 1, where)
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """Base of request bodies: strict types, finite numbers, valid Unicode, bounded nesting."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k, v in data.items():
+                check_json_value(k, 1, "body")
+                check_json_value(v, 1, str(k))
+        return data
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -37,7 +86,7 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int | None = 0
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
     """vLLM extension: usage in every chunk."""
@@ -58,7 +107,27 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class ChatCompletionContentPartText(OpenAIRequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionMessageParam(OpenAIRequestModel):
+    """One chat message. Other keys (e.g. `reasoning_content`) are passed to the chat template as given."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatCompletionContentPartText] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+def messages_as_dicts(messages: list[ChatCompletionMessageParam]) -> list[dict[str, Any]]:
+    """The messages as plain dicts for the chat template (unset optional keys left out)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+class _SamplingRequest(OpenAIRequestModel):
     """Fields shared by completions and chat."""
 
     model: str | None = None
@@ -66,7 +135,7 @@ class _SamplingRequest(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     n: int = 1
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -82,13 +151,13 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    priority: Int64 = 0
     request_id: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     best_of: int | None = None
     """Samples generated per prompt, of which the `n` with the highest cumulative logprob are returned
     (with use_beam_search: the beam width)."""
@@ -104,7 +173,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: list[ChatCompletionMessageParam]
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = Field(default=None, description="Deprecated alias of max_completion_tokens.")
@@ -228,16 +297,16 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ---- tokenization ----------------------------------------------------------------------------------
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequestModel):
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: list[ChatCompletionMessageParam]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -253,9 +322,9 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

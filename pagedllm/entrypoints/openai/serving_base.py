@@ -77,7 +77,59 @@ def sampling_supports(field: str) -> bool:
     return field in SamplingParams.__struct_fields__
 
 
+DEFAULT_MAX_N = 16
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_RANGE = 100.0
+
+
 class OpenAIServing:
+    max_n: int = DEFAULT_MAX_N
+    """Largest `n` (and `best_of`) accepted; the server's `--max-n`."""
+
+    def check_limits(self, req: _SamplingRequest) -> None:
+        """Limits on request sizes that would otherwise cost engine (or detokenizer) time per token: 400s
+        before anything is queued."""
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise OpenAIServingError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", 400, "stop")
+        longest = max((len(x) for x in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise OpenAIServingError(
+                f"stop: each stop string has at most {MAX_STOP_STRING_CHARS} characters, got {longest}", 400, "stop"
+            )
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise OpenAIServingError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(req.stop_token_ids)}",
+                400,
+                "stop_token_ids",
+            )
+        if req.logit_bias:
+            if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise OpenAIServingError(
+                    f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(req.logit_bias)}",
+                    400,
+                    "logit_bias",
+                )
+            vocab = self.engine.model_config.vocab_size
+            for key, bias in req.logit_bias.items():
+                try:
+                    tid = int(key)
+                except ValueError:
+                    raise OpenAIServingError(
+                        f"logit_bias: keys must be token ids (integers as strings), got {key[:32]!r}", 400, "logit_bias"
+                    ) from None
+                if not 0 <= tid < vocab:
+                    raise OpenAIServingError(
+                        f"logit_bias: token id {key[:32]} is out of the vocabulary (size {vocab})", 400, "logit_bias"
+                    )
+                if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                    raise OpenAIServingError(
+                        f"logit_bias: values must be in [-100, 100], got {bias} for token {tid}", 400, "logit_bias"
+                    )
+
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
@@ -164,6 +216,7 @@ class OpenAIServing:
         overrides the request's (best_of samples all `best_of`)."""
         n = req.n if n is None else n
         d = self.default_sampling
+        self.check_limits(req)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if v and not sampling_supports(name):
@@ -215,9 +268,11 @@ class OpenAIServing:
             kwargs["prompt_logprobs"] = prompt_logprobs
         if logit_bias:
             kwargs["logit_bias"] = logit_bias
-        if n > 16:
+        if n > self.max_n:
             what = "n" if n == req.n else "best_of"
-            raise OpenAIServingError(f"{what}: at most 16 choices per request, got {n}", 400, what)
+            raise OpenAIServingError(
+                f"{what}: at most {self.max_n} choices per request (the server's --max-n), got {n}", 400, what
+            )
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
+    messages_as_dicts,
     random_uuid,
 )
 from pagedllm.entrypoints.openai.serving_base import (
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
+from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.inputs import TokensPrompt
 from pagedllm.logger import init_logger
 from pagedllm.outputs import RequestOutput
@@ -38,10 +40,21 @@ LARGE_CONVERSATION_CHARS = 4096
 
 
 class OpenAIServingChat(OpenAIServing):
+    template_sandbox: TemplateSandbox | None = None
+    """Set (by the server's `--trust-request-chat-template`) to accept templates sent in requests; they
+    then render in this sandbox process. None: such requests get a 400, as vLLM."""
+
     def request_chat_template(self, template: str | None) -> str | None:
         """A request may send template text, never a path: the server must not read files for clients."""
         if template is None:
             return self.chat_template
+        if self.template_sandbox is None:
+            raise OpenAIServingError(
+                "chat_template: a chat template was passed with the request, but the server was not started "
+                "with --trust-request-chat-template; refused the request's untrusted chat template",
+                400,
+                "chat_template",
+            )
         if os.path.exists(template) or ("{" not in template and "\n" not in template):
             raise OpenAIServingError(
                 "chat_template: must be Jinja template text (file paths are only accepted "
@@ -64,22 +77,27 @@ class OpenAIServingChat(OpenAIServing):
         """Chat template -> (prompt text, token ids). Large conversations render off the event loop."""
         tok = self.engine.get_tokenizer()
         template = self.request_chat_template(chat_template)
+        kwargs: dict[str, Any] = {
+            "conversation": messages,
+            "chat_template": template,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template_kwargs": chat_template_kwargs,
+            "tools": tools,
+        }
 
         def render() -> str:
-            return apply_chat_template(
-                tok,
-                messages,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-                tools=tools,
-            )
+            return apply_chat_template(tok, **kwargs)
 
         try:
             normalize_conversation(messages)  # cheap validation first: clear 400s for bad roles/content
             size = sum(len(str(m.get("content") or "")) for m in messages)
-            text = render() if size <= LARGE_CONVERSATION_CHARS else await self.engine.run_in_worker(render)
+            if chat_template is not None and self.template_sandbox is not None:
+                text = await self.template_sandbox.render(**kwargs)  # the client's code: isolated
+            elif size <= LARGE_CONVERSATION_CHARS:
+                text = render()
+            else:
+                text = await self.engine.run_in_worker(render)
         except ValueError as e:
             err = OpenAIServingError.from_value_error(e)
             if err.param is None:
@@ -103,6 +121,11 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIServingError(
                 "best_of: not supported in chat completions (a /v1/completions parameter)", 400, "best_of"
             )
+        for legacy in ("functions", "function_call"):
+            if extra.get(legacy) is not None:
+                raise OpenAIServingError(
+                    f"{legacy}: the deprecated function-calling parameters are not supported (use tools)", 400, legacy
+                )
         if extra.get("use_beam_search"):
             raise OpenAIServingError(
                 "use_beam_search: not supported in chat completions (use /v1/completions)", 400, "use_beam_search"
@@ -115,8 +138,9 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is not None and max_tokens < 1:
             name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise OpenAIServingError(f"{name}: must be at least 1, got {max_tokens}", 400, name)
+        messages = messages_as_dicts(req.messages)
         text, ids = await self.render_messages(
-            req.messages,
+            messages,
             req.chat_template,
             req.add_generation_prompt,
             req.continue_final_message,
@@ -139,8 +163,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.engine.stream_outputs(rid, q)
         created = int(time.time())
         echo = ""
-        if req.echo and req.messages and req.messages[-1].get("role") == "assistant":
-            echo = str(normalize_conversation(req.messages[-1:])[0]["content"])
+        if req.echo and messages[-1].get("role") == "assistant":
+            echo = str(normalize_conversation(messages[-1:])[0]["content"])
         if req.stream:
             return SSEStream(self._stream(req, rid, created, model, stream, len(ids), echo), [rid])
         return await self._full(req, rid, created, model, stream, len(ids), echo)

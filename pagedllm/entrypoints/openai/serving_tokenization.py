@@ -8,6 +8,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    messages_as_dicts,
 )
 from pagedllm.entrypoints.openai.serving_base import OpenAIServingError
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -22,7 +23,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
             if not req.messages:
                 raise OpenAIServingError("messages: must contain at least one message", 400, "messages")
             _, ids = await self.render_messages(
-                req.messages,
+                messages_as_dicts(req.messages),
                 req.chat_template,
                 req.add_generation_prompt,
                 req.continue_final_message,
@@ -30,9 +31,17 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 req.add_special_tokens,
             )
         else:
-            if len(req.prompt) > 64 * self.max_model_len * self.max_chars_per_token:
-                self.precheck_text_len(req.prompt)  # /tokenize reports counts over the context, within reason
+            self.precheck_text_len(req.prompt)
             ids = await self.engine.encode_text(req.prompt, req.add_special_tokens)
+        if len(ids) > self.max_model_len:
+            # Bounded like every other route: the response (and the API process) never holds more than
+            # a context's worth of tokens.
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the text has "
+                f"{len(ids)} tokens. Please reduce the length of the input.",
+                400,
+                "messages" if isinstance(req, TokenizeChatRequest) else "prompt",
+            )
         strs = self.engine.get_tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 

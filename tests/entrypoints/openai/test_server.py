@@ -395,6 +395,13 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
         "chat_template",
     ),
     ("detokenize_bad_id", "/detokenize", {"tokens": [-5]}, 400, "vocabulary"),
+    (
+        "chat_template_untrusted",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ messages[0].content }}"},
+        400,
+        "--trust-request-chat-template",
+    ),
 ]
 
 
