@@ -150,7 +150,7 @@ def test_unsupported_architecture() -> None:
     from pagedllm.model_executor.models import get_model_class
 
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
-        get_model_class(["GPT2LMHeadModel"])
+        get_model_class(["NotARealModelForCausalLM"])
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama3_tied", "llama_linear_rope_bias"])

@@ -26,8 +26,12 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
     stamps: list[float] = []
     running_seen: list[float] = []
 
+    long_done = threading.Event()
+
     def short_stream() -> None:
-        body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0}
+        # Long enough to outlast the long request on any machine; the client closes it (an abort) once the
+        # long request is done.
+        body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "stream": True, "temperature": 0}
         with (
             httpx.Client(timeout=300) as c,
             c.stream("POST", stress_server.url + "/v1/completions", headers=auth(), json=body) as r,
@@ -40,6 +44,8 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
                     if last is not None:
                         gaps.append(now - last)
                     last = now
+                    if long_done.is_set():
+                        break
 
     def long_request() -> None:
         body = {"prompt": LONG_PROMPT, "max_tokens": 1}
@@ -56,6 +62,7 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
         running_seen.append(metric(stress_server, "num_requests_running"))
         time.sleep(0.5)
     t1 = time.monotonic()
+    long_done.set()
     short.join()
     during = [t for t in stamps if t0 < t < t1]
     # Unchunked, the short stream would get nothing while the long prompt's one step ran.
@@ -68,9 +75,11 @@ def test_long_prefill_does_not_stall_short_stream(stress_server: ServerProcess) 
 def test_abort_lands_between_chunks(stress_server: ServerProcess) -> None:
     """The long request's client disconnects mid-prefill: the engine is idle again within ~2 chunks."""
     before = metric(stress_server, "prompt_tokens_total")
-    body = {"prompt": LONG_PROMPT * 1, "max_tokens": 1}
+    # Its own first words: no prefix-cache hit on the previous test's prompt (a hit prefills nothing).
+    body = {"prompt": "Another text entirely. " + LONG_PROMPT, "max_tokens": 1}
     try:
-        httpx.post(stress_server.url + "/v1/completions", headers=auth(), json=body, timeout=2.0)
+        # A chunk of 256 tokens takes ~0.2 s on an idle machine: the client leaves well before 7 chunks.
+        httpx.post(stress_server.url + "/v1/completions", headers=auth(), json=body, timeout=0.5)
     except httpx.TimeoutException:
         pass  # the client gave up: the server sees the disconnect
     t0 = time.monotonic()

@@ -394,7 +394,8 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
         400,
         "chat_template",
     ),
-    ("detokenize_bad_id", "/detokenize", {"tokens": [-5]}, 400, "vocabulary"),
+    ("detokenize_bad_id", "/detokenize", {"tokens": [10**8]}, 400, "vocabulary"),
+    ("detokenize_negative_id", "/detokenize", {"tokens": [-5]}, 400, "tokens"),
     (
         "chat_template_untrusted",
         "/v1/chat/completions",

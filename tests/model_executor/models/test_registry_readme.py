@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.model_executor.models import get_model_class, get_supported_archs
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+README = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")
 
 
 def readme_archs() -> list[str]:
