@@ -25,12 +25,14 @@ from pagedllm.engine.controls import AsyncLLMControlsMixin
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
-from pagedllm.engine.output_processor import IterationStats, OutputProcessor, RequestOutputCollector
+from pagedllm.engine.output_collector import RequestOutputCollector
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
 from pagedllm.logger import init_logger
 from pagedllm.messages import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLogger
+from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

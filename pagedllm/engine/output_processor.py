@@ -9,115 +9,22 @@ returns the outputs (offline `LLM`) or puts them into each request's `RequestOut
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.logprobs import Logprob, LogprobsLists, PromptLogprobs, SampleLogprobs
 from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-class RequestOutputCollector:
-    """The output mailbox of one request, read by the coroutine that streams it (AsyncLLM.generate).
-
-    The producer (`put`) never blocks. An output not read yet is replaced by the newer one (CUMULATIVE
-    and FINAL_ONLY outputs carry everything), except in DELTA mode, where the two are merged (texts and
-    token ids concatenated) so that a slow reader loses nothing. Single event loop, no threads.
-    """
-
-    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        self.aggregate = output_kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | Exception | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, output: RequestOutput | Exception) -> None:
-        if self.output is None or isinstance(output, Exception) or isinstance(self.output, Exception):
-            if not isinstance(self.output, Exception):  # an error already queued stays the answer
-                self.output = output
-        elif self.aggregate:
-            _merge_delta(self.output, output)
-        else:
-            self.output = output
-        self.ready.set()
-
-    async def get(self) -> RequestOutput:
-        """Wait for the next output; raises the exception if one was put."""
-        while self.output is None:
-            await self.ready.wait()
-        return self._take()
-
-    def get_nowait(self) -> RequestOutput | None:
-        """The pending output, or None; raises the exception if one was put."""
-        if self.output is None:
-            return None
-        return self._take()
-
-    def _take(self) -> RequestOutput:
-        output = self.output
-        self.output = None
-        self.ready.clear()
-        if isinstance(output, Exception):
-            raise output
-        assert output is not None
-        return output
-
-
-def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
-    """Fold the DELTA output `new` into the not-yet-read `into` (which owns its lists)."""
-    by_index = {c.index: c for c in into.outputs}
-    for comp in new.outputs:
-        prev = by_index.get(comp.index)
-        if prev is None:
-            into.outputs.append(comp)
-            by_index[comp.index] = comp
-            continue
-        prev.text += comp.text
-        prev.token_ids = prev.token_ids + comp.token_ids
-        if comp.logprobs is not None:
-            prev.logprobs = (prev.logprobs or []) + comp.logprobs
-        prev.cumulative_logprob = comp.cumulative_logprob
-        prev.finish_reason = comp.finish_reason
-        prev.stop_reason = comp.stop_reason
-    into.outputs.sort(key=lambda c: c.index)
-    into.finished = new.finished
-    into.num_cached_tokens = new.num_cached_tokens
-    into.metrics = new.metrics
-
-
-@dataclass
-class FinishedRequestStats:
-    request_id: str
-    finish_reason: str
-    e2e_latency: float
-    """Seconds from arrival to finish."""
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_cached_tokens: int
-    ttft: float | None
-    """Seconds from arrival to the first output token (None when it finished without any)."""
-
-
-@dataclass
-class IterationStats:
-    """What one `process_outputs` call observed, for metrics (Prometheus counters and histograms)."""
-
-    iteration_timestamp: float
-    num_prompt_tokens: int = 0
-    """Prompt tokens of the requests that produced their first token in this iteration."""
-    num_generation_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    itls: list[float] = field(default_factory=list)
-    """Seconds since the previous token step, one per request that got tokens in a decode step."""
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass

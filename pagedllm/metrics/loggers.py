@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagedllm.engine.output_processor import IterationStats
 from pagedllm.logger import init_logger
 from pagedllm.messages import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
 
 logger = init_logger(__name__)
 

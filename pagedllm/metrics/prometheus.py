@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.engine.output_processor import IterationStats
 from pagedllm.messages import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
 
 TTFT_BUCKETS = [
     0.001,

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pagedllm.engine.output_collector import RequestOutputCollector
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.outputs import CompletionOutput, RequestOutput

@@ -76,6 +76,19 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class _StartTracker:
+    """`send`, noting whether the response has started (an error response can only replace it before)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -113,7 +126,6 @@ class BodySizeLimitMiddleware:
                     return
         received = 0
         body_done = False
-        started = False
 
         async def limited_receive() -> Message:
             nonlocal received, body_done
@@ -132,19 +144,14 @@ class BodySizeLimitMiddleware:
                 body_done = True
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracking_send = _StartTracker(send)
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
-            if not started:
+            if not tracking_send.started:
                 await send_json(send, 413, error_body(self._message(), 413))
         except BodyTimeout as e:
-            if not started:
+            if not tracking_send.started:
                 await send_json(send, 408, error_body(str(e), 408), [(b"connection", b"close")])
 
 
@@ -170,20 +177,13 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracking_send = _StartTracker(send)
         try:
             await self.app(scope, receive, tracking_send)
         except (BodyTooLarge, BodyTimeout):
             raise
         except Exception as e:
-            if started:
+            if tracking_send.started:
                 raise
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             await send_json(send, 500, error_body(f"Internal server error: {type(e).__name__}: {e}", 500))
