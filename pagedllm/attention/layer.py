@@ -50,9 +50,9 @@ class Attention(nn.Module):
         """
         t = q.shape[0]
         if rotary is not None and not self.impl.fuses_rotary:
-            from pagedllm.model_executor.layers import triton_ops
+            from pagedllm.attention.ops.triton_rope_cache import apply_rotary_
 
-            triton_ops.apply_rotary_(rotary, q, k, self.head_size)
+            apply_rotary_(rotary, q, k, self.head_size)
             rotary = None
         q3 = q.view(t, self.num_heads, self.head_size)
         k3 = k.view(t, self.num_kv_heads, self.head_size)

@@ -20,7 +20,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.logger import init_logger
-from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON
 
 logger = init_logger(__name__)
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 require_triton_device()
 
+from pagedllm.attention.ops import triton_rope_cache  # noqa: E402
 from pagedllm.model_executor.layers import triton_ops  # noqa: E402
 from pagedllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from pagedllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
@@ -99,7 +100,7 @@ def test_rotary_in_place(dtype: torch.dtype, head_size: int, rotary_dim: int, h:
     qkv, q, k, v = _qkv(n_tokens, h, kvh, head_size, dtype, g)
     ref_q, ref_k = rope(positions, q.clone(), k.clone())
     v_before = v.clone()
-    triton_ops.rotary_embedding_(positions, q, k, rope.cos_sin_cache, head_size, rotary_dim)
+    triton_rope_cache.rotary_embedding_(positions, q, k, rope.cos_sin_cache, head_size, rotary_dim)
     _close(q, ref_q)
     _close(k, ref_k)
     assert torch.equal(v, v_before)  # the in-place writes stay inside q and k
@@ -119,7 +120,7 @@ def test_qk_norm_rotary_in_place(dtype: torch.dtype, head_size: int, h: int, kvh
     qn = q_norm._norm(q.reshape(n_tokens, h, head_size)).reshape(n_tokens, -1)
     kn = k_norm._norm(k.reshape(n_tokens, kvh, head_size)).reshape(n_tokens, -1)
     ref_q, ref_k = rope(positions, qn, kn)
-    triton_ops.rotary_embedding_(
+    triton_rope_cache.rotary_embedding_(
         positions, q, k, rope.cos_sin_cache, head_size, head_size, q_norm.weight, k_norm.weight, 1e-6
     )
     _close(q, ref_q)
@@ -163,7 +164,7 @@ def test_rotary_with_cache_write(
 
     v_before = v.clone()
     weights = (norms[0].weight, norms[1].weight, 1e-6) if qk_norm else ()
-    triton_ops.rotary_embedding_(
+    triton_rope_cache.rotary_embedding_(
         positions,
         q,
         k,
@@ -171,7 +172,7 @@ def test_rotary_with_cache_write(
         head_size,
         rotary_dim,
         *weights,
-        cache=triton_ops.KVCacheWrite(v, kc, vc, slots, num_tokens),
+        cache=triton_rope_cache.KVCacheWrite(v, kc, vc, slots, num_tokens),
     )
     _close(q, ref_q)
     _close(k, ref_k)

@@ -35,7 +35,7 @@ from pagedllm.attention.ops.triton_paged_attn import (
     paged_attention,
     reshape_and_cache,
 )
-from pagedllm.model_executor.layers.triton_ops import KVCacheWrite, apply_rotary_
+from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")

@@ -27,17 +27,12 @@ import functools
 
 import torch
 
+from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs: the torch_native backend is used instead.
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
 
 _LOG2E = 1.4426950408889634
 
@@ -393,11 +388,6 @@ if HAS_TRITON:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
-def _require_triton() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed: the Triton attention kernels are unavailable")
-
-
 def reshape_and_cache(
     key: torch.Tensor,  # [T, num_kv_heads, head_size], last dim contiguous
     value: torch.Tensor,
@@ -406,7 +396,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [>= T] int64; negative entries are skipped
 ) -> None:
     """Write the new tokens' K/V into their cache slots (slot = block_id * block_size + offset)."""
-    _require_triton()
+    require_triton()
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -504,7 +494,7 @@ def paged_attention(
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch.
     """
-    _require_triton()
+    require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
         return output
     num_heads, head_size = query.shape[1], query.shape[2]

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from pagedllm import envs
-from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:

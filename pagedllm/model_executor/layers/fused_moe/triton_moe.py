@@ -25,7 +25,7 @@ import torch
 from pagedllm import envs
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
-from pagedllm.model_executor.layers.triton_ops import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
 
