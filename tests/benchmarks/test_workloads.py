@@ -59,13 +59,10 @@ def test_model_configs_present(model: str) -> None:
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
-    """The W3 floor's bytes: all weights but the embedding table, which a tied LM head reads whole."""
+def _tiny_bf16_llama(tied: bool):  # noqa: ANN202
+    """A 2-layer bf16 Llama with a 128-token vocabulary and hidden size 32 (the floors' hand counts use these)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedllm.benchmarks.floors import weight_read_bytes
 
     cfg = LlamaConfig(
         vocab_size=128,
@@ -76,7 +73,15 @@ def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
         num_key_value_heads=2,
         tie_word_embeddings=tied,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
+    """The W3 floor's bytes: all weights but the embedding table, which a tied LM head reads whole."""
+    from pagedllm.benchmarks.floors import weight_read_bytes
+
+    model = _tiny_bf16_llama(tied)
     everything = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts a tied tensor once
     embed = 128 * 32 * 2
     assert weight_read_bytes(model) == (everything if tied else everything - embed)
@@ -84,21 +89,9 @@ def test_weight_read_bytes_counts_what_a_decode_step_reads(tied: bool) -> None:
 
 def test_throughput_floor_counts_by_hand() -> None:
     """One request of 4 prompt tokens (2 from the prefix cache) and 3 outputs on a tiny bf16 Llama."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from pagedllm.benchmarks.floors import throughput_floor, weight_read_bytes
 
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = _tiny_bf16_llama(tied=False)
     w = weight_read_bytes(model)
     head, body = 128 * 32, w // 2 - 128 * 32
     f = throughput_floor(model, 2, 4, 2, 8, [(4, 3, 2)], 16384, copy_gbps=1.0, tflops=1e-3)
