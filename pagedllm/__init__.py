@@ -8,7 +8,7 @@ from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
-from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "__version__",

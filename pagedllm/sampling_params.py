@@ -19,6 +19,44 @@ class RequestOutputKind(enum.IntEnum):
     """Only the finished output is returned."""
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """One output constraint (vLLM's `StructuredOutputsParams`): exactly one of the six kinds is set."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (dict or its JSON text)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar."""
+    json_object: bool | None = None
+    """Any JSON object."""
+    structural_tag: str | None = None
+    """xgrammar's structural tag, as JSON text."""
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) > 1:
+            raise ValueError(f"structured_outputs: only one kind of constraint may be given, got {', '.join(kinds)}")
+        if not kinds:
+            raise ValueError(f"structured_outputs: one of {', '.join(_CONSTRAINT_KINDS)} must be given")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: `json`, `regex`, `choice`, `grammar`, `json_object` or `structural_tag`."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
     """Invalid values raise `ValueError` naming the field, at construction."""
 
@@ -64,6 +102,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
     """Free-form per-request arguments for custom logits processors."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (`pagedllm.structured_output`)."""
     # Filled in by the input processor (not by users).
     all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
     eos_token_id: int | None = None
