@@ -25,7 +25,7 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.core.stop import append_until_stop, check_stop
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -101,6 +101,12 @@ class Scheduler:
             self._free_request(req)
             out.append(req)
         return out
+
+    def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish requests that failed (request id -> error message) with `FinishReason.ERROR`: only they
+        end; their blocks are freed and the front end gets the message as the stop reason."""
+        failed = self.finish_requests(errors, RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, errors[req.request_id]) for req in failed]
 
     def _free_request(self, req: Request) -> None:
         self.kv.free(req)
@@ -266,7 +272,7 @@ class Scheduler:
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """The step's sampled tokens join their requests; stopped requests finish and free their blocks."""
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.fail_requests(result.failed) if result.failed else []
         outputs_append = outputs.append
         # Locals for the per-request loop (it runs for every running request, every step).
         get_request = self.requests.get

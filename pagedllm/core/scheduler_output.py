@@ -65,3 +65,6 @@ class ModelRunnerOutput:
     """Per request, in req_ids order: logprobs of the sampled tokens (None: not requested / no row asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Requests whose prompt logprobs were completed this step -> all of them (prompt positions 1..n-1)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests that failed in the worker this step (e.g. a user logits processor raised) -> the error:
+    they finish with `FinishReason.ERROR`; their sampled tokens are dropped; the others go on."""

@@ -22,6 +22,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.controls import AsyncLLMControlsMixin
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -202,6 +203,10 @@ class AsyncLLM(AsyncLLMControlsMixin):
             while not finished:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
+                if finished:
+                    for o in out.outputs:
+                        if o.finish_reason == "error":
+                            raise RequestFailedError(request_id, str(o.stop_reason))
                 yield out
         except EngineDeadError:
             raise

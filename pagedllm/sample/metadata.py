@@ -73,6 +73,33 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return int(self.temperature.shape[0])
 
+    def row_view(self, i: int) -> SamplingMetadata:
+        """Row `i` alone, for a custom logits processor re-run on one row (`Sampler` isolates a failing
+        request that way): the per-row fields a processor reads; the sparse built-in features left out."""
+
+        def one(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[i : i + 1]
+
+        def host(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[i : i + 1]
+
+        def pick(seq: list) -> list:  # type: ignore[type-arg]
+            return seq[i : i + 1] if len(seq) > i else []
+
+        return SamplingMetadata(
+            temperature=self.temperature[i : i + 1],
+            top_p=one(self.top_p),
+            top_k=one(self.top_k),
+            min_p=one(self.min_p),
+            all_greedy=bool(self.temperature[i] < 1e-5),
+            all_random=bool(self.temperature[i] >= 1e-5),
+            top_k_host=host(self.top_k_host),
+            top_p_host=host(self.top_p_host),
+            output_token_ids=pick(self.output_token_ids),
+            req_ids=pick(self.req_ids),
+            prompt_token_ids=pick(self.prompt_token_ids),
+        )
+
 
 def upload(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: type, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without synchronizing the device (a plain `torch.tensor(...,

@@ -50,6 +50,8 @@ class SamplerOutput:
     logprobs_tensors: LogprobsTensors | None = None
     """One position per row of `metadata.logprob_rows`, in that order (None when no row asked); still on
     the device: the model runner copies them to the host with the sampled ids, in one non-blocking step."""
+    failed_rows: dict[int, str] | None = None
+    """Rows whose request failed in a custom logits processor -> the error (their sampled ids are junk)."""
 
     @property
     def logprobs(self) -> LogprobsLists | None:
@@ -97,19 +99,24 @@ class Sampler(nn.Module):
         if want_lp and self.logprobs_mode.startswith("raw"):
             sel = logits[md.logprob_rows]  # a copy: later in-place edits do not reach it
             lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" else sel
-        logits = self.apply_logits_processors(logits, md)
-        sampled, processed = self.sample(logits, md, need_processed=want_lp and lp_src is None)
+        failed: dict[int, str] = {}
+        logits = self.apply_logits_processors(logits, md, failed)
+        sampled, processed = self.sample(logits, md, need_processed=want_lp and lp_src is None, failed=failed)
         if not want_lp:
-            return SamplerOutput(sampled)
+            return SamplerOutput(sampled, failed_rows=failed or None)
         if lp_src is None:
             sel = processed[md.logprob_rows]
             lp_src = sel.log_softmax(dim=-1) if self.logprobs_mode == "processed_logprobs" else sel
         assert md.logprob_rows is not None
         lp = gather_logprobs_tensors(lp_src, md.num_logprobs, sampled[md.logprob_rows], md.logprob_token_ids)
-        return SamplerOutput(sampled, lp)
+        return SamplerOutput(sampled, lp, failed or None)
 
-    def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Everything that may change the argmax (the "processed logits" of a greedy row)."""
+    def apply_logits_processors(
+        self, logits: torch.Tensor, md: SamplingMetadata, failed: dict[int, str] | None = None
+    ) -> torch.Tensor:
+        """Everything that may change the argmax (the "processed logits" of a greedy row). Rows whose
+        request makes a custom processor raise go into `failed` (row -> message) instead of the error
+        ending the step."""
         if md.allowed_rows is not None and md.allowed_token_ids is not None:
             idx, ids = md.allowed_token_ids
             blocked = torch.ones(md.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
@@ -118,7 +125,7 @@ class Sampler(nn.Module):
         if md.bad_words_token_ids:
             apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
         for proc in self.non_argmax_invariant:
-            logits = proc.apply(logits, md)
+            logits = self._apply_one(proc, logits, md, failed)
         if md.penalty_rows is not None:
             assert md.prompt_token_mask is not None and md.output_token_counts is not None
             assert md.presence_penalties is not None and md.frequency_penalties is not None
@@ -134,8 +141,39 @@ class Sampler(nn.Module):
             )
         return logits
 
+    def _apply_one(
+        self, proc: LogitsProcessor, logits: torch.Tensor, md: SamplingMetadata, failed: dict[int, str] | None
+    ) -> torch.Tensor:
+        """`proc.apply`; a custom processor that raises is re-run row by row on the logits as they were,
+        so that only the rows (requests) it fails on are dropped."""
+        if proc not in self.custom_processors:
+            return proc.apply(logits, md)
+        before = logits.clone()
+        try:
+            return proc.apply(logits, md)
+        except Exception as e:  # noqa: BLE001 - user code: isolate the failing request(s)
+            if failed is None:
+                raise
+            batch_error = f"{type(e).__name__}: {e}"
+        for i in range(md.num_rows):
+            if i in failed:
+                continue
+            try:
+                before[i : i + 1] = proc.apply(before[i : i + 1].clone(), md.row_view(i))
+            except Exception as e:  # noqa: BLE001
+                failed[i] = f"logits processor {type(proc).__name__} failed: {type(e).__name__}: {e}"
+        if not failed:  # it fails on the batch but on no single row: fail them all rather than guess
+            failed.update(
+                {i: f"logits processor {type(proc).__name__} failed: {batch_error}" for i in range(md.num_rows)}
+            )
+        return before
+
     def sample(
-        self, logits: torch.Tensor, md: SamplingMetadata, need_processed: bool = True
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        need_processed: bool = True,
+        failed: dict[int, str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sampled ids, processed logits: for random rows after temperature/min_p/top-k/top-p).
 
@@ -162,7 +200,7 @@ class Sampler(nn.Module):
         if sampled is None:
             logits = logits / temp.unsqueeze(1)
             for proc in self.argmax_invariant:
-                logits = proc.apply(logits, md)
+                logits = self._apply_one(proc, logits, md, failed)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.top_k_host, md.top_p_host)
             if one_pass:

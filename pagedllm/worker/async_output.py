@@ -75,6 +75,8 @@ class PendingStep:
     batch_version: int = -1
     any_penalty: bool = True
     """Some row of `sample_rows` holds a penalty slot."""
+    failed: dict[str, str] | None = None
+    """Requests that failed this step (a custom logits processor raised) -> the error."""
 
     def sampled_ids(self) -> list[int]:
         """The sampled ids (in sample_idx order), waiting for their copy if it is still in flight."""

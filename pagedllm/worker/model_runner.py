@@ -223,6 +223,8 @@ class ModelRunner:
             md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids
+            if out.failed_rows:
+                step.failed = {x.req_ids[sample_idx[r]]: msg for r, msg in out.failed_rows.items()}
             if ahead:
                 step.sampled_host, step.logprobs, step.event = self.copier.copy(sampled_gpu, out.logprobs_tensors)
             else:
@@ -270,7 +272,9 @@ class ModelRunner:
         num_reqs = len(step.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         if step.sampled_host is None:
-            return ModelRunnerOutput(step.req_ids, sampled_lists, None, step.prompt_logprobs_done or {})
+            return ModelRunnerOutput(
+                step.req_ids, sampled_lists, None, step.prompt_logprobs_done or {}, step.failed or {}
+            )
         batch = self.input_batch
         assert batch is not None
         sampled = step.sampled_ids()
@@ -304,4 +308,6 @@ class ModelRunner:
         else:
             for i, tok in zip(step.sample_idx.tolist(), sampled):
                 sampled_lists[i] = [tok]
-        return ModelRunnerOutput(step.req_ids, sampled_lists, step.logprobs_lists(), step.prompt_logprobs_done or {})
+        return ModelRunnerOutput(
+            step.req_ids, sampled_lists, step.logprobs_lists(), step.prompt_logprobs_done or {}, step.failed or {}
+        )

@@ -216,6 +216,8 @@ class Recorder(LogitsProcessor):
 
     def __init__(self) -> None:
         self.banned: dict[str, int] = {}
+        self.boom: dict[str, int] = {}
+        """Request -> raise once its output has this many tokens (a user processor failing on one request)."""
         self.steps: list[list[str]] = []
         self.removed: list[str] = []
 
@@ -227,6 +229,8 @@ class Recorder(LogitsProcessor):
     def add_request(self, req_id, params, prompt_token_ids, output_token_ids) -> None:  # noqa: ANN001
         if params.extra_args:
             self.banned[req_id] = params.extra_args["ban"]
+            if "boom" in params.extra_args:
+                self.boom[req_id] = params.extra_args["boom"]
 
     def remove_request(self, req_id: str) -> None:
         self.removed.append(req_id)
@@ -235,6 +239,11 @@ class Recorder(LogitsProcessor):
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         self.steps.append(list(metadata.req_ids))
         rows = [i for i, r in enumerate(metadata.req_ids) if r in self.banned]
+        if rows:
+            logits[torch.tensor(rows), 0] *= 2.0  # in place, before a failure below (not idempotent)
+        for i, r in enumerate(metadata.req_ids):
+            if r in self.boom and len(metadata.output_token_ids[i]) >= self.boom[r]:
+                raise RuntimeError(f"boom on {r}")
         if rows:
             ids = [self.banned[metadata.req_ids[i]] for i in rows]
             logits[torch.tensor(rows), torch.tensor(ids)] = -INF
@@ -267,6 +276,8 @@ def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt
         ),
         "l": SamplingParams(temperature=0.0, logprobs=3, max_tokens=6, ignore_eos=True),
         "b": banned,
+        # A request the user's processor raises on at its third step: only it fails.
+        "x": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"ban": base[0], "boom": 2}),
     }
     for rid, sp in mixed.items():
         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
@@ -278,9 +289,13 @@ def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt
                 results[out.request_id] = out
         n_steps += 1
     assert n_steps == 6  # every request got a token in every step
-    assert set(rec.steps[-1]) == set(mixed)
+    assert set(rec.steps[-1]) == set(mixed) - {"x"}
     assert results["g"].outputs[0].token_ids == base
     assert results["b"].outputs[0].token_ids[0] != base[0]
+    failed = results["x"].outputs[0]
+    assert failed.finish_reason == "error" and "boom on x" in str(failed.stop_reason)
+    assert failed.token_ids == results["b"].outputs[0].token_ids[:2]  # its tokens before the failure
+    assert not engine.has_unfinished_requests()
     assert len(results["l"].outputs[0].logprobs) == 6
     # Finished ids reach the worker with the next step: one more request delivers them.
     llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -346,3 +361,27 @@ def test_top_k_top_p_by_topk_equals_full_sort() -> None:
         got = _top_k_top_p_by_topk(logits.clone(), k, p, int(k.max()))
         ref = _sorted_top_k_top_p(logits.clone(), k, p)
         assert torch.equal(torch.isinf(got), torch.isinf(ref))
+
+
+def test_failing_custom_processor_fails_only_its_rows() -> None:
+    """The batch call raises after editing some rows in place: the processor is re-run row by row on the
+    logits as they were, the failing row is reported, the others get exactly the processor's output."""
+    rec = Recorder()
+    params = [SamplingParams(temperature=0.0, extra_args={"ban": 3}), SamplingParams(temperature=0.0)]
+    params.append(SamplingParams(temperature=0.0, extra_args={"ban": 5, "boom": 1}))
+    md = build_sampling_metadata(params, V, [[1], [2], [3]], [[7], [8], [9]])
+    md.req_ids = ["a", "b", "c"]
+    for rid, sp in zip(md.req_ids, params):
+        rec.add_request(rid, sp, [], [])
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    failed: dict[int, str] = {}
+    got = Sampler([rec]).apply_logits_processors(logits.clone(), md, failed)
+    assert list(failed) == [2] and "boom on c" in failed[2]
+    want = logits.clone()
+    want[0, 0] *= 2.0
+    want[0, 3] = -INF
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=0)
+    out = Sampler([rec])(logits.clone(), md)
+    assert out.failed_rows is not None and list(out.failed_rows) == [2]
+    with pytest.raises(RuntimeError, match="boom"):  # without a place to report, the error propagates
+        Sampler([rec]).apply_logits_processors(logits.clone(), md)

@@ -21,6 +21,7 @@ import pagedllm
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
@@ -223,6 +224,10 @@ def build_app(
             return JSONResponse(error_body(f"Request body is not valid UTF-8: {cause}", 400), status_code=400)
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return JSONResponse(error_body(detail, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 500), status_code=500)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
