@@ -119,3 +119,55 @@ def test_failed_send_leaves_no_state(engine: AsyncLLM, monkeypatch: pytest.Monke
         assert await engine.engine_core.call_utility("has_unfinished_requests") is False
 
     run(main())
+
+
+def test_request_sleeping_in_the_tokenizer_does_not_stall_streams(engine: AsyncLLM) -> None:
+    """Fault (issue 14): a request whose tokenization takes 3 s (a sleeping tokenizer, on a text long
+    enough to be tokenized off the event loop) holds the loop for none of it: a stream already running
+    keeps getting tokens, and then the slow request completes too."""
+    import time
+
+    tok = engine.get_tokenizer()
+    real_encode = tok.encode
+
+    def sleepy_encode(text: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if text.startswith("SLEEPY"):
+            time.sleep(3.0)
+            return real_encode("Hello there", *args, **kwargs)  # few tokens: its prefill is no stall
+        return real_encode(text, *args, **kwargs)
+
+    started = asyncio.Event()
+    stamps: list[float] = []
+
+    async def steady() -> None:
+        sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        async for _ in engine.generate("Count: one, two,", sp, "steady"):
+            stamps.append(time.monotonic())
+            started.set()
+
+    async def slow() -> tuple[float, float, int]:
+        await started.wait()
+        t0 = time.monotonic()
+        last = None
+        sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        async for out in engine.generate("SLEEPY" + " word" * 1000, sp, "sleepy"):
+            last = out
+        assert last is not None and last.finished
+        engine.abort("steady")
+        return t0, time.monotonic(), len(last.outputs[0].token_ids)
+
+    async def main() -> tuple[float, float, int]:
+        task = asyncio.ensure_future(steady())
+        try:
+            return await slow()
+        finally:
+            task.cancel()
+
+    tok.encode = sleepy_encode
+    try:
+        t0, t1, n = run(main())
+    finally:
+        tok.encode = real_encode
+    assert n == 2 and t1 - t0 >= 3.0
+    during = [t for t in stamps if t0 + 0.5 < t < t0 + 2.5]
+    assert len(during) >= 2, "the running stream got no tokens while the other request was tokenized"
