@@ -22,7 +22,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.controls import AsyncLLMControlsMixin
-from pagedllm.engine.exceptions import RequestFailedError
+from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
 from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
@@ -73,6 +73,11 @@ class AsyncLLM(AsyncLLMControlsMixin):
         self.engine_core.on_dead = self._fail_all_requests
         self.dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         """Called (on the event loop) once the core process is found dead, after requests were failed."""
+        self.request_timeout_s: float | None = None
+        """Abort a request that has not finished this many seconds after it was added (`RequestTimeoutError`
+        for its reader); None: no limit. The server's `--request-timeout`."""
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._timed_out: set[str] = set()
         self._output_handler: asyncio.Task[None] | None = None
         self._log_task: asyncio.Task[None] | None = None
         self._last_step_ts = 0.0
@@ -155,6 +160,10 @@ class AsyncLLM(AsyncLLMControlsMixin):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         req, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
         queue = RequestOutputCollector(params.output_kind)
+        if self.request_timeout_s is not None:
+            self._deadlines[request_id] = asyncio.get_running_loop().call_later(
+                self.request_timeout_s, self._expire, request_id
+            )
         if params.n == 1:
             self.output_processor.add_request(req, prompt_text, queue=queue)
             core_reqs = [req]
@@ -204,6 +213,9 @@ class AsyncLLM(AsyncLLMControlsMixin):
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
                 if finished:
+                    if request_id in self._timed_out:
+                        self._timed_out.discard(request_id)
+                        raise RequestTimeoutError(request_id, self.request_timeout_s or 0.0)
                     for o in out.outputs:
                         if o.finish_reason == "error":
                             raise RequestFailedError(request_id, str(o.stop_reason))
@@ -214,6 +226,20 @@ class AsyncLLM(AsyncLLMControlsMixin):
             if not finished:
                 self.abort(request_id)
             raise
+        finally:
+            deadline = self._deadlines.pop(request_id, None) if self._deadlines else None
+            if deadline is not None:
+                deadline.cancel()
+
+    def _expire(self, request_id: str) -> None:
+        """The request's time limit passed: abort it; its reader gets `RequestTimeoutError`."""
+        op = self.output_processor
+        if self._deadlines.pop(request_id, None) is None:
+            return
+        if request_id not in op.request_states and request_id not in op.parent_requests:
+            return  # finished already; its reader has not read the last output yet
+        self._timed_out.add(request_id)
+        self.abort(request_id)
 
     async def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """Pooling (embeddings): not implemented yet."""

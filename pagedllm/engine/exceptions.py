@@ -10,3 +10,11 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran longer than the front end's per-request time limit and was aborted."""
+
+    def __init__(self, request_id: str, timeout_s: float) -> None:
+        super().__init__(f"request_timeout: request {request_id} ran longer than {timeout_s:g} s and was aborted")
+        self.request_id = request_id

@@ -171,3 +171,32 @@ def test_request_sleeping_in_the_tokenizer_does_not_stall_streams(engine: AsyncL
     assert n == 2 and t1 - t0 >= 3.0
     during = [t for t in stamps if t0 + 0.5 < t < t0 + 2.5]
     assert len(during) >= 2, "the running stream got no tokens while the other request was tokenized"
+
+
+def test_request_timeout_aborts_only_that_request(engine: AsyncLLM) -> None:
+    """`request_timeout_s` (the server's --request-timeout): a request still running at its deadline is
+    aborted and its reader gets RequestTimeoutError; one finishing in time is untouched; nothing stays."""
+    from pagedllm.engine.exceptions import RequestTimeoutError
+    from pagedllm.entrypoints.openai.serving_base import request_error
+
+    async def consume(rid: str, max_tokens: int) -> int:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        last = None
+        async for out in engine.generate("Count: one, two,", sp, rid):
+            last = out
+        assert last is not None
+        return len(last.outputs[0].token_ids)
+
+    async def main() -> list[object]:
+        return await asyncio.gather(consume("long", 2000), consume("short", 2), return_exceptions=True)
+
+    engine.request_timeout_s = 10.0
+    try:
+        long_res, short_res = run(main())
+    finally:
+        engine.request_timeout_s = None
+    assert isinstance(long_res, RequestTimeoutError) and "10 s" in str(long_res)
+    assert short_res == 2
+    err = request_error(long_res)
+    assert err.status == 408 and err.param == "request_timeout"
+    assert not engine.output_processor.request_states and not engine._deadlines and not engine._timed_out

@@ -50,6 +50,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--max-n", type=int, default=16, help="Largest n (and best_of) a request may ask for.")
     g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Abort a generation request not finished this many seconds after it arrived: 408 (streams: an "
+        "error event), its KV blocks freed. Default: no limit.",
+    )
+    g.add_argument(
         "--timeout-keep-alive", type=int, default=5, help="Close idle keep-alive connections after this many seconds."
     )
     g.add_argument(

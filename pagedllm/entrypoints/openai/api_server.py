@@ -21,7 +21,7 @@ import pagedllm
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.exceptions import RequestFailedError
+from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
@@ -54,6 +54,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     SSEStream,
     engine_dead_error,
     error_body,
+    request_error,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -226,8 +227,10 @@ def build_app(
         return JSONResponse(error_body(detail, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestFailedError)
-    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), 500), status_code=500)
+    @app.exception_handler(RequestTimeoutError)
+    async def _failed(_: Request, exc: Exception) -> JSONResponse:
+        err = request_error(exc)
+        return JSONResponse(err.to_response().model_dump(), status_code=err.status)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -325,6 +328,8 @@ async def run_server(args: argparse.Namespace) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
     when the engine core died."""
     engine_args = EngineArgs.from_cli_args(args)
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"request_timeout: must be positive, got {args.request_timeout}")
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     api_keys = [args.api_key] if args.api_key else []
     if not api_keys and envs.PAGEDLLM_API_KEY:
@@ -350,6 +355,7 @@ async def run_server(args: argparse.Namespace) -> int:
             body_timeout_s=args.timeout_request_body,
         )
         TimeoutH11Protocol.header_timeout_s = args.timeout_request_header
+        engine.request_timeout_s = args.request_timeout
         uv_config = uvicorn.Config(
             app,
             host=args.host,

@@ -12,6 +12,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -63,6 +64,15 @@ class OpenAIServingError(Exception):
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=self.status)
         )
+
+
+def request_error(e: Exception) -> OpenAIServingError:
+    """The HTTP error for an exception that ended one request (a timeout: 408; anything else: 500)."""
+    if isinstance(e, RequestTimeoutError):
+        return OpenAIServingError(str(e), 408, "request_timeout")
+    if isinstance(e, RequestFailedError):
+        return OpenAIServingError(str(e), 500)
+    return OpenAIServingError(f"{type(e).__name__}: {e}", 500)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

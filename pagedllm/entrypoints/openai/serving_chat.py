@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import apply_chat_template, normalize_conversation
 from pagedllm.entrypoints.openai.protocol import (
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     SSEStream,
     engine_dead_error,
     merge_async_iterators,
+    request_error,
     sse,
     sse_error,
 )
@@ -258,6 +260,7 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as e:
             yield sse_error(engine_dead_error(e))
         except Exception as e:
-            logger.exception("chat stream %s failed", rid)
-            yield sse_error(OpenAIServingError(f"{type(e).__name__}: {e}", 500))
+            if not isinstance(e, (RequestFailedError, RequestTimeoutError)):
+                logger.exception("chat stream %s failed", rid)
+            yield sse_error(request_error(e))
         yield sse("[DONE]")

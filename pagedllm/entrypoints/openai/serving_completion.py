@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 
 from pagedllm.beam_search import beam_search_async
+from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -22,6 +23,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     SSEStream,
     engine_dead_error,
     merge_async_iterators,
+    request_error,
     sse,
     sse_error,
 )
@@ -351,8 +353,9 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineDeadError as e:
             yield sse_error(engine_dead_error(e))
         except Exception as e:
-            logger.exception("completion stream %s failed", rid)
-            yield sse_error(OpenAIServingError(f"{type(e).__name__}: {e}", 500))
+            if not isinstance(e, (RequestFailedError, RequestTimeoutError)):
+                logger.exception("completion stream %s failed", rid)
+            yield sse_error(request_error(e))
         yield sse("[DONE]")
 
 
