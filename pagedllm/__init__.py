@@ -1,5 +1,9 @@
 """pagedllm: a high-throughput, memory-efficient LLM inference and serving engine."""
 
+from pagedllm import envs
+
+envs.set_openmp_defaults()  # before anything imports torch (and with it OpenMP)
+
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine

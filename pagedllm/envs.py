@@ -103,3 +103,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return list(environment_variables)
+
+
+def set_openmp_defaults() -> None:
+    """Before torch loads OpenMP: threads that wait at a barrier sleep instead of spinning, unless the
+    user set `OMP_WAIT_POLICY`. With another busy process on the machine, spinning threads burn the time
+    slices of the thread they wait for: a 64-token request on 2 cores took 36-65 s instead of 3.7 s
+    (benchmarks/NOTES.md, "Busy neighbour"). libgomp reads the variable once, when it is loaded."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
