@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -70,8 +71,39 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1 = Poisson).")
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentiles", default="50,90,99", help="Comma-separated percentiles to report.")
-    p.add_argument("--save-result", default=None, metavar="FILE.json", help="Write the results as JSON.")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Send ignore_eos so every output is exactly its length (vLLM's flag; on by default here, since "
+        "random token prompts end early otherwise: --no-ignore-eos to turn it off).",
+    )
+    p.add_argument(
+        "--num-warmups", type=int, default=0, help="Requests sent (and awaited) before the measured run, not counted."
+    )
+    p.add_argument(
+        "--percentiles",
+        "--metric-percentiles",
+        dest="percentiles",
+        default="50,90,99",
+        help="Comma-separated percentiles to report.",
+    )
+    p.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="Comma-separated metrics to report percentiles of (ttft, tpot, itl, e2el), as vLLM.",
+    )
+    p.add_argument(
+        "--save-result",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.json",
+        help="Write the results as JSON: to FILE.json, or with no value (vLLM's form) to "
+        "--result-dir/--result-filename (default: serve-<rate>qps-<timestamp>.json).",
+    )
+    p.add_argument("--result-dir", default=".", help="Folder for --save-result without a file name.")
+    p.add_argument("--result-filename", default=None, help="File name for --save-result without a file name.")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="Per-request timeout in seconds.")
     add_plot_arg(p)
     return p
@@ -91,7 +123,14 @@ def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 async def _one(
-    session: Any, url: str, headers: dict[str, str], model: str, prompt: list[int], max_tokens: int, timeout: float
+    session: Any,
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout: float,
+    ignore_eos: bool = True,
 ) -> RequestResult:
     import aiohttp
 
@@ -100,7 +139,7 @@ async def _one(
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -175,14 +214,25 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "output_throughput": total_out / duration if duration else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
     }
+    wanted = _percentile_metrics(args)
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
         out[f"mean_{name}_ms"] = 1000 * sum(vals) / len(vals) if vals else 0.0
-        for p in pcts:
-            out[f"p{p:g}_{name}_ms"] = 1000 * _pct(vals, p)
+        if name in wanted:
+            out[f"median_{name}_ms"] = 1000 * _pct(vals, 50)  # vLLM's result JSON has it always
+            for p in pcts:
+                out[f"p{p:g}_{name}_ms"] = 1000 * _pct(vals, p)
     errors = [r.error for r in results if not r.ok]
     if errors:
         out["errors"] = errors[:10]
     return out
+
+
+def _percentile_metrics(args: argparse.Namespace) -> list[str]:
+    names = [m.strip() for m in getattr(args, "percentile_metrics", "ttft,tpot,itl,e2el").split(",") if m.strip()]
+    bad = [m for m in names if m not in ("ttft", "tpot", "itl", "e2el")]
+    if bad:
+        raise ValueError(f"percentile_metrics: unknown metric(s) {bad}; expected ttft, tpot, itl, e2el")
+    return names
 
 
 def print_table(s: dict[str, Any], pcts: list[str]) -> None:
@@ -206,6 +256,8 @@ def print_table(s: dict[str, Any], pcts: list[str]) -> None:
         ("itl", "Inter-token Latency"),
         ("e2el", "End-to-end Latency"),
     ):
+        if f"median_{name}_ms" not in s:
+            continue
         print(f" {title} ".center(w, "-"))
         print(f"{'Mean ' + name.upper() + ' (ms):':<36}{s[f'mean_{name}_ms']:>14.2f}")
         for p in pcts:
@@ -233,11 +285,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         url = f"{base}/v1/completions"
 
+        ignore_eos = getattr(args, "ignore_eos", True)
+
         async def limited(prompt: list[int], out_len: int) -> RequestResult:
             if sem is None:
-                return await _one(session, url, headers, model, prompt, out_len, args.timeout)
+                return await _one(session, url, headers, model, prompt, out_len, args.timeout, ignore_eos)
             async with sem:
-                return await _one(session, url, headers, model, prompt, out_len, args.timeout)
+                return await _one(session, url, headers, model, prompt, out_len, args.timeout, ignore_eos)
+
+        warmups = getattr(args, "num_warmups", 0)
+        if warmups:  # the same kind of request, not measured (vLLM's --num-warmups)
+            warm = await asyncio.gather(*(limited(p, o) for p, o in requests[:warmups]))
+            if not any(r.ok for r in warm):
+                raise RuntimeError(f"warm-up failed: {warm[0].error}")
 
         tasks: list[asyncio.Task[RequestResult]] = []
         start = time.perf_counter()
@@ -277,15 +337,20 @@ def serve_series(results: list[RequestResult], run_start: float) -> dict[str, An
 
 
 def main(args: argparse.Namespace) -> int:
+    _percentile_metrics(args)  # a typo fails before any request is sent
     summary = asyncio.run(run(args))
     print_table(summary, [p.strip() for p in args.percentiles.split(",") if p.strip()])
     if getattr(args, "plot", None):
         plot_run(summary, args.plot, f"bench serve: {summary['model']} ({summary['completed']} requests)")
         print(f"Plot saved to {args.plot}")
-    if args.save_result:
-        with open(args.save_result, "w", encoding="utf-8") as f:
+    if args.save_result is not None:
+        path = args.save_result or os.path.join(
+            args.result_dir,
+            args.result_filename or f"serve-{args.request_rate}qps-{time.strftime('%Y%m%d-%H%M%S')}.json",
+        )
+        with open(path, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-        print(f"Results saved to {args.save_result}")
+        print(f"Results saved to {path}")
     if summary["completed"] == 0:
         print("error: no request succeeded: " + "; ".join(summary.get("errors", [])), file=sys.stderr)
         return 1
