@@ -158,3 +158,42 @@ def test_sandbox_limits(sandbox: TemplateSandbox, template: str, message: str) -
         )
         == "ok"
     )
+
+
+# ---- the chat-template and tokenizer input paths, fuzzed ----------------------------------------------
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=200)  # any valid Unicode text
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), _TEXT | st.sampled_from(["{{ 7*7 }}", "{% x %}"])),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_chat_template_renders_any_text_verbatim(smollm2_tokenizer: Any, turns: list[tuple[str, str]]) -> None:
+    """Any message text renders through the model's template as data (never evaluated as Jinja, never
+    an error other than ValueError)."""
+    conv = [{"role": r, "content": c} for r, c in turns]
+    try:
+        text = apply_chat_template(smollm2_tokenizer, conv)
+    except ValueError:
+        return
+    for _, content in turns:
+        assert content.strip() in text
+
+
+@settings(max_examples=100, deadline=None)
+@given(_TEXT)
+def test_tokenizer_round_trips_any_text(smollm2_tokenizer: Any, text: str) -> None:
+    """The prompt path's tokenizer: token ids inside the vocabulary for any text; decoding gives the text
+    back when it is made of assigned, visible characters (letters, marks, numbers, punctuation, symbols,
+    spaces: the GGUF's byte-level vocabulary lacks some bytes that control, private-use and unassigned code
+    points need)."""
+    import unicodedata
+
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert all(0 <= t < len(smollm2_tokenizer) for t in ids)
+    if all(unicodedata.category(c)[0] in "LMNPSZ" for c in text):
+        assert smollm2_tokenizer.decode(ids) == text
