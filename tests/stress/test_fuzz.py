@@ -69,5 +69,5 @@ def test_fuzz_smoke(stress_server: ServerProcess) -> None:
 
 @pytest.mark.slow
 def test_fuzz_2000_cases(stress_server: ServerProcess) -> None:
-    counts = fuzz(stress_server, 120)
+    counts = fuzz(stress_server, 300)  # operations without a body exhaust their few cases early
     assert sum(counts.values()) >= 2000 and all(n > 0 for n in counts.values()), counts
