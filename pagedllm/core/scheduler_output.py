@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_id: int | None = None
     """Hook for multi-LoRA (issue: multi-LoRA serving): the adapter this request runs with; None today."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request's parameters (its hidden states go to the pooler, not the sampler)."""
 
 
 @dataclass
@@ -65,3 +68,5 @@ class ModelRunnerOutput:
     """Per request, in req_ids order: logprobs of the sampled tokens (None: not requested / no row asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Requests whose prompt logprobs were completed this step -> all of them (prompt positions 1..n-1)."""
+    pooler_output: dict[str, PooledData] = field(default_factory=dict)
+    """Pooling requests whose prompt was completed this step -> their pooled result."""
