@@ -81,9 +81,10 @@ class PoolingModelRunner(ModelRunner):
         return self._execute_decoder(so)
 
     def _execute_encoder(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
+        if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], [])
+        # By length, so that each attention chunk pads little (results go back by request id).
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: len(self.prompts[r]))
         prompts = [self.prompts[r] for r in req_ids]
         lens = [len(p) for p in prompts]
         dev = self.device

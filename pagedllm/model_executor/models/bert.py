@@ -21,26 +21,48 @@ from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedL
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
 
-@dataclass
-class EncoderBatch:
-    """The step's sequences, packed: `seq_lens` [B] (host), `pad_index` [T] the row of each packed token in
-    the padded [B * L] layout, `key_mask` [B, 1, 1, L] True where a key is a real token."""
+ATTN_CHUNK_SEQS = 32
+"""Sequences per attention chunk: each chunk is padded to its own longest sequence only."""
 
-    seq_lens: torch.Tensor
+
+@dataclass
+class AttnChunk:
+    """Sequences [first token `t0`, `t1`) of the packed step, padded to `max_len` for attention:
+    `pad_index` [t1 - t0] each token's row in the chunk's [n * max_len] layout, `key_mask` [n, 1, 1, L]."""
+
+    t0: int
+    t1: int
+    num_seqs: int
     max_len: int
     pad_index: torch.Tensor
-    key_mask: torch.Tensor
+    key_mask: torch.Tensor | None
+
+
+@dataclass
+class EncoderBatch:
+    """The step's sequences, packed ([T] tokens); `seq_lens` [B] on the host. Callers sort the sequences
+    by length so that each attention chunk of `ATTN_CHUNK_SEQS` pads little."""
+
+    seq_lens: torch.Tensor
+    chunks: list[AttnChunk]
 
     @staticmethod
     def build(seq_lens: list[int], device: torch.device) -> EncoderBatch:
         lens = torch.tensor(seq_lens, dtype=torch.long)
-        max_len = int(lens.max())
-        starts = torch.arange(len(seq_lens), dtype=torch.long) * max_len
-        pad_index = torch.repeat_interleave(starts, lens) + _ranges(lens)
-        key_mask = torch.arange(max_len)[None, :] < lens[:, None]
-        return EncoderBatch(
-            lens, max_len, pad_index.to(device, non_blocking=True), key_mask[:, None, None, :].to(device)
-        )
+        chunks = []
+        t0 = 0
+        for i in range(0, len(seq_lens), ATTN_CHUNK_SEQS):
+            cl = lens[i : i + ATTN_CHUNK_SEQS]
+            max_len = int(cl.max())
+            n, total = len(cl), int(cl.sum())
+            starts = torch.arange(n, dtype=torch.long) * max_len
+            pad_index = torch.repeat_interleave(starts, cl) + _ranges(cl)
+            key_mask = None
+            if int(cl.min()) != max_len:
+                key_mask = (torch.arange(max_len)[None, :] < cl[:, None])[:, None, None, :].to(device)
+            chunks.append(AttnChunk(t0, t0 + total, n, max_len, pad_index.to(device), key_mask))
+            t0 += total
+        return EncoderBatch(lens, chunks)
 
 
 def _ranges(lens: torch.Tensor) -> torch.Tensor:
@@ -60,13 +82,18 @@ class BertSelfAttention(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=float(config.layer_norm_eps))
 
     def forward(self, x: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
-        t, hidden = x.shape
-        b, L, h, d = len(eb.seq_lens), eb.max_len, self.num_heads, self.head_dim
+        hidden, h, d = x.shape[1], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        padded = qkv.new_zeros(b * L, 3 * hidden).index_copy_(0, eb.pad_index, qkv)
-        q, k, v = padded.view(b, L, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=eb.key_mask)
-        out = out.transpose(1, 2).reshape(b * L, hidden).index_select(0, eb.pad_index)
+        outs = []
+        for c in eb.chunks:
+            part = qkv[c.t0 : c.t1]
+            if c.key_mask is not None:  # padded keys are masked; zeros keep their (unused) values finite
+                part = part.new_zeros(c.num_seqs * c.max_len, 3 * hidden).index_copy_(0, c.pad_index, part)
+            q, k, v = part.view(c.num_seqs, c.max_len, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.key_mask).transpose(1, 2)
+            o = o.reshape(c.num_seqs * c.max_len, hidden)
+            outs.append(o.index_select(0, c.pad_index) if c.key_mask is not None else o)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_norm(x + self.out_proj(out))
 
 
