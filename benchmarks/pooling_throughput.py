@@ -87,7 +87,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}", file=sys.stderr)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     st = SentenceTransformer(model_dir, device=args.device, model_kwargs={"torch_dtype": dtype})
-    st_times = timed(lambda: st.encode(sents, batch_size=args.st_batch_size, convert_to_tensor=True), args.repeats)
+    bs = args.st_batch_size
+    st_times = timed(lambda: st.encode(sents, batch_size=bs, convert_to_tensor=True), args.repeats)  # noqa: F821
     ref = st.encode(sents[:50], convert_to_tensor=True).float().cpu()
     del st
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, disable_log_stats=True)

@@ -7,8 +7,8 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"

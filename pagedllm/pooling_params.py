@@ -45,7 +45,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: 
             raise ValueError(f"task: unknown pooling task {task!r}; expected one of {', '.join(POOLING_TASKS)}")
         if task not in supported_tasks:
             raise ValueError(
-                f"task: this model does not support the pooling task {task!r} (it supports: {', '.join(supported_tasks)})"
+                f"task: this model does not support the pooling task {task!r} "
+                f"(it supports: {', '.join(supported_tasks)})"
             )
         if self.dimensions is not None:
             if task not in ("embed", "token_embed"):

@@ -70,7 +70,7 @@ class InputProcessor:
 
             return process_pooling(
                 self, request_id, prompt, params, arrival_time, priority, prompt_token_ids, prompt_text, cache_salt
-            )  # type: ignore[arg-type]
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if prompt_token_ids is None:

@@ -109,7 +109,9 @@ def resolve_pooling(
         raise ValueError(f"convert: expected one of {CONVERTS}, got {convert!r}")
     st = sentence_transformers_config(model_dir) if os.path.isdir(model_dir) else None
     if runner == "auto":
-        runner = "pooling" if (is_pooling_arch(archs) or st is not None or convert in ("embed", "classify")) else "generate"
+        runner = (
+            "pooling" if (is_pooling_arch(archs) or st is not None or convert in ("embed", "classify")) else "generate"
+        )
     if runner == "generate":
         if convert in ("embed", "classify"):
             raise ValueError(f"convert={convert!r} needs runner='pooling'")
@@ -149,7 +151,9 @@ def apply_pooling(args: Any, mc: Any, max_batched: int) -> dict[str, Any]:
     (they only account for the step's tokens: an encoder keeps no KV)."""
     from pagedllm.model_executor.model_loader.loader import get_architectures
 
-    setup = resolve_pooling(args.runner, args.convert, args.pooler_config, get_architectures(mc.hf_config), mc.model_dir, mc.hf_config)
+    setup = resolve_pooling(
+        args.runner, args.convert, args.pooler_config, get_architectures(mc.hf_config), mc.model_dir, mc.hf_config
+    )
     mc.runner_type = setup.runner_type
     if setup.runner_type != "pooling":
         return {}

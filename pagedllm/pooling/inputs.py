@@ -36,7 +36,7 @@ def process_pooling(
     processor: Any,
     request_id: str,
     prompt: PromptType,
-    params: PoolingParams,
+    params: PoolingParams | SamplingParams,
     arrival_time: float | None,
     priority: int,
     prompt_token_ids: list[int] | None,
@@ -45,6 +45,7 @@ def process_pooling(
 ) -> tuple[EngineCoreRequest, str | None]:
     mc = processor.model_config
     check_runner(mc, params)
+    assert isinstance(params, PoolingParams)
     setup = mc.pooling
     task = params.task or ("embed" if "embed" in setup.tasks else setup.tasks[1])
     hidden = int(getattr(mc.hf_config, "hidden_size", 0))

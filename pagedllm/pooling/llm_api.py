@@ -94,9 +94,7 @@ class LLMPoolingMixin:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        outs = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, pooling_task="embed"
-        )
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def classify(
@@ -122,7 +120,9 @@ class LLMPoolingMixin:
     ) -> list[PoolingRequestOutput]:
         """Reward models here are sequence classifiers (num_labels reward heads, e.g. *ForSequenceClassification
         reward models): the raw head output, no activation."""
-        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, pooling_task="reward")
+        return self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, pooling_task="reward"
+        )
 
     def score(
         self,
@@ -159,6 +159,3 @@ class LLMPoolingMixin:
             )
             results.append(ScoringRequestOutput.from_base(base))
         return results
-
-
-

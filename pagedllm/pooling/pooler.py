@@ -58,7 +58,9 @@ class Pooler:
             else:  # pool every sequence, keep those rows (the rest are few: token-level requests)
                 pooled = pool_hidden(hidden, cu, ptype)[torch.tensor(seq_rows, device=hidden.device)]
             assert isinstance(pooled, torch.Tensor)
-            self._sequence_tasks(pooled.float(), [params[i] for i in seq_rows], [tasks[i] for i in seq_rows], seq_rows, out)
+            self._sequence_tasks(
+                pooled.float(), [params[i] for i in seq_rows], [tasks[i] for i in seq_rows], seq_rows, out
+            )
         if token_rows:
             per_seq = pool_hidden(hidden, cu, "ALL")
             for i in token_rows:

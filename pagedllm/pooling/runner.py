@@ -130,7 +130,9 @@ class PoolingModelRunner(ModelRunner):
         np.cumsum(lens, out=cu[1:])
         return self._pooled(list(x.req_ids), torch.cat(parts), cu, finished)
 
-    def _pooled(self, req_ids: list[str], hidden: torch.Tensor, cu: np.ndarray, finished: list[str]) -> ModelRunnerOutput:
+    def _pooled(
+        self, req_ids: list[str], hidden: torch.Tensor, cu: np.ndarray, finished: list[str]
+    ) -> ModelRunnerOutput:
         assert self.pooler is not None
         results = self.pooler.pool(hidden, cu, [self.pool_params[r] for r in finished])
         return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=dict(zip(finished, results)))

@@ -48,7 +48,9 @@ def test_embeddings_float_and_base64_match_sentence_transformers(client: Any, st
     assert resp.usage.prompt_tokens > len(TEXTS)
     # base64 asked for: little-endian float32 strings, the same floats.
     b64 = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="base64")
-    got64 = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in sorted(b64.data, key=lambda d: d.index)])
+    got64 = np.stack(
+        [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in sorted(b64.data, key=lambda d: d.index)]
+    )
     np.testing.assert_allclose(got64, got, atol=1e-5, rtol=0)  # another step, maybe another batch
     # No format given: the client asks for base64 and decodes it itself.
     dflt = client.embeddings.create(model="minilm", input=TEXTS)
@@ -60,7 +62,9 @@ def test_embeddings_token_ids_and_raw_base64(server: ServerProcess, client: Any,
     resp = client.embeddings.create(model="minilm", input=[ids], user="u1")
     ref = np.array(minilm_llm.embed(["token id input"])[0].outputs.embedding, dtype=np.float32)
     assert _cos(np.array(resp.data[0].embedding, dtype=np.float32), ref) >= 0.9999
-    raw = httpx.post(server.url + "/v1/embeddings", json={"input": "token id input", "encoding_format": "base64"}).json()
+    raw = httpx.post(
+        server.url + "/v1/embeddings", json={"input": "token id input", "encoding_format": "base64"}
+    ).json()
     vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert _cos(vec, ref) >= 0.9999
 

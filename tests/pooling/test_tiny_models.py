@@ -76,7 +76,9 @@ def test_qwen3_as_embedder_matches_hf_last_token(qwen3: tuple[Any, str]) -> None
     hf, d = qwen3
     prompts = [_ids(n, s) for s, n in enumerate((3, 17, 40, 70))]
     # A small step budget so the 70-token prompt is chunked (its KV of earlier chunks is attended to).
-    llm = LLM(d, dtype="float32", skip_tokenizer_init=True, convert="embed", max_num_batched_tokens=32, disable_log_stats=True)
+    llm = LLM(
+        d, dtype="float32", skip_tokenizer_init=True, convert="embed", max_num_batched_tokens=32, disable_log_stats=True
+    )
     outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts])
     for p, o in zip(prompts, outs):
         with torch.no_grad():

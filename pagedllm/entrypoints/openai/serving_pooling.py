@@ -81,7 +81,9 @@ class OpenAIServingPooling(OpenAIServing):
             what = f"a pooling model for the tasks {', '.join(self.tasks)}" if self.tasks else "a generative model"
             raise OpenAIServingError(f"task: this model is {what}; it does not support the task {task!r}", 400, "task")
 
-    async def run(self, prompts: list[PromptType], params: list[PoolingParams], priority: int) -> list[PoolingRequestOutput]:
+    async def run(
+        self, prompts: list[PromptType], params: list[PoolingParams], priority: int
+    ) -> list[PoolingRequestOutput]:
         """All requests validated and queued first (a 400 queues none), then awaited together."""
         base = uuid.uuid4().hex
         queues = []
@@ -95,12 +97,12 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIServingError.from_value_error(e) from None
 
         async def one(rid: str, q: Any) -> PoolingRequestOutput:
-            out = None
+            last = None
             async for out in self.engine.stream_outputs(rid, q):
-                pass
-            if not isinstance(out, PoolingRequestOutput):
+                last = out
+            if not isinstance(last, PoolingRequestOutput):
                 raise OpenAIServingError("the request was aborted", 500)
-            return out
+            return last
 
         return list(await asyncio.gather(*(one(rid, q) for rid, q in queues)))
 
@@ -111,26 +113,40 @@ class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, req: EmbeddingRequest) -> EmbeddingResponse:
         model = self.check_model(req.model)
         self.check_task("embed")
-        pp = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        pp = PoolingParams(
+            task="embed",
+            dimensions=req.dimensions,
+            normalize=req.normalize,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
         prompts = _inputs(req.input)
         outs = await self.run(prompts, [pp] * len(prompts), req.priority)
-        data = [EmbeddingResponseData(index=i, embedding=_encode_vector(o.outputs.data, req.encoding_format)) for i, o in enumerate(outs)]
+        data = [
+            EmbeddingResponseData(index=i, embedding=_encode_vector(o.outputs.data, req.encoding_format))
+            for i, o in enumerate(outs)
+        ]
         return EmbeddingResponse(model=model, data=data, usage=self.usage(sum(len(o.prompt_token_ids) for o in outs)))
 
-    async def _cross_scores(self, pairs: list[tuple[str, str]], truncate: int | None, use_activation: bool | None, priority: int) -> tuple[list[float], int]:
+    async def _cross_scores(
+        self, pairs: list[tuple[str, str]], truncate: int | None, use_activation: bool | None, priority: int
+    ) -> tuple[list[float], int]:
         """Scores of text pairs: a cross-encoder's one output, or the cosine of two embeddings."""
         if "score" in self.tasks:
             tok = self.engine.get_tokenizer()
-            prompts: list[PromptType] = [TokensPrompt(prompt_token_ids=pair_token_ids(tok, a, b, truncate, self.max_model_len)) for a, b in pairs]
+            prompts: list[PromptType] = [
+                TokensPrompt(prompt_token_ids=pair_token_ids(tok, a, b, truncate, self.max_model_len)) for a, b in pairs
+            ]
             pp = PoolingParams(task="score", use_activation=use_activation)
             outs = await self.run(prompts, [pp] * len(prompts), priority)
             return [float(o.outputs.data.reshape(-1)[0]) for o in outs], sum(len(o.prompt_token_ids) for o in outs)
         self.check_task("embed")
-        texts: list[PromptType] = [a for a, _ in pairs] + [b for _, b in pairs]
+        texts: list[PromptType] = [*(a for a, _ in pairs), *(b for _, b in pairs)]
         pp = PoolingParams(task="embed", truncate_prompt_tokens=truncate)
         outs = await self.run(texts, [pp] * len(texts), priority)
         n = len(pairs)
-        scores = [float(F.cosine_similarity(outs[i].outputs.data[None], outs[n + i].outputs.data[None])[0]) for i in range(n)]
+        scores = [
+            float(F.cosine_similarity(outs[i].outputs.data[None], outs[n + i].outputs.data[None])[0]) for i in range(n)
+        ]
         return scores, sum(len(o.prompt_token_ids) for o in outs)
 
     async def score(self, req: ScoreRequest) -> ScoreResponse:
@@ -159,7 +175,11 @@ class OpenAIServingPooling(OpenAIServing):
         if req.top_n:
             order = order[: req.top_n]
         results = [
-            RerankResult(index=i, relevance_score=scores[i], document=RerankDocument(text=req.documents[i]) if req.return_documents else None)
+            RerankResult(
+                index=i,
+                relevance_score=scores[i],
+                document=RerankDocument(text=req.documents[i]) if req.return_documents else None,
+            )
             for i in order
         ]
         return RerankResponse(model=model, usage=RerankUsage(total_tokens=ntok), results=results)
@@ -167,7 +187,9 @@ class OpenAIServingPooling(OpenAIServing):
     async def classify(self, req: ClassificationRequest) -> ClassificationResponse:
         model = self.check_model(req.model)
         self.check_task("classify")
-        pp = PoolingParams(task="classify", use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        pp = PoolingParams(
+            task="classify", use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens
+        )
         prompts = _inputs(req.input)
         outs = await self.run(prompts, [pp] * len(prompts), req.priority)
         id2label = getattr(self.engine.model_config.hf_config, "id2label", None) or {}
@@ -177,20 +199,29 @@ class OpenAIServingPooling(OpenAIServing):
             best = int(np.argmax(probs))
             label = id2label.get(best, id2label.get(str(best))) if id2label else None
             data.append(ClassificationData(index=i, label=label, probs=probs, num_classes=len(probs)))
-        return ClassificationResponse(model=model, data=data, usage=self.usage(sum(len(o.prompt_token_ids) for o in outs)))
+        return ClassificationResponse(
+            model=model, data=data, usage=self.usage(sum(len(o.prompt_token_ids) for o in outs))
+        )
 
     async def pooling(self, req: PoolingRequest) -> PoolingResponse:
         model = self.check_model(req.model)
         task = req.task or ("encode" if "encode" in self.tasks else "embed")
         self.check_task(task)
         pp = PoolingParams(
-            task=task, dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens
+            task=task,
+            dimensions=req.dimensions,
+            normalize=req.normalize,
+            use_activation=req.use_activation,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         prompts = _inputs(req.input)
         outs = await self.run(prompts, [pp] * len(prompts), req.priority)
         data = [
             PoolingResponseData(
-                index=i, data=_encode_vector(o.outputs.data.reshape(-1), "base64") if req.encoding_format == "base64" else o.outputs.data.tolist()
+                index=i,
+                data=_encode_vector(o.outputs.data.reshape(-1), "base64")
+                if req.encoding_format == "base64"
+                else o.outputs.data.tolist(),
             )
             for i, o in enumerate(outs)
         ]
@@ -206,7 +237,8 @@ def add_pooling_routes(
         @app.middleware("http")
         async def _no_generation(request: Request, call_next: Any) -> Any:  # a pooling model does not generate
             if request.method == "POST" and request.url.path in GENERATION_PATHS:
-                msg = f"task: this model is a pooling model (tasks: {', '.join(serving.tasks)}); it does not support the task 'generate'"
+                tasks = ", ".join(serving.tasks)
+                msg = f"task: this model is a pooling model (tasks: {tasks}); it does not support the task 'generate'"
                 return JSONResponse(error_body(msg, 400, "task"), status_code=400)
             return await call_next(request)
 

@@ -20,7 +20,6 @@ from torch import nn
 from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
-
 ATTN_CHUNK_SEQS = 32
 """Sequences per attention chunk: each chunk is padded to its own longest sequence only."""
 
