@@ -76,13 +76,16 @@ def main() -> None:
     ap.add_argument("--bert-base", action="store_true", help="BERT-base-shaped random model (the GPU run)")
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--tokenizer-dir", default=None, help="--bert-base: MiniLM's tokenizer files (default: the package's)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
 
     from pagedllm import LLM
 
-    model_dir = bert_base_dir(minilm_dir()) if args.bert_base else minilm_dir()
+    model_dir = bert_base_dir(args.tokenizer_dir or minilm_dir()) if args.bert_base else minilm_dir()
     sents = make_sentences(args.num_sentences)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}", file=sys.stderr)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
