@@ -75,16 +75,21 @@ class LLMPoolingMixin:
             params = [p.clone(**changes) for p in params]
         self._check_can_run()  # type: ignore[attr-defined]
         engine = self.llm_engine
-        ids: list[str] = []
+        texts = [p for p in prompts if isinstance(p, str)]
+        if engine.tokenizer is not None and len(texts) == len(prompts):
+            # One batched tokenizer call (the fast tokenizer's batch path) instead of one per prompt.
+            ids = engine.tokenizer(texts)["input_ids"]
+            prompts = [TokensPrompt(prompt_token_ids=list(i), prompt=t) for t, i in zip(texts, ids)]
+        rids: list[str] = []
         try:
             for p, pp in zip(prompts, params):
                 rid = str(next(self._counter))
                 engine.add_request(rid, p, pp)
-                ids.append(rid)
+                rids.append(rid)
         except BaseException:
-            engine.abort_request(ids)
+            engine.abort_request(rids)
             raise
-        return self._run_engine(ids, False)  # type: ignore[attr-defined]
+        return self._run_engine(rids, False)  # type: ignore[attr-defined]
 
     def embed(
         self,
