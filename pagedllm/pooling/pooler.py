@@ -70,7 +70,12 @@ class Pooler:
                 elif self._normalize(params[i]) and tasks[i] == "token_embed":
                     h = F.normalize(h, p=2, dim=-1)
                 out[i] = h
-        return [PooledData.from_tensor(t) for t in out if t is not None]
+        done = [t for t in out if t is not None]
+        assert len(done) == len(params)
+        if done and done[0].device.type != "cpu" and all(t.shape == done[0].shape for t in done):
+            # One device-to-host copy for the step, not one (and one sync) per request.
+            done = list(torch.stack(done).cpu().unbind(0))
+        return [PooledData.from_tensor(t) for t in done]
 
     def _normalize(self, p: PoolingParams) -> bool:
         if p.normalize is not None:

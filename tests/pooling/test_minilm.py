@@ -12,7 +12,7 @@ from pagedllm import PoolingParams
 from pagedllm.outputs import EmbeddingRequestOutput
 from tests.pooling.conftest import varied_sentences
 
-SENTENCES = varied_sentences(120)
+SENTENCES = varied_sentences(100)
 
 
 @pytest.fixture(scope="module")
