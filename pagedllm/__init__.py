@@ -10,7 +10,15 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logprobs import Logprob
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -21,14 +29,19 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "LogitsProcessor",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",

@@ -56,6 +56,10 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     """What logprobs report: raw_logprobs | raw_logits (the model's) | processed_logprobs |
     processed_logits (after penalties, processors, temperature, top-k/top-p), as vLLM."""
+    runner_type: str = "generate"
+    """'generate' or 'pooling' (resolved by `pagedllm.pooling.config.resolve_pooling`)."""
+    pooling: Any = None
+    """A pooling model's `PoolingSetup` (tasks, pooler config, encoder-only); None for generation."""
 
     @property
     def architectures(self) -> list[str]:

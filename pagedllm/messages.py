@@ -10,6 +10,7 @@ import enum
 import msgspec
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     priority: int = 0
     cache_salt: str | None = None
     lora_id: int | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request (prefill only, finishes after its last prompt chunk); its sampling_params
+    are then a placeholder (max_tokens=1) the scheduler's bookkeeping reads."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -44,6 +48,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     """Logprobs of `new_token_ids` (one position each), when the request asked for them."""
     new_prompt_logprobs: LogprobsLists | None = None
     """All prompt logprobs (positions 1..n-1), sent once with the request's first output."""
+    pooling_output: PooledData | None = None
+    """A pooling request's result (sent once, with its finish)."""
 
     @property
     def finished(self) -> bool:

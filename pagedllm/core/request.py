@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from pagedllm.messages import EngineCoreRequest, FinishReason
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
         "priority",
         "cache_salt",
         "lora_id",
+        "pooling_params",
         "status",
         "output_token_ids",
         "all_token_ids",
@@ -84,6 +86,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_id = lora_id
+        self.pooling_params: PoolingParams | None = None
+        """Set for a pooling request: it finishes when its prompt is computed (no sampled token)."""
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -127,7 +131,7 @@ class Request:
         max_tokens = max_model_len - prompt_len
         if req.sampling_params.max_tokens is not None:
             max_tokens = min(max_tokens, req.sampling_params.max_tokens)
-        return cls(
+        request = cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
@@ -138,6 +142,8 @@ class Request:
             req.lora_id,
             block_hasher,
         )
+        request.pooling_params = req.pooling_params
+        return request
 
     @property
     def num_tokens(self) -> int:

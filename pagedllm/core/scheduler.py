@@ -26,6 +26,7 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from pagedllm.pooling_params import PooledData
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -230,6 +231,7 @@ class Scheduler:
                             self.kv.get_block_ids(req.request_id),
                             num_hit,
                             req.lora_id,
+                            req.pooling_params,
                         )
                     )
                 else:
@@ -280,6 +282,8 @@ class Scheduler:
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs
         max_model_len = self.max_model_len
+        if result.pooler_output:
+            self._finish_pooled(result.pooler_output, outputs)
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
@@ -321,6 +325,17 @@ class Scheduler:
                 )
             )
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _finish_pooled(self, pooled: dict[str, PooledData], outputs: list[EngineCoreOutput]) -> None:
+        """Pooling requests are prefill only: done (blocks freed at once) when their pooled result is in."""
+        for rid, data in pooled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            self.running.remove(req)
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._free_request(req)
+            outputs.append(EngineCoreOutput(rid, [], FinishReason.STOP, pooling_output=data))
 
     def make_stats(self) -> SchedulerStats:
         q, h = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_id: int | None = None
     """Hook for multi-LoRA (issue: multi-LoRA serving): the adapter this request runs with; None today."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request's parameters (its hidden states go to the pooler, not the sampler)."""
 
 
 @dataclass
@@ -68,3 +71,5 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests that failed in the worker this step (e.g. a user logits processor raised) -> the error:
     they finish with `FinishReason.ERROR`; their sampled tokens are dropped; the others go on."""
+    pooler_output: dict[str, PooledData] = field(default_factory=dict)
+    """Pooling requests whose prompt was completed this step -> their pooled result."""

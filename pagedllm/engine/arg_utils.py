@@ -86,6 +86,18 @@ class EngineArgs:
             "logits processors, temperature and top-k/top-p)."
         ),
     )
+    runner: Literal["auto", "generate", "pooling"] = field(
+        default="auto",
+        metadata=_help("'generate', 'pooling' (embeddings, classification, scoring) or 'auto' (from the model)."),
+    )
+    convert: Literal["auto", "none", "embed", "classify"] = field(
+        default="auto",
+        metadata=_help("Run a decoder-only LM as a pooling model: 'embed' (last token) or 'classify'."),
+    )
+    pooler_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help('Pooler overrides as JSON: {"pooling_type": "LAST|CLS|MEAN|ALL", "normalize": bool, ...}.'),
+    )
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block.", "Cache"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes.", "Cache"))
     gpu_memory_utilization: float = field(
@@ -244,6 +256,12 @@ class EngineArgs:
         )
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+        engine_overrides: dict[str, Any] = {}
+        if self.runner != "generate":
+            from pagedllm.pooling.config import apply_pooling
+
+            engine_overrides = apply_pooling(self, mc, max_batched)
+            max_batched = engine_overrides.pop("max_num_batched_tokens", max_batched)
         if not self.enable_chunked_prefill and max_batched < mc.max_model_len:
             # Without chunking a whole prompt must fit one step.
             max_batched = mc.max_model_len
@@ -251,18 +269,20 @@ class EngineArgs:
             model_config=mc,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=engine_overrides.get("enable_prefix_caching", self.enable_prefix_caching),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks_override", self.num_gpu_blocks_override),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=mc.max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=engine_overrides.get("enable_chunked_prefill", self.enable_chunked_prefill),
                 policy=self.scheduling_policy,
-                async_scheduling=on_gpu if self.async_scheduling is None else self.async_scheduling,
+                async_scheduling=engine_overrides.get(
+                    "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
+                ),
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),

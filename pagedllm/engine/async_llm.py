@@ -34,7 +34,8 @@ from pagedllm.logger import init_logger
 from pagedllm.messages import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLogger
 from pagedllm.metrics.stats import IterationStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -241,10 +242,19 @@ class AsyncLLM(AsyncLLMControlsMixin):
         self._timed_out.add(request_id)
         self.abort(request_id)
 
-    async def encode(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        """Pooling (embeddings): not implemented yet."""
-        raise NotImplementedError("encode: pooling models are not supported yet")
-        yield  # pragma: no cover
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pooling (embed / classify / score ...): yields the request's one `PoolingRequestOutput`."""
+        queue = await self.add_request(request_id, prompt, pooling_params, arrival_time, priority)  # type: ignore[arg-type]
+        async for out in self.stream_outputs(request_id, queue):
+            yield out  # type: ignore[misc]
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (parent or core ids); synchronous so generator cleanup can call it."""

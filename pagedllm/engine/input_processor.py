@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.config import ModelConfig
 from pagedllm.inputs import PromptType
 from pagedllm.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -64,6 +65,12 @@ class InputProcessor:
         prompt_text: str | None = None,
         cache_salt: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+            from pagedllm.pooling.inputs import process_pooling
+
+            return process_pooling(
+                self, request_id, prompt, params, arrival_time, priority, prompt_token_ids, prompt_text, cache_salt
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if prompt_token_ids is None:

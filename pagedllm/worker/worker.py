@@ -37,7 +37,12 @@ class Worker:
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
         batch_invariant.set_enabled(bool(config.extra.get("batch_invariant")))
-        self.model_runner = ModelRunner(config, self.device, logits_processors)
+        runner_cls = ModelRunner
+        if config.model_config.runner_type == "pooling":  # pooling models: hidden states to the pooler
+            from pagedllm.pooling.runner import PoolingModelRunner
+
+            runner_cls = PoolingModelRunner
+        self.model_runner = runner_cls(config, self.device, logits_processors)
 
     def load_model(self) -> None:
         self.model_runner.load_model()

@@ -58,6 +58,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.web import mount_web_ui
@@ -285,7 +286,7 @@ def build_app(
         root = engine.model_config.model
         return ModelList(
             data=[
-                ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len)
+                ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len, **model_tasks(engine))
                 for name in served_model_names
             ]
         )
@@ -310,6 +311,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.detokenize(body)
 
+    add_pooling_routes(app, engine, served_model_names, ERROR_RESPONSES)  # /v1/embeddings, /score, /rerank, ...
     public = PUBLIC_PATHS | (mount_web_ui(app, engine, prometheus) if web_ui else frozenset())
     app.add_middleware(CatchAllMiddleware)  # type: ignore[arg-type]
     if api_keys:

@@ -55,6 +55,10 @@ def _default_dtype(dtype: torch.dtype):  # noqa: ANN202
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Instantiates the model (uninitialized weights) on `device` with parameters in `dtype`."""
     model_cls = get_model_class(get_architectures(hf_config))
+    if getattr(hf_config, "pagedllm_convert", None) == "classify":  # a decoder-only LM as a classifier
+        from pagedllm.pooling.adapters import as_sequence_classifier
+
+        model_cls = as_sequence_classifier(model_cls)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config=hf_config, prefix="")
     return model.eval()
