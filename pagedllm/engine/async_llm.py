@@ -217,9 +217,10 @@ class AsyncLLM(AsyncLLMControlsMixin):
                     if request_id in self._timed_out:
                         self._timed_out.discard(request_id)
                         raise RequestTimeoutError(request_id, self.request_timeout_s or 0.0)
-                    for o in out.outputs:
-                        if o.finish_reason == "error":
-                            raise RequestFailedError(request_id, str(o.stop_reason))
+                    if isinstance(out, RequestOutput):  # (pooling outputs carry no finish reason)
+                        for o in out.outputs:
+                            if o.finish_reason == "error":
+                                raise RequestFailedError(request_id, str(o.stop_reason))
                 yield out
         except EngineDeadError:
             raise
