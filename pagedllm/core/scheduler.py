@@ -24,6 +24,7 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class Scheduler:
         any is known, steps run synchronously."""
         self._last_queries = 0
         self._last_hits = 0
+        self.spec = SpecDecodeScheduling(config.num_speculative_tokens) if config.num_speculative_tokens else None
+        """Speculative decoding's bookkeeping (None: off; the plain path never looks further)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
@@ -135,6 +138,8 @@ class Scheduler:
         sched_ids_append = sched_ids.append
         computed_append = cached.num_computed_tokens.append
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
+        spec = self.spec
+        spec_tokens: dict[str, list[int]] = {}
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -154,6 +159,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if spec is not None and req.spec_token_ids:
+                num_new = spec.add_drafts(req, computed, num_new, target, budget, max_model_len, spec_tokens)
             if computed + num_new > req.kv_fast_limit:
                 while True:
                     blocks = allocate_slots(req, num_new)
@@ -165,6 +172,8 @@ class Scheduler:
                     if victim is req:
                         break
                 if blocks is None:
+                    if spec_tokens:
+                        spec_tokens.pop(req.request_id, None)
                     continue  # req itself was preempted; self.running shrank, i stays
                 if blocks is not no_new_blocks:  # the common decode: nothing to convert
                     ids = blocks.get_block_ids()
@@ -241,6 +250,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
@@ -274,6 +284,8 @@ class Scheduler:
         logprobs = result.logprobs
         prompt_logprobs = result.prompt_logprobs
         max_model_len = self.max_model_len
+        if self.spec is not None:
+            self.spec.update(self.requests, sched, result)
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
@@ -326,6 +338,7 @@ class Scheduler:
             prefix_cache_hits=h - self._last_hits,
             num_preemptions=self.num_preemptions,
             kv_blocks=self.kv.pool.snapshot_counts(),
+            spec_decoding_stats=self.spec.take_stats() if self.spec is not None else None,
         )
         self._last_queries, self._last_hits = q, h
         return stats

@@ -44,7 +44,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Hook for speculative decoding (issue: speculative decoding): per request, the proposed tokens this
-    step verifies (counted in num_scheduled_tokens). Nothing sets it yet."""
+    step verifies (counted in num_scheduled_tokens; set by the scheduler from the runner's proposals,
+    `pagedllm/spec_decode/`)."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that finished or were aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
@@ -65,3 +66,5 @@ class ModelRunnerOutput:
     """Per request, in req_ids order: logprobs of the sampled tokens (None: not requested / no row asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Requests whose prompt logprobs were completed this step -> all of them (prompt positions 1..n-1)."""
+    spec_token_ids: dict[str, list[int]] | None = None
+    """Speculative decoding: per request, the tokens proposed for the next step (None: speculation off)."""
