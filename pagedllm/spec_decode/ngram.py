@@ -39,7 +39,9 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int, k: int) -> None:
         self.n_min, self.n_max, self.k = n_min, n_max, k
 
-    def propose(self, token_ids: np.ndarray, rows: list[int], num_tokens: np.ndarray, caps: list[int]) -> list[list[int]]:
+    def propose(
+        self, req_ids: list[str], token_ids: np.ndarray, rows: list[int], num_tokens: np.ndarray, caps: list[int]
+    ) -> list[list[int]]:
         """Per row, proposals over its first num_tokens[row] tokens, at most caps[i] of them."""
         return [
             ngram_propose(token_ids[row, : int(num_tokens[row])], self.n_min, self.n_max, min(self.k, cap)).tolist()

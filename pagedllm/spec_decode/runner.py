@@ -23,14 +23,18 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.worker.step_inputs import StepInputs
+
+ModelRunner = Any
+"""`worker.model_runner.ModelRunner` (not imported: it imports this module)."""
 
 
 class Proposer(Protocol):
     def propose(
-        self, token_ids: np.ndarray, rows: list[int], num_tokens: np.ndarray, caps: list[int]
-    ) -> list[list[int]]: ...
+        self, req_ids: list[str], token_ids: np.ndarray, rows: list[int], num_tokens: np.ndarray, caps: list[int]
+    ) -> list[list[int]]:
+        """Per request (rows of the persistent batch, their first num_tokens[row] tokens known): at most
+        caps[i] proposed tokens."""
 
 
 def can_speculate(sp: SamplingParams) -> bool:
@@ -49,7 +53,7 @@ class SpecDecodeRunner:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer: Any
+        self.proposer: Proposer
         if config.method == "ngram":
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
@@ -58,6 +62,11 @@ class SpecDecodeRunner:
 
             self.proposer = DraftModelProposer(config, runner)
         self._eligible: dict[str, bool] = {}
+
+    def bytes_per_block(self) -> int:
+        """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
+        f = getattr(self.proposer, "bytes_per_block", None)
+        return f() if f is not None else 0
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         init = getattr(self.proposer, "initialize_kv_cache", None)
@@ -194,5 +203,5 @@ class SpecDecodeRunner:
                 caps.append(cap)
         if not rids:
             return None
-        props = self.proposer.propose(batch.token_ids, rows, batch.num_tokens, caps)
+        props = self.proposer.propose(rids, batch.token_ids, rows, batch.num_tokens, caps)
         return {rid: p for rid, p in zip(rids, props) if p}

@@ -115,7 +115,8 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         """KV bytes one block id costs across all layers (every layer's tensor has every block id)."""
-        return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values())
+        extra = self.spec.bytes_per_block() if self.spec is not None else 0
+        return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values()) + extra
 
     def profile_run(self) -> None:
         """One forward over max_num_batched_tokens dummy tokens (no KV cache), for the peak memory."""
