@@ -238,6 +238,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
+        spec = SpeculativeConfig.from_args(self.speculative_config, self.spec_method, self.spec_model, self.spec_tokens)
+        if spec is not None and self.async_scheduling:
+            raise ValueError("async_scheduling: not supported with speculative_config (leave it unset)")
         device = self.resolved_device()
         on_gpu = device.startswith("cuda")
         model = self.model or default_model_path()
@@ -262,9 +265,6 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
-        spec = SpeculativeConfig.from_args(self.speculative_config, self.spec_method, self.spec_model, self.spec_tokens)
-        if spec is not None and self.async_scheduling:
-            raise ValueError("async_scheduling: not supported with speculative_config (leave it unset)")
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         if not self.enable_chunked_prefill and max_batched < mc.max_model_len:

@@ -14,6 +14,8 @@ class SpecDecodeScheduling:
     def __init__(self, num_spec_tokens: int) -> None:
         self.k = num_spec_tokens
         self._stats = self._fresh()
+        self.totals = self._fresh()
+        """Since start-up (benchmarks and tests read it; the metrics take `take_stats`' deltas)."""
 
     def _fresh(self) -> SpecDecodingStats:
         return SpecDecodingStats(num_spec_tokens=self.k, num_accepted_tokens_per_pos=[0] * self.k)
@@ -39,6 +41,7 @@ class SpecDecodeScheduling:
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:
             st = self._stats
+            tot = self.totals
             per_pos = st.num_accepted_tokens_per_pos
             for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
                 d = drafts.get(rid)
@@ -52,6 +55,9 @@ class SpecDecodeScheduling:
                 st.num_accepted_tokens += n_acc
                 for j in range(n_acc):
                     per_pos[j] += 1
+                tot.num_drafts += 1
+                tot.num_draft_tokens += len(d)
+                tot.num_accepted_tokens += n_acc
         props = result.spec_token_ids
         if props:
             for rid, p in props.items():
