@@ -5,7 +5,7 @@ acceptance length: 1 + accepted tokens per draft, per-position acceptance)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from typing import Any
 
 from pagedllm.logger import init_logger
 from pagedllm.messages import SpecDecodingStats
@@ -14,7 +14,11 @@ logger = init_logger(__name__)
 
 
 class SpecDecodingProm:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: Any, model_name: str) -> None:
+        """`registry`: a prometheus_client CollectorRegistry (prometheus_client is imported here only: the
+        offline `LLM` path does not need it)."""
+        from prometheus_client import Counter
+
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:
@@ -30,7 +34,7 @@ class SpecDecodingProm:
             registry=registry,
         )
         self.model_name = model_name
-        self.per_pos: list = []
+        self.per_pos: list[Any] = []
 
     def observe(self, s: SpecDecodingStats) -> None:
         self.num_drafts.inc(s.num_drafts)
