@@ -166,11 +166,11 @@ def main() -> None:
         from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
         model = a.model or default_model_path()
-        common: dict[str, Any] = {"dtype": a.dtype, "max_model_len": 1024}
+        common: dict[str, Any] = {"dtype": a.dtype, "max_model_len": 1024, "max_num_seqs": max(32, max(batches))}
         if a.dummy:
             common["load_format"] = "dummy"
         if torch.cuda.is_available():
-            common["gpu_memory_utilization"] = 0.5
+            common["gpu_memory_utilization"] = 0.3
         if a.dummy:  # no tokenizer needed, and the forced proposals need no n-gram match
             common["skip_tokenizer_init"] = True
             prompts = synthetic_prompts(max(batches), 49152)
@@ -205,6 +205,7 @@ def main() -> None:
         )  # fmt: skip
         draft_cfg.save_pretrained(tmp)
         common = {"dtype": "bfloat16", "load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 2048}
+        common["max_num_seqs"] = max(32, max(batches))
         if torch.cuda.is_available():
             common["gpu_memory_utilization"] = 0.6
         prompts = synthetic_prompts(max(batches), vocab)
