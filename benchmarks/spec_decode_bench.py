@@ -44,9 +44,11 @@ PASSAGES = [
 CODES = [
     "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, x):\n        self.items.append(x)\n\n"
     "    def pop(self):\n        return self.items.pop()\n",
-    "def count_words(text):\n    counts = {}\n    for word in text.split():\n        counts[word] = counts.get(word, 0) + 1\n"
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n"
     "    return counts\n",
 ]
 
@@ -100,7 +102,9 @@ def force_acceptance(rate: float, k: int) -> None:
 
     class Always:
         def propose(self, req_ids, token_ids, rows, num_tokens, caps):  # noqa: ANN001, ANN201
-            return [token_ids[r, max(0, int(num_tokens[r]) - c) : int(num_tokens[r])].tolist() for r, c in zip(rows, caps)]
+            return [
+                token_ids[r, max(0, int(num_tokens[r]) - c) : int(num_tokens[r])].tolist() for r, c in zip(rows, caps)
+            ]
 
     runner_mod.NgramProposer = lambda *a, **kw: Always()  # type: ignore[assignment,misc]
 
@@ -124,7 +128,9 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict
     llm.generate(reqs[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)  # warm
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     spec = sched.spec
-    before = (spec.totals.num_drafts, spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens) if spec else (0, 0, 0)
+    before = (
+        (spec.totals.num_drafts, spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens) if spec else (0, 0, 0)
+    )
     steps = count_steps(llm) if not hasattr(llm, "_steps") else llm._steps  # type: ignore[attr-defined]
     llm._steps = steps  # type: ignore[attr-defined]
     s0 = steps[0]

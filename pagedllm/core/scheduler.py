@@ -24,10 +24,10 @@ from pagedllm.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 
 
 def needs_sync_step(sp: SamplingParams) -> bool:

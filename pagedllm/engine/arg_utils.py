@@ -18,8 +18,8 @@ from pagedllm.config import (
     build_model_config,
 )
 from pagedllm.platforms import current_platform
-from pagedllm.transformers_utils.config import default_model_path
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.transformers_utils.config import default_model_path
 
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 """CPU default of the per-step token budget: a chunk of this size of a long prompt takes about a second on

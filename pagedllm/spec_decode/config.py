@@ -64,7 +64,9 @@ class SpeculativeConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            )
         method = d.get("method")
         if method is None:  # as vLLM: a model means a draft model, none means nothing to infer from
             if d.get("model") is None:
@@ -73,7 +75,9 @@ class SpeculativeConfig:
         if method == "[ngram]":
             method = "ngram"
         if method not in METHODS:
-            raise ValueError(f"speculative_config.method: unknown method {method!r}; expected one of {', '.join(METHODS)}")
+            raise ValueError(
+                f"speculative_config.method: unknown method {method!r}; expected one of {', '.join(METHODS)}"
+            )
         d["method"] = method
         k = d.get("num_speculative_tokens")
         if k is None:
@@ -98,9 +102,7 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.{name}: must be an integer >= 1, got {v!r}")
             assert lo is not None and hi is not None
             if lo > hi:
-                raise ValueError(
-                    f"speculative_config.prompt_lookup_min: {lo} is larger than prompt_lookup_max ({hi})"
-                )
+                raise ValueError(f"speculative_config.prompt_lookup_min: {lo} is larger than prompt_lookup_max ({hi})")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
             if self.model is not None:
                 raise ValueError("speculative_config.model: n-gram speculation takes no model")

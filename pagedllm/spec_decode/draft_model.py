@@ -36,7 +36,9 @@ class _DraftState:
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
         if config.method != "draft_model":
-            raise ValueError(f"speculative_config.method: {config.method!r} is not supported yet (use draft_model or ngram)")
+            raise ValueError(
+                f"speculative_config.method: {config.method!r} is not supported yet (use draft_model or ngram)"
+            )
         assert config.model is not None
         tmc = runner.model_config
         self.k = config.num_speculative_tokens
@@ -71,7 +73,7 @@ class DraftModelProposer:
             )
         from pagedllm.model_executor.model_loader.loader import load_model
 
-        self.model = load_model(mc, runner.config.load_config.load_format, self.device)
+        self.model: Any = load_model(mc, runner.config.load_config.load_format, self.device)
         self.model.eval()
         self.layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         self.specs = {
@@ -97,7 +99,9 @@ class DraftModelProposer:
             shape = layer.backend.get_kv_cache_shape(n, spec.block_size, spec.num_kv_heads, spec.head_size)
             layer.kv_cache = alloc_zeroed(shape, spec.dtype, self.device)
         backend = next(iter(self.layers.values())).backend
-        self.builders = [backend.get_builder_cls()(g.spec.block_size, g.spec.sliding_window, self.device) for g in self.groups]
+        self.builders = [
+            backend.get_builder_cls()(g.spec.block_size, g.spec.sliding_window, self.device) for g in self.groups
+        ]
         self.free = list(range(n - 1, 0, -1))  # block 0 stays unused (the null block, as the target's pool)
 
     def drop(self, req_id: str) -> None:
@@ -149,7 +153,9 @@ class DraftModelProposer:
         # Catch up on every unseen token; the first proposal comes from the last one.
         n_query = known - start
         req_of_token = np.repeat(np.arange(len(states)), n_query)
-        positions = np.repeat(start, n_query) + np.arange(int(n_query.sum())) - np.repeat(np.cumsum(n_query) - n_query, n_query)
+        positions = (
+            np.repeat(start, n_query) + np.arange(int(n_query.sum())) - np.repeat(np.cumsum(n_query) - n_query, n_query)
+        )
         ids = token_ids[rows_np[req_of_token], positions]
         tok = self._forward(ids, positions, n_query, known, table)
         for st, n in zip(states, known.tolist()):

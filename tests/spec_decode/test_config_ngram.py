@@ -16,7 +16,9 @@ from pagedllm.spec_decode.ngram import ngram_propose
 def test_config_dict_json_and_aliases() -> None:
     d = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     a = SpeculativeConfig.from_args(d)
-    b = SpeculativeConfig.from_args('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    b = SpeculativeConfig.from_args(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    )
     c = SpeculativeConfig.from_args(None, spec_method="ngram", spec_tokens=4)
     assert a == b
     assert a is not None and (a.prompt_lookup_min, a.prompt_lookup_max) == (2, 4)
@@ -35,7 +37,17 @@ def test_config_dict_json_and_aliases() -> None:
         ({"speculative_config": {"method": "ngram"}}, "num_speculative_tokens"),
         ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, "speculative_config.model"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}}, "bogus"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}}, "prompt_lookup_min"),
+        (
+            {
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "prompt_lookup_min": 5,
+                    "prompt_lookup_max": 2,
+                }
+            },
+            "prompt_lookup_min",
+        ),
         ({"speculative_config": "{not json"}, "speculative_config"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "spec_tokens": 3}, "spec_tokens"),
         ({"spec_method": "ngram", "spec_tokens": -1}, "num_speculative_tokens"),

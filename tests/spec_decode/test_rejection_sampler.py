@@ -112,7 +112,10 @@ def test_wrong_sampler_is_rejected() -> None:
 
 def test_chisquare_pvalue_known_values() -> None:
     # chi2 with 1 df: P(X > 3.841) = 0.05; with 4 df: P(X > 13.277) = 0.01 (statistics tables).
-    assert abs(chisquare_pvalue(np.array([1.0 + np.sqrt(3.841 / 2), 1 - np.sqrt(3.841 / 2)]), np.array([1.0, 1.0])) - 0.05) < 1e-3
+    assert (
+        abs(chisquare_pvalue(np.array([1.0 + np.sqrt(3.841 / 2), 1 - np.sqrt(3.841 / 2)]), np.array([1.0, 1.0])) - 0.05)
+        < 1e-3
+    )
     c = np.array([10 + np.sqrt(13.277 * 10), 10, 10, 10, 10.0])
     assert abs(chisquare_pvalue(c, np.full(5, 10.0)) - 0.01) < 1e-3
 

@@ -94,7 +94,11 @@ def test_draft_model_greedy_equals_hf(tiny_pair, draft: str) -> None:  # noqa: A
         num_gpu_blocks_override=10,
         max_num_batched_tokens=16,
         disable_log_stats=True,
-        speculative_config={"method": "draft_model", "model": ddir if draft == "random_1layer" else tdir, "num_speculative_tokens": 3},
+        speculative_config={
+            "method": "draft_model",
+            "model": ddir if draft == "random_1layer" else tdir,
+            "num_speculative_tokens": 3,
+        },
     )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -119,3 +123,30 @@ def test_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path) -> None: 
             max_model_len=128,
             speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
         )
+
+
+def test_logprobs_and_sampling_with_speculation(tiny_pair) -> None:  # noqa: ANN001
+    """Logprobs of emitted tokens (several per step) equal those without speculation, by token id within
+    1e-3; random sampling with top-p / top-k runs through the rejection sampler and a seed reproduces."""
+    torch.set_num_threads(2)
+    tdir, _, _ = tiny_pair
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _tiny_prompts()]
+    kw = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 128, "disable_log_stats": True}
+    spec = {"method": "draft_model", "model": tdir, "num_speculative_tokens": 3}
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=3)
+    plain = LLM(tdir, **kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tdir, speculative_config=spec, **kw)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    _, tot = _totals(llm)
+    assert tot.num_accepted_tokens > 0
+    for a, b in zip(plain, outs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert set(la) == set(lb)
+            for tid in la:
+                assert abs(la[tid].logprob - lb[tid].logprob) < 1e-3
+                assert la[tid].rank == lb[tid].rank
+    rnd = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=16, ignore_eos=True, detokenize=False, seed=7)
+    r1 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, rnd, use_tqdm=False)]
+    r2 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, rnd, use_tqdm=False)]
+    assert r1 == r2 and all(len(t) == 16 for t in r1)
