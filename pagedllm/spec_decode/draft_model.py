@@ -35,10 +35,6 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
-        if config.method != "draft_model":
-            raise ValueError(
-                f"speculative_config.method: {config.method!r} is not supported yet (use draft_model or ngram)"
-            )
         assert config.model is not None
         tmc = runner.model_config
         self.k = config.num_speculative_tokens
@@ -71,9 +67,7 @@ class DraftModelProposer:
                 f"speculative_config.model: the draft's max_model_len ({mc.max_model_len}) is below the target's "
                 f"({tmc.max_model_len})"
             )
-        from pagedllm.model_executor.model_loader.loader import load_model
-
-        self.model: Any = load_model(mc, runner.config.load_config.load_format, self.device)
+        self.model: Any = self._load_model(mc, runner)
         self.model.eval()
         self.layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         self.specs = {
@@ -85,6 +79,11 @@ class DraftModelProposer:
         self.builders: list = []
         self.free: list[int] = []
         self.states: dict[str, _DraftState] = {}
+
+    def _load_model(self, mc: Any, runner: Any) -> Any:
+        from pagedllm.model_executor.model_loader.loader import load_model
+
+        return load_model(mc, runner.config.load_config.load_format, self.device)
 
     def bytes_per_block(self) -> int:
         return sum(s.page_size_bytes for s in self.specs.values())
@@ -116,10 +115,17 @@ class DraftModelProposer:
         for _ in range(need):
             st.blocks.append(self.free.pop())
 
-    def _forward(
-        self, ids: np.ndarray, positions: np.ndarray, n_query: np.ndarray, seq_lens: np.ndarray, table: np.ndarray
-    ) -> torch.Tensor:
-        """Greedy next token after each request's last query token."""
+    def _attn_forward(
+        self,
+        fn: Any,
+        ids: np.ndarray | torch.Tensor,
+        positions: np.ndarray,
+        n_query: np.ndarray,
+        seq_lens: np.ndarray,
+        table: np.ndarray,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """`fn(input_ids, positions)` under the draft's attention metadata: (its output, the index of each
+        request's last query token)."""
         b = len(n_query)
         cu = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(n_query, out=cu[1:])
@@ -130,10 +136,24 @@ class DraftModelProposer:
         )
         dev = self.device
         commons = build_commons(cu, seq_lens, seq_lens - n_query, tables, slots, int(n_query.max()), dev)
+        ids_t = ids.to(dev) if isinstance(ids, torch.Tensor) else torch.from_numpy(ids).to(dev)
         with set_forward_context(metadata_by_layer(self.builders, self.groups, commons)):
-            hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev))
-        last = torch.from_numpy(cu[1:] - 1).to(dev)
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1)
+            out = fn(ids_t, torch.from_numpy(positions).to(dev))
+        return out, cu[1:] - 1
+
+    def _forward(
+        self, ids: np.ndarray, positions: np.ndarray, n_query: np.ndarray, seq_lens: np.ndarray, table: np.ndarray
+    ) -> torch.Tensor:
+        """Greedy next token after each request's last query token."""
+        hidden, last = self._attn_forward(self.model, ids, positions, n_query, seq_lens, table)
+        return self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)]).argmax(dim=-1)
+
+    def _table(self, states: list[_DraftState]) -> np.ndarray:
+        width = max(len(st.blocks) for st in states)
+        table = np.zeros((len(states), max(width, 1)), dtype=np.int32)
+        for i, st in enumerate(states):
+            table[i, : len(st.blocks)] = st.blocks
+        return table
 
     @torch.inference_mode()
     def propose(
@@ -146,10 +166,7 @@ class DraftModelProposer:
         start = np.array([st.computed for st in states], dtype=np.int64)
         for st, n, c in zip(states, known.tolist(), caps):
             self._grow(st, n + c - 1)
-        width = max(len(st.blocks) for st in states)
-        table = np.zeros((len(states), width), dtype=np.int32)
-        for i, st in enumerate(states):
-            table[i, : len(st.blocks)] = st.blocks
+        table = self._table(states)
         # Catch up on every unseen token; the first proposal comes from the last one.
         n_query = known - start
         req_of_token = np.repeat(np.arange(len(states)), n_query)

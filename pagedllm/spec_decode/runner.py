@@ -57,10 +57,16 @@ class SpecDecodeRunner:
         if config.method == "ngram":
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
-        else:
+        elif config.method == "draft_model":
             from pagedllm.spec_decode.draft_model import DraftModelProposer
 
             self.proposer = DraftModelProposer(config, runner)
+        elif config.method == "eagle":
+            from pagedllm.spec_decode.eagle import EagleProposer
+
+            self.proposer = EagleProposer(config, runner)
+        else:
+            raise ValueError(f"speculative_config.method: {config.method!r} is not supported yet (eagle3)")
         self._eligible: dict[str, bool] = {}
 
     def bytes_per_block(self) -> int:
@@ -93,6 +99,9 @@ class SpecDecodeRunner:
             batch.token_ids[row, n : n + len(toks)] = toks
         x = r.inputs.build(so)
         hidden = r._forward(x, None)
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(x, hidden)
         prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
         sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
         batch.num_computed_tokens[x.rows] = x.seq_lens

@@ -150,3 +150,63 @@ def test_logprobs_and_sampling_with_speculation(tiny_pair) -> None:  # noqa: ANN
     r1 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, rnd, use_tqdm=False)]
     r2 = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, rnd, use_tqdm=False)]
     assert r1 == r2 and all(len(t) == 16 for t in r1)
+
+
+def make_eagle_checkpoint(out_dir, with_embed: bool, seed: int = 4) -> None:  # noqa: ANN001
+    """A random EAGLE-1 head in the authors' layout: fc (2H -> H, with bias), layers.0.* in HF Llama names
+    without the first input norm, optionally embed_tokens; no LM head."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from tests.utils_model import TINY_COMMON
+
+    cfg = transformers.LlamaConfig(**{**TINY_COMMON, "num_hidden_layers": 1})
+    cfg.save_pretrained(str(out_dir))
+    g = torch.Generator().manual_seed(seed)
+    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    w = {
+        "fc.weight": rnd(h, 2 * h),
+        "fc.bias": rnd(h),
+        "layers.0.self_attn.q_proj.weight": rnd(h, h),
+        "layers.0.self_attn.k_proj.weight": rnd(kv, h),
+        "layers.0.self_attn.v_proj.weight": rnd(kv, h),
+        "layers.0.self_attn.o_proj.weight": rnd(h, h),
+        "layers.0.mlp.gate_proj.weight": rnd(inter, h),
+        "layers.0.mlp.up_proj.weight": rnd(inter, h),
+        "layers.0.mlp.down_proj.weight": rnd(h, inter),
+        "layers.0.post_attention_layernorm.weight": 1 + rnd(h),
+    }
+    if with_embed:
+        w["embed_tokens.weight"] = rnd(cfg.vocab_size, h)
+    save_file(w, str(out_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("with_embed", [False, True], ids=["shared_embedding", "own_embedding"])
+def test_eagle_greedy_equals_hf(tiny_pair, tmp_path, with_embed: bool) -> None:  # noqa: ANN001
+    torch.set_num_threads(2)
+    tdir, hf, _ = tiny_pair
+    make_eagle_checkpoint(tmp_path, with_embed)
+    prompts = _tiny_prompts()
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
+    llm = LLM(
+        tdir,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        num_gpu_blocks_override=10,
+        max_num_batched_tokens=16,
+        disable_log_stats=True,
+        speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3},
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    for p, o, r in zip(prompts, outs, refs):
+        compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
+    sched, tot = _totals(llm)
+    assert tot.num_draft_tokens > 0
+    assert sched.num_preemptions > 0
