@@ -125,7 +125,10 @@ def count_steps(llm: LLM) -> list[int]:
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]]
-    llm.generate(reqs[:1], SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)  # warm
+    # Warm-up with the same batch: the first speculative steps of a shape pay one-off Triton compiles (the
+    # first H200 run measured without it: ~2 s of stalls per configuration, whatever the batch).
+    warm = SamplingParams(temperature=0.0, max_tokens=min(64, max_tokens), ignore_eos=True, detokenize=False)
+    llm.generate(reqs, warm, use_tqdm=False)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     spec = sched.spec
     before = (

@@ -52,7 +52,8 @@ class EagleHead(nn.Module):
         self.model = _EagleModel(config)
         self.tie_word_embeddings = False
 
-    load_weights = LlamaForCausalLM.load_weights
+    def load_weights(self, weights: Any) -> set[str]:
+        return LlamaForCausalLM.load_weights(self, weights)  # type: ignore[arg-type]
 
 
 class EagleProposer(DraftModelProposer):
