@@ -61,12 +61,10 @@ class SpecDecodeRunner:
             from pagedllm.spec_decode.draft_model import DraftModelProposer
 
             self.proposer = DraftModelProposer(config, runner)
-        elif config.method == "eagle":
+        else:
             from pagedllm.spec_decode.eagle import EagleProposer
 
             self.proposer = EagleProposer(config, runner)
-        else:
-            raise ValueError(f"speculative_config.method: {config.method!r} is not supported yet (eagle3)")
         self._eligible: dict[str, bool] = {}
 
     def bytes_per_block(self) -> int:

@@ -210,3 +210,73 @@ def test_eagle_greedy_equals_hf(tiny_pair, tmp_path, with_embed: bool) -> None: 
     sched, tot = _totals(llm)
     assert tot.num_draft_tokens > 0
     assert sched.num_preemptions > 0
+
+
+def make_eagle3_checkpoint(out_dir, draft_vocab: int, seed: int = 6) -> None:  # noqa: ANN001
+    """A random EAGLE-3 head in the authors' layout: fc (3H -> H), midlayer.* (q/k/v over 2H inputs,
+    hidden_norm), norm, lm_head over a reduced draft vocabulary, d2t offsets and the t2d mask."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from tests.utils_model import TINY_COMMON
+
+    cfg = transformers.LlamaConfig(**{**TINY_COMMON, "num_hidden_layers": 1})
+    cfg.draft_vocab_size = draft_vocab
+    cfg.save_pretrained(str(out_dir))
+    g = torch.Generator().manual_seed(seed)
+    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    draft_to_target = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    w = {
+        "fc.weight": rnd(h, 3 * h),
+        "midlayer.input_layernorm.weight": 1 + rnd(h),
+        "midlayer.hidden_norm.weight": 1 + rnd(h),
+        "midlayer.self_attn.q_proj.weight": rnd(h, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rnd(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rnd(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rnd(h, h),
+        "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+        "midlayer.mlp.up_proj.weight": rnd(inter, h),
+        "midlayer.mlp.down_proj.weight": rnd(h, inter),
+        "norm.weight": 1 + rnd(h),
+        "lm_head.weight": rnd(draft_vocab, h) * 10,
+        "d2t": draft_to_target - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    save_file(w, str(out_dir / "model.safetensors"))
+
+
+def test_eagle3_greedy_equals_hf(tmp_path_factory) -> None:  # noqa: ANN001
+    """EAGLE-3 needs three auxiliary target layers (2, L // 2, L - 3): a 4-layer tiny target."""
+    torch.set_num_threads(2)
+    tdir, hdir = tmp_path_factory.mktemp("t4"), tmp_path_factory.mktemp("eagle3")
+    hf = make_tiny_hf_model("llama", tdir, seed=0, overrides={"num_hidden_layers": 4})
+    make_eagle3_checkpoint(hdir, draft_vocab=VOCAB // 2)
+    prompts = _tiny_prompts()
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
+    llm = LLM(
+        str(tdir),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        num_gpu_blocks_override=10,
+        max_num_batched_tokens=16,
+        disable_log_stats=True,
+        speculative_config={"method": "eagle3", "model": str(hdir), "num_speculative_tokens": 3},
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    for p, o, r in zip(prompts, outs, refs):
+        compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
+    sched, tot = _totals(llm)
+    assert tot.num_draft_tokens > 0
+    assert sched.num_preemptions > 0
+    head = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.spec.proposer.model.model
+    assert int(head.d2t.abs().sum()) > 0  # the draft -> target offsets were loaded
