@@ -88,10 +88,8 @@ class DraftModelProposer:
     def bytes_per_block(self) -> int:
         return sum(s.page_size_bytes for s in self.specs.values())
 
-    def initialize_kv_cache(self, num_target_blocks: int) -> None:
+    def initialize_kv_cache(self, num_target_blocks: int, alloc_zeroed: Any) -> None:
         """As many token slots as the target's cache, plus each request's proposal slack."""
-        from pagedllm.worker.model_runner import alloc_zeroed
-
         n = num_target_blocks + self.max_num_reqs * (cdiv(self.k, self.block_size) + 1)
         for name, spec in self.specs.items():
             layer = self.layers[name]

@@ -72,10 +72,11 @@ class SpecDecodeRunner:
         f = getattr(self.proposer, "bytes_per_block", None)
         return f() if f is not None else 0
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, alloc: Any) -> None:
+        """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`model_runner.alloc_zeroed`)."""
         init = getattr(self.proposer, "initialize_kv_cache", None)
         if init is not None:
-            init(num_blocks)
+            init(num_blocks, alloc)
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, r: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -147,7 +147,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(batch, self._arange)
         self.sampling = SamplingBatch(batch, self.device)
         if self.spec is not None:
-            self.spec.initialize_kv_cache(num_blocks)
+            self.spec.initialize_kv_cache(num_blocks, alloc_zeroed)
         return self.kv_cache_config
 
     def run_dummy_batches(self) -> torch.Tensor | None:
