@@ -127,6 +127,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     policy: Literal["fcfs", "priority"]
     async_scheduling: bool = False
+    num_speculative_tokens: int = 0
+    """Speculative decoding on (> 0): the scheduler schedules the runner's proposals with each decode."""
     """Schedule and prepare step N+1 while step N runs on the device (see EngineCore.step_async)."""
 
 
@@ -151,6 +153,8 @@ class EngineConfig:
     device: str
     enforce_eager: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    speculative_config: Any = None
+    """A `spec_decode.SpeculativeConfig`, or None (speculation off)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:

@@ -56,6 +56,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """Speculative decoding since the last stats (vLLM's counters): verified requests with proposals,
+    proposed tokens, accepted ones, and accepted ones per proposal position."""
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -66,6 +77,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     num_preemptions: int = 0
     kv_blocks: tuple[int, int, int] = (0, 0, 0)
     """(usable blocks, in use, free but still cached) from `BlockPool.snapshot_counts`: the dashboard's grid."""
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Speculative decoding's counts since the last stats (None: speculation off)."""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

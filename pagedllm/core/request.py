@@ -64,6 +64,7 @@ class Request:
         "stop_len",
         "stop_token_set",
         "kv_fast_limit",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -119,6 +120,9 @@ class Request:
         self.kv_fast_limit = 0
         """Set by KVCacheManager: while num_computed_tokens + new tokens <= this, allocating slots adds no
         block and registers no hash (0: always ask the manager)."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: the tokens the runner proposed for this request's next step (never part
+        of all_token_ids, hence never of a block hash)."""
 
     @classmethod
     def from_engine_core_request(

@@ -28,6 +28,7 @@ from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from pagedllm.pooling_params import PooledData
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 
 
 def needs_sync_step(sp: SamplingParams) -> bool:
@@ -70,6 +71,8 @@ class Scheduler:
         any is known, steps run synchronously."""
         self._last_queries = 0
         self._last_hits = 0
+        self.spec = SpecDecodeScheduling(config.num_speculative_tokens) if config.num_speculative_tokens else None
+        """Speculative decoding's bookkeeping (None: off; the plain path never looks further)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
@@ -142,6 +145,8 @@ class Scheduler:
         sched_ids_append = sched_ids.append
         computed_append = cached.num_computed_tokens.append
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
+        spec = self.spec
+        spec_tokens: dict[str, list[int]] = {}
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -161,6 +166,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if spec is not None and req.spec_token_ids:
+                num_new = spec.add_drafts(req, computed, num_new, target, budget, max_model_len, spec_tokens)
             if computed + num_new > req.kv_fast_limit:
                 while True:
                     blocks = allocate_slots(req, num_new)
@@ -172,6 +179,8 @@ class Scheduler:
                     if victim is req:
                         break
                 if blocks is None:
+                    if spec_tokens:
+                        spec_tokens.pop(req.request_id, None)
                     continue  # req itself was preempted; self.running shrank, i stays
                 if blocks is not no_new_blocks:  # the common decode: nothing to convert
                     ids = blocks.get_block_ids()
@@ -249,6 +258,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
@@ -284,6 +294,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         if result.pooler_output:
             self._finish_pooled(result.pooler_output, outputs)
+        if self.spec is not None:
+            self.spec.update(self.requests, sched, result)
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
@@ -347,6 +359,7 @@ class Scheduler:
             prefix_cache_hits=h - self._last_hits,
             num_preemptions=self.num_preemptions,
             kv_blocks=self.kv.pool.snapshot_counts(),
+            spec_decoding_stats=self.spec.take_stats() if self.spec is not None else None,
         )
         self._last_queries, self._last_hits = q, h
         return stats

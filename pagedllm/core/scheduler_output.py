@@ -47,7 +47,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Hook for speculative decoding (issue: speculative decoding): per request, the proposed tokens this
-    step verifies (counted in num_scheduled_tokens). Nothing sets it yet."""
+    step verifies (counted in num_scheduled_tokens; set by the scheduler from the runner's proposals,
+    `pagedllm/spec_decode/`)."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that finished or were aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
@@ -73,3 +74,5 @@ class ModelRunnerOutput:
     they finish with `FinishReason.ERROR`; their sampled tokens are dropped; the others go on."""
     pooler_output: dict[str, PooledData] = field(default_factory=dict)
     """Pooling requests whose prompt was completed this step -> their pooled result."""
+    spec_token_ids: dict[str, list[int]] | None = None
+    """Speculative decoding: per request, the tokens proposed for the next step (None: speculation off)."""

@@ -18,6 +18,7 @@ from pagedllm.config import (
     build_model_config,
 )
 from pagedllm.platforms import current_platform
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.transformers_utils.config import default_model_path
 
 CPU_MAX_NUM_BATCHED_TOKENS = 256
@@ -174,6 +175,25 @@ class EngineArgs:
         ),
     )
 
+    speculative_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            'Speculative decoding, as vLLM: {"method": "ngram" | "draft_model" | "eagle" | "eagle3", '
+            '"num_speculative_tokens": K, "model": PATH, "prompt_lookup_max": N, "prompt_lookup_min": N, '
+            '"disable_by_batch_size": B}.',
+            "Speculative decoding",
+        ),
+    )
+    spec_method: str | None = field(
+        default=None, metadata=_help("Alias of speculative_config.method.", "Speculative decoding")
+    )
+    spec_model: str | None = field(
+        default=None, metadata=_help("Alias of speculative_config.model.", "Speculative decoding")
+    )
+    spec_tokens: int | None = field(
+        default=None, metadata=_help("Alias of speculative_config.num_speculative_tokens.", "Speculative decoding")
+    )
+
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
         if self.trust_remote_code:
@@ -230,6 +250,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
+        spec = SpeculativeConfig.from_args(self.speculative_config, self.spec_method, self.spec_model, self.spec_tokens)
+        if spec is not None and self.async_scheduling:
+            raise ValueError("async_scheduling: not supported with speculative_config (leave it unset)")
         device = self.resolved_device()
         on_gpu = device.startswith("cuda")
         model = self.model or default_model_path()
@@ -280,14 +303,17 @@ class EngineArgs:
                 max_model_len=mc.max_model_len,
                 enable_chunked_prefill=engine_overrides.get("enable_chunked_prefill", self.enable_chunked_prefill),
                 policy=self.scheduling_policy,
-                async_scheduling=engine_overrides.get(
+                async_scheduling=spec is None
+                and engine_overrides.get(
                     "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
                 ),
+                num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),
             device=device,
             enforce_eager=self.enforce_eager,
+            speculative_config=spec,
             extra={
                 "enable_sleep_mode": self.enable_sleep_mode,
                 "weight_transfer_config": self.weight_transfer_config,

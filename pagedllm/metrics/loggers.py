@@ -14,6 +14,7 @@ from typing import Protocol
 from pagedllm.logger import init_logger
 from pagedllm.messages import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
+from pagedllm.spec_decode.metrics import SpecDecodingLogging
 
 logger = init_logger(__name__)
 
@@ -40,6 +41,7 @@ class LoggingStatLogger:
         self.total_prefix_queries = 0
         self.total_prefix_hits = 0
         self._last_logged_idle = False
+        self.spec_decoding = SpecDecodingLogging()
 
     def record(
         self,
@@ -54,6 +56,8 @@ class LoggingStatLogger:
             self.last_scheduler_stats = scheduler_stats
             self.total_prefix_queries += scheduler_stats.prefix_cache_queries
             self.total_prefix_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
 
     def log(self) -> None:
         now = time.monotonic()
@@ -74,6 +78,7 @@ class LoggingStatLogger:
             s.kv_cache_usage * 100,
             hit_rate * 100,
         )
+        self.spec_decoding.log(dt)
         self._last_logged_idle = idle
         self.last_log_time = now
         self.num_prompt_tokens = self.num_generation_tokens = 0

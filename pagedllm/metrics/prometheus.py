@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pagedllm.messages import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
+from pagedllm.spec_decode.metrics import SpecDecodingProm
 
 TTFT_BUCKETS = [
     0.001,
@@ -146,6 +147,7 @@ class PrometheusStatLogger:
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self._last_preemptions = 0
+        self.spec_decoding = SpecDecodingProm(r, model_name)
         self.last_scheduler_stats = SchedulerStats()
         """The core's latest gauges, kept for readers outside Prometheus (the web dashboard's KV grid)."""
 
@@ -168,6 +170,8 @@ class PrometheusStatLogger:
             if s.num_preemptions > self._last_preemptions:
                 self.num_preemptions.inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions
+            if s.spec_decoding_stats is not None:
+                self.spec_decoding.observe(s.spec_decoding_stats)
         for q in queue_times:
             self.queue_time.observe(q)
         if iteration_stats is None:

@@ -74,6 +74,8 @@ class ModelRunner:
         self.updater: BatchUpdater | None = None
         self.inputs: StepInputBuilder | None = None
         self.sampling: SamplingBatch | None = None
+        self.spec: Any = None
+        """Speculative decoding (`spec_decode.runner.SpecDecodeRunner`) when configured; None: the plain path."""
 
     @property
     def requests(self) -> dict:
@@ -99,6 +101,10 @@ class ModelRunner:
                 logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
+        if self.config.speculative_config is not None:
+            from pagedllm.spec_decode.runner import SpecDecodeRunner
+
+            self.spec = SpecDecodeRunner(self.config.speculative_config, self)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return {
@@ -109,7 +115,8 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         """KV bytes one block id costs across all layers (every layer's tensor has every block id)."""
-        return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values())
+        extra = self.spec.bytes_per_block() if self.spec is not None else 0
+        return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values()) + extra
 
     def profile_run(self) -> None:
         """One forward over max_num_batched_tokens dummy tokens (no KV cache), for the peak memory."""
@@ -139,6 +146,8 @@ class ModelRunner:
         self.updater = BatchUpdater(batch, self.device)
         self.inputs = StepInputBuilder(batch, self._arange)
         self.sampling = SamplingBatch(batch, self.device)
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks, alloc_zeroed)
         return self.kv_cache_config
 
     def run_dummy_batches(self) -> torch.Tensor | None:
@@ -185,6 +194,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.spec is not None:
+            return self.spec.execute(self, so)
         return self.finish_step(self._launch(so, ahead=False))
 
     @torch.inference_mode()

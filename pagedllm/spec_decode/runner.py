@@ -1,0 +1,215 @@
+"""The model runner's speculative step: the scheduled proposals go into the batch after each request's
+known tokens, one forward scores them all, the rejection sampler keeps a prefix of each request's
+proposals plus one token, and the proposer proposes the next step's tokens from the tokens now known.
+
+Speculation runs synchronously (the engine turns async scheduling off with it): the next proposals need
+this step's tokens on the host. Requests whose sampling reads their own previous tokens (penalties,
+min_tokens, bad words) or that an engine-wide logits processor may touch get no proposals: their
+distribution at a proposal's position would depend on the proposals before it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.logprobs import LogprobsLists
+from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
+from pagedllm.sample.rejection_sampler import rejection_sample, target_logits
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from pagedllm.worker.step_inputs import StepInputs
+
+ModelRunner = Any
+"""`worker.model_runner.ModelRunner` (not imported: it imports this module)."""
+
+
+class Proposer(Protocol):
+    def propose(
+        self, req_ids: list[str], token_ids: np.ndarray, rows: list[int], num_tokens: np.ndarray, caps: list[int]
+    ) -> list[list[int]]:
+        """Per request (rows of the persistent batch, their first num_tokens[row] tokens known): at most
+        caps[i] proposed tokens."""
+
+
+def can_speculate(sp: SamplingParams) -> bool:
+    """Whether a request's sampling distribution at a position depends only on the tokens before it
+    through the model (not on its own output counts on the host)."""
+    return not (
+        sp.presence_penalty
+        or sp.frequency_penalty
+        or sp.repetition_penalty != 1.0
+        or sp.min_tokens
+        or sp.bad_words_token_ids
+    )
+
+
+class SpecDecodeRunner:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer: Proposer
+        if config.method == "ngram":
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        elif config.method == "draft_model":
+            from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(config, runner)
+        else:
+            from pagedllm.spec_decode.eagle import EagleProposer
+
+            self.proposer = EagleProposer(config, runner)
+        self._eligible: dict[str, bool] = {}
+
+    def bytes_per_block(self) -> int:
+        """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
+        f = getattr(self.proposer, "bytes_per_block", None)
+        return f() if f is not None else 0
+
+    def initialize_kv_cache(self, num_blocks: int, alloc: Any) -> None:
+        """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`model_runner.alloc_zeroed`)."""
+        init = getattr(self.proposer, "initialize_kv_cache", None)
+        if init is not None:
+            init(num_blocks, alloc)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def execute(self, r: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+        r._update_states(so)
+        drop = getattr(self.proposer, "drop", None)
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+            self._eligible.pop(rid, None)
+            if drop is not None:
+                drop(rid)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        batch, model = r.input_batch, r.model
+        assert batch is not None and r.inputs is not None and model is not None
+        spec = so.scheduled_spec_decode_tokens
+        rows_of = batch.req_id_to_row
+        for rid, toks in spec.items():  # proposals after the known tokens (never counted in num_tokens)
+            row = rows_of[rid]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + len(toks)] = toks
+        x = r.inputs.build(so)
+        hidden = r._forward(x, None)
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(x, hidden)
+        prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
+        sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        sampled: list[list[int]] = [[] for _ in x.req_ids]
+        logprobs: list[LogprobsLists | None] | None = None
+        if len(sample_idx):
+            tokens, lps = self._verify(r, x, hidden, sample_idx, spec)
+            requests = r.requests
+            for j, i in enumerate(sample_idx.tolist()):
+                toks = tokens[j]
+                requests[x.req_ids[i]].output_token_ids.extend(toks)
+                row = int(x.rows[i])
+                n = int(batch.num_tokens[row])
+                fit = toks[: max(0, batch.max_model_len - n)]
+                batch.token_ids[row, n : n + len(fit)] = fit
+                batch.num_tokens[row] = n + len(toks)
+                if batch.penalty_slot[row] >= 0:
+                    for t in toks:
+                        batch.count_output_tokens(np.array([row]), np.array([t]))
+                sampled[i] = toks
+            if lps is not None:
+                logprobs = [None] * len(x.req_ids)
+                for j, i in enumerate(sample_idx.tolist()):
+                    logprobs[i] = lps[j]
+        proposals = self._propose(r, x, sample_idx)
+        return ModelRunnerOutput(x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=proposals)
+
+    def _verify(
+        self, r: ModelRunner, x: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray, spec: dict[str, list[int]]
+    ) -> tuple[list[list[int]], list[LogprobsLists | None] | None]:
+        """Per sampling request (sample_idx order): the emitted tokens and their logprobs."""
+        batch, sampling, sampler, model, dev = r.input_batch, r.sampling, r.sampler, r.model, r.device
+        assert batch is not None and sampling is not None
+        ids = [spec.get(x.req_ids[i], []) for i in sample_idx.tolist()]
+        ks = np.fromiter((len(t) for t in ids), dtype=np.int64, count=len(ids))
+        n_rows = ks + 1
+        starts = np.cumsum(n_rows) - n_rows
+        total = int(n_rows.sum())
+        offs = np.arange(total) - np.repeat(starts, n_rows)
+        logit_rows = np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + offs
+        logits = model.compute_logits(hidden[torch.from_numpy(logit_rows).to(dev)]).float()
+        rows = x.rows[sample_idx]
+        if not ks.any():  # nothing proposed (e.g. right after prefill): the plain sampler
+            md = sampling.build(rows, x.seq_lens[sample_idx])
+            out = sampler(logits, md)
+            toks = [[t] for t in out.sampled_token_ids.tolist()]
+            lp_out = out.logprobs
+            if lp_out is None:
+                return toks, None
+            per: list[LogprobsLists | None] = [None] * len(toks)
+            for pos, j in enumerate(md.logprob_rows_host):
+                per[j] = lp_out.slice(pos, pos + 1)
+            return toks, per
+        md = sampling.build(np.repeat(rows, n_rows))
+        mode = sampler.logprobs_mode
+        lp_src = None
+        if md.logprob_rows is not None and mode.startswith("raw"):
+            sel = logits[md.logprob_rows]
+            lp_src = sel.log_softmax(dim=-1) if mode == "raw_logprobs" else sel
+        greedy, processed = target_logits(sampler, logits, md)
+        is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev)
+        gens = {b: md.generators[int(s)] for b, s in enumerate(starts.tolist()) if int(s) in md.generators}
+        flat = [t for toks in ids for t in toks]
+        out = rejection_sample(
+            greedy, processed, is_greedy, torch.tensor(flat, dtype=torch.int64, device=dev), ks, None, gens
+        )
+        emitted = out.token_ids.tolist()
+        counts = out.num_emitted.tolist()
+        tokens = [row[:c] for row, c in zip(emitted, counts)]
+        if md.logprob_rows is None:
+            return tokens, None
+        if lp_src is None:
+            sel = processed[md.logprob_rows]
+            lp_src = sel.log_softmax(dim=-1) if mode == "processed_logprobs" else sel
+        req_t = torch.from_numpy(np.repeat(np.arange(len(ks)), n_rows)).to(dev)
+        flat_tok = out.token_ids[req_t, torch.from_numpy(offs).to(dev)].clamp(min=0)
+        lists = gather_logprobs_tensors(
+            lp_src, md.num_logprobs, flat_tok[md.logprob_rows], md.logprob_token_ids
+        ).to_lists()
+        per = [None] * len(tokens)
+        pos_of = {int(t): p for p, t in enumerate(md.logprob_rows_host)}
+        for b, c in enumerate(counts):
+            p0 = pos_of.get(int(starts[b]))
+            if p0 is not None:
+                per[b] = lists.slice(p0, p0 + c)
+        return tokens, per
+
+    def _propose(self, r: ModelRunner, x: StepInputs, sample_idx: np.ndarray) -> dict[str, list[int]] | None:
+        """The next step's proposals of the requests that just sampled (none above disable_by_batch_size)."""
+        limit = self.config.disable_by_batch_size
+        if not len(sample_idx) or (limit is not None and x.num_reqs > limit):
+            return None
+        batch = r.input_batch
+        assert batch is not None
+        eligible, requests = self._eligible, r.requests
+        custom = bool(r.sampler.custom_processors)
+        rids, rows, caps = [], [], []
+        for i in sample_idx.tolist():
+            rid = x.req_ids[i]
+            ok = eligible.get(rid)
+            if ok is None:
+                ok = eligible[rid] = not custom and can_speculate(requests[rid].sampling_params)
+            row = int(x.rows[i])
+            cap = min(self.k, batch.max_model_len - int(batch.num_tokens[row]))
+            if ok and cap > 0:
+                rids.append(rid)
+                rows.append(row)
+                caps.append(cap)
+        if not rids:
+            return None
+        props = self.proposer.propose(rids, batch.token_ids, rows, batch.num_tokens, caps)
+        return {rid: p for rid, p in zip(rids, props) if p}
