@@ -10,6 +10,7 @@ import enum
 import msgspec
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     priority: int = 0
     cache_salt: str | None = None
     lora_id: int | None = None
+    lora_request: LoRARequest | None = None
+    """The adapter (the core reads it off the step loop before scheduling the request); lora_id is its id."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

