@@ -83,7 +83,7 @@ class EngineCore(EngineCoreControlsMixin):
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
-        if self.lora is None or not self.lora.loading:
+        if self.lora is None or not self.lora.busy():
             return self._step()
         sched = self.scheduler
         idle = not sched.has_unfinished_requests() and self._pending is None

@@ -65,12 +65,17 @@ class LoRAStaging:
     def has_parked(self) -> bool:
         return bool(self.parked)
 
+    def busy(self) -> bool:
+        """Whether `poll` has work: adapters being read, or more held than max_cpu_loras."""
+        return bool(self.loading) or len(self.registered) > self.lora_config.max_cpu_loras
+
     def poll(
         self, add_request: Callable[[EngineCoreRequest], None], idle: bool, in_use: set[int]
     ) -> list[EngineCoreOutput]:
         """Hands loaded adapters to the worker and their requests to `add_request`; the aborted outputs of
         requests whose adapter failed. `idle`: nothing else to run, so wait a little for a load."""
         if not self.loading:
+            self._evict(in_use)
             return []
         if idle:
             cf.wait(list(self.loading.values()), timeout=0.05, return_when=cf.FIRST_COMPLETED)
@@ -96,7 +101,8 @@ class LoRAStaging:
                 continue
             path = waiting[0].lora_request.lora_path if waiting and waiting[0].lora_request else ""
             self.registered[lid] = path
-            self._evict(in_use | {lid})
+            in_use.add(lid)
+            self._evict(in_use)
             for r in waiting:
                 del self.parked[r.request_id]
                 add_request(r)
