@@ -48,6 +48,10 @@ class TokenLoRAState:
         self.sorted_idx: torch.Tensor | None = None
         self.seg_start: torch.Tensor | None = None
         self.seg_len: torch.Tensor | None = None
+        self.split_buffer: torch.Tensor | None = None
+        """Triton path, few tokens: one zeroed float32 [layers, T, R] buffer for every layer's split-K shrink."""
+        self.num_layers = 0
+        self.max_r = 0
         # PyTorch path: (slot, token indices or None for all tokens) per adapter present.
         self.groups: list[tuple[int, torch.Tensor | None]] = []
 
@@ -81,6 +85,11 @@ class TokenLoRAState:
             sorted_idx = torch.empty(n, dtype=torch.int32, device=s.device)
             sorted_idx.scatter_(0, dest, torch.arange(n, dtype=torch.int32, device=s.device))
             self.sorted_idx, self.seg_start, self.seg_len = sorted_idx, starts.int(), counts.int()
+            from pagedllm.lora.ops import SPLIT_K_MAX_TOKENS
+
+            self.split_buffer = None
+            if n <= SPLIT_K_MAX_TOKENS:
+                self.split_buffer = torch.zeros(self.num_layers, n, self.max_r, dtype=torch.float32, device=s.device)
             return
         slots = self.host[:n]
         present = np.unique(slots[slots >= 0])
@@ -95,6 +104,9 @@ class LoRALayer:
 
     def __init__(self, base: nn.Module, state: TokenLoRAState, max_loras: int, max_rank: int) -> None:
         self.state = state
+        self.index = state.num_layers
+        """This layer's part of the state's split-K buffer."""
+        state.num_layers += 1
         self.max_rank = max_rank
         if isinstance(base, RowParallelLinear):
             self.slice_sizes = [base.output_size]
@@ -109,6 +121,7 @@ class LoRALayer:
         dtype, dev = base.params_dtype, state.device
         self.lora_a = torch.zeros(max_loras, r_all, in_size, dtype=dtype, device=dev)
         self.lora_b = torch.zeros(max_loras, self.out_size, r_all, dtype=dtype, device=dev)
+        state.max_r = max(state.max_r, r_all)
 
     def check(self, name: str, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """ValueError unless `weights` (slice -> (A, B)) fits this layer."""
@@ -143,7 +156,8 @@ class LoRALayer:
             from pagedllm.lora.ops import lora_shrink_expand
 
             assert st.sorted_idx is not None and st.seg_start is not None and st.seg_len is not None
-            lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len)
+            sb = st.split_buffer[self.index] if st.split_buffer is not None else None
+            lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, sb)
             return out
         for slot, idx in st.groups:
             if idx is None:

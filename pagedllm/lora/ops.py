@@ -19,11 +19,12 @@ if HAS_TRITON:
     @triton.jit
     def _shrink_kernel(
         x_ptr, a_ptr, buf_ptr, idx_ptr, start_ptr, len_ptr,
-        K, R,
+        K: tl.constexpr, R,
         sxm, sxk, sal, sar, sak, sbm,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_STEP: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
+        # K is a compile-time constant (the model's few widths): also keeps the loop runnable interpreted.
         slot = tl.program_id(0)
         mb = tl.program_id(1)
         ks = tl.program_id(2)
@@ -38,8 +39,8 @@ if HAS_TRITON:
         r_mask = offs_r < R
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         a_base = a_ptr + slot.to(tl.int64) * sal
-        for k0 in range(ks * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, K_STEP):  # K_STEP = BLOCK_K * SPLIT_K
+            offs_k = k0 + ks * BLOCK_K + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             x = tl.load(
                 x_ptr + rows[:, None] * sxm + offs_k[None, :] * sxk, mask=m_mask[:, None] & k_mask[None, :], other=0.0
@@ -97,6 +98,18 @@ if HAS_TRITON:
         tl.store(optrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
 
 
+SPLIT_K_MAX_TOKENS = 1024
+"""Up to this many tokens the shrink may split K (few token blocks: decode); the caller then passes a
+zeroed float32 buffer (`split_buffer`), one memset per forward for all layers."""
+
+
+def use_split_k(num_tokens: int, num_slots: int, k: int) -> int:
+    """How many programs share a shrink's K: 1 when there are enough token blocks to fill the GPU."""
+    if num_tokens > SPLIT_K_MAX_TOKENS or triton.cdiv(num_tokens, 16) * num_slots >= 64:
+        return 1
+    return min(16, max(1, k // 512))
+
+
 def lora_shrink_expand(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -105,26 +118,31 @@ def lora_shrink_expand(
     sorted_idx: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
+    split_buffer: torch.Tensor | None = None,
 ) -> None:
-    """out[t] += (x[t] @ A[slot(t)]^T) @ B[slot(t)]^T for every token with a slot, in place."""
+    """out[t] += (x[t] @ A[slot(t)]^T) @ B[slot(t)]^T for every token with a slot, in place.
+    `split_buffer`: a zeroed float32 [>= T, >= R] view for the split-K shrink (allocated here if None)."""
     require_triton()
     num_tokens, k = x.shape
     num_slots, r, _ = lora_a.shape
     n = lora_b.shape[1]
-    block_m = 16
+    block_m = 16 if num_tokens <= 512 else 64
     block_r = max(16, next_pow2(r))
     ieee = x.dtype == torch.float32
     m_blocks = triton.cdiv(num_tokens, block_m)
-    # Few token blocks (decode): split K so enough programs stream A.
-    split_k = 1 if m_blocks * num_slots >= 64 else min(16, max(1, k // 512))
+    split_k = use_split_k(num_tokens, num_slots, k)
     block_k = 64 if block_r <= 64 else 32
-    buf_alloc = torch.zeros if split_k > 1 else torch.empty
-    buf = buf_alloc(num_tokens, r, dtype=torch.float32, device=x.device)
+    if split_k > 1:
+        buf = split_buffer[:num_tokens, :r] if split_buffer is not None else None
+        if buf is None:
+            buf = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
+    else:
+        buf = torch.empty(num_tokens, r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_slots, m_blocks, split_k)](
         x, lora_a, buf, sorted_idx, seg_start, seg_len,
         k, r,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, K_STEP=block_k * split_k, IEEE=ieee,
     )  # fmt: skip
     block_n = 64 if block_r > 64 else 128
     _expand_kernel[(num_slots, m_blocks, triton.cdiv(n, block_n))](
