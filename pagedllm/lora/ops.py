@@ -21,8 +21,8 @@ if HAS_TRITON:
         x_ptr, a_ptr, buf_ptr, idx_ptr, start_ptr, len_ptr,
         K: tl.constexpr, R,
         sxm, sxk, sal, sar, sak, sbm,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_STEP: tl.constexpr,
-        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        K_STEP: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         # K is a compile-time constant (the model's few widths): also keeps the loop runnable interpreted.
         slot = tl.program_id(0)

@@ -23,7 +23,13 @@ from pagedllm.lora.ops import lora_shrink_expand  # noqa: E402
 DTYPES = [torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 REL = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8}
 # (tokens, slots, in, out, rank per slice x slices); the third and last split K (few token blocks)
-SHAPES = [(1, 2, 64, 96, 16), (37, 4, 128, 80, 48), (3, 2, 1024, 32, 16), (300, 3, 256, 512, 32), (64, 4, 4096, 6144, 48)]
+SHAPES = [
+    (1, 2, 64, 96, 16),
+    (37, 4, 128, 80, 48),
+    (3, 2, 1024, 32, 16),
+    (300, 3, 256, 512, 32),
+    (64, 4, 4096, 6144, 48),
+]
 if INTERPRET:
     SHAPES = SHAPES[:3]
 

@@ -150,7 +150,10 @@ def test_bad_adapters_are_refused_and_engine_keeps_serving(tiny, llm, tmp_path) 
     tp = [TokensPrompt(prompt_token_ids=prompts[0])]
     cases = {
         "missing": (str(tmp_path / "nowhere"), "no adapter directory"),
-        "modules_to_save": (_bad(tmp_path, adapters[0], "mts", _edit_config(modules_to_save=["lm_head"])), "modules_to_save"),
+        "modules_to_save": (
+            _bad(tmp_path, adapters[0], "mts", _edit_config(modules_to_save=["lm_head"])),
+            "modules_to_save",
+        ),
         "dora": (_bad(tmp_path, adapters[0], "dora", _edit_config(use_dora=True)), "DoRA"),
     }
     # Rank 8 > max_lora_rank 4 of a second engine is checked below; shapes of another base model here:
