@@ -61,6 +61,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     num_preemptions: int = 0
     kv_blocks: tuple[int, int, int] = (0, 0, 0)
     """(usable blocks, in use, free but still cached) from `BlockPool.snapshot_counts`: the dashboard's grid."""
+    waiting_lora_adapters: dict[str, int] = {}
+    """LoRA adapter name -> waiting requests on it (as vLLM; only with LoRA enabled)."""
+    running_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

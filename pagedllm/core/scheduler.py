@@ -69,12 +69,16 @@ class Scheduler:
         any is known, steps run synchronously."""
         self._last_queries = 0
         self._last_hits = 0
+        self.lora_names: dict[int, str] = {}
+        """LoRA id -> adapter name, for the stats (`pagedllm:lora_requests_info`)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         if core_req.request_id in self.requests:
             raise ValueError(f"request_id: {core_req.request_id!r} is already running")
         req = Request.from_engine_core_request(core_req, self.max_model_len, self.block_hasher)
+        if core_req.lora_request is not None:
+            self.lora_names[core_req.lora_request.lora_int_id] = core_req.lora_request.lora_name
         req.stop_len = min(req.stop_len, self.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -338,8 +342,19 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             kv_blocks=self.kv.pool.snapshot_counts(),
         )
+        if self.config.max_loras:
+            stats.waiting_lora_adapters = self._lora_counts(self.waiting)
+            stats.running_lora_adapters = self._lora_counts(self.running)
         self._last_queries, self._last_hits = q, h
         return stats
+
+    def _lora_counts(self, reqs: Iterable[Request]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in reqs:
+            if r.lora_id is not None:
+                name = self.lora_names.get(r.lora_id, str(r.lora_id))
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -146,8 +146,21 @@ class PrometheusStatLogger:
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self._last_preemptions = 0
+        self.lora_info: Gauge | None = None
+        self.max_lora = 0
         self.last_scheduler_stats = SchedulerStats()
         """The core's latest gauges, kept for readers outside Prometheus (the web dashboard's KV grid)."""
+
+    def enable_lora_info(self, max_lora: int) -> None:
+        """`pagedllm:lora_requests_info` (vLLM's vllm:lora_requests_info): a gauge whose labels list the
+        adapters of the waiting and running requests; its value is the time of the last update."""
+        self.max_lora = max_lora
+        self.lora_info = Gauge(
+            "pagedllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
 
     def record(
         self,
@@ -168,6 +181,10 @@ class PrometheusStatLogger:
             if s.num_preemptions > self._last_preemptions:
                 self.num_preemptions.inc(s.num_preemptions - self._last_preemptions)
             self._last_preemptions = s.num_preemptions
+            if self.lora_info is not None:
+                self.lora_info.labels(
+                    str(self.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)
+                ).set_to_current_time()
         for q in queue_times:
             self.queue_time.observe(q)
         if iteration_stats is None:
