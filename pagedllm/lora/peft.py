@@ -189,16 +189,16 @@ def load_adapter(path: str, hf_config: Any, max_rank: int, dtype: torch.dtype) -
     keys = _check_tensors({k: tuple(v.shape) for k, v in tensors.items()}, cfg, hf_config, max_rank)
     halves: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     names: dict[tuple[str, int], str] = {}
-    for key, (mod, sl, peft_name, ab) in keys.items():
-        halves.setdefault((mod, sl), {})[ab] = tensors[key]
+    for key, (mod, sl, peft_name, half) in keys.items():
+        halves.setdefault((mod, sl), {})[half] = tensors[key]
         names[(mod, sl)] = peft_name
     adapter = LoRAAdapter(rank=0)
     base_r = int(cfg.get("r", 8))
     base_alpha = float(cfg.get("lora_alpha", 8))
-    for (mod, sl), ab in halves.items():
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"adapter: {names[(mod, sl)]} has lora_{next(iter(ab))} without its pair")
-        a, b = ab["A"].float(), ab["B"].float()
+    for (mod, sl), pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"adapter: {names[(mod, sl)]} has lora_{next(iter(pair))} without its pair")
+        a, b = pair["A"].float(), pair["B"].float()
         if a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter: {names[(mod, sl)]}: lora_A rank {a.shape[0]} != lora_B rank {b.shape[1]}")
         r = int(_pattern_value(cfg.get("rank_pattern"), names[(mod, sl)], base_r))

@@ -195,3 +195,41 @@ def test_rank_over_max_and_lora_disabled(tiny) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.generate(tp, SP, use_tqdm=False, lora_request=LoRARequest("a0", 1, adapters[0]))
     assert plain.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora is None
+
+
+def test_adapter_load_does_not_block_steps(tiny, llm, monkeypatch) -> None:  # noqa: ANN001
+    """While an adapter's files are read (slowed to 1 s here), the step loop keeps serving base requests;
+    the LoRA request enters the scheduler once its adapter is in, and finishes correctly."""
+    import threading
+
+    import pagedllm.lora.staging as staging
+
+    base_dir, adapters, prompts, refs = tiny
+    gate = threading.Event()
+    real = staging.load_adapter
+
+    def slow_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        gate.wait(5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(staging, "load_adapter", slow_load)
+    engine = llm.llm_engine
+    engine.add_request(
+        "slow-lora", TokensPrompt(prompt_token_ids=prompts[1]), SP, lora_request=LoRARequest("n", 9, adapters[1])
+    )
+    engine.add_request("base", TokensPrompt(prompt_token_ids=prompts[0]), SP)
+    done: dict[str, list[int]] = {}
+    steps_before = 0
+    while "base" not in done:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps_before += 1
+    assert "slow-lora" not in done and steps_before >= MAX_TOKENS  # the base request ran to the end meanwhile
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done["base"] == refs[None][0]
+    compare_greedy(refs["model1"], prompts[1], done["slow-lora"], refs[1][1], torch.float32)
