@@ -10,6 +10,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.logprobs import Logprob
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
     ClassificationRequestOutput,
     CompletionOutput,
@@ -25,6 +26,7 @@ from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 __version__ = "0.1.0"
 
 __all__ = [
+    "LoRARequest",
     "LLM",
     "BeamSearchOutput",
     "BeamSearchParams",

@@ -130,6 +130,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     """Speculative decoding on (> 0): the scheduler schedules the runner's proposals with each decode."""
     """Schedule and prepare step N+1 while step N runs on the device (see EngineCore.step_async)."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters in one step (0: LoRA off)."""
 
 
 @dataclass
@@ -144,6 +146,15 @@ class LoadConfig:
 
 
 @dataclass
+class LoRAConfig:
+    max_loras: int = 1
+    """Adapter slots on the device: the most distinct adapters in one step."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    """Adapters kept read on the host (least recently used dropped first)."""
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -155,6 +166,8 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     speculative_config: Any = None
     """A `spec_decode.SpeculativeConfig`, or None (speculation off)."""
+    lora_config: LoRAConfig | None = None
+    """Multi-LoRA serving (None: off, the model is not wrapped)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     PAGEDLLM_TORCH_PROFILER_DIR: str | None
     PAGEDLLM_BATCH_INVARIANT: bool
     PAGEDLLM_SERVER_DEV_MODE: bool
+    PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     PAGEDLLM_MOE_FUSED_SILU: bool
     PAGEDLLM_MOE_PLACE_BLOCK: int
     CC: str | None
@@ -90,6 +91,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_BATCH_INVARIANT": lambda: os.environ.get("PAGEDLLM_BATCH_INVARIANT", "0") == "1",
     # Development routes of the server (/sleep, /wake_up, /collective_rpc, ...), as VLLM_SERVER_DEV_MODE.
     "PAGEDLLM_SERVER_DEV_MODE": lambda: os.environ.get("PAGEDLLM_SERVER_DEV_MODE", "0") == "1",
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, accepted too).
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: any(
+        os.environ.get(n, "0").strip().lower() in ("1", "true")
+        for n in ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    ),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

@@ -10,6 +10,7 @@ import enum
 import msgspec
 
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,6 +37,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     pooling_params: PoolingParams | None = None
     """Set for a pooling request (prefill only, finishes after its last prompt chunk); its sampling_params
     are then a placeholder (max_tokens=1) the scheduler's bookkeeping reads."""
+    lora_request: LoRARequest | None = None
+    """The adapter (the core reads it off the step loop before scheduling the request); lora_id is its id."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -79,6 +82,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     """(usable blocks, in use, free but still cached) from `BlockPool.snapshot_counts`: the dashboard's grid."""
     spec_decoding_stats: SpecDecodingStats | None = None
     """Speculative decoding's counts since the last stats (None: speculation off)."""
+    waiting_lora_adapters: dict[str, int] = {}
+    """LoRA adapter name -> waiting requests on it (as vLLM; only with LoRA enabled)."""
+    running_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

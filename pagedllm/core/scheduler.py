@@ -73,12 +73,16 @@ class Scheduler:
         self._last_hits = 0
         self.spec = SpecDecodeScheduling(config.num_speculative_tokens) if config.num_speculative_tokens else None
         """Speculative decoding's bookkeeping (None: off; the plain path never looks further)."""
+        self.lora_names: dict[int, str] = {}
+        """LoRA id -> adapter name, for the stats (`pagedllm:lora_requests_info`)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         if core_req.request_id in self.requests:
             raise ValueError(f"request_id: {core_req.request_id!r} is already running")
         req = Request.from_engine_core_request(core_req, self.max_model_len, self.block_hasher)
+        if core_req.lora_request is not None:
+            self.lora_names[core_req.lora_request.lora_int_id] = core_req.lora_request.lora_name
         req.stop_len = min(req.stop_len, self.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -207,8 +211,17 @@ class Scheduler:
 
         # 2. Waiting requests (not in a step that had to preempt).
         if not preempted:
+            # LoRA: at most max_loras distinct adapters per step; requests on another one wait (skipped).
+            max_loras = self.config.max_loras
+            loras = {r.lora_id for r in self.running if r.lora_id is not None} if max_loras else set()
+            skipped: list[Request] = []
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
+                if max_loras and req.lora_id is not None and req.lora_id not in loras:
+                    if len(loras) >= max_loras:
+                        skipped.append(self.waiting.pop())
+                        continue
+                    loras.add(req.lora_id)
                 # Prompt logprobs need logits at every prompt position: no prefix-cache hits for them.
                 use_cache = req.sampling_params.prompt_logprobs is None or req.num_output_tokens > 0
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req, use_cache=use_cache)
@@ -252,6 +265,8 @@ class Scheduler:
                 req.num_computed_tokens += num_new
                 if self.async_scheduling and req.num_computed_tokens >= req.num_tokens:
                     req.num_output_placeholders += 1
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -361,8 +376,19 @@ class Scheduler:
             kv_blocks=self.kv.pool.snapshot_counts(),
             spec_decoding_stats=self.spec.take_stats() if self.spec is not None else None,
         )
+        if self.config.max_loras:
+            stats.waiting_lora_adapters = self._lora_counts(self.waiting)
+            stats.running_lora_adapters = self._lora_counts(self.running)
         self._last_queries, self._last_hits = q, h
         return stats
+
+    def _lora_counts(self, reqs: Iterable[Request]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in reqs:
+            if r.lora_id is not None:
+                name = self.lora_names.get(r.lora_id, str(r.lora_id))
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -13,6 +13,7 @@ from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     LoadConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     build_model_config,
@@ -193,6 +194,14 @@ class EngineArgs:
     spec_tokens: int | None = field(
         default=None, metadata=_help("Alias of speculative_config.num_speculative_tokens.", "Speculative decoding")
     )
+    enable_lora: bool = field(
+        default=False, metadata=_help("Serve LoRA adapters (LoRARequest / --lora-modules).", "LoRA")
+    )
+    max_loras: int = field(default=1, metadata=_help("Most distinct LoRA adapters in one step (device slots).", "LoRA"))
+    max_lora_rank: int = field(default=16, metadata=_help("Largest LoRA rank served.", "LoRA"))
+    max_cpu_loras: int | None = field(
+        default=None, metadata=_help("LoRA adapters kept read on the host (default: max_loras).", "LoRA")
+    )
 
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
@@ -221,7 +230,18 @@ class EngineArgs:
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        self._validate_lora()
         self._validate_controls()
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank: must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
 
     def _validate_controls(self) -> None:
         from pagedllm.distributed.weight_transfer import check_weight_transfer_config
@@ -308,6 +328,7 @@ class EngineArgs:
                     "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
                 ),
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             load_config=LoadConfig(load_format=self.load_format),
@@ -320,6 +341,9 @@ class EngineArgs:
                 "profiler_config": self.profiler_config,
                 "batch_invariant": self.batch_invariant,
             },
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+            if self.enable_lora
+            else None,
         )
 
     # ---- CLI -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLogger
 from pagedllm.metrics.stats import IterationStats
@@ -61,7 +62,7 @@ class AsyncLLM(AsyncLLMControlsMixin):
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, lora_config=config.lora_config)
         self.log_stats = log_stats
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         if log_stats and not any(isinstance(s, LoggingStatLogger) for s in self.stat_loggers):
@@ -147,6 +148,7 @@ class AsyncLLM(AsyncLLMControlsMixin):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive in the returned collector. Raises ValueError for bad input."""
         self.start()
@@ -159,7 +161,9 @@ class AsyncLLM(AsyncLLMControlsMixin):
             prompt = {"prompt": prompt, "prompt_token_ids": await self.encode_text(prompt)}  # type: ignore[typeddict-item]
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parent_requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        req, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        req, prompt_text = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, lora_request=lora_request
+        )
         queue = RequestOutputCollector(params.output_kind)
         if self.request_timeout_s is not None:
             self._deadlines[request_id] = asyncio.get_running_loop().call_later(
@@ -189,13 +193,14 @@ class AsyncLLM(AsyncLLMControlsMixin):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's `RequestOutput`s as the engine produces them (per `output_kind`).
 
         Closing or cancelling the generator (client disconnect) aborts the request in the engine, which
         frees its KV blocks. Raises `EngineDeadError` if the core process dies meanwhile.
         """
-        queue = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
+        queue = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority, lora_request)
         stream = self.stream_outputs(request_id, queue)
         try:
             async for out in stream:

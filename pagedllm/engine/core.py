@@ -49,6 +49,11 @@ class EngineCore(EngineCoreControlsMixin):
         """Async scheduling: the launched step whose results are not read yet."""
         self.num_steps_ahead = 0
         """Steps launched before the previous step's results were read (async scheduling at work)."""
+        self.lora = None
+        if config.lora_config is not None:  # adapters are read off the step loop, see lora/staging.py
+            from pagedllm.lora.staging import LoRAStaging
+
+            self.lora = LoRAStaging(config, self.executor.collective_rpc)
         # The start-up objects (one Python object per KV block, the model's modules) live as long as the
         # engine: move them out of the cyclic GC's generations, which otherwise walks them all in every full
         # collection (measured: 3.65 -> 3.14 ms host time per step at 256 decodes, benchmarks/host_overhead.py).
@@ -65,12 +70,31 @@ class EngineCore(EngineCoreControlsMixin):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_can_run()  # controls: not while asleep (level >= 1)
+        if request.lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
+            if not self.lora.admit(request):
+                return  # parked until its adapter is read
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.lora is not None:
+            self.lora.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.lora is None or not self.lora.busy():
+            return self._step()
+        sched = self.scheduler
+        idle = not sched.has_unfinished_requests() and self._pending is None
+        in_use = {r.lora_id for r in sched.requests.values() if r.lora_id is not None}
+        failed = self.lora.poll(sched.add_request, idle, in_use)
+        out = self._step()
+        if failed:
+            out.outputs = [*out.outputs, *failed]
+        return out
+
+    def _step(self) -> EngineCoreOutputs:
         if self.scheduling_paused:  # controls: sleep(level=0)
             return self.paused_step()
         if self.async_scheduling:
@@ -105,10 +129,13 @@ class EngineCore(EngineCoreControlsMixin):
         return sched_.update_from_output(so, handle.result())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        parked = self.lora is not None and self.lora.has_parked()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or parked
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.lora is not None:
+            self.lora.shutdown()
         self.executor.shutdown()

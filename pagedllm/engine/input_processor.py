@@ -6,8 +6,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.inputs import PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import EngineCoreRequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -15,9 +16,16 @@ from pagedllm.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Any | None, logits_processors: Sequence[Any] | None = None
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any | None,
+        logits_processors: Sequence[Any] | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self._checked_loras: dict[tuple[int, str], bool] = {}
+        """Adapters already validated (id, path): one check per adapter, not per prompt."""
         self.logits_processors = list(logits_processors or [])
         """Custom logits processors: each request is checked with their `validate_params`."""
         self.tokenizer = tokenizer
@@ -64,6 +72,7 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
             from pagedllm.pooling.inputs import process_pooling
@@ -73,6 +82,8 @@ class InputProcessor:
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            self.validate_lora(lora_request)
         if prompt_token_ids is None:
             prompt_text, prompt_token_ids, cache_salt = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
@@ -99,8 +110,24 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             cache_salt=cache_salt,
+            lora_id=lora_request.lora_int_id if lora_request is not None else None,
+            lora_request=lora_request,
         )
         return req, prompt_text
+
+    def validate_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError for an adapter the engine cannot serve (LoRA off, missing files, rank over
+        max_lora_rank, shapes of another base model); reads its config and tensor header only."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_config is None:
+            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True)")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._checked_loras:
+            from pagedllm.lora.peft import check_adapter
+
+            check_adapter(lora_request.lora_path, self.model_config.hf_config, self.lora_config.max_lora_rank)
+            self._checked_loras[key] = True
 
     def validate_sampling(self, params: SamplingParams) -> None:
         """Checks that need the model or the engine: vocabulary ranges, max_logprobs, custom processors."""

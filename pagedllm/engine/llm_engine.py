@@ -12,6 +12,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.inputs import PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
@@ -42,7 +43,9 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer, logits_processors)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, logits_processors, config.lora_config
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -69,10 +72,13 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request. `n > 1` fans out into n child requests sharing the prompt's KV blocks
         through the prefix cache; their outputs come back gathered under `request_id`."""
-        req, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        req, prompt_text = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, lora_request=lora_request
+        )
         if params.n == 1:
             self.output_processor.add_request(req, prompt_text)
             self.engine_core.add_request(req)

@@ -21,6 +21,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.llm_controls import LLMControlsMixin
 from pagedllm.inputs import PromptType, TokensPrompt
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.llm_api import LLMPoolingMixin
 from pagedllm.sample.logits_processor import LogitsProcessor
@@ -61,14 +62,24 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._params_for(prompts, sampling_params)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority)
+        loras: list[LoRARequest | None] | None = None
+        if lora_request is not None:
+            if isinstance(lora_request, LoRARequest):
+                loras = [lora_request] * len(prompts)
+            else:
+                loras = list(lora_request)
+                if len(loras) != len(prompts):
+                    raise ValueError(f"lora_request: got {len(loras)} values for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def _params_for(
         self, prompts: list[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None
@@ -156,6 +167,7 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template. `messages` is one conversation or a list of them."""
         prompts = self._chat_prompts(
@@ -166,7 +178,7 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _chat_prompts(
         self,
@@ -202,13 +214,18 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
         params: list[SamplingParams],
         use_tqdm: bool,
         priority: list[int] | None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         self._check_can_run()
-        ids = self._add_requests(prompts, params, priority)
+        ids = self._add_requests(prompts, params, priority, loras)
         return self._run_engine(ids, use_tqdm)
 
     def _add_requests(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: list[int] | None
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: list[int] | None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queue the requests (final outputs only); returns their ids. All or none are added."""
         engine = self.llm_engine
@@ -218,7 +235,8 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
                 rid = str(next(self._counter))
                 # Offline generation only needs the final output (as vLLM): no per-step RequestOutputs.
                 sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                lora = loras[i] if loras else None
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, lora_request=lora)
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)

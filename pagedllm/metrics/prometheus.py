@@ -148,8 +148,21 @@ class PrometheusStatLogger:
         )
         self._last_preemptions = 0
         self.spec_decoding = SpecDecodingProm(r, model_name)
+        self.lora_info: Gauge | None = None
+        self.max_lora = 0
         self.last_scheduler_stats = SchedulerStats()
         """The core's latest gauges, kept for readers outside Prometheus (the web dashboard's KV grid)."""
+
+    def enable_lora_info(self, max_lora: int) -> None:
+        """`pagedllm:lora_requests_info` (vLLM's vllm:lora_requests_info): a gauge whose labels list the
+        adapters of the waiting and running requests; its value is the time of the last update."""
+        self.max_lora = max_lora
+        self.lora_info = Gauge(
+            "pagedllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
 
     def record(
         self,
@@ -172,6 +185,10 @@ class PrometheusStatLogger:
             self._last_preemptions = s.num_preemptions
             if s.spec_decoding_stats is not None:
                 self.spec_decoding.observe(s.spec_decoding_stats)
+            if self.lora_info is not None:
+                self.lora_info.labels(
+                    str(self.max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)
+                ).set_to_current_time()
         for q in queue_times:
             self.queue_time.observe(q)
         if iteration_stats is None:

@@ -76,6 +76,8 @@ class ModelRunner:
         self.sampling: SamplingBatch | None = None
         self.spec: Any = None
         """Speculative decoding (`spec_decode.runner.SpecDecodeRunner`) when configured; None: the plain path."""
+        self.lora: Any = None
+        """Multi-LoRA (`lora.manager.LoRAManager`) when the config enables it; None keeps the plain path."""
 
     @property
     def requests(self) -> dict:
@@ -100,6 +102,12 @@ class ModelRunner:
             if n_packed:
                 logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        if self.config.lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model, self.config.lora_config, self.max_num_reqs, self.max_num_tokens, self.device
+            )
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
         if self.config.speculative_config is not None:
             from pagedllm.spec_decode.runner import SpecDecodeRunner
@@ -264,6 +272,8 @@ class ModelRunner:
         tables, slots = tables_and_slots(
             batch.block_tables, [g.spec.block_size for g in groups], x.rows, x.req_of_token, x.positions, max_seq
         )
+        if self.lora is not None:  # the step's per-token adapter slots (a graph input)
+            self.lora.prepare_step(batch, x.token_rows)
         graphs = self.cuda_graphs
         if graphs is not None and x.max_query_len == 1 and graphs.can_run(x.num_reqs):
             return graphs.run(x.input_ids, x.positions, x.seq_lens.astype(np.int32), slots, tables, patch)

@@ -37,6 +37,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served as model names (with --enable-lora): name=path or "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'.',
+    )
+    g.add_argument(
         "--disable-web-ui", action="store_true", help="Do not serve the chat page (/) and the dashboard (/dashboard)."
     )
     g.add_argument(

@@ -42,7 +42,6 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -58,6 +57,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_module
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
@@ -194,6 +194,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     max_n: int = DEFAULT_MAX_N,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
@@ -204,6 +205,9 @@ def build_app(
         chat.template_sandbox = tokenization.template_sandbox = sandbox
         app.state.template_sandbox = sandbox
     completion.max_n = chat.max_n = max_n
+    served_models = OpenAIServingModels(engine, served_model_names)  # the base model and its LoRA adapters
+    served_models.load_static(lora_modules or [])
+    completion.models = chat.models = tokenization.models = served_models
     app.state.engine = engine
     add_control_routes(app, engine)  # /sleep, /wake_up, /is_sleeping, /start_profile, ... (dev mode / config)
 
@@ -283,13 +287,31 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        root = engine.model_config.model
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len, **model_tasks(engine))
-                for name in served_model_names
-            ]
-        )
+        return ModelList(data=served_models.model_cards(**model_tasks(engine)))
+
+    if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
+
+        async def _json_body(raw_request: Request) -> dict[str, Any]:
+            try:
+                body = await raw_request.json()
+            except ValueError:
+                raise OpenAIServingError("The request body is not valid JSON.", 400) from None
+            if not isinstance(body, dict):
+                raise OpenAIServingError("The request body must be a JSON object.", 400)
+            return body
+
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            body = await _json_body(raw_request)
+            msg = await served_models.load_lora_adapter(
+                body.get("lora_name"), body.get("lora_path"), body.get("base_model_name")
+            )
+            return PlainTextResponse(msg)
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            body = await _json_body(raw_request)
+            return PlainTextResponse(served_models.unload_lora_adapter(body.get("lora_name")))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_RESPONSES)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -339,6 +361,8 @@ async def run_server(args: argparse.Namespace) -> int:
     config = engine_args.create_engine_config()
     served = list(engine_args.served_model_name or []) or [engine_args.model or "SmolLM2-135M-Instruct"]
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)
+    if config.lora_config is not None:
+        prometheus.enable_lora_info(config.lora_config.max_loras)
     stat_loggers: list[Any] = [prometheus]
     engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
     app: FastAPI | None = None
@@ -355,6 +379,7 @@ async def run_server(args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             max_n=args.max_n,
             body_timeout_s=args.timeout_request_body,
+            lora_modules=[parse_lora_module(m) for m in getattr(args, "lora_modules", None) or []],
         )
         TimeoutH11Protocol.header_timeout_s = args.timeout_request_header
         engine.request_timeout_s = args.request_timeout

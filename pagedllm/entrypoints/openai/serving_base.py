@@ -146,6 +146,12 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.max_model_len = engine.model_config.max_model_len
         self.default_sampling = engine.get_default_sampling_params()
+        self.models: Any = None
+        """`serving_models.OpenAIServingModels` (LoRA adapters as model names), set by the app."""
+
+    def lora_for(self, model: str | None) -> Any:
+        """The LoRARequest a request's `model` names (None: the base model)."""
+        return self.models.lora_for(model) if self.models is not None else None
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -177,9 +183,10 @@ class OpenAIServing:
             raise engine_dead_error(self.engine.dead_error)
         if model is None or model == "":
             return self.model_name
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and (self.models is None or not self.models.is_served(model)):
+            names = self.served_model_names + (list(self.models.lora_requests) if self.models is not None else [])
             raise OpenAIServingError(
-                f"The model `{model}` does not exist. Served models: {', '.join(self.served_model_names)}.",
+                f"The model `{model}` does not exist. Served models: {', '.join(names)}.",
                 404,
                 "model",
                 "NotFoundError",

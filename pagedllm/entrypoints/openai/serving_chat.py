@@ -156,7 +156,11 @@ class OpenAIServingChat(OpenAIServing):
         rid = request_id or req.request_id or f"chatcmpl-{random_uuid()}"
         try:
             q = await self.engine.add_request(
-                rid, TokensPrompt(prompt_token_ids=ids, prompt=text), sp, priority=req.priority
+                rid,
+                TokensPrompt(prompt_token_ids=ids, prompt=text),
+                sp,
+                priority=req.priority,
+                lora_request=self.lora_for(req.model),
             )
         except ValueError as e:
             raise OpenAIServingError.from_value_error(e) from None

@@ -107,7 +107,11 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 rid = f"{base_id}-{i}"
                 q = await engine.add_request(
-                    rid, TokensPrompt(prompt_token_ids=ids, prompt=text or ""), sp, priority=req.priority
+                    rid,
+                    TokensPrompt(prompt_token_ids=ids, prompt=text or ""),
+                    sp,
+                    priority=req.priority,
+                    lora_request=self.lora_for(req.model),
                 )
                 queued.append(rid)
                 streams.append(engine.stream_outputs(rid, q))
