@@ -168,6 +168,8 @@ class EngineConfig:
     """A `spec_decode.SpeculativeConfig`, or None (speculation off)."""
     lora_config: LoRAConfig | None = None
     """Multi-LoRA serving (None: off, the model is not wrapped)."""
+    structured_outputs_config: Any = None
+    """A `structured_output.StructuredOutputsConfig` (None: the defaults)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:

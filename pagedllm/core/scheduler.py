@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -30,12 +31,17 @@ from pagedllm.pooling_params import PooledData
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
 
 def needs_sync_step(sp: SamplingParams) -> bool:
     """Whether sampling for this request reads its previous tokens on the host (so the next step cannot be
-    scheduled before they are known): penalties, min_tokens, bad words, logprobs."""
+    scheduled before they are known): penalties, min_tokens, bad words, logprobs, a grammar (its bitmask
+    follows the previous token)."""
     return bool(
-        sp.presence_penalty
+        sp.structured_outputs is not None
+        or sp.presence_penalty
         or sp.frequency_penalty
         or sp.repetition_penalty != 1.0
         or sp.min_tokens
@@ -75,6 +81,10 @@ class Scheduler:
         """Speculative decoding's bookkeeping (None: off; the plain path never looks further)."""
         self.lora_names: dict[int, str] = {}
         """LoRA id -> adapter name, for the stats (`pagedllm:lora_requests_info`)."""
+        self.structured: StructuredOutputManager | None = None
+        """Structured outputs (set by the engine core): grammars, matchers and the step's bitmask."""
+        self._grammar_errors: dict[str, str] = {}
+        """Requests whose grammar failed to compile -> the error (they fail at the next update)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
@@ -84,6 +94,11 @@ class Scheduler:
         if core_req.lora_request is not None:
             self.lora_names[core_req.lora_request.lora_int_id] = core_req.lora_request.lora_name
         req.stop_len = min(req.stop_len, self.max_model_len)
+        if req.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs: not available in this engine")
+            self.structured.add_request(req)  # compiles off the step loop
+            req.status = RequestStatus.WAITING_FOR_FSM
         self.requests[req.request_id] = req
         self.waiting.add(req)
         self._new_to_worker.add(req.request_id)
@@ -122,6 +137,9 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
         self._new_to_worker.discard(req.request_id)
         self._sync_only.discard(req.request_id)
+        if self.structured is not None:
+            self.structured.remove(req.request_id)
+        self._grammar_errors.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -217,6 +235,11 @@ class Scheduler:
             skipped: list[Request] = []
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
+                if req.status == RequestStatus.WAITING_FOR_FSM and not self.structured.ready(  # type: ignore[union-attr]
+                    req, self._grammar_errors
+                ):
+                    skipped.append(self.waiting.pop())  # never holds the requests behind it
+                    continue
                 if max_loras and req.lora_id is not None and req.lora_id not in loras:
                     if len(loras) >= max_loras:
                         skipped.append(self.waiting.pop())
@@ -278,6 +301,10 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
+        if self.structured is not None and self.structured.states:
+            self.structured.prepare(out, self.requests)
+            if not num_scheduled and not self._grammar_errors:
+                self.structured.wait_pending(0.05)  # only grammars to wait for: no busy step loop
         return out
 
     def _pick_victim(self, current: int) -> Request:
@@ -299,7 +326,8 @@ class Scheduler:
     # ---- results back --------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """The step's sampled tokens join their requests; stopped requests finish and free their blocks."""
-        outputs: list[EngineCoreOutput] = self.fail_requests(result.failed) if result.failed else []
+        failed = {**self._grammar_errors, **result.failed} if self._grammar_errors else result.failed
+        outputs: list[EngineCoreOutput] = self.fail_requests(failed) if failed else []
         outputs_append = outputs.append
         # Locals for the per-request loop (it runs for every running request, every step).
         get_request = self.requests.get
@@ -311,6 +339,8 @@ class Scheduler:
             self._finish_pooled(result.pooler_output, outputs)
         if self.spec is not None:
             self.spec.update(self.requests, sched, result)
+        grammars = self.structured.states if self.structured is not None and self.structured.states else None
+        rejected: dict[str, str] = {}
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
             if req is None or not tokens:
@@ -329,6 +359,8 @@ class Scheduler:
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok, max_model_len)
             else:
                 new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
+            if grammars is not None and rid in grammars and not stopped:
+                stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
             finish_reason = None
             if stopped:
                 finish_reason = req.status.finish_reason
@@ -351,6 +383,8 @@ class Scheduler:
                     prompt_logprobs.get(rid) if prompt_logprobs else None,
                 )
             )
+        if rejected:
+            outputs.extend(self.fail_requests(rejected))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
 
     def _finish_pooled(self, pooled: dict[str, PooledData], outputs: list[EngineCoreOutput]) -> None:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
+
+
+class BitmaskSource(Protocol):
+    """A step's grammar bitmask filled on demand (`structured_output.manager.GrammarBitmask`): the runner asks
+    for it after launching the forward, so the host fill overlaps the device's work."""
+
+    def result(self) -> np.ndarray: ...
 
 
 @dataclass
@@ -53,11 +61,12 @@ class SchedulerOutput:
     """Requests that finished or were aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    """Hook for structured outputs (issue: structured outputs): request id -> its row in grammar_bitmask.
-    Nothing sets it yet."""
-    grammar_bitmask: np.ndarray | None = None
-    """Hook for structured outputs: the allowed-token bitmask of those requests, filled on the host while
-    the device runs the forward. Nothing sets it yet."""
+    """Structured outputs (`pagedllm/structured_output/`): request id -> its row in grammar_bitmask; only
+    requests that sample this step (no partial prefills)."""
+    grammar_bitmask: np.ndarray | BitmaskSource | None = None
+    """The allowed-token bitmask (int32, ceil(vocab / 32) words per row) of those requests, or its source,
+    filled on the host when the runner resolves it (after launching the forward). A worker in another
+    process would get it resolved before sending."""
 
 
 @dataclass

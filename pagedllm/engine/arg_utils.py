@@ -202,6 +202,23 @@ class EngineArgs:
     max_cpu_loras: int | None = field(
         default=None, metadata=_help("LoRA adapters kept read on the host (default: max_loras).", "LoRA")
     )
+    structured_outputs_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help(
+            'Structured outputs, as vLLM: {"backend": "auto" | "xgrammar", "disable_any_whitespace": bool, '
+            '"disable_additional_properties": bool, "max_whitespace_count": N, "reasoning_parser": NAME, '
+            '"enable_in_reasoning": bool}.',
+            "Structured outputs",
+        ),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_help(
+            "Reasoning parser (e.g. deepseek_r1, qwen3): the server splits reasoning_content off, and grammars "
+            "apply only after the reasoning ends (also structured_outputs_config.reasoning_parser).",
+            "Structured outputs",
+        ),
+    )
 
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
@@ -271,6 +288,9 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         self._validate()
         spec = SpeculativeConfig.from_args(self.speculative_config, self.spec_method, self.spec_model, self.spec_tokens)
+        from pagedllm.structured_output.config import StructuredOutputsConfig
+
+        so_config = StructuredOutputsConfig.from_value(self.structured_outputs_config, self.reasoning_parser)
         if spec is not None and self.async_scheduling:
             raise ValueError("async_scheduling: not supported with speculative_config (leave it unset)")
         device = self.resolved_device()
@@ -344,6 +364,7 @@ class EngineArgs:
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora
             else None,
+            structured_outputs_config=so_config,
         )
 
     # ---- CLI -----------------------------------------------------------------------------------

@@ -62,7 +62,13 @@ class AsyncLLM(AsyncLLMControlsMixin):
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer, lora_config=config.lora_config)
+        self.input_processor = InputProcessor(
+            config.model_config,
+            self.tokenizer,
+            lora_config=config.lora_config,
+            speculative=config.speculative_config is not None,
+            structured_outputs_config=config.structured_outputs_config,
+        )
         self.log_stats = log_stats
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         if log_stats and not any(isinstance(s, LoggingStatLogger) for s in self.stat_loggers):

@@ -21,8 +21,14 @@ class InputProcessor:
         tokenizer: Any | None,
         logits_processors: Sequence[Any] | None = None,
         lora_config: LoRAConfig | None = None,
+        *,
+        speculative: bool = False,
+        structured_outputs_config: Any = None,
     ) -> None:
         self.model_config = model_config
+        self.speculative = speculative
+        """Speculative decoding is on: structured outputs are rejected (no grammar rollback)."""
+        self.structured_outputs_config = structured_outputs_config
         self.lora_config = lora_config
         self._checked_loras: dict[tuple[int, str], bool] = {}
         """Adapters already validated (id, path): one check per adapter, not per prompt."""
@@ -136,6 +142,20 @@ class InputProcessor:
             raise ValueError("bad_words: needs a tokenizer (skip_tokenizer_init=True)")
         for proc in self.logits_processors:
             proc.validate_params(params)
+        if params.structured_outputs is not None:
+            self.validate_structured_outputs(params)
+
+    def validate_structured_outputs(self, params: SamplingParams) -> None:
+        """The constraint parses (JSON schema, regex, EBNF grammar): a ValueError naming the field here, before
+        the engine, where it is cheap; the engine core compiles it for the tokenizer off its step loop."""
+        if self.speculative:
+            raise ValueError("structured_outputs: not supported together with speculative decoding")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: needs a tokenizer (skip_tokenizer_init=True)")
+        from pagedllm.structured_output.backend import validate
+
+        assert params.structured_outputs is not None
+        validate(params.structured_outputs, self.structured_outputs_config)
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:

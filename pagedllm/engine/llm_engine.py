@@ -44,7 +44,12 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, logits_processors, config.lora_config
+            config.model_config,
+            self.tokenizer,
+            logits_processors,
+            config.lora_config,
+            speculative=config.speculative_config is not None,
+            structured_outputs_config=config.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)

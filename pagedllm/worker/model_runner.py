@@ -20,6 +20,7 @@ from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sample.sampler import Sampler
+from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.utils import cdiv
 from pagedllm.worker import warmup
 from pagedllm.worker.async_output import AsyncCopier, InFlightTokens, Patch, PendingStep
@@ -239,6 +240,8 @@ class ModelRunner:
             else:
                 logits_idx = torch.from_numpy(x.cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
                 logits = model.compute_logits(hidden[logits_idx])
+            if so.grammar_bitmask is not None:  # structured outputs: the host fill overlaps the forward
+                apply_grammar_bitmask(logits, so, x.req_ids, sample_idx)
             md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids

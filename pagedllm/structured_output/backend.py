@@ -1,0 +1,149 @@
+"""The xgrammar backend: a `StructuredOutputsParams` -> a compiled grammar -> per-request matchers.
+
+`validate` checks a constraint without a tokenizer (cheap: the front end calls it before queueing);
+`XgrammarBackend.compile` needs the tokenizer's vocabulary and runs in the manager's compile threads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.config import StructuredOutputsConfig
+
+GrammarKey = tuple[str, str, bool, bool, int | None]
+
+
+def _json_text(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """A copy of the schema where every object without an `additionalProperties` rule forbids extra keys."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def grammar_key(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> GrammarKey:
+    """What the compiled grammar depends on: equal keys share one compilation."""
+    kind = params.kind
+    value: Any = getattr(params, kind)
+    text = _json_text(value) if kind in ("json", "choice", "json_object") else str(value)
+    compact = params.disable_any_whitespace or config.disable_any_whitespace
+    no_extra = params.disable_additional_properties or config.disable_additional_properties
+    return (kind, text, compact, no_extra, config.max_whitespace_count)
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _schema(params: StructuredOutputsParams, no_extra: bool) -> str | dict[str, Any]:
+    value = params.json
+    assert value is not None
+    if no_extra:
+        loaded = json.loads(value) if isinstance(value, str) else value
+        return _no_additional_properties(loaded)
+    return value
+
+
+def _structural_tag_args(text: str) -> tuple[Any, ...]:
+    """xgrammar's structural tag: the current format (one JSON object) or vLLM's older
+    {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "structures" in data:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in data["structures"]
+        ]
+        return (items, data["triggers"])
+    return (text,)
+
+
+_FIELD = {
+    "json": "structured_outputs.json",
+    "regex": "structured_outputs.regex",
+    "choice": "structured_outputs.choice",
+    "grammar": "structured_outputs.grammar",
+    "json_object": "structured_outputs.json_object",
+    "structural_tag": "structured_outputs.structural_tag",
+}
+
+
+def validate(params: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> None:
+    """ValueError naming the field for a constraint xgrammar cannot parse (invalid JSON schema, regex,
+    EBNF grammar or structural tag). No tokenizer needed."""
+    config = config or StructuredOutputsConfig()
+    kind = params.kind
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(_schema(params, config.disable_additional_properties), any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(params.regex or "")
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(params.grammar or "")
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+        elif kind == "structural_tag":
+            args = _structural_tag_args(params.structural_tag or "")
+            if len(args) == 1:
+                xgr.Grammar.from_structural_tag(args[0])
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}.get(kind, kind)
+        raise ValueError(f"{_FIELD[kind]}: invalid {what}: {_short(e)}") from None
+
+
+def _short(e: BaseException) -> str:
+    """xgrammar's C++ errors start with a source location ("[time] file.cc:123: ..."): keep the message."""
+    msg = str(e).strip()
+    if msg.startswith("[") and ": " in msg:
+        msg = msg.split(": ", 1)[1]
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+class XgrammarBackend:
+    """Compiles constraints for one tokenizer (thread-safe: xgrammar's compiler may be called concurrently)."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], config: StructuredOutputsConfig
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        kind, _, compact, no_extra, max_ws = grammar_key(params, self.config)
+        c = self.compiler
+        if kind == "json":
+            return c.compile_json_schema(
+                _schema(params, no_extra), any_whitespace=not compact, max_whitespace_cnt=None if compact else max_ws
+            )
+        if kind == "json_object":
+            return c.compile_json_schema(
+                '{"type": "object"}', any_whitespace=not compact, max_whitespace_cnt=None if compact else max_ws
+            )
+        if kind == "regex":
+            return c.compile_regex(params.regex or "")
+        if kind == "choice":
+            return c.compile_grammar(choice_ebnf(params.choice or []))
+        if kind == "grammar":
+            return c.compile_grammar(params.grammar or "")
+        return c.compile_structural_tag(*_structural_tag_args(params.structural_tag or ""))
+
+    @staticmethod
+    def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled)

@@ -1,0 +1,224 @@
+"""The engine core's side of structured outputs: compile pool + cache, one matcher per request, the
+step's bitmask.
+
+Interface to the scheduler (all calls on the step loop's thread):
+- `add_request(req)`: starts compiling the request's grammar in a thread (or reuses the cached one);
+  the scheduler keeps the request WAITING_FOR_FSM and asks `poll(req)` before scheduling it.
+- `prepare(so, requests)`: after scheduling, picks the structured requests that sample this step and
+  sets `so.structured_output_request_ids` and `so.grammar_bitmask` (a `GrammarBitmask`, filled when the
+  runner asks for it: after it has launched the forward, so the host fill overlaps the device's work).
+- `accept(req, new_tokens)`: advances the request's matcher; True when its grammar has terminated.
+- `remove(request_id)`: the request finished.
+
+With a reasoning parser, a request's grammar applies only once `parser.is_reasoning_end(output ids)`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xgrammar as xgr
+
+from pagedllm.logger import init_logger
+from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, grammar_key
+from pagedllm.structured_output.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+    from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.reasoning import ReasoningParser
+
+logger = init_logger(__name__)
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (by key), least recently used dropped first."""
+
+
+class GrammarRejectedError(ValueError):
+    """A sampled token the request's grammar does not accept (the mask should make this impossible)."""
+
+
+class _RequestGrammar:
+    __slots__ = ("future", "matcher", "reasoning_ended", "terminated")
+
+    def __init__(self, future: cf.Future[xgr.CompiledGrammar], reasoning_ended: bool) -> None:
+        self.future = future
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.reasoning_ended = reasoning_ended
+        self.terminated = False
+
+
+class GrammarBitmask:
+    """The allowed-token bitmask of one step's structured requests (row i: matchers[i]), filled on the
+    host on first `result()` with xgrammar's batch fill (which spreads the rows over threads)."""
+
+    def __init__(self, matchers: list[xgr.GrammarMatcher], vocab_size: int, batch: xgr.BatchGrammarMatcher) -> None:
+        self.matchers = matchers
+        self.vocab_size = vocab_size
+        self._batch = batch
+        self._mask: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._mask is None:
+            mask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)
+            if len(self.matchers) == 1:
+                self.matchers[0].fill_next_token_bitmask(mask, 0)
+            else:
+                self._batch.batch_fill_next_token_bitmask(self.matchers, mask)
+            self._mask = mask.numpy()
+        return self._mask
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        config: StructuredOutputsConfig,
+        backend_factory: Callable[[], XgrammarBackend],
+        vocab_size: int,
+        reasoning_parser_factory: Callable[[], ReasoningParser] | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self._backend_factory = backend_factory
+        self._backend: XgrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._reasoning_factory = reasoning_parser_factory
+        self._reasoner: ReasoningParser | None = None
+        self.pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[GrammarKey, cf.Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.states: dict[str, _RequestGrammar] = {}
+        """Structured requests (every one the scheduler holds) -> their grammar state."""
+        self._batch = xgr.BatchGrammarMatcher()
+
+    # ---- compile -------------------------------------------------------------------------------------
+    def _get_backend(self) -> XgrammarBackend:
+        with self._backend_lock:  # the tokenizer and xgrammar's vocabulary are read once, in a compile thread
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def _compile(self, params: Any) -> xgr.CompiledGrammar:
+        return self._get_backend().compile(params)
+
+    def add_request(self, req: Request) -> None:
+        params = req.sampling_params.structured_outputs
+        assert params is not None
+        key = grammar_key(params, self.config)
+        fut = self._cache.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self.pool.submit(self._compile, params)
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        ended = self._reasoning_factory is None or self.config.enable_in_reasoning
+        self.states[req.request_id] = _RequestGrammar(fut, ended)
+
+    def poll(self, req: Request) -> bool | str:
+        """True when the request's grammar is compiled (its matcher then exists), False while compiling,
+        or the compile error."""
+        st = self.states[req.request_id]
+        if st.matcher is not None:
+            return True
+        if not st.future.done():
+            return False
+        err = st.future.exception()
+        if err is not None:
+            return f"structured_outputs: the grammar failed to compile: {err}"
+        st.matcher = XgrammarBackend.matcher(st.future.result())
+        # A request resumed with outputs (none today: grammars compile before the first schedule) replays them.
+        if req.output_token_ids:
+            self.accept(req, req.output_token_ids)
+        return True
+
+    def ready(self, req: Request, errors: dict[str, str]) -> bool:
+        """Scheduler hook for a WAITING_FOR_FSM request: True (and the request WAITING) once its grammar is
+        compiled; a compile error goes to `errors` (the scheduler fails that request alone)."""
+        from pagedllm.core.request import RequestStatus
+
+        ready = self.poll(req)
+        if ready is True:
+            req.status = RequestStatus.WAITING
+            return True
+        if isinstance(ready, str):
+            errors[req.request_id] = ready
+        return False
+
+    def has_pending(self) -> bool:
+        return any(st.matcher is None and not st.future.done() for st in self.states.values())
+
+    def wait_pending(self, timeout: float) -> None:
+        """Nothing else to run: wait (briefly) for a compilation rather than spinning the step loop."""
+        pending = [st.future for st in self.states.values() if st.matcher is None and not st.future.done()]
+        if pending:
+            cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def prepare(self, so: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Rows for the scheduled structured requests that sample this step (not partial prefills)."""
+        ids: dict[str, int] = {}
+        matchers: list[xgr.GrammarMatcher] = []
+        scheduled = so.num_scheduled_tokens
+        for rid, st in self.states.items():
+            if st.matcher is None or not st.reasoning_ended or st.terminated or rid not in scheduled:
+                continue
+            req = requests.get(rid)
+            if req is None or req.num_computed_tokens < req.num_tokens:
+                continue
+            ids[rid] = len(matchers)
+            matchers.append(st.matcher)
+        if matchers:
+            so.structured_output_request_ids = ids
+            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch)
+
+    def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
+        """Advance the request's matcher with its new tokens (those after the reasoning, with a reasoning
+        parser); True once the grammar has terminated. GrammarRejectedError for a token it rejects."""
+        st = self.states.get(req.request_id)
+        if st is None or st.matcher is None or st.terminated:
+            return False
+        if not st.reasoning_ended:
+            if not self._reasoning().is_reasoning_end(req.output_token_ids):
+                return False
+            st.reasoning_ended = True
+            return False  # the tokens that ended the reasoning are not the grammar's
+        matcher = st.matcher
+        for tok in new_tokens:
+            if not matcher.accept_token(tok):
+                raise GrammarRejectedError(f"structured_outputs: token {tok} is not allowed by the grammar")
+            if matcher.is_terminated():
+                st.terminated = True
+                return True
+        return False
+
+    def advance(self, req: Request, new_tokens: Sequence[int], rejected: dict[str, str]) -> bool:
+        """Scheduler hook after new tokens joined the request: True (the request FINISHED_STOPPED) once its
+        grammar has terminated; a rejected token goes to `rejected` (the scheduler fails the request)."""
+        from pagedllm.core.request import RequestStatus
+
+        try:
+            if self.accept(req, new_tokens):
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+        except GrammarRejectedError as e:
+            rejected[req.request_id] = str(e)
+        return False
+
+    def _reasoning(self) -> ReasoningParser:
+        if self._reasoner is None:
+            assert self._reasoning_factory is not None
+            self._reasoner = self._reasoning_factory()
+        return self._reasoner
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
