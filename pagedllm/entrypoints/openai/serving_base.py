@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.logprobs import Logprob, PromptLogprobs
 from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -290,10 +290,25 @@ class OpenAIServing:
             raise OpenAIServingError(
                 f"{what}: at most {self.max_n} choices per request (the server's --max-n), got {n}", 400, what
             )
+        kwargs["structured_outputs"] = self.structured_outputs(req)
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             raise OpenAIServingError.from_value_error(e) from None
+
+    @staticmethod
+    def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint (response_format, structured_outputs or guided_*), validated:
+        a 400 naming the field for an invalid JSON schema, regex or grammar."""
+        from pagedllm.entrypoints.openai import structured_outputs as so
+
+        try:
+            params, source = so.structured_outputs_from_request(req)
+            if params is not None:
+                so.check(params, source)
+        except so.StructuredOutputsRequestError as e:
+            raise OpenAIServingError(str(e), 400, e.param) from None
+        return params
 
     def token_text(self, token_id: int, lp: Any) -> str:
         decoded = getattr(lp, "decoded_token", None)

@@ -132,8 +132,6 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIServingError(
                 "use_beam_search: not supported in chat completions (use /v1/completions)", 400, "use_beam_search"
             )
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise OpenAIServingError("response_format: only {'type': 'text'} is supported", 400, "response_format")
         if req.tool_choice not in (None, "none", "auto"):
             raise OpenAIServingError("tool_choice: tool calling is not supported", 400, "tool_choice")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
