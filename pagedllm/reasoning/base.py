@@ -60,11 +60,10 @@ def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], ty
 def _load_builtin() -> None:
     # The concrete parsers live in modules of this package; importing them registers them.
     import importlib
+    import os
     import pkgutil
 
-    import pagedllm.reasoning as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
         if mod.name != "base":
             importlib.import_module(f"pagedllm.reasoning.{mod.name}")
 

@@ -28,7 +28,9 @@ class StructuredOutputsConfig:
     """Apply the grammar from the first output token even with a reasoning parser."""
 
     @classmethod
-    def from_value(cls, value: dict[str, Any] | str | None, reasoning_parser: str | None = None) -> StructuredOutputsConfig:
+    def from_value(
+        cls, value: dict[str, Any] | str | None, reasoning_parser: str | None = None
+    ) -> StructuredOutputsConfig:
         """From the engine argument (a dict or its JSON text); ValueError naming the key otherwise.
         `reasoning_parser` (the engine argument) wins over the dict's."""
         if isinstance(value, str):
@@ -36,6 +38,8 @@ class StructuredOutputsConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config: expected a JSON object, got {value!r}")
         value = dict(value or {})
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - names)

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedllm.config import EngineConfig
 from pagedllm.structured_output.backend import XgrammarBackend
 from pagedllm.structured_output.config import StructuredOutputsConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    """The engine's tokenizer (as the front end loads it; cached per process by `get_tokenizer`)."""
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    mc = config.model_config
+    same = mc.tokenizer == mc.model
+    return get_tokenizer(
+        mc.model_dir if same else mc.tokenizer,
+        gguf_file=mc.gguf_file if same else None,
+        tokenizer_mode=mc.tokenizer_mode,
+        revision=mc.revision,
+    )
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
@@ -15,12 +31,11 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
     mc = config.model_config
 
     def backend() -> XgrammarBackend:
-        from pagedllm.engine.llm_engine import load_tokenizer
-
-        tokenizer = load_tokenizer(config)
+        tokenizer = _load_tokenizer(config)
         stops = list(mc.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in stops:
-            stops.insert(0, int(tokenizer.eos_token_id))
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in stops:
+            stops.insert(0, int(eos))
         return XgrammarBackend(tokenizer, mc.vocab_size, stops, so_config)
 
     reasoning = None
@@ -30,8 +45,6 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         parser_cls = get_reasoning_parser(so_config.reasoning_parser)
 
         def reasoning():  # type: ignore[no-untyped-def]  # noqa: ANN202
-            from pagedllm.engine.llm_engine import load_tokenizer
-
-            return parser_cls(load_tokenizer(config))
+            return parser_cls(_load_tokenizer(config))
 
     return StructuredOutputManager(so_config, backend, mc.vocab_size, reasoning)

@@ -58,7 +58,11 @@ def test_json_object_regex_choice_grammar(smollm2_llm: LLM) -> None:
         reqs.append((f"Pick a colour ({i}):", "choice", StructuredOutputsParams(choice=choices)))
         reqs.append((f"An arithmetic expression ({i}):", "grammar", StructuredOutputsParams(grammar=ARITH_EBNF)))
         reqs.append(
-            (f"A JSON object ({i}):", "json_object", StructuredOutputsParams(json_object=True, disable_any_whitespace=True))
+            (
+                f"A JSON object ({i}):",
+                "json_object",
+                StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+            )
         )
     sps = [
         SamplingParams(temperature=t, seed=7, max_tokens=MAX_TOKENS, structured_outputs=so)
@@ -67,7 +71,7 @@ def test_json_object_regex_choice_grammar(smollm2_llm: LLM) -> None:
     ]
     outs = smollm2_llm.generate([p for p, _, _ in reqs for _ in (0, 1)], sps, use_tqdm=False)
     parser = lark.Lark(ARITH_LARK, start="start")
-    for (_, kind, so), out in zip([r for r in reqs for _ in (0, 1)], outs):
+    for (_, kind, _so), out in zip([r for r in reqs for _ in (0, 1)], outs):
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop", (kind, text)
         if kind in REGEXES:
@@ -182,3 +186,36 @@ def test_grammar_applies_after_reasoning(smollm2_path: str, smollm2_llm: LLM) ->
     assert out.token_ids[:4] == free.token_ids  # unconstrained while reasoning
     tok = llm.get_tokenizer()
     check_json(tok.decode(out.token_ids[4:], skip_special_tokens=True), SCHEMAS["person"])
+
+
+def test_compiling_grammar_does_not_stall_others(smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one request's grammar compiles (slowly, in a thread), the others are scheduled and finish."""
+    import threading
+
+    release = threading.Event()
+    real = XgrammarBackend.compile
+
+    def slow_compile(self: XgrammarBackend, params: StructuredOutputsParams):  # noqa: ANN202
+        if params.regex == "[0-9]{5}":
+            release.wait(60)
+        return real(self, params)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
+    engine = smollm2_llm.llm_engine
+    slow = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="[0-9]{5}"))
+    engine.add_request("slow", "Zip code:", slow)
+    engine.add_request("free", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    done: dict[str, object] = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "free" in done:
+            break
+    assert "free" in done and "slow" not in done  # the free request ran to the end meanwhile
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert fullmatch("[0-9]{5}", done["slow"].outputs[0].text)  # type: ignore[attr-defined]

@@ -69,7 +69,11 @@ def structured_outputs_from_request(req: Any) -> tuple[StructuredOutputsParams |
     given.extend(guided)
     if not given:
         return None, ""
-    active = [(n, v) for n, v in given if not (n == "response_format" and isinstance(v, dict) and v.get("type", "text") == "text")]
+    active = [
+        (n, v)
+        for n, v in given
+        if not (n == "response_format" and isinstance(v, dict) and v.get("type", "text") == "text")
+    ]
     if len(active) > 1:
         names = ", ".join(n for n, _ in active)
         raise _bad(active[1][0], f"only one structured-output field may be given, got {names}")
