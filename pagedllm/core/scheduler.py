@@ -37,11 +37,10 @@ if TYPE_CHECKING:
 
 def needs_sync_step(sp: SamplingParams) -> bool:
     """Whether sampling for this request reads its previous tokens on the host (so the next step cannot be
-    scheduled before they are known): penalties, min_tokens, bad words, logprobs, a grammar (its bitmask
-    follows the previous token)."""
+    scheduled before they are known): penalties, min_tokens, bad words, logprobs. (A grammar's bitmask follows
+    the previous token too, but its fill waits for it off the critical path: `StructuredOutputManager.chain`.)"""
     return bool(
-        sp.structured_outputs is not None
-        or sp.presence_penalty
+        sp.presence_penalty
         or sp.frequency_penalty
         or sp.repetition_penalty != 1.0
         or sp.min_tokens
@@ -102,7 +101,14 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
         self._new_to_worker.add(req.request_id)
-        if self.async_scheduling and needs_sync_step(req.sampling_params):
+        if self.async_scheduling and (
+            needs_sync_step(req.sampling_params)
+            or (
+                self.structured is not None
+                and req.status == RequestStatus.WAITING_FOR_FSM
+                and self.structured.sync_only
+            )
+        ):
             self._sync_only.add(req.request_id)
 
     def can_schedule_ahead(self) -> bool:

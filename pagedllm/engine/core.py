@@ -126,6 +126,9 @@ class EngineCore(EngineCoreControlsMixin):
         nxt = None
         if sched_.can_schedule_ahead() and sched_.has_unfinished_requests():
             so_next = sched_.schedule()
+            if so_next.grammar_bitmask is not None and sched_.structured is not None:
+                # Its grammar bitmask needs this step's tokens: the fill waits for them (after the launch).
+                pending = (pending[0], sched_.structured.chain(so_next, pending[1]))
             nxt = (so_next, self.executor.execute_model_async(so_next))
             self.num_steps_ahead += 1
         so, handle = pending

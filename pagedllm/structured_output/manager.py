@@ -28,9 +28,11 @@ from pagedllm.logger import init_logger
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
 
+from pagedllm.executor.abstract import StepFuture
+
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
-    from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.reasoning import ReasoningParser
 
 logger = init_logger(__name__)
@@ -44,13 +46,16 @@ class GrammarRejectedError(ValueError):
 
 
 class _RequestGrammar:
-    __slots__ = ("future", "matcher", "reasoning_ended", "terminated")
+    __slots__ = ("future", "matcher", "reasoning_ended", "terminated", "num_seen", "error")
 
     def __init__(self, future: cf.Future[xgr.CompiledGrammar], reasoning_ended: bool) -> None:
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.reasoning_ended = reasoning_ended
         self.terminated = False
+        self.num_seen = 0
+        """Output tokens already taken (async scheduling takes a step's tokens before the scheduler sees them)."""
+        self.error: str | None = None
 
 
 class GrammarBitmask:
@@ -62,14 +67,21 @@ class GrammarBitmask:
         self.vocab_size = vocab_size
         self._batch = batch
         self._mask: np.ndarray | None = None
+        self.before_fill: Callable[[], None] | None = None
+        """Async scheduling: takes the previous step's tokens into the matchers first (see `chain`)."""
 
     def result(self) -> np.ndarray:
         if self._mask is None:
-            mask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)
-            if len(self.matchers) == 1:
-                self.matchers[0].fill_next_token_bitmask(mask, 0)
-            else:
-                self._batch.batch_fill_next_token_bitmask(self.matchers, mask)
+            if self.before_fill is not None:
+                self.before_fill()
+            mask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)  # all tokens allowed
+            # A grammar that terminated with the previous step's token: its request stops, this row's token is
+            # dropped, so the row stays unconstrained.
+            rows = [i for i, m in enumerate(self.matchers) if not m.is_terminated()]
+            if len(rows) == 1:
+                self.matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
+            elif rows:
+                self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in rows], mask, rows)
             self._mask = mask.numpy()
         return self._mask
 
@@ -179,24 +191,78 @@ class StructuredOutputManager:
             so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch)
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
-        """Advance the request's matcher with its new tokens (those after the reasoning, with a reasoning
-        parser); True once the grammar has terminated. GrammarRejectedError for a token it rejects."""
+        """Advance the request's matcher with its new tokens (already in `req.output_token_ids`; those after
+        the reasoning, with a reasoning parser); True once the grammar has terminated. GrammarRejectedError
+        for a token it rejects. Tokens `pre_accept` took already are skipped."""
         st = self.states.get(req.request_id)
-        if st is None or st.matcher is None or st.terminated:
+        if st is None or st.matcher is None:
+            return False
+        n_out = len(req.output_token_ids)
+        skip = st.num_seen - (n_out - len(new_tokens))
+        fresh = new_tokens[skip:] if skip > 0 else new_tokens
+        st.num_seen = max(st.num_seen, n_out)
+        if st.error is not None:
+            raise GrammarRejectedError(st.error)
+        if st.terminated:
+            return True
+        if not fresh:
             return False
         if not st.reasoning_ended:
-            if not self._reasoning().is_reasoning_end(req.output_token_ids):
-                return False
-            st.reasoning_ended = True
-            return False  # the tokens that ended the reasoning are not the grammar's
+            if self._reasoning().is_reasoning_end(req.output_token_ids):
+                st.reasoning_ended = True  # the tokens that ended the reasoning are not the grammar's
+            return False
+        self._feed(st, fresh)
+        if st.error is not None:
+            raise GrammarRejectedError(st.error)
+        return st.terminated
+
+    @staticmethod
+    def _feed(st: _RequestGrammar, tokens: Sequence[int]) -> None:
         matcher = st.matcher
-        for tok in new_tokens:
+        assert matcher is not None
+        for tok in tokens:
             if not matcher.accept_token(tok):
-                raise GrammarRejectedError(f"structured_outputs: token {tok} is not allowed by the grammar")
+                st.error = f"structured_outputs: token {tok} is not allowed by the grammar"
+                return
             if matcher.is_terminated():
                 st.terminated = True
-                return True
-        return False
+                return
+
+    # ---- async scheduling ----------------------------------------------------------------------------
+    @property
+    def sync_only(self) -> bool:
+        """Whether structured requests need synchronous steps: with a reasoning parser, the step after the
+        reasoning ends must already be constrained, which needs the previous token on the host."""
+        return self._reasoning_factory is not None and not self.config.enable_in_reasoning
+
+    def chain(self, so: SchedulerOutput, previous: StepFuture) -> StepFuture:
+        """Async scheduling: step N+1 (`so`) was scheduled before step N's tokens are known, so its bitmask
+        must wait for them. Its fill (run by the runner after launching N+1's forward) first waits for N's
+        result and advances the matchers with N's tokens; the returned future hands the same result to the
+        scheduler's update (which then skips the tokens already taken)."""
+        bitmask = so.grammar_bitmask
+        if not isinstance(bitmask, GrammarBitmask):
+            return previous
+        cache: list[ModelRunnerOutput] = []
+
+        def once() -> ModelRunnerOutput:
+            if not cache:
+                cache.append(previous.result())
+            return cache[0]
+
+        bitmask.before_fill = lambda: self.pre_accept(once())
+        return StepFuture(once)
+
+    def pre_accept(self, result: ModelRunnerOutput) -> None:
+        """A step's sampled tokens into their matchers, before the scheduler sees them (async scheduling)."""
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            st = self.states.get(rid)
+            if st is None or not tokens or st.matcher is None or rid in result.failed:
+                continue
+            if not st.reasoning_ended or st.terminated or st.error is not None:
+                continue
+            st.num_seen += len(tokens)
+            self._feed(st, tokens)
 
     def advance(self, req: Request, new_tokens: Sequence[int], rejected: dict[str, str]) -> bool:
         """Scheduler hook after new tokens joined the request: True (the request FINISHED_STOPPED) once its

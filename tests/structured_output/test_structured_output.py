@@ -160,6 +160,7 @@ def test_chunked_prefill_preemption_async_equal_plain_run(smollm2_path: str, smo
         check_json(out.outputs[0].text, SCHEMAS[n])
     core = llm.llm_engine.engine_core.engine_core
     assert core.scheduler.num_preemptions > 0
+    assert core.num_steps_ahead > 20  # constrained steps were scheduled ahead too
     assert not core.scheduler.structured.states  # every matcher dropped with its request
 
 
