@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xgrammar as xgr
 
+from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
-
-from pagedllm.executor.abstract import StepFuture
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
