@@ -3,16 +3,17 @@ step's bitmask.
 
 Interface to the scheduler (all calls on the step loop's thread):
 - `add_request(req)`: starts compiling the request's grammar in a thread (or reuses the cached one);
-  the scheduler keeps the request WAITING_FOR_FSM and asks `poll(req)` before scheduling it.
+  the scheduler keeps the request WAITING_FOR_FSM (skipped, never holding others) until `ready(req)`.
 - `prepare(so, requests)`: after scheduling, picks the structured requests that sample this step and
   sets `so.structured_output_request_ids` and `so.grammar_bitmask` (a `GrammarBitmask`, filled when the
   runner asks for it: after it has launched the forward, so the host fill overlaps the device's work).
-- `accept(req, new_tokens)`: advances the request's matcher; True when its grammar has terminated.
+- `advance(req, new_tokens, rejected)`: the matcher takes the request's new tokens; True (request
+  FINISHED_STOPPED) once its grammar has terminated.
 - `remove(request_id)`: the request finished.
+- `chain(so, previous)` (engine core, async scheduling): step N+1's fill first takes step N's tokens.
 
 With a reasoning parser, a request's grammar applies only once `parser.is_reasoning_end(output ids)`.
 """
-
 from __future__ import annotations
 
 import concurrent.futures as cf
