@@ -138,11 +138,12 @@ def test_bad_constraints_are_value_errors(smollm2_llm: LLM) -> None:
 
 
 def test_chunked_prefill_preemption_async_equal_plain_run(smollm2_path: str, smollm2_llm: LLM) -> None:
-    """Greedy constrained outputs under a 16-token step budget, a KV cache small enough to preempt, and async
-    scheduling equal those of the plain engine."""
+    """Constrained outputs (greedy and seeded) under a 16-token step budget, a KV cache small enough to
+    preempt, and async scheduling equal those of the plain engine."""
     long_prompts = [p + " Use realistic values and keep it short." * 3 for p in prompts(4)]
     names = ["person", "rating", "person", "rating"]
-    sps = [json_params(SCHEMAS[n], 0.0) for n in names]
+    # Greedy, and seeded sampling (its draws do not depend on the batch or on async scheduling).
+    sps = [json_params(SCHEMAS[n], 0.0 if i < 2 else 1.0, seed=i) for i, n in enumerate(names)]
     free = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     ref = smollm2_llm.generate(long_prompts + ["Hello, my name is"], sps + [free], use_tqdm=False)
     llm = LLM(
