@@ -146,6 +146,38 @@ def main() -> None:
     backend.compile(StructuredOutputsParams(json=decode_schema(256)))
     res["compile_decode_schema_ms"] = (time.perf_counter() - t) * 1e3
 
+    # 1b. The per-step host fill (xgrammar batch fill) and the device apply alone, N rows inside a JSON string.
+    import torch
+    import xgrammar as xgr
+
+    from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
+    from pagedllm.structured_output.apply import apply_grammar_bitmask
+    from pagedllm.structured_output.manager import GrammarBitmask
+
+    compiled = backend.compile(StructuredOutputsParams(json=decode_schema(256)))
+    prefix = tok.encode('{"id": 12, "title": "hello world', add_special_tokens=False)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(args.num_reqs)]
+    for m in matchers:
+        for t_id in prefix:
+            m.accept_token(t_id)
+    batch = xgr.BatchGrammarMatcher()
+    fills, applies = [], []
+    logits = torch.randn(args.num_reqs, vocab, device=args.device)
+    rids = [f"r{i}" for i in range(args.num_reqs)]
+    for _ in range(20):
+        t = time.perf_counter()
+        mask = GrammarBitmask(matchers, vocab, batch).result()
+        fills.append(time.perf_counter() - t)
+        ids = {r: i for i, r in enumerate(rids)}
+        so_ = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=mask)
+        t = time.perf_counter()
+        apply_grammar_bitmask(logits, so_, rids, np.arange(args.num_reqs))
+        if on_gpu:
+            torch.cuda.synchronize()
+        applies.append(time.perf_counter() - t)
+    res["fill_ms_median"] = statistics.median(fills) * 1e3
+    res["apply_ms_median"] = statistics.median(applies) * 1e3
+
     # 2. Decode step time: N free requests vs N constrained by one JSON schema (compiled once, shared).
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, min(vocab, 40000), args.prompt_len).tolist() for _ in range(args.num_reqs)]
