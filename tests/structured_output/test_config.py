@@ -59,3 +59,20 @@ def test_choice_grammar_escapes_and_keys() -> None:
     assert grammar_key(a, cfg) != grammar_key(
         StructuredOutputsParams(json={"a": 2, "b": 1}, disable_any_whitespace=True), cfg
     )
+
+
+def test_speculative_decoding_is_rejected() -> None:
+    from types import SimpleNamespace
+
+    from pagedllm import SamplingParams
+    from pagedllm.engine.input_processor import InputProcessor
+
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    proc = SimpleNamespace(speculative=True, tokenizer=object(), structured_outputs_config=None)
+    with pytest.raises(ValueError, match=r"^structured_outputs: not supported together with speculative decoding"):
+        InputProcessor.validate_structured_outputs(proc, sp)  # type: ignore[arg-type]
+    proc.speculative = False
+    InputProcessor.validate_structured_outputs(proc, sp)  # type: ignore[arg-type]
+    proc.tokenizer = None
+    with pytest.raises(ValueError, match=r"^structured_outputs: needs a tokenizer"):
+        InputProcessor.validate_structured_outputs(proc, sp)  # type: ignore[arg-type]
