@@ -1,0 +1,65 @@
+"""Structured outputs on the GPU: xgrammar's CUDA/Triton apply on bf16 and float32 logits equals the CPU
+kernel's, and the real SmolLM2 (float32, CUDA graphs, async scheduling on: step N+1's bitmask fill waits for
+step N's tokens) gives valid JSON whose greedy tokens equal a synchronous engine's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("xgrammar")
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput  # noqa: E402
+from pagedllm.structured_output.apply import apply_grammar_bitmask  # noqa: E402
+from tests.structured_output.cases import SCHEMAS, check_json, prompts  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_matches_cpu(dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(0)
+    n, vocab = 8, 49152
+    mask = rng.integers(-(2**31), 2**31 - 1, size=(5, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    ids = {f"r{i}": j for j, i in enumerate([0, 2, 3, 6, 7])}
+    so = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=mask)
+    logits = torch.randn(n, vocab, dtype=dtype)
+    gpu = logits.cuda()
+    rids = [f"r{i}" for i in range(n)]
+    apply_grammar_bitmask(logits, so, rids, np.arange(n))
+    apply_grammar_bitmask(gpu, so, rids, np.arange(n))
+    assert torch.equal(gpu.cpu(), logits)
+    assert torch.isinf(logits[0]).any() and not torch.isinf(logits[1]).any()
+
+
+def test_async_engine_valid_and_equal_to_sync(smollm2_path: str) -> None:
+    sps = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for schema in SCHEMAS.values()
+    ]
+    ps = prompts(5)
+    outs = {}
+    for async_on in (True, False):
+        llm = LLM(
+            smollm2_path,
+            dtype="float32",
+            max_model_len=1024,
+            kv_cache_memory_bytes=1 << 30,
+            gguf_dequantize=True,
+            async_scheduling=async_on,
+        )
+        outs[async_on] = llm.generate(ps, sps, use_tqdm=False)
+        if async_on:
+            assert llm.llm_engine.engine_core.engine_core.num_steps_ahead > 20
+        del llm
+        torch.cuda.empty_cache()
+    for out, schema in zip(outs[True], SCHEMAS.values()):
+        check_json(out.outputs[0].text, schema)
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
