@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 
@@ -17,6 +16,8 @@ def apply_grammar_bitmask(
     """Mask (to -inf) the tokens the grammar forbids, in place. `logits` has one row per sampled request
     (`sample_idx`: their positions in `req_ids`). Resolving `so.grammar_bitmask` runs the host fill, which
     the caller does after launching the forward, so on a GPU it overlaps the device's work."""
+    import xgrammar as xgr  # here: the engine does not import xgrammar until a request needs it
+
     source = so.grammar_bitmask
     if source is None or not so.structured_output_request_ids:
         return

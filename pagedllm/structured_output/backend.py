@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 GrammarKey = tuple[str, str, bool, bool, int | None]
 
@@ -61,6 +62,8 @@ def _schema(params: StructuredOutputsParams, no_extra: bool) -> str | dict[str, 
 def _structural_tag_args(text: str) -> tuple[Any, ...]:
     """xgrammar's structural tag: the current format (one JSON object) or vLLM's older
     {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
+    import xgrammar as xgr
+
     data = json.loads(text)
     if isinstance(data, dict) and "structures" in data:
         items = [
@@ -84,6 +87,8 @@ _FIELD = {
 def validate(params: StructuredOutputsParams, config: StructuredOutputsConfig | None = None) -> None:
     """ValueError naming the field for a constraint xgrammar cannot parse (invalid JSON schema, regex,
     EBNF grammar or structural tag). No tokenizer needed."""
+    import xgrammar as xgr
+
     config = config or StructuredOutputsConfig()
     kind = params.kind
     try:
@@ -118,6 +123,8 @@ class XgrammarBackend:
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], config: StructuredOutputsConfig
     ) -> None:
+        import xgrammar as xgr
+
         self.config = config
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
@@ -146,4 +153,6 @@ class XgrammarBackend:
 
     @staticmethod
     def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        import xgrammar as xgr
+
         return xgr.GrammarMatcher(compiled)

@@ -14,6 +14,7 @@ Interface to the scheduler (all calls on the step loop's thread):
 
 With a reasoning parser, a request's grammar applies only once `parser.is_reasoning_end(output ids)`.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -23,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xgrammar as xgr
 
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
@@ -31,6 +31,8 @@ from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, gram
 from pagedllm.structured_output.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from pagedllm.core.request import Request
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.reasoning import ReasoningParser
@@ -74,6 +76,8 @@ class GrammarBitmask:
         if self._mask is None:
             if self.before_fill is not None:
                 self.before_fill()
+            import xgrammar as xgr
+
             mask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)  # all tokens allowed
             # A grammar that terminated with the previous step's token: its request stops, this row's token is
             # dropped, so the row stays unconstrained.
@@ -106,7 +110,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[GrammarKey, cf.Future[xgr.CompiledGrammar]] = OrderedDict()
         self.states: dict[str, _RequestGrammar] = {}
         """Structured requests (every one the scheduler holds) -> their grammar state."""
-        self._batch = xgr.BatchGrammarMatcher()
+        self._batch: xgr.BatchGrammarMatcher | None = None
+        """xgrammar's batch fill (threads), made with the first bitmask: no xgrammar import before then."""
 
     # ---- compile -------------------------------------------------------------------------------------
     def _get_backend(self) -> XgrammarBackend:
@@ -188,6 +193,10 @@ class StructuredOutputManager:
             matchers.append(st.matcher)
         if matchers:
             so.structured_output_request_ids = ids
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher()
             so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch)
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
