@@ -221,3 +221,12 @@ def test_compiling_grammar_does_not_stall_others(smollm2_llm: LLM, monkeypatch: 
             if out.finished:
                 done[out.request_id] = out
     assert fullmatch("[0-9]{5}", done["slow"].outputs[0].text)  # type: ignore[attr-defined]
+
+
+def test_finished_grammar_finishes_the_request(smollm2_llm: LLM) -> None:
+    """With ignore_eos the EOS token no longer stops a request, but a grammar that has ended still does."""
+    so = StructuredOutputsParams(choice=["alpha", "beta"])
+    sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, structured_outputs=so)
+    out = smollm2_llm.generate(["Pick one:"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("alpha", "beta")
+    assert len(out.token_ids) < 50
