@@ -168,9 +168,6 @@ class StructuredOutputManager:
             errors[req.request_id] = ready
         return False
 
-    def has_pending(self) -> bool:
-        return any(st.matcher is None and not st.future.done() for st in self.states.values())
-
     def wait_pending(self, timeout: float) -> None:
         """Nothing else to run: wait (briefly) for a compilation rather than spinning the step loop."""
         pending = [st.future for st in self.states.values() if st.matcher is None and not st.future.done()]
