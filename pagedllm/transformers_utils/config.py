@@ -69,6 +69,9 @@ def get_max_model_len_from_config(hf_config: Any) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if v:
+            if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+                # Position ids start after the padding index (pad_token_id + 1): 514 -> 512 usable.
+                return int(v) - int(getattr(hf_config, "pad_token_id", 1) or 0) - 1
             return int(v)
     return 2048
 

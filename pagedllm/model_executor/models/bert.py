@@ -133,6 +133,8 @@ class BertEncoderModel(nn.Module):
         self.pooler = ReplicatedLinear(hidden, hidden, bias=True, prefix="pooler") if with_pooler else None
         self.sep_token_id = getattr(config, "sep_token_id", None)
         self.multi_type = config.type_vocab_size > 1
+        self.position_offset = 0
+        """Added to the 0-based positions: RoBERTa's position ids start after its padding index."""
 
     def token_types(self, input_ids: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         if not self.multi_type or self.sep_token_id is None:
@@ -149,7 +151,7 @@ class BertEncoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         x = (
             self.word_embeddings(input_ids)
-            + self.position_embeddings(positions)
+            + self.position_embeddings(positions + self.position_offset if self.position_offset else positions)
             + self.token_type_embeddings(self.token_types(input_ids, eb))
         )
         x = self.emb_norm(x)

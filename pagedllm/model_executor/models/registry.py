@@ -22,6 +22,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Encoder-only pooling models (pagedllm/pooling runs them).
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
+    "RobertaModel": ("roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
 }
 
 
