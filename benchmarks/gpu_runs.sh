@@ -9,6 +9,7 @@
 #   lora-w2    the W2-shaped run with 4 adapters and without
 #   pool       BERT-base-shaped pooling vs sentence-transformers, float32 and float16 (issue 22)
 #   structured benchmarks/structured_overhead.py on W1's model shape (issue 16, acceptance 5)
+#   tests      pytest -m gpu on $GPU_TESTS (default: all of tests/gpu)
 # Logs and JSON under $OUT; a summary prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_runs}
@@ -49,6 +50,10 @@ for stage in "$@"; do
         structured)
             run structured 300 python3 benchmarks/structured_overhead.py --model benchmarks/workloads/qwen3-0.6b \
                 --device cuda --out "$OUT/structured.json" ;;
+        tests)
+            read -r -a files <<< "${GPU_TESTS:-tests/gpu}"
+            run tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark "${files[@]}"
+            grep -E "passed|failed" "$OUT/tests.log" | tail -1 | tee -a "$OUT/summary.txt" ;;
         *) echo "unknown stage $stage" ;;
     esac
 done
