@@ -30,12 +30,14 @@ for spec in "$@"; do
     echo "$w: server up in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
     first=1
     for rate in ${rates//,/ }; do
+        prof=
         if [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ]; then
             (sleep 8
              for pid in $spid $(pgrep -P $spid); do
                  py-spy record --pid "$pid" --duration "${PROFILE_S:-12}" --rate 200 --format raw \
-                     -o "$OUT/pyspy_${w}_$pid.txt" --nonblocking > /dev/null 2>&1 &
+                     -o "$OUT/pyspy_${w}_$pid.txt" --nonblocking > "$OUT/pyspy_${w}_$pid.log" 2>&1 &
              done; wait) &
+            prof=$!
         fi
         python3 -m pagedllm bench serve --base-url "http://127.0.0.1:$PORT" --dataset-name random \
             --random-input-len 512 --random-output-len 128 --random-range-ratio 0 --num-prompts 400 \
@@ -44,7 +46,7 @@ for spec in "$@"; do
             --save-result "$OUT/${w}_rate_${rate}.json" > "$OUT/bench_${w}_$rate.log" 2>&1
         echo "== $w rate $rate (rc $?)" | tee -a "$OUT/summary.txt"
         grep -E -i "output token throughput|TTFT|TPOT|ITL|E2EL" "$OUT/bench_${w}_$rate.log" | head -12 | tee -a "$OUT/summary.txt"
-        wait 2>/dev/null
+        [ -n "$prof" ] && { timeout 60 tail --pid="$prof" -f /dev/null; }  # the profiler only, not the server
         first=0
     done
     kill $spid; wait $spid 2>/dev/null
