@@ -89,6 +89,9 @@ class XLMRobertaForSequenceClassification(nn.Module):
         return load_renamed(self, weights, rename)
 
 
-# RoBERTa proper has the same layout and names.
-RobertaModel = XLMRobertaModel
-RobertaForSequenceClassification = XLMRobertaForSequenceClassification
+class RobertaModel(XLMRobertaModel):
+    """RoBERTa proper: the same layout and names."""
+
+
+class RobertaForSequenceClassification(XLMRobertaForSequenceClassification):
+    """RoBERTa proper: the same layout and names."""
