@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     # Encoder-only pooling models (pagedllm/pooling runs them).
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
