@@ -14,8 +14,8 @@ from pagedllm.reasoning.base import (
     DeltaReasoning,
     ReasoningParser,
     get_reasoning_parser,
-    register_reasoning_parser,
     reasoning_parser_names,
+    register_reasoning_parser,
 )
 
 __all__ = [

@@ -25,6 +25,11 @@ class ReasoningParser:
         """True once the reasoning section has ended in these (output) token ids."""
         raise NotImplementedError
 
+    def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """True when the prompt ends inside a reasoning section (a chat template that opens `<think>`): the
+        server then parses the output as if it began with the start tag."""
+        return False
+
     def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
         """The token ids after the end of the reasoning (empty while it has not ended)."""
         raise NotImplementedError

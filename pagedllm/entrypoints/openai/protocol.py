@@ -373,6 +373,7 @@ class TokenizeChatRequest(OpenAIRequestModel):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

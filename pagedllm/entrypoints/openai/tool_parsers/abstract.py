@@ -120,7 +120,9 @@ class ToolParser:
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         return request
 
-    def extract_tool_calls(self, model_output: str, request: ChatCompletionRequest | None) -> ExtractedToolCallInformation:
+    def extract_tool_calls(
+        self, model_output: str, request: ChatCompletionRequest | None
+    ) -> ExtractedToolCallInformation:
         raise NotImplementedError
 
     def parse_partial(self, text: str) -> PartialParse:
@@ -171,7 +173,9 @@ class ToolParser:
                 )
             sent = self._sent_calls[i][1]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                entries.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=call.arguments[len(sent) :])))
+                entries.append(
+                    DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=call.arguments[len(sent) :]))
+                )
                 self._sent_calls[i][1] = call.arguments
         if content is None and not entries:
             return None
