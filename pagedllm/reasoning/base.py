@@ -63,15 +63,15 @@ def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], ty
 
 
 def _load_builtin() -> None:
-    # The concrete parsers live in modules of this package; importing them registers them.
+    # The concrete parsers live in modules of this package; importing them registers them. (By path, not
+    # by importing the package: that would be an import cycle.)
     import importlib
     import pkgutil
+    from pathlib import Path
 
-    import pagedllm.reasoning as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if mod.name != "base":
-            importlib.import_module(f"pagedllm.reasoning.{mod.name}")
+            importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def reasoning_parser_names() -> list[str]:

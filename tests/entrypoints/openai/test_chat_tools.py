@@ -33,7 +33,10 @@ WEATHER_PARAMS = {
     "required": ["city"],
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather", "parameters": WEATHER_PARAMS},
+    },
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
 ]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -142,14 +145,21 @@ def test_tools_reach_the_template_and_none_is_not_parsed(tok: Any) -> None:
 
 def test_named_tool_choice(tok: Any) -> None:
     chat, engine = make_chat(tok)
-    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    body = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     engine.output = '{"city": "Paris", "unit": "celsius"}'
     res = run(chat, body)
     so = engine.params[-1].structured_outputs
     assert so is not None and so.json == WEATHER_PARAMS  # the engine constrains the output to the tool's schema
     assert isinstance(res, ChatCompletion)
     (call,) = res.choices[0].message.tool_calls or []
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris",
+        "unit": "celsius",
+    }
     assert call.id.startswith("chatcmpl-tool-") and res.choices[0].finish_reason == "tool_calls"
     streamed = accumulate(run(chat, {**body, "stream": True}))  # type: ignore[arg-type]
     assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [("get_weather", call.function.arguments)]
@@ -220,7 +230,16 @@ def test_auto_hermes_whole_and_streamed(tok: Any) -> None:
         ]
         assert streamed["finish"] == "tool_calls"
         # the arguments arrive in fragments as they are generated
-        assert sum(1 for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or [] if tc.function and tc.function.arguments) > 3
+        assert (
+            sum(
+                1
+                for c in chunks
+                for ch in c.choices
+                for tc in ch.delta.tool_calls or []
+                if tc.function and tc.function.arguments
+            )
+            > 3
+        )
     # plain text under auto: content, finish_reason stop
     engine.output = "It is sunny in Paris."
     res = run(chat, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto"})
@@ -309,5 +328,7 @@ def test_reasoning_then_tool_calls(prompt_ids: list[int]) -> None:
                 calls[tc.index][0] = calls[tc.index][0] or (tc.function.name if tc.function else None)
                 calls[tc.index][1] += (tc.function.arguments or "") if tc.function else ""
         assert (reasoning, content) == (msg.reasoning_content, msg.content)
-        assert [tuple(calls[i]) for i in sorted(calls)] == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
+            (c.function.name, c.function.arguments) for c in msg.tool_calls
+        ]
         assert cs.tools_called

@@ -197,14 +197,15 @@ def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolPar
 
 
 def _load_builtin() -> None:
+    # One module per parser; importing it registers it (found by path: importing the package here would
+    # be an import cycle).
     import importlib
     import pkgutil
+    from pathlib import Path
 
-    import pagedllm.entrypoints.openai.tool_parsers as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if mod.name not in ("abstract", "json_stream"):
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+            importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def tool_parser_names() -> list[str]:

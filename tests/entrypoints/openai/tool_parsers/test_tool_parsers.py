@@ -39,7 +39,12 @@ CASES: list[tuple[str, str, list[tuple[str, Any]] | None, str | None]] = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}', [("f", {"x": 1})], None),  # stopped at the tag
     ("hermes", "I use <tool_ to write less-than signs: 1 < 2", None, "*"),
     ("llama3_json", "Paris is the capital of France.", None, "*"),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', [("get_weather", WEATHER)], None),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        [("get_weather", WEATHER)],
+        None,
+    ),
     (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": '
@@ -53,11 +58,19 @@ CASES: list[tuple[str, str, list[tuple[str, Any]] | None, str | None]] = [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"', None, "*"),
     ("llama3_json", '{"nam": "x"} and more', None, "*"),
     ("mistral", "Bonjour ! Comment puis-je aider ?", None, "*"),
-    ("mistral", "[TOOL_CALLS] [" + json.dumps({"name": "get_weather", "arguments": WEATHER}) + "]", [("get_weather", WEATHER)], None),
     (
         "mistral",
-        "Sure. [TOOL_CALLS][" + json.dumps({"name": "get_weather", "arguments": WEATHER}) + ", "
-        + json.dumps({"name": "search", "arguments": SEARCH}) + "]",
+        "[TOOL_CALLS] [" + json.dumps({"name": "get_weather", "arguments": WEATHER}) + "]",
+        [("get_weather", WEATHER)],
+        None,
+    ),
+    (
+        "mistral",
+        "Sure. [TOOL_CALLS]["
+        + json.dumps({"name": "get_weather", "arguments": WEATHER})
+        + ", "
+        + json.dumps({"name": "search", "arguments": SEARCH})
+        + "]",
         [("get_weather", WEATHER), ("search", SEARCH)],
         "Sure. ",
     ),
@@ -77,7 +90,12 @@ CASES: list[tuple[str, str, list[tuple[str, Any]] | None, str | None]] = [
         [("get_weather", WEATHER), ("search", SEARCH)],
         None,
     ),
-    ("pythonic", "<|python_start|>[get_weather(city='Paris', unit='celsius')]<|python_end|>", [("get_weather", WEATHER)], None),
+    (
+        "pythonic",
+        "<|python_start|>[get_weather(city='Paris', unit='celsius')]<|python_end|>",
+        [("get_weather", WEATHER)],
+        None,
+    ),
     ("pythonic", "[get_weather(city=Paris)]", None, "*"),  # not a literal
     ("pythonic", "[get_weather('Paris')]", None, "*"),  # positional
 ]
@@ -183,7 +201,11 @@ def test_content_is_held_only_while_it_may_start_a_marker() -> None:
     [WEATHER, SEARCH, [], {}, [1.0, -2e-3, 1e20, "\ud83d\ude00", "\\", "/", "\t"], {"a": {"b": [[], [{}]]}}],
 )
 def test_canonical_json_prefix(value: Any) -> None:
-    for raw in (json.dumps(value), json.dumps(value, indent=2), json.dumps(value, ensure_ascii=False, separators=(",", ":"))):
+    for raw in (
+        json.dumps(value),
+        json.dumps(value, indent=2),
+        json.dumps(value, ensure_ascii=False, separators=(",", ":")),
+    ):
         final = json.dumps(json.loads(raw), ensure_ascii=False)
         for k in range(len(raw)):
             prefix, end = canonical_json_prefix(raw[:k])
