@@ -193,3 +193,19 @@ def _calls(client: openai.OpenAI, kw: dict[str, Any], stream: bool) -> list[tupl
             finish = ch.finish_reason or finish
     assert finish == "tool_calls"
     return [(acc[i][0], acc[i][1]) for i in sorted(acc)]
+
+
+def test_openapi_documents_tools(server: ServerProcess) -> None:
+    """The strict request types and the response fields are in /openapi.json (the fuzzers work from it)."""
+    spec = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    req = schemas["ChatCompletionRequest"]["properties"]
+    assert req["tools"]["anyOf"][0]["items"]["$ref"].endswith("/ChatCompletionToolsParam")
+    choice = json.dumps(req["tool_choice"])
+    assert '"none"' in choice and '"required"' in choice and "ChatCompletionNamedToolChoiceParam" in choice
+    fn = schemas["FunctionDefinition"]
+    assert fn["required"] == ["name"] and fn["properties"]["name"]["minLength"] == 1
+    assert "object" in json.dumps(fn["properties"]["parameters"])
+    assert {"reasoning_content", "reasoning", "tool_calls"} <= set(schemas["ChatMessage"]["properties"])
+    assert {"id", "type", "function"} == set(schemas["ToolCall"]["properties"])  # (streams are SSE text)
+    assert "tools" in schemas["TokenizeChatRequest"]["properties"]
