@@ -267,12 +267,12 @@ class OpenAIServingChat(OpenAIServing):
                 for out in res.outputs:
                     completion_tokens += len(out.token_ids)
                     finish_reason = out.finish_reason
+                    lps = self.chat_logprobs(out, req.top_logprobs or 0)
                     if parsing.active(rp):
                         cs = streams.get(out.index) or streams.setdefault(
                             out.index, parsing.stream(req, rp, prompt_ids)
                         )
                         delta = cs.feed(out.text, out.token_ids, finish_reason is not None)
-                        lps = self.chat_logprobs(out, req.top_logprobs or 0)
                         if delta is None and finish_reason is None and lps is None:
                             continue  # nothing to send yet (e.g. a possible start of a tag held back)
                         if cs.tools_called and finish_reason is not None:
@@ -284,7 +284,7 @@ class OpenAIServingChat(OpenAIServing):
                             ChatCompletionResponseStreamChoice(
                                 index=out.index,
                                 delta=delta or DeltaMessage(),
-                                logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
+                                logprobs=lps,
                                 finish_reason=finish_reason,
                                 stop_reason=out.stop_reason,
                             )

@@ -217,3 +217,53 @@ def test_registry() -> None:
     assert tool_parser_names() == ["hermes", "llama3_json", "mistral", "pythonic"]
     with pytest.raises(ValueError, match="tool_call_parser"):
         get_tool_parser("nope")
+
+
+_PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    '{"name": "f"',
+    ', "arguments": ',
+    '{"a": 1}',
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    "f(a=1)",
+    ",",
+    ";",
+    '"',
+    "\\",
+    "\\u12",
+    "x",
+    " ",
+    "\n",
+    "1e5",
+    "\ud83d",
+]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_any_text_parses_without_error(name: str) -> None:
+    """Never an exception, whatever the model writes; streamed content matches the whole-output content
+    whenever no call was found."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(st.lists(st.sampled_from(_PIECES) | st.text(max_size=3), max_size=14), st.integers(1, 5))
+    def check(parts: list[str], step: int) -> None:
+        text = "".join(parts)
+        info = get_tool_parser(name)(None).extract_tool_calls(text, None)
+        for c in info.tool_calls:
+            json.loads(c.function.arguments)
+        content, calls, _ = stream(name, text, [text[i : i + step] for i in range(0, len(text), step)])
+        assert content == (info.content or "")
+        if info.tools_called:
+            assert [c["arguments"] for c in calls] == [c.function.arguments for c in info.tool_calls]
+
+    check()
