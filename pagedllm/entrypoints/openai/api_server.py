@@ -26,6 +26,7 @@ from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_BODY_TIMEOUT_S,
     PUBLIC_PATHS,
@@ -355,10 +356,19 @@ def build_app(
 
 
 # ---- server ------------------------------------------------------------------------------------
+def check_parser_args(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    """The tool-calling flags, checked before the model loads (ValueError naming the flag)."""
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+
+
 async def run_server(args: argparse.Namespace) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
     when the engine core died."""
     engine_args = EngineArgs.from_cli_args(args)
+    check_parser_args(getattr(args, "tool_call_parser", None), bool(getattr(args, "enable_auto_tool_choice", False)))
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"request_timeout: must be positive, got {args.request_timeout}")
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
