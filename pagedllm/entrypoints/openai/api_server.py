@@ -26,7 +26,6 @@ from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
-from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_BODY_TIMEOUT_S,
     PUBLIC_PATHS,
@@ -62,6 +61,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_module
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.web import mount_web_ui
 from pagedllm.logger import init_logger
