@@ -24,7 +24,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing
+from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, check_parser_args
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
 from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -61,7 +61,6 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels, parse_lora_module
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.web import mount_web_ui
 from pagedllm.logger import init_logger
@@ -356,14 +355,6 @@ def build_app(
 
 
 # ---- server ------------------------------------------------------------------------------------
-def check_parser_args(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
-    """The tool-calling flags, checked before the model loads (ValueError naming the flag)."""
-    if enable_auto_tool_choice and not tool_call_parser:
-        raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
-    if tool_call_parser is not None:
-        get_tool_parser(tool_call_parser)
-
-
 async def run_server(args: argparse.Namespace) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
     when the engine core died."""

@@ -109,6 +109,14 @@ class RequestParsing:
     parallel: bool = True
 
 
+def check_parser_args(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    """The server's tool-calling flags, checked before the model loads (ValueError naming the flag)."""
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+
+
 class ChatOutputParsing:
     def __init__(
         self,
@@ -117,8 +125,7 @@ class ChatOutputParsing:
         tool_call_parser: str | None = None,
         enable_auto_tools: bool = False,
     ) -> None:
-        if enable_auto_tools and not tool_call_parser:
-            raise ValueError("enable_auto_tool_choice: requires --tool-call-parser")
+        check_parser_args(tool_call_parser, enable_auto_tools)
         self.tokenizer = tokenizer
         self.tool_parser_cls: type[ToolParser] | None = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tools = enable_auto_tools

@@ -66,7 +66,7 @@ def test_tool_and_reasoning_flags() -> None:
     assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="reasoning_parser"):
         EngineArgs(reasoning_parser="nope")._validate()
-    from pagedllm.entrypoints.openai.api_server import check_parser_args
+    from pagedllm.entrypoints.openai.chat_parsing import check_parser_args
 
     check_parser_args("pythonic", True)
     with pytest.raises(ValueError, match="enable_auto_tool_choice"):
