@@ -104,7 +104,7 @@ def _tool_call_for_template(tc: Any, msg_index: int, call_index: int) -> Any:
         return tc
     try:
         parsed = json.loads(args)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError(
             f"messages[{msg_index}].tool_calls[{call_index}].function.arguments: not valid JSON ({args[:64]!r})"
         ) from None

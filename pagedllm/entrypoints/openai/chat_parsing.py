@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from pagedllm.entrypoints.openai.tool_parsers.abstract import make_tool_call
+from pagedllm.entrypoints.openai.tool_parsers.abstract import extract_safely, make_tool_call
 from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -144,6 +144,8 @@ class ChatOutputParsing:
             raise OpenAIServingError("tool_choice: when using `tool_choice`, `tools` must be set", 400, "tool_choice")
         parallel = req.parallel_tool_calls is not False
         res = RequestParsing(tools=tools, parallel=parallel)
+        # Schemas go to the engine as JSON text: a client's schema may hold values (integers beyond 64 bits)
+        # that the engine's msgpack transport cannot carry as objects.
         if isinstance(choice, ChatCompletionNamedToolChoiceParam):
             name = choice.function.name
             tool = next((t for t in tools or [] if t["function"]["name"] == name), None)
@@ -153,11 +155,13 @@ class ChatOutputParsing:
                 )
             res.mode, res.named = "named", name
             res.structured_outputs = StructuredOutputsParams(
-                json=tool["function"].get("parameters") or EMPTY_OBJECT_SCHEMA
+                json=json.dumps(tool["function"].get("parameters") or EMPTY_OBJECT_SCHEMA)
             )
         elif choice == "required":
             res.mode = "required"
-            res.structured_outputs = StructuredOutputsParams(json=required_tools_schema(tools or [], parallel))
+            res.structured_outputs = StructuredOutputsParams(
+                json=json.dumps(required_tools_schema(tools or [], parallel))
+            )
         elif choice == "auto":
             if not (self.enable_auto_tools and self.tool_parser_cls is not None):
                 raise OpenAIServingError(f"tool_choice: {AUTO_NEEDS_FLAGS}", 400, "tool_choice")
@@ -197,7 +201,7 @@ class ChatOutputParsing:
         else:
             parser = self._tool_parser(rp)
             if parser is not None:
-                info = parser.extract_tool_calls(content or "", req)
+                info = extract_safely(parser, content or "", req)
                 if info.tools_called:
                     calls = info.tool_calls if rp.parallel else info.tool_calls[:1]
                     content = info.content

@@ -153,7 +153,7 @@ def test_named_tool_choice(tok: Any) -> None:
     engine.output = '{"city": "Paris", "unit": "celsius"}'
     res = run(chat, body)
     so = engine.params[-1].structured_outputs
-    assert so is not None and so.json == WEATHER_PARAMS  # the engine constrains the output to the tool's schema
+    assert so is not None and json.loads(so.json) == WEATHER_PARAMS  # type: ignore[arg-type] # the engine constrains the output to the tool's schema
     assert isinstance(res, ChatCompletion)
     (call,) = res.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
@@ -174,8 +174,8 @@ def test_required_tool_choice_schema(tok: Any) -> None:
     )
     res = run(chat, body)
     so = engine.params[-1].structured_outputs
-    assert so is not None and isinstance(so.json, dict)
-    validator = jsonschema.Draft202012Validator(so.json)
+    assert so is not None and isinstance(so.json, str)
+    validator = jsonschema.Draft202012Validator(json.loads(so.json))
     validator.validate(json.loads(engine.output))
     for bad in (
         [],
@@ -194,7 +194,7 @@ def test_required_tool_choice_schema(tok: Any) -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == calls
     # parallel_tool_calls=false: the schema allows one call only
     run(chat, {**body, "parallel_tool_calls": False})
-    one = jsonschema.Draft202012Validator(engine.params[-1].structured_outputs.json)  # type: ignore[union-attr]
+    one = jsonschema.Draft202012Validator(json.loads(engine.params[-1].structured_outputs.json))  # type: ignore[union-attr,arg-type]
     assert not one.is_valid(json.loads(engine.output)) and one.is_valid(json.loads(engine.output)[:1])
 
 

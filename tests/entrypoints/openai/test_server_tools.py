@@ -209,3 +209,16 @@ def test_openapi_documents_tools(server: ServerProcess) -> None:
     assert {"reasoning_content", "reasoning", "tool_calls"} <= set(schemas["ChatMessage"]["properties"])
     assert {"id", "type", "function"} == set(schemas["ToolCall"]["properties"])  # (streams are SSE text)
     assert "tools" in schemas["TokenizeChatRequest"]["properties"]
+
+
+def test_client_schema_values_cross_to_the_engine(server: ServerProcess) -> None:
+    """A tool schema may hold integers beyond 64 bits (the engine's msgpack transport cannot carry them as
+    objects): the constraint travels as JSON text, so the request is answered, not a 500."""
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"n": {"maximum": 10**30}}}},
+    }
+    for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+        body = {"messages": MESSAGES, "tools": [tool], "tool_choice": choice, "max_tokens": 4}
+        resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code in (200, 400), resp.text

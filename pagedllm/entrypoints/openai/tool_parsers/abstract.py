@@ -51,6 +51,20 @@ class PartialParse:
     calls: list[PartialToolCall] = field(default_factory=list)
 
 
+PARSE_ERRORS = (ValueError, TypeError, KeyError, RecursionError, MemoryError)
+"""What parsing model text may raise (deeply nested JSON is a RecursionError): the text is then content."""
+
+
+def extract_safely(
+    parser: ToolParser, text: str, request: ChatCompletionRequest | None
+) -> ExtractedToolCallInformation:
+    """`parser.extract_tool_calls`, with any parsing failure turning the whole text into content."""
+    try:
+        return parser.extract_tool_calls(text, request)
+    except PARSE_ERRORS:
+        return ExtractedToolCallInformation(False, content=text)
+
+
 def make_tool_call(name: str, arguments: Any, call_id: str | None = None) -> ToolCall:
     """A ToolCall whose arguments are `json.dumps(arguments)` (a str is taken as JSON text already)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
@@ -144,11 +158,15 @@ class ToolParser:
         request: ChatCompletionRequest | None,
     ) -> DeltaMessage | None:
         """What `delta_text` adds (vLLM's signature); only `current_text` is needed."""
-        return self._emit(self.parse_partial(current_text))
+        try:
+            partial = self.parse_partial(current_text)
+        except PARSE_ERRORS:
+            return None  # e.g. JSON nested too deep to parse: settled at the end (as content)
+        return self._emit(partial)
 
     def finish_streaming(self, current_text: str, request: ChatCompletionRequest | None) -> DeltaMessage | None:
         """The rest of the non-streamed result once the output is complete."""
-        info = self.extract_tool_calls(current_text, request)
+        info = extract_safely(self, current_text, request)
         if not info.tools_called:
             return self._emit(PartialParse(content=current_text))
         calls = [PartialToolCall(c.function.name, c.function.arguments) for c in info.tool_calls]

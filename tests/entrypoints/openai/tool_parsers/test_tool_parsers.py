@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
+from pagedllm.entrypoints.openai.tool_parsers.abstract import extract_safely
 from pagedllm.entrypoints.openai.tool_parsers.json_stream import canonical_json_prefix
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
@@ -211,6 +212,22 @@ def test_canonical_json_prefix(value: Any) -> None:
             prefix, end = canonical_json_prefix(raw[:k])
             assert final.startswith(prefix) and end is None, (raw[:k], prefix)
         assert canonical_json_prefix(raw + " tail") == (final, len(raw))
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_deeply_nested_output_is_content(name: str) -> None:
+    """JSON (or Python) nested deeper than the parsers' recursion: content, never an exception."""
+    deep = "[" * 20000
+    text = {
+        "hermes": '<tool_call>{"name": "f", "arguments": ' + deep,
+        "llama3_json": '{"name": "f", "arguments": ' + deep,
+        "mistral": "[TOOL_CALLS] [" + deep,
+        "pythonic": "[f(a=" + deep,
+    }[name]
+    info = extract_safely(get_tool_parser(name)(None), text, None)
+    assert not info.tools_called and info.content == text
+    content, _, _ = stream(name, text, [text[i : i + 500] for i in range(0, len(text), 500)])
+    assert content == text
 
 
 def test_registry() -> None:
