@@ -128,9 +128,10 @@ def test_tool_call_arguments_reach_templates_as_objects(smollm2_tokenizer: Any) 
     assert "Weather of a city" in text and "<tool_response>\nsunny\n</tool_response>" in text
     assert conv == before
     bad = copy.deepcopy(conv)
-    bad[1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
-    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
-        apply_chat_template(smollm2_tokenizer, bad, chat_template=str(HERMES_TEMPLATE), tools=tools)
+    for args in ("{city: Paris", "[" * 100_000):  # not JSON; nested too deep for the json module
+        bad[1]["tool_calls"][0]["function"]["arguments"] = args
+        with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
+            apply_chat_template(smollm2_tokenizer, bad, chat_template=str(HERMES_TEMPLATE), tools=tools)
 
 
 def test_llm_chat_with_tools(smollm2_llm: Any) -> None:
