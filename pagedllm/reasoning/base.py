@@ -25,6 +25,11 @@ class ReasoningParser:
         """True once the reasoning section has ended in these (output) token ids."""
         raise NotImplementedError
 
+    def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """True when the prompt ends inside a reasoning section (a chat template that opens `<think>`): the
+        server then parses the output as if it began with the start tag."""
+        return False
+
     def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
         """The token ids after the end of the reasoning (empty while it has not ended)."""
         raise NotImplementedError
@@ -58,15 +63,15 @@ def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], ty
 
 
 def _load_builtin() -> None:
-    # The concrete parsers live in modules of this package; importing them registers them.
+    # The concrete parsers live in modules of this package; importing them registers them. (By path, not
+    # by importing the package: that would be an import cycle.)
     import importlib
     import pkgutil
+    from pathlib import Path
 
-    import pagedllm.reasoning as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if mod.name != "base":
-            importlib.import_module(f"pagedllm.reasoning.{mod.name}")
+            importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def reasoning_parser_names() -> list[str]:

@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.logprobs import Logprob, PromptLogprobs
 from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -227,6 +227,7 @@ class OpenAIServing:
         *,
         n: int | None = None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """SamplingParams from a request: request value, else the model's generation_config default, else
         OpenAI's default. Unsupported features give a 400 naming them, never a silent ignore. `n`
@@ -285,6 +286,8 @@ class OpenAIServing:
             kwargs["prompt_logprobs"] = prompt_logprobs
         if logit_bias:
             kwargs["logit_bias"] = logit_bias
+        if structured_outputs is not None:
+            kwargs["structured_outputs"] = structured_outputs
         if n > self.max_n:
             what = "n" if n == req.n else "best_of"
             raise OpenAIServingError(

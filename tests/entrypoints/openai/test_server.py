@@ -403,6 +403,17 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
         400,
         "--trust-request-chat-template",
     ),
+    (
+        "auto_tool_choice_without_flags",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "auto",
+        },
+        400,
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+    ),
 ]
 
 
