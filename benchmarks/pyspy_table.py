@@ -1,6 +1,6 @@
 """Self-time and inclusive-time tables from py-spy's raw (collapsed) stacks: one table per file.
 
-    python3 benchmarks/pyspy_table.py pyspy_S2_1234.txt [...]
+python3 benchmarks/pyspy_table.py pyspy_S2_1234.txt [...]
 """
 
 from __future__ import annotations
