@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import (
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from pagedllm.entrypoints.openai.tool_parsers.json_stream import canonical_json_prefix
+from pagedllm.utils import PluginRegistry
 
 
 @dataclass
@@ -131,7 +133,12 @@ class ToolParser:
         self._sent_content = ""
         self._sent_calls: list[list[str]] = []  # per started call: [id, arguments sent]
 
+    call_marker_is_special = False
+    """The model opens its calls with a special / control token (kept in the text so the parser sees it)."""
+
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
+        if self.call_marker_is_special and request.tools and request.tool_choice != "none":
+            request.skip_special_tokens = False
         return request
 
     def extract_tool_calls(
@@ -203,37 +210,12 @@ class ToolParser:
         return f"chatcmpl-tool-{random_uuid()}"
 
 
-_REGISTRY: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    def deco(cls: type[ToolParser]) -> type[ToolParser]:
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def _load_builtin() -> None:
-    # One module per parser; importing it registers it (found by path: importing the package here would
-    # be an import cycle).
-    import importlib
-    import pkgutil
-    from pathlib import Path
-
-    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if mod.name not in ("abstract", "json_stream"):
-            importlib.import_module(f"{__package__}.{mod.name}")
-
-
-def tool_parser_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class registered as `name`; ValueError naming `tool_call_parser` otherwise."""
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"tool_call_parser: unknown parser {name!r}; expected one of {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+_REGISTRY: PluginRegistry[ToolParser] = PluginRegistry(
+    "tool_call_parser",
+    __package__ or "pagedllm.entrypoints.openai.tool_parsers",
+    str(Path(__file__).parent),
+    ("abstract", "json_stream"),
+)
+register_tool_parser = _REGISTRY.register
+tool_parser_names = _REGISTRY.names
+get_tool_parser = _REGISTRY.get

@@ -36,10 +36,7 @@ def _body_start(text: str) -> int | None:
 
 @register_tool_parser("llama3_json")
 class Llama3JsonToolParser(ToolParser):
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False  # <|python_tag|> is a special token
-        return request
+    call_marker_is_special = True  # <|python_tag|> is a special token
 
     def extract_tool_calls(
         self, model_output: str, request: ChatCompletionRequest | None

@@ -36,10 +36,7 @@ def _skip_ws(text: str, i: int) -> int:
 
 @register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False  # [TOOL_CALLS] is a control token
-        return request
+    call_marker_is_special = True  # [TOOL_CALLS] is a control token
 
     def new_call_id(self) -> str:
         return mistral_call_id()

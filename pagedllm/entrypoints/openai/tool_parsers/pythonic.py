@@ -58,10 +58,7 @@ def parse_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
 
 @register_tool_parser("pythonic")
 class PythonicToolParser(ToolParser):
-    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
-        if request.tools and request.tool_choice != "none":
-            request.skip_special_tokens = False  # <|python_start|> is a special token
-        return request
+    call_marker_is_special = True  # <|python_start|> is a special token
 
     def extract_tool_calls(
         self, model_output: str, request: ChatCompletionRequest | None
