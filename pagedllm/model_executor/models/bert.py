@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers import batch_invariant
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
@@ -112,8 +114,12 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         x = self.attention(x, eb)
-        y = self.fc1(x)
-        y = F.relu(y) if self.relu else F.gelu(y, approximate=self.approximate)
+        packed = getattr(self.fc1, "packed_weight", None)
+        if packed is not None and not self.relu and not batch_invariant.enabled():  # CPU: GELU in the GEMM
+            y = packed_linear(x, packed, self.fc1.bias, int(self.fc1.packed_out_features), gelu=self.approximate)
+        else:
+            y = self.fc1(x)
+            y = F.relu(y) if self.relu else F.gelu(y, approximate=self.approximate)
         return self.norm(x + self.fc2(y))
 
 
