@@ -48,8 +48,9 @@ for stage in "$@"; do
             run pool_fp32 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base --dtype float32 --repeats 5 --json "$OUT/pool_fp32.json"
             run pool_fp16 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base --dtype float16 --repeats 5 --json "$OUT/pool_fp16.json" ;;
         structured)
+            [ -f /tmp/smollm2.gguf ] && export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf  # the tokenizer
             run structured 300 python3 benchmarks/structured_overhead.py --model benchmarks/workloads/qwen3-0.6b \
-                --device cuda --out "$OUT/structured.json" ;;
+                --device cuda --json "$OUT/structured.json" ;;
         tests)
             read -r -a files <<< "${GPU_TESTS:-tests/gpu}"
             run tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark "${files[@]}"
