@@ -85,7 +85,22 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The response; with stream=true, server-sent events of the chunk objects, then [DONE]",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # One event's shape (OpenAPI 3.2's `itemSchema`; validators read it per event): `data` is a chunk
+        # object's JSON text, then "[DONE]".
+        "content": {
+            "text/event-stream": {
+                "itemSchema": {
+                    "type": "object",
+                    "properties": {
+                        "data": {"type": "string"},
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                        "retry": {"type": "integer"},
+                    },
+                    "required": ["data"],
+                }
+            }
+        },
     },
     **ERROR_RESPONSES,
 }
