@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
 
 
 def write_adapters(hf_config: object, root: str, n: int, rank: int) -> list[str]:
@@ -50,6 +51,33 @@ def write_adapters(hf_config: object, root: str, n: int, rank: int) -> list[str]
     return paths
 
 
+def profile_kernels(llm: object, tp: list, sp: object, lora: object, steps: int = 32) -> list[dict]:
+    """GPU kernels of `steps` decode steps (torch.profiler; kernels inside CUDA graphs are listed one by one),
+    grouped by name: calls per step and microseconds per step, largest first."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(tp, sp, use_tqdm=False, lora_request=lora)  # type: ignore[attr-defined]
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time > 0:
+            a = agg[e.name[:90]]
+            a[0] += 1
+            a[1] += e.device_time
+    rows: list[dict[str, Any]] = [
+        {"kernel": k, "calls_per_step": round(n / steps, 1), "us_per_step": round(t / steps, 1)}
+        for k, (n, t) in agg.items()
+    ]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"kernel time per step: {total:.0f} us over {sum(r['calls_per_step'] for r in rows):.0f} kernels", flush=True)
+    for r in rows[:30]:
+        print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f}x  {r['kernel']}", flush=True)
+    return rows[:60]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["none", "lora"], required=True)
@@ -58,6 +86,7 @@ def main() -> None:
     p.add_argument("--out", default="lora_bench.json")
     p.add_argument("--hf-overrides", default=None, help="JSON: a smaller model of the same shape family (smoke runs)")
     p.add_argument("--w3-tokens", type=int, default=None, help="fewer W3 output tokens (smoke runs)")
+    p.add_argument("--profile", action="store_true", help="after W3: a torch.profiler kernel table of 32 decode steps")
     args = p.parse_args()
 
     from pagedllm import LLM, LoRARequest, SamplingParams, TokensPrompt
@@ -111,6 +140,8 @@ def main() -> None:
     emit({"workload": "W3", "ms_per_token": [round(1000 * x / n_out, 3) for x in times],
           "ms_per_token_median": round(1000 * statistics.median(times) / n_out, 3)})  # fmt: skip
 
+    if args.profile:
+        emit({"workload": "W3-profile", "kernels": profile_kernels(llm, tp, sp.clone(max_tokens=33), loras[0])})
     if args.skip_w2:
         return
     w2, _, _ = get_workload("W2")

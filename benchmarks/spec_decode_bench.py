@@ -195,6 +195,9 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
             del llm
+            import gc
+
+            gc.collect()  # the step counter's closure holds the engine in a cycle
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         for b in batches if a.spec == "off,on" else []:  # greedy outputs with and without, token for token
             off = next(r for r in rows if r["spec"] == "off" and r["batch"] == b)

@@ -11,6 +11,7 @@ forked from one another) are found in the prefix cache, so only the last partial
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,7 +59,12 @@ def get_beam_search_score(
     seq_len = len(tokens)
     if eos_token_id is not None and tokens and tokens[-1] == eos_token_id:
         seq_len -= 1
-    return cumulative_logprob / (seq_len**length_penalty)
+    try:
+        return cumulative_logprob / (seq_len**length_penalty)
+    except (OverflowError, ZeroDivisionError):
+        # An absurd length_penalty (|penalty * ln(len)| past the float range, e.g. 2.7e16 from a fuzzer):
+        # the same formula with the exponent clamped, instead of an exception (a 500).
+        return cumulative_logprob * math.exp(-max(-700.0, min(700.0, length_penalty * math.log(max(seq_len, 1)))))
 
 
 def beam_step_params(params: BeamSearchParams) -> SamplingParams:

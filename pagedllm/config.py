@@ -227,6 +227,7 @@ def build_model_config(
     if generation_config not in ("auto", "vllm") and not os.path.isdir(generation_config):
         raise ValueError(f"generation_config: expected 'auto', 'vllm' or a directory, got {generation_config!r}")
     gen_dir = model_dir if generation_config in ("auto", "vllm") else generation_config
+    hf_config.pagedllm_max_model_len = int(max_model_len)  # longrope picks its factors from it (as vLLM)
     return ModelConfig(
         model=model,
         tokenizer=tokenizer or model,

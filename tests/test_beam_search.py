@@ -3,6 +3,8 @@ beams on the real SmolLM2 for 5 prompts; the length-penalty score has its own un
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -66,3 +68,11 @@ def test_beam_search_matches_hf(smollm2_llm, smollm2_hf_model, smollm2_prompt_id
         scores = [seq.cum_logprob for seq in out.sequences]
         assert scores == sorted(scores, reverse=True)
         assert ours == hf_beams(smollm2_hf_model, p, 4, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("penalty", [2.7e16, -2.7e16, 1e308, -1e308])
+def test_absurd_length_penalty_scores_without_overflow(penalty: float) -> None:
+    """A fuzzer's length_penalty (2.7e16 gave a 500: OverflowError) still yields a finite, ordered score."""
+    s = get_beam_search_score([1, 2, 3], -2.0, None, penalty)
+    assert math.isfinite(s) and s <= 0.0
+    assert get_beam_search_score([1, 2, 3], -2.0, None, 1.0) == -2.0 / 3

@@ -26,6 +26,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         attn_type: AttentionType = AttentionType.DECODER,
         prefix: str = "",
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -37,7 +38,7 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.backend = get_attn_backend(torch.get_default_device())
         self.impl = self.backend.get_impl_cls()(
-            num_heads, head_size, scale, self.num_kv_heads, sliding_window, attn_type
+            num_heads, head_size, scale, self.num_kv_heads, sliding_window, attn_type, logits_soft_cap
         )
 
     def forward(

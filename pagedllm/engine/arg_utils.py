@@ -194,6 +194,14 @@ class EngineArgs:
     spec_tokens: int | None = field(
         default=None, metadata=_help("Alias of speculative_config.num_speculative_tokens.", "Speculative decoding")
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_help(
+            "Split <think>...</think> reasoning from the answer: deepseek_r1 | qwen3 (the server's "
+            "reasoning_content; structured outputs apply after the reasoning).",
+            "Structured outputs",
+        ),
+    )
     enable_lora: bool = field(
         default=False, metadata=_help("Serve LoRA adapters (LoRARequest / --lora-modules).", "LoRA")
     )
@@ -208,14 +216,6 @@ class EngineArgs:
             'Structured outputs, as vLLM: {"backend": "auto" | "xgrammar", "disable_any_whitespace": bool, '
             '"disable_additional_properties": bool, "max_whitespace_count": N, "reasoning_parser": NAME, '
             '"enable_in_reasoning": bool}.',
-            "Structured outputs",
-        ),
-    )
-    reasoning_parser: str | None = field(
-        default=None,
-        metadata=_help(
-            "Reasoning parser (e.g. deepseek_r1, qwen3): the server splits reasoning_content off, and grammars "
-            "apply only after the reasoning ends (also structured_outputs_config.reasoning_parser).",
             "Structured outputs",
         ),
     )
@@ -247,6 +247,10 @@ class EngineArgs:
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
         self._validate_lora()
         self._validate_controls()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -87,8 +88,27 @@ def normalize_conversation(conversation: list[dict[str, Any]]) -> list[dict[str,
             raise ValueError(f"messages[{i}].role: expected one of {', '.join(VALID_ROLES)}, got {role!r}")
         new = dict(msg)
         new["content"] = _content_to_text(msg.get("content"), i)
+        if isinstance(msg.get("tool_calls"), list):
+            new["tool_calls"] = [_tool_call_for_template(tc, i, j) for j, tc in enumerate(msg["tool_calls"])]
         out.append(new)
     return out
+
+
+def _tool_call_for_template(tc: Any, msg_index: int, call_index: int) -> Any:
+    """An assistant message's tool call as chat templates expect it: OpenAI clients send `arguments` as
+    JSON text, templates (Qwen's, Llama's: `tool_call.arguments | tojson`) want the object (as vLLM)."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return tc
+    args = tc["function"].get("arguments")
+    if not isinstance(args, str):
+        return tc
+    try:
+        parsed = json.loads(args)
+    except (ValueError, RecursionError):
+        raise ValueError(
+            f"messages[{msg_index}].tool_calls[{call_index}].function.arguments: not valid JSON ({args[:64]!r})"
+        ) from None
+    return {**tc, "function": {**tc["function"], "arguments": parsed}}
 
 
 def apply_chat_template(

@@ -25,6 +25,7 @@ from pagedllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from pagedllm.model_executor.layers.triton_gemv import RowGemvLoRA
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -122,6 +123,12 @@ class LoRALayer:
         self.lora_a = torch.zeros(max_loras, r_all, in_size, dtype=dtype, device=dev)
         self.lora_b = torch.zeros(max_loras, self.out_size, r_all, dtype=dtype, device=dev)
         state.max_r = max(state.max_r, r_all)
+        self.fused: RowGemvLoRA | None = None
+        """Batch-1 CUDA decode: the base layer's row GEMV computes the shrink too (one launch fewer)."""
+        if state.use_triton and dev.type == "cuda":
+            out = torch.zeros(1, r_all, dtype=torch.float32, device=dev)
+            self.fused = RowGemvLoRA(self.lora_a, state.token_slots[:1], out)
+            vars(base)["row_gemv_lora"] = self.fused  # read by UnquantizedLinearMethod.apply
 
     def check(self, name: str, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """ValueError unless `weights` (slice -> (A, B)) fits this layer."""
@@ -153,9 +160,14 @@ class LoRALayer:
         x = args[0]
         st = self.state
         if st.use_triton:
-            from pagedllm.lora.ops import lora_shrink_expand
+            from pagedllm.lora.ops import lora_expand, lora_shrink_expand
 
             assert st.sorted_idx is not None and st.seg_start is not None and st.seg_len is not None
+            f = self.fused
+            if f is not None and f.done:  # the base's row GEMV wrote the shrink into f.out
+                f.done = False
+                lora_expand(f.out, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len)
+                return out
             sb = st.split_buffer[self.index] if st.split_buffer is not None else None
             lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, sb)
             return out

@@ -125,7 +125,6 @@ def lora_shrink_expand(
     require_triton()
     num_tokens, k = x.shape
     num_slots, r, _ = lora_a.shape
-    n = lora_b.shape[1]
     block_m = 16 if num_tokens <= 512 else 64
     block_r = max(16, next_pow2(r))
     ieee = x.dtype == torch.float32
@@ -144,10 +143,26 @@ def lora_shrink_expand(
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), buf.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, K_STEP=block_k * split_k, IEEE=ieee,
     )  # fmt: skip
+    lora_expand(buf, lora_b, out, sorted_idx, seg_start, seg_len)
+
+
+def lora_expand(
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    out: torch.Tensor,
+    sorted_idx: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+) -> None:
+    """out[t] += buf[t] @ B[slot(t)]^T for every token with a slot, in place (buf: the float32 shrink)."""
+    num_tokens, r = buf.shape
+    num_slots, n, _ = lora_b.shape
+    block_m = 16 if num_tokens <= 512 else 64
+    block_r = max(16, next_pow2(r))
     block_n = 64 if block_r > 64 else 128
-    _expand_kernel[(num_slots, m_blocks, triton.cdiv(n, block_n))](
+    _expand_kernel[(num_slots, triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))](
         buf, lora_b, out, sorted_idx, seg_start, seg_len,
         n, r,
         buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=out.dtype == torch.float32,
     )  # fmt: skip

@@ -13,7 +13,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-ENCODER_ARCHS = ("BertModel", "BertForSequenceClassification")
+ENCODER_ARCHS = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+    "RobertaModel",
+    "RobertaForSequenceClassification",
+)
 POOLING_TYPES = ("LAST", "CLS", "MEAN", "ALL")
 EMBED_TASKS = ("encode", "embed", "token_embed")
 CLASSIFY_TASKS = ("encode", "classify", "score", "reward", "token_classify")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from pagedllm.utils import PluginRegistry
 
 
 @dataclass
@@ -24,6 +27,11 @@ class ReasoningParser:
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         """True once the reasoning section has ended in these (output) token ids."""
         raise NotImplementedError
+
+    def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """True when the prompt ends inside a reasoning section (a chat template that opens `<think>`): the
+        server then parses the output as if it began with the start tag."""
+        return False
 
     def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
         """The token ids after the end of the reasoning (empty while it has not ended)."""
@@ -46,36 +54,9 @@ class ReasoningParser:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    def deco(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def _load_builtin() -> None:
-    # The concrete parsers live in modules of this package; importing them registers them.
-    import importlib
-    import os
-    import pkgutil
-
-    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if mod.name != "base":
-            importlib.import_module(f"pagedllm.reasoning.{mod.name}")
-
-
-def reasoning_parser_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class registered as `name`; ValueError naming `reasoning_parser` otherwise."""
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"reasoning_parser: unknown parser {name!r}; expected one of {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+_REGISTRY: PluginRegistry[ReasoningParser] = PluginRegistry(
+    "reasoning_parser", __package__ or "pagedllm.reasoning", str(Path(__file__).parent), ("base",)
+)
+register_reasoning_parser = _REGISTRY.register
+reasoning_parser_names = _REGISTRY.names
+get_reasoning_parser = _REGISTRY.get

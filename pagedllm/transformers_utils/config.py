@@ -69,6 +69,9 @@ def get_max_model_len_from_config(hf_config: Any) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if v:
+            if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+                # Position ids start after the padding index (pad_token_id + 1): 514 -> 512 usable.
+                return int(v) - int(getattr(hf_config, "pad_token_id", 1) or 0) - 1
             return int(v)
     return 2048
 
@@ -82,17 +85,27 @@ def get_sliding_window(hf_config: Any) -> int | None:
 
 def get_rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) for transformers 4.x (`rope_theta`/`rope_scaling`) and 5.x
-    (`rope_parameters`)."""
+    (`rope_parameters`). A `longrope` dict also gets the config's `original_max_position_embeddings`,
+    `max_position_embeddings` and the engine's max_model_len (`rotary_embedding.get_rope` needs them)."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         rtype = params.get("rope_type", params.get("type", "default"))
-        return theta, (dict(params) if rtype not in (None, "default") else None)
-    theta = float(getattr(hf_config, "rope_theta", 10000.0))
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        return theta, dict(scaling)
-    return theta, None
+        scaling = dict(params) if rtype not in (None, "default") else None
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        raw = getattr(hf_config, "rope_scaling", None)
+        rtype = raw.get("rope_type", raw.get("type", "default")) if raw else "default"
+        scaling = dict(raw) if raw and rtype != "default" else None
+    if scaling is not None and rtype in ("longrope", "su"):
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        orig = getattr(hf_config, "original_max_position_embeddings", None) or scaling.get(
+            "original_max_position_embeddings", max_pos
+        )
+        scaling["original_max_position_embeddings"] = int(orig)
+        scaling["max_position_embeddings"] = max_pos
+        scaling["max_model_len"] = int(getattr(hf_config, "pagedllm_max_model_len", max_pos))
+    return theta, scaling
 
 
 def load_generation_config(model_dir: str, hf_config: Any) -> dict[str, Any]:

@@ -2,6 +2,11 @@
 n decodes pads up to the next captured size and replays it after copying its inputs into the graph's
 persistent buffers. Padded rows get seq_len 0 (the attention kernel yields zeros) and slot -1 (nothing
 is written to the KV cache). Prefill and mixed steps run eagerly.
+
+With `query_len` q > 1 (speculative decoding's verification steps: a request's last token plus up to q - 1
+proposals), every request gets q query rows: a request with fewer tokens is padded at its end with rows
+whose slot is -1 and whose outputs are dropped. Its seq_len counts the padded rows, so each real row keeps
+its position; the causal mask keeps real rows from seeing the padded ones.
 """
 
 from __future__ import annotations
@@ -40,8 +45,11 @@ class CudaGraphRunner:
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
+        query_len: int = 1,
+        pool: Any = None,
     ) -> None:
         self.model = model
+        self.q = query_len
         self.groups = groups
         self.builders = builders
         self.device = device
@@ -52,24 +60,28 @@ class CudaGraphRunner:
         # Input ids, positions, each group's slots and seq_lens (int32, two per int64) live in one int64
         # buffer, so a step uploads them with one copy from a host mirror of the same layout.
         n_groups = len(groups)
-        header = torch.zeros(cap * (2 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
+        ct = cap * query_len  # token rows
+        header = torch.zeros(ct * (2 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
         self._header = header
         self._header_host = np.zeros(header.shape[0], dtype=np.int64)
         host = self._header_host
-        self.input_ids, self._ids_host = header[:cap], host[:cap]
-        self.positions, self._pos_host = header[cap : 2 * cap], host[cap : 2 * cap]
-        self.slots = [header[cap * (2 + g) : cap * (3 + g)] for g in range(n_groups)]
-        self._slots_host = [host[cap * (2 + g) : cap * (3 + g)] for g in range(n_groups)]
-        self.seq_lens = header[cap * (2 + n_groups) :].view(torch.int32)[:cap]
-        self._seq_host = host[cap * (2 + n_groups) :].view(np.int32)[:cap]
-        self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device)
+        self.input_ids, self._ids_host = header[:ct], host[:ct]
+        self.positions, self._pos_host = header[ct : 2 * ct], host[ct : 2 * ct]
+        self.slots = [header[ct * (2 + g) : ct * (3 + g)] for g in range(n_groups)]
+        self._slots_host = [host[ct * (2 + g) : ct * (3 + g)] for g in range(n_groups)]
+        self.seq_lens = header[ct * (2 + n_groups) :].view(torch.int32)[:cap]
+        self._seq_host = host[ct * (2 + n_groups) :].view(np.int32)[:cap]
+        self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device) * query_len
         self.block_tables = [torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]] = {}
-        self.pool: Any = None
+        self.pool: Any = pool
+        self.num_padded_runs = 0
+        """Replays of the q-row graphs (`run_padded`), for tests and stats."""
 
     def _metadata(self, size: int) -> dict[str, Any]:
         """Metadata over the persistent buffers for a batch of `size` decodes (the values are set per step)."""
-        qsl_cpu = torch.arange(size + 1, dtype=torch.int32)
+        q = self.q
+        qsl_cpu = torch.arange(size + 1, dtype=torch.int32) * q
         commons = [
             CommonAttentionMetadata(
                 query_start_loc=self.qsl[: size + 1],
@@ -78,10 +90,10 @@ class CudaGraphRunner:
                 seq_lens_cpu=torch.ones(size, dtype=torch.int32),
                 num_computed_tokens_cpu=torch.zeros(size, dtype=torch.int32),
                 block_table=self.block_tables[g][:size],
-                slot_mapping=self.slots[g][:size],
+                slot_mapping=self.slots[g][: size * q],
                 num_reqs=size,
-                num_actual_tokens=size,
-                max_query_len=1,
+                num_actual_tokens=size * q,
+                max_query_len=q,
                 max_seq_len=self.max_model_len,
             )
             for g in range(len(self.groups))
@@ -97,21 +109,23 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             md = self._metadata(size)
+            t = size * self.q
             with set_forward_context(md):
-                self.model(self.input_ids[:size], self.positions[:size])  # warm-up (autotune, compile)
+                self.model(self.input_ids[:t], self.positions[:t])  # warm-up (autotune, compile)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 with set_forward_context(md):
-                    out = self.model(self.input_ids[:size], self.positions[:size])
+                    out = self.model(self.input_ids[:t], self.positions[:t])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = (graph, out, md)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
+            "Captured CUDA graphs for %d batch sizes (1..%d) of %d query token(s) per request in %.2f s",
             len(self.sizes),
             self.max_size,
+            self.q,
             time.perf_counter() - t0,
         )
 
@@ -154,3 +168,50 @@ class CudaGraphRunner:
         graph, out, _ = self.graphs[size]
         graph.replay()
         return out[:n]
+
+    def can_run_padded(self, cu: np.ndarray, seq_lens: np.ndarray) -> bool:
+        """Whether a step of requests with cu-delimited query rows fits these graphs (q > 1): few enough
+        requests, at most q rows each, and the padded rows within the context."""
+        n = len(seq_lens)
+        if n > self.max_size or int((cu[1:] - cu[:-1]).max()) > self.q:
+            return False
+        return int((seq_lens - (cu[1:] - cu[:-1])).max()) + self.q <= self.max_model_len
+
+    def run_padded(
+        self,
+        input_ids: np.ndarray,
+        seq_lens: np.ndarray,
+        cu: np.ndarray,
+        slots: list[np.ndarray],
+        block_tables: list[np.ndarray],
+    ) -> torch.Tensor:
+        """Replays the q-row graph for a step whose requests have at most q query rows each (`cu`: the
+        flat rows' request boundaries); returns the hidden states of the real rows, in their flat order."""
+        n, q = len(seq_lens), self.q
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        lens = cu[1:] - cu[:-1]
+        computed = seq_lens - lens
+        t = size * q
+        # Row r of request i sits at i * q + (r - cu[i]).
+        flat = np.arange(int(cu[-1]), dtype=np.int64)
+        dest = flat + np.repeat(np.arange(n, dtype=np.int64) * q - cu[:-1], lens)
+        ids = self._ids_host
+        ids[:t] = 0
+        ids[dest] = input_ids
+        pos = self._pos_host[:t].reshape(size, q)
+        pos[:n] = computed[:, None] + np.arange(q)[None, :]
+        pos[n:] = 0
+        seq = self._seq_host
+        seq[:n] = computed + q
+        seq[n:size] = 0
+        for g, sm in enumerate(self._slots_host):
+            sm[:t] = -1
+            sm[dest] = slots[g]
+        self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
+        for g in range(len(self.groups)):
+            bt = block_tables[g]
+            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
+        graph, out, _ = self.graphs[size]
+        graph.replay()
+        self.num_padded_runs += 1
+        return out[torch.from_numpy(dest).to(self.device, non_blocking=True)]

@@ -67,6 +67,8 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.builders: list[AttentionMetadataBuilder] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.verify_graphs: CudaGraphRunner | None = None
+        """Speculative decoding: graphs of k + 1 query rows per request for the verification steps."""
         self.copier = AsyncCopier()
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         self.in_flight = InFlightTokens(self._arange)
@@ -189,6 +191,12 @@ class ModelRunner:
             self.model, groups, self.builders, self.max_num_reqs, max_blocks, self.max_model_len, self.device
         )
         self.cuda_graphs.capture()
+        if self.spec is not None and self.lora is None:  # (LoRA's per-token slots follow the flat rows)
+            self.verify_graphs = CudaGraphRunner(
+                self.model, groups, self.builders, self.max_num_reqs, max_blocks, self.max_model_len, self.device,
+                query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
+            )  # fmt: skip
+            self.verify_graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -280,6 +288,9 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and x.max_query_len == 1 and graphs.can_run(x.num_reqs):
             return graphs.run(x.input_ids, x.positions, x.seq_lens.astype(np.int32), slots, tables, patch)
+        vg = self.verify_graphs
+        if vg is not None and patch is None and x.max_query_len <= vg.q and vg.can_run_padded(x.cu, x.seq_lens):
+            return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables)
         dev = self.device
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
         if patch is not None:

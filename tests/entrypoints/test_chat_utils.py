@@ -107,3 +107,37 @@ def test_template_render_error_is_value_error(smollm2_tokenizer: Any) -> None:
             [{"role": "user", "content": "x"}],
             chat_template="{{ raise_exception('nope') }}",
         )
+
+
+HERMES_TEMPLATE = Path(__file__).parents[2] / "examples" / "tool_chat_template_hermes.jinja"
+
+
+def test_tool_call_arguments_reach_templates_as_objects(smollm2_tokenizer: Any) -> None:
+    """OpenAI clients send tool-call arguments as JSON text; templates get the object (as vLLM), the
+    caller's messages are left as they were, and arguments that are not JSON are a ValueError naming them."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conv = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    before = copy.deepcopy(conv)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city"}}]
+    text = apply_chat_template(smollm2_tokenizer, conv, chat_template=str(HERMES_TEMPLATE), tools=tools)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "Weather of a city" in text and "<tool_response>\nsunny\n</tool_response>" in text
+    assert conv == before
+    bad = copy.deepcopy(conv)
+    for args in ("{city: Paris", "[" * 100_000):  # not JSON; nested too deep for the json module
+        bad[1]["tool_calls"][0]["function"]["arguments"] = args
+        with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
+            apply_chat_template(smollm2_tokenizer, bad, chat_template=str(HERMES_TEMPLATE), tools=tools)
+
+
+def test_llm_chat_with_tools(smollm2_llm: Any) -> None:
+    """`LLM.chat(..., tools=...)` renders the tool definitions into the prompt."""
+    tools = [{"type": "function", "function": {"name": "lookup_capital", "description": "Capital of a country"}}]
+    prompts = smollm2_llm._chat_prompts(
+        [{"role": "user", "content": "Capital of France?"}], chat_template=str(HERMES_TEMPLATE), tools=tools
+    )
+    assert "lookup_capital" in prompts[0]["prompt"] and "Capital of a country" in prompts[0]["prompt"]

@@ -1,7 +1,8 @@
 """Speculative decoding on the GPU (Triton attention: several query tokens per request against the paged
-KV cache; plain decode steps of the same engine still replay CUDA graphs): greedy outputs with n-gram and
-draft-model speculation equal HF transformers' by the numerical-comparison policy, on tiny random float32
-checkpoints, with chunked prefill forced and under preemption."""
+KV cache; plain decode steps replay the decode CUDA graphs, verification steps the graphs of k + 1 rows per
+request, padded where a request has fewer proposals): greedy outputs with n-gram and draft-model speculation
+equal HF transformers' by the numerical-comparison policy, on tiny random float32 checkpoints, with chunked
+prefill forced and under preemption; and the same with the engine eager."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
 from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_spec_decode_greedy_matches_hf_gpu(method: str, tmp_path) -> None:  # noqa: ANN001
+def test_spec_decode_greedy_matches_hf_gpu(method: str, eager: bool, tmp_path) -> None:  # noqa: ANN001
     tdir, ddir = tmp_path / "t", tmp_path / "d"
     hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
     make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
@@ -41,6 +43,7 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, tmp_path) -> None:  # no
         num_gpu_blocks_override=10,
         max_num_batched_tokens=16,
         speculative_config=spec,
+        enforce_eager=eager,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -49,3 +52,8 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, tmp_path) -> None:  # no
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     assert sched.spec.totals.num_draft_tokens > 0 and sched.spec.totals.num_accepted_tokens > 0
     assert sched.num_preemptions > 0
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    if eager:
+        assert runner.verify_graphs is None
+    else:  # verification steps replayed the k + 1-row graphs
+        assert runner.verify_graphs is not None and runner.verify_graphs.num_padded_runs > 0

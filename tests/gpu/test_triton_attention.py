@@ -93,7 +93,9 @@ class Batch:
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         return q, k, v
 
-    def reference(self, scale: float, window: int | None, causal: bool = True) -> torch.Tensor:
+    def reference(
+        self, scale: float, window: int | None, causal: bool = True, softcap: float | None = None
+    ) -> torch.Tensor:
         q_all = self.views(self.qkv)[0].double()
         out = torch.zeros(self.num_tokens, self.h, self.d, dtype=torch.float64)
         grp = self.h // self.kvh
@@ -104,6 +106,8 @@ class Batch:
             v = self.v[r].double().repeat_interleave(grp, dim=1)
             q = q_all[i : i + ql]
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             qpos = torch.arange(c, s_len)[:, None]
             kpos = torch.arange(s_len)[None, :]
             ok = torch.ones(ql, s_len, dtype=torch.bool)
@@ -140,6 +144,7 @@ def run_case(
     seed: int = 0,
     two_launches: bool = True,
     q_scale: float = 1.0,
+    softcap: float | None = None,
     **overrides: int,
 ) -> None:
     """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches."""
@@ -179,9 +184,10 @@ def run_case(
         causal=causal,
         num_splits=num_splits,
         num_decodes=sum(q == 1 for q in q_lens) if two_launches else None,
+        logits_soft_cap=softcap,
         **overrides,
     )
-    ref = b.reference(scale, window, causal)
+    ref = b.reference(scale, window, causal, softcap)
     got = out.double().cpu()
     assert not torch.isnan(got).any(), "output has NaN (unwritten rows or stray cache reads)"
     rel = ((got - ref).norm() / ref.norm()).item()
@@ -272,6 +278,18 @@ def test_sliding_window_split_kv_bf16() -> None:
         num_splits=8,
         dtype=torch.bfloat16,
     )
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_logits_soft_cap(num_splits: int) -> None:
+    """Gemma 2's attention-logit soft-capping (a cap below the scores' range, so it changes the result),
+    mixed decodes and chunks, with a sliding window, single-pass and split-KV."""
+    q_lens, ctx_lens = [40, 1, 1, 7], [0, 90, 300, 20]
+    run_case(q_lens, ctx_lens, window=64, softcap=0.7, q_scale=4.0, num_splits=num_splits, seed=11)
+    if num_splits == 1:  # the cap matters: the uncapped reference is far from the capped one
+        b = Batch(q_lens, ctx_lens, 4, 2, 64, 16, torch.float32, 11)
+        capped, plain = b.reference(0.125, 64, True, 0.7), b.reference(0.125, 64, True)
+        assert ((capped - plain).norm() / plain.norm()).item() > 0.05
 
 
 def test_non_causal_decoder() -> None:

@@ -94,6 +94,7 @@ class AttentionImpl(ABC, Generic[M]):
         num_kv_heads: int,
         sliding_window: int | None,
         attn_type: AttentionType,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
@@ -101,6 +102,8 @@ class AttentionImpl(ABC, Generic[M]):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.attn_type = attn_type
+        self.logits_soft_cap = logits_soft_cap or None
+        """Gemma 2's attention-logit soft-capping: scores = cap * tanh(scores / cap) before the softmax."""
         self.configure()
 
     def configure(self) -> None:  # noqa: B027 - optional hook

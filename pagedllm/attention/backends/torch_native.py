@@ -150,7 +150,8 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
         if self._use_c_kernels is None:
             self._use_c_kernels = (
-                kv_cache.device.type == "cpu"
+                self.logits_soft_cap is None  # the C kernels do not soft-cap; the PyTorch paths below do
+                and kv_cache.device.type == "cpu"
                 and kv_cache[0].is_contiguous()
                 and cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
             )
@@ -224,6 +225,17 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         if g > 1:
             kh = kh.repeat_interleave(g, dim=0)
             vh = vh.repeat_interleave(g, dim=0)
+        cap = self.logits_soft_cap
+        if cap is not None:  # SDPA cannot soft-cap: the same product written out, in float32
+            scores = torch.matmul(qh.float(), kh.float().transpose(1, 2)) * self.scale
+            scores = torch.tanh(scores / cap) * cap
+            if causal:
+                n_q, n_k = scores.shape[1], scores.shape[2]
+                mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), vh.float()).to(q.dtype)
+            return out.transpose(0, 1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=self.scale)
         return out.transpose(0, 1)
 
@@ -243,6 +255,8 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         v = v.to(torch.float32, memory_format=torch.contiguous_format)
         qg = q.view(d_reqs, kvh, g, hd).float()
         scores = torch.matmul(qg, k.transpose(2, 3)).mul_(self.scale)  # [D, kvh, g, L]
+        if self.logits_soft_cap is not None:
+            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
         pos = torch.arange(length, device=q.device)[None, :]
         seq = md.decode_seq_lens[:, None].long()  # type: ignore[index]
         valid = pos < seq

@@ -128,6 +128,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             num_splits=num_splits,
             workspace=md.workspace,
             num_decodes=md.num_decodes,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return output
 

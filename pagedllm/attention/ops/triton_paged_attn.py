@@ -104,6 +104,7 @@ if HAS_TRITON:
         kv_hi,
         window,
         qk_scale,
+        softcap,
         bt_row,
         k_cache_ptr,
         v_cache_ptr,
@@ -122,8 +123,10 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         MASKED: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
-        """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking."""
+        """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
+        scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e)."""
         offs_n = tl.arange(0, TILE_N)
         offs_d = tl.arange(0, HEAD_PAD)
         d_ok = offs_d < HEAD_SIZE
@@ -144,6 +147,8 @@ if HAS_TRITON:
             else:
                 k = tl.load(k_ptrs)
             s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
+            if SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # cap * tanh(s / cap)
             if MASKED:
                 ok = k_ok[None, :]
                 if CAUSAL:
@@ -188,6 +193,7 @@ if HAS_TRITON:
         part_m_ptr,
         part_l_ptr,
         qk_scale,
+        softcap,
         num_reqs,
         num_heads,
         window,
@@ -215,6 +221,7 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -295,6 +302,7 @@ if HAS_TRITON:
             kv_hi,
             window,
             qk_scale,
+            softcap,
             bt_row,
             k_cache_ptr,
             v_cache_ptr,
@@ -313,6 +321,7 @@ if HAS_TRITON:
             USE_WINDOW,
             False,
             DOT_PREC,
+            SOFTCAP,
         )
         m_i, l_i, acc = _attn_tiles(
             m_i,
@@ -325,6 +334,7 @@ if HAS_TRITON:
             kv_hi,
             window,
             qk_scale,
+            softcap,
             bt_row,
             k_cache_ptr,
             v_cache_ptr,
@@ -343,6 +353,7 @@ if HAS_TRITON:
             USE_WINDOW,
             True,
             DOT_PREC,
+            SOFTCAP,
         )
 
         if NUM_SEGMENTS == 1:
@@ -486,6 +497,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_decodes: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -559,6 +571,7 @@ def paged_attention(
             part_m,
             part_l,
             scale * _LOG2E,
+            (logits_soft_cap or 0.0) * _LOG2E,
             num_reqs,
             num_heads,
             sliding_window if use_window else 0,
@@ -586,6 +599,7 @@ def paged_attention(
             DOT_PREC=dot_prec,
             FILTER=filt,
             DIRECT=direct,
+            SOFTCAP=bool(logits_soft_cap),
             num_warps=nw,
             num_stages=ns,
         )

@@ -56,6 +56,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Accept chat templates sent in requests (rendered in a sandbox process with time and size limits); "
         "without it such requests get a 400, as vLLM.",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Allow tool_choice "auto" (the default when a request has tools): the --tool-call-parser reads '
+        "tool calls from the model's text.",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="How the model writes tool calls: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, mistral, pythonic.",
+    )
     g.add_argument("--max-n", type=int, default=16, help="Largest n (and best_of) a request may ask for.")
     g.add_argument(
         "--request-timeout",

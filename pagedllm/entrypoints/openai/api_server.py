@@ -24,6 +24,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, check_parser_args
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
 from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -84,7 +85,22 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The response; with stream=true, server-sent events of the chunk objects, then [DONE]",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # One event's shape (OpenAPI 3.2's `itemSchema`; validators read it per event): `data` is a chunk
+        # object's JSON text, then "[DONE]".
+        "content": {
+            "text/event-stream": {
+                "itemSchema": {
+                    "type": "object",
+                    "properties": {
+                        "data": {"type": "string"},
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                        "retry": {"type": "integer"},
+                    },
+                    "required": ["data"],
+                }
+            }
+        },
     },
     **ERROR_RESPONSES,
 }
@@ -195,10 +211,16 @@ def build_app(
     max_n: int = DEFAULT_MAX_N,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     lora_modules: list[LoRAModulePath] | None = None,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=pagedllm.__version__)
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    chat.parsing = ChatOutputParsing(
+        engine.get_tokenizer(), reasoning_parser, tool_call_parser, enable_auto_tool_choice
+    )
     tokenization = OpenAIServingTokenization(engine, served_model_names, chat_template)
     if trust_request_chat_template:
         sandbox = TemplateSandbox(engine.get_tokenizer())
@@ -352,6 +374,7 @@ async def run_server(args: argparse.Namespace) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
     when the engine core died."""
     engine_args = EngineArgs.from_cli_args(args)
+    check_parser_args(getattr(args, "tool_call_parser", None), bool(getattr(args, "enable_auto_tool_choice", False)))
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"request_timeout: must be positive, got {args.request_timeout}")
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
@@ -380,6 +403,9 @@ async def run_server(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             body_timeout_s=args.timeout_request_body,
             lora_modules=[parse_lora_module(m) for m in getattr(args, "lora_modules", None) or []],
+            reasoning_parser=engine_args.reasoning_parser,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
         )
         TimeoutH11Protocol.header_timeout_s = args.timeout_request_header
         engine.request_timeout_s = args.request_timeout

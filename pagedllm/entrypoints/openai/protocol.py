@@ -127,6 +127,31 @@ def messages_as_dicts(messages: list[ChatCompletionMessageParam]) -> list[dict[s
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
+class FunctionDefinition(OpenAIRequestModel):
+    """A tool's function: its name and the JSON schema (an object) of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIRequestModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIRequestModel):
+    """`tool_choice` naming one function: the model must call it (arguments constrained to its schema)."""
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
 class _SamplingRequest(OpenAIRequestModel):
     """Fields shared by completions and chat."""
 
@@ -179,9 +204,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(default=None, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    """Default: "auto" when `tools` are given (which needs the server's --enable-auto-tool-choice), as vLLM."""
     parallel_tool_calls: bool | None = None
+    """False: at most one tool call (`required`: the schema allows one; `auto`: the first is kept)."""
     # vLLM extra parameters
     echo: bool = False
     add_generation_prompt: bool = True
@@ -251,10 +278,40 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text."""
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{random_uuid()}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed piece of a tool call: the first carries `id`, `type` and `function.name`, the next ones
+    fragments of `function.arguments` (concatenated by `index`)."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    """The model's reasoning (the server's --reasoning-parser), vLLM's field; `reasoning` holds the same."""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -277,6 +334,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -313,6 +373,7 @@ class TokenizeChatRequest(OpenAIRequestModel):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -227,6 +227,7 @@ class OpenAIServing:
         *,
         n: int | None = None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """SamplingParams from a request: request value, else the model's generation_config default, else
         OpenAI's default. Unsupported features give a 400 naming them, never a silent ignore. `n`
@@ -290,16 +291,21 @@ class OpenAIServing:
             raise OpenAIServingError(
                 f"{what}: at most {self.max_n} choices per request (the server's --max-n), got {n}", 400, what
             )
-        kwargs["structured_outputs"] = self.structured_outputs(req)
+        requested, source = self.structured_outputs(req)
+        if structured_outputs is not None and requested is not None:
+            raise OpenAIServingError(
+                f"{source}: cannot be combined with a tool_choice that constrains the output", 400, source
+            )
+        kwargs["structured_outputs"] = structured_outputs if structured_outputs is not None else requested
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             raise OpenAIServingError.from_value_error(e) from None
 
     @staticmethod
-    def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
-        """The request's output constraint (response_format, structured_outputs or guided_*), validated:
-        a 400 naming the field for an invalid JSON schema, regex or grammar."""
+    def structured_outputs(req: _SamplingRequest) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's output constraint (response_format, structured_outputs or guided_*) and the field it
+        came from, validated: a 400 naming the field for an invalid JSON schema, regex or grammar."""
         from pagedllm.entrypoints.openai import structured_outputs as so
 
         try:
@@ -308,7 +314,7 @@ class OpenAIServing:
                 so.check(params, source)
         except so.StructuredOutputsRequestError as e:
             raise OpenAIServingError(str(e), 400, e.param) from None
-        return params
+        return params, source
 
     def token_text(self, token_id: int, lp: Any) -> str:
         decoded = getattr(lp, "decoded_token", None)

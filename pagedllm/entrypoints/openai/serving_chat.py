@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import apply_chat_template, normalize_conversation
+from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, ChoiceStream, RequestParsing
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -45,6 +46,14 @@ class OpenAIServingChat(OpenAIServing):
     template_sandbox: TemplateSandbox | None = None
     """Set (by the server's `--trust-request-chat-template`) to accept templates sent in requests; they
     then render in this sandbox process. None: such requests get a 400, as vLLM."""
+    parsing: ChatOutputParsing | None = None
+    """Tool calling and reasoning output (the server's --tool-call-parser, --enable-auto-tool-choice,
+    --reasoning-parser); None: named / required tool choice only, no reasoning split."""
+
+    def output_parsing(self) -> ChatOutputParsing:
+        if self.parsing is None:
+            self.parsing = ChatOutputParsing(self.engine.get_tokenizer())
+        return self.parsing
 
     def request_chat_template(self, template: str | None) -> str | None:
         """A request may send template text, never a path: the server must not read files for clients."""
@@ -132,8 +141,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIServingError(
                 "use_beam_search: not supported in chat completions (use /v1/completions)", 400, "use_beam_search"
             )
-        if req.tool_choice not in (None, "none", "auto"):
-            raise OpenAIServingError("tool_choice: tool calling is not supported", 400, "tool_choice")
+        parsing = self.output_parsing()
+        rp = parsing.prepare(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
             name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -146,11 +155,13 @@ class OpenAIServingChat(OpenAIServing):
             req.continue_final_message,
             req.chat_template_kwargs,
             req.add_special_tokens,
-            req.tools,
+            rp.tools,
         )
         max_tokens = self.check_prompt_len(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        sp = self.build_sampling_params(req, max_tokens, bool(req.stream), logprobs)
+        sp = self.build_sampling_params(
+            req, max_tokens, bool(req.stream), logprobs, structured_outputs=rp.structured_outputs
+        )
         rid = request_id or req.request_id or f"chatcmpl-{random_uuid()}"
         try:
             q = await self.engine.add_request(
@@ -170,17 +181,18 @@ class OpenAIServingChat(OpenAIServing):
         if req.echo and messages[-1].get("role") == "assistant":
             echo = str(normalize_conversation(messages[-1:])[0]["content"])
         if req.stream:
-            return SSEStream(self._stream(req, rid, created, model, stream, len(ids), echo), [rid])
-        return await self._full(req, rid, created, model, stream, len(ids), echo)
+            return SSEStream(self._stream(req, rp, rid, created, model, stream, ids, echo), [rid])
+        return await self._full(req, rp, rid, created, model, stream, ids, echo)
 
     async def _full(
         self,
         req: ChatCompletionRequest,
+        rp: RequestParsing,
         rid: str,
         created: int,
         model: str,
         stream: AsyncIterator[RequestOutput],
-        num_prompt_tokens: int,
+        prompt_ids: list[int],
         echo: str,
     ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
@@ -190,16 +202,25 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as e:
             raise engine_dead_error(e) from None
         assert final is not None
-        choices = [
-            ChatCompletionResponseChoice(
-                index=out.index,
-                message=ChatMessage(role="assistant", content=echo + out.text),
-                logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        parsing = self.output_parsing()
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            if parsing.active(rp):
+                message = parsing.message(req, rp, out.text, prompt_ids)
+                if echo:
+                    message.content = echo + (message.content or "")
+            else:
+                message = ChatMessage(role="assistant", content=echo + out.text)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=out.index,
+                    message=message,
+                    logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
+                    finish_reason="tool_calls" if message.tool_calls else out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in sorted(final.outputs, key=lambda o: o.index)
-        ]
+        num_prompt_tokens = len(prompt_ids)
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         return ChatCompletionResponse(
             id=rid,
@@ -212,17 +233,21 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self,
         req: ChatCompletionRequest,
+        rp: RequestParsing,
         rid: str,
         created: int,
         model: str,
         stream: AsyncIterator[RequestOutput],
-        num_prompt_tokens: int,
+        prompt_ids: list[int],
         echo: str,
     ) -> AsyncGenerator[str, None]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(include_usage and opts and opts.continuous_usage_stats)
         completion_tokens = 0
+        num_prompt_tokens = len(prompt_ids)
+        parsing = self.output_parsing()
+        streams: dict[int, ChoiceStream] = {}
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
             c = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices)
@@ -239,13 +264,26 @@ class OpenAIServingChat(OpenAIServing):
             async for _, res in merge_async_iterators(stream):
                 for out in res.outputs:
                     completion_tokens += len(out.token_ids)
+                    finish_reason = out.finish_reason
+                    lps = self.chat_logprobs(out, req.top_logprobs or 0)
+                    if parsing.active(rp):
+                        cs = streams.get(out.index) or streams.setdefault(
+                            out.index, parsing.stream(req, rp, prompt_ids)
+                        )
+                        delta = cs.feed(out.text, out.token_ids, finish_reason is not None)
+                        if delta is None and finish_reason is None and lps is None:
+                            continue  # nothing to send yet (e.g. a possible start of a tag held back)
+                        if cs.tools_called and finish_reason is not None:
+                            finish_reason = "tool_calls"
+                    else:
+                        delta = DeltaMessage(content=out.text)
                     yield chunk(
                         [
                             ChatCompletionResponseStreamChoice(
                                 index=out.index,
-                                delta=DeltaMessage(content=out.text),
-                                logprobs=self.chat_logprobs(out, req.top_logprobs or 0),
-                                finish_reason=out.finish_reason,
+                                delta=delta or DeltaMessage(),
+                                logprobs=lps,
+                                finish_reason=finish_reason,
                                 stop_reason=out.stop_reason,
                             )
                         ]

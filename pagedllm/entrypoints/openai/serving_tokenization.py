@@ -29,6 +29,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 req.continue_final_message,
                 req.chat_template_kwargs,
                 req.add_special_tokens,
+                [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
             )
         else:
             self.precheck_text_len(req.prompt)

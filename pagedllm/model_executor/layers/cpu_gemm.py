@@ -46,8 +46,15 @@ def pack_supported(dtype: torch.dtype) -> bool:
     return True
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x @ W.T + bias with W packed by `pack_module`."""
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    gelu: str | None = None,
+) -> torch.Tensor:
+    """x @ W.T + bias with W packed by `pack_module`; `gelu` ("none" = erf, "tanh") fuses GELU into the GEMM's
+    epilogue (oneDNN post-op: one pass over the output fewer)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
@@ -58,7 +65,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         return batch_invariant.tiled_rows(
             x2, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, bias, "none", [], "")
         ).view(*lead, out_features)
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    if gelu is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "gelu", [], gelu)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*lead, out_features)
 
 

@@ -96,7 +96,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return packed_linear(x, packed, bias, int(layer.packed_out_features))  # type: ignore[arg-type]
         weight: torch.Tensor = layer.weight  # type: ignore[assignment]
         if triton_gemv.row_gemv_enabled(x, weight):  # batch-1 decode: one launch, no split-K reduce
-            return triton_gemv.row_gemv(x, weight, bias)
+            # A LoRA layer's shrink rides along (lora/layers.py), saving its launch.
+            return triton_gemv.row_gemv(x, weight, bias, lora=getattr(layer, "row_gemv_lora", None))
         return F.linear(x, weight, bias)
 
 

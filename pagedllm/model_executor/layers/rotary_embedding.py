@@ -36,6 +36,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope(base: float, rotary_dim: int, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE (HF `_compute_longrope_parameters`): per-frequency factors, `long_factor` or
+    `short_factor`, and cos/sin scaled by the attention factor sqrt(1 + ln(s) / ln(original)) where
+    s = max_position_embeddings / original_max_position_embeddings. HF switches factors per forward (long once
+    the sequence passes the original length); as vLLM, the factors are chosen once here: long when the engine's
+    max_model_len exceeds the original length, else short (equal to HF for every sequence in either case except
+    the sequences shorter than the original length on an engine allowed longer ones)."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or scaling["max_position_embeddings"] / orig)
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    use_long = int(scaling.get("max_model_len", orig)) > orig
+    ext = torch.tensor(scaling["long_factor" if use_long else "short_factor"], dtype=torch.float32)
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    return 1.0 / (ext * base**exponent), float(attn)
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor
 
@@ -49,6 +67,7 @@ class RotaryEmbedding(nn.Module):
         base: float,
         is_neox_style: bool = True,
         inv_freq: torch.Tensor | None = None,
+        mscale: float = 1.0,
     ) -> None:
         super().__init__()
         if not is_neox_style:
@@ -60,6 +79,8 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         if inv_freq is None:
             inv_freq = _default_inv_freq(base, rotary_dim)
+        self.mscale = mscale
+        """cos and sin are multiplied by it (LongRoPE's attention factor)."""
         self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(inv_freq), persistent=False)
 
     def _compute_cos_sin_cache(self, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -67,7 +88,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_freq.to(torch.float32).cpu()
         t = torch.arange(self.max_position_embeddings, dtype=torch.int64, device="cpu").to(torch.float32)
         freqs = t[:, None] * inv_freq[None, :]
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.get_default_device())
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if self.mscale != 1.0:
+            cache = cache * self.mscale
+        return cache.to(torch.get_default_device())
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -118,6 +142,7 @@ def get_rope(
 ) -> RotaryEmbedding:
     """Builds the rotary embedding for a HF `rope_scaling` / `rope_parameters` dict (None = default)."""
     inv_freq = _default_inv_freq(base, rotary_dim)
+    mscale = 1.0
     rtype = "default"
     if rope_scaling:
         rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) or "default"
@@ -125,6 +150,8 @@ def get_rope(
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
     elif rtype == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
+    elif rtype in ("longrope", "su"):
+        inv_freq, mscale = _longrope(base, rotary_dim, rope_scaling)  # type: ignore[arg-type]
     elif rtype != "default":
-        raise NotImplementedError(f"rope scaling type {rtype!r} is not supported (default, linear, llama3)")
-    return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, inv_freq)
+        raise NotImplementedError(f"rope scaling type {rtype!r} is not supported (default, linear, llama3, longrope)")
+    return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, inv_freq, mscale)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers import batch_invariant
+from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
@@ -112,8 +114,12 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         x = self.attention(x, eb)
-        y = self.fc1(x)
-        y = F.relu(y) if self.relu else F.gelu(y, approximate=self.approximate)
+        packed = getattr(self.fc1, "packed_weight", None)
+        if packed is not None and not self.relu and not batch_invariant.enabled():  # CPU: GELU in the GEMM
+            y = packed_linear(x, packed, self.fc1.bias, int(self.fc1.packed_out_features), gelu=self.approximate)
+        else:
+            y = self.fc1(x)
+            y = F.relu(y) if self.relu else F.gelu(y, approximate=self.approximate)
         return self.norm(x + self.fc2(y))
 
 
@@ -133,6 +139,8 @@ class BertEncoderModel(nn.Module):
         self.pooler = ReplicatedLinear(hidden, hidden, bias=True, prefix="pooler") if with_pooler else None
         self.sep_token_id = getattr(config, "sep_token_id", None)
         self.multi_type = config.type_vocab_size > 1
+        self.position_offset = 0
+        """Added to the 0-based positions: RoBERTa's position ids start after its padding index."""
 
     def token_types(self, input_ids: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         if not self.multi_type or self.sep_token_id is None:
@@ -149,7 +157,7 @@ class BertEncoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         x = (
             self.word_embeddings(input_ids)
-            + self.position_embeddings(positions)
+            + self.position_embeddings(positions + self.position_offset if self.position_offset else positions)
             + self.token_type_embeddings(self.token_types(input_ids, eb))
         )
         x = self.emb_norm(x)

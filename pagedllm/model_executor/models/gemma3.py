@@ -3,7 +3,7 @@ q/k RMSNorm, attention scale `query_pre_attn_scalar`^-0.5, alternating sliding-w
 (`layer_types`; the sliding ones form their own KV-cache group and drop blocks that left the window), a
 RoPE base per layer type (`rope_parameters[layer_type]`), GeGLU MLP (tanh GELU), norms before and after
 both the attention and the MLP, and optional final logit soft-capping. Attention-logit soft-capping
-(Gemma 2's `attn_logit_softcapping`) is not implemented: such configs fail at start-up."""
+(`attn_logit_softcapping`, Gemma 2's; `gemma2.py` builds on these classes) goes to the attention backend."""
 
 from __future__ import annotations
 
@@ -46,11 +46,24 @@ def _rope_for_layer(config: Any, layer_type: str) -> tuple[float, dict[str, Any]
     return float(p["rope_theta"]), scaling
 
 
+def layer_types(config: Any) -> list[str]:
+    """Each layer's attention type; configs without `layer_types` alternate, sliding first (Gemma 2)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    n = int(config.num_hidden_layers)
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+
+
 class Gemma3Attention(nn.Module):
+    qk_norm = True
+    """Per-head (1 + w) RMSNorm on q and k (Gemma 3; Gemma 2 has none)."""
+
+    def rope_params(self, config: Any, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        return _rope_for_layer(config, layer_type)
+
     def __init__(self, config: Any, layer_idx: int, prefix: str) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None):
-            raise NotImplementedError("attention-logit soft-capping (attn_logit_softcapping) is not supported")
         hidden = config.hidden_size
         self.head_dim = get_head_dim(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -64,10 +77,11 @@ class Gemma3Attention(nn.Module):
             config.num_attention_heads * self.head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj"
         )
         eps = float(config.rms_norm_eps)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        layer_type = config.layer_types[layer_idx]
-        theta, scaling = _rope_for_layer(config, layer_type)
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, eps)
+        layer_type = layer_types(config)[layer_idx]
+        theta, scaling = self.rope_params(config, layer_type)
         self.rotary_emb = get_rope(self.head_dim, self.head_dim, int(config.max_position_embeddings), theta, scaling)
         sliding = config.sliding_window if layer_type == "sliding_attention" else None
         self.attn = Attention(
@@ -77,13 +91,15 @@ class Gemma3Attention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             sliding_window=sliding,
             prefix=f"{prefix}.attn",
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = q.shape[0]
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
@@ -107,10 +123,12 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention_cls: type[Gemma3Attention] = Gemma3Attention
+
     def __init__(self, config: Any, layer_idx: int, prefix: str) -> None:
         super().__init__()
         h, eps = config.hidden_size, float(config.rms_norm_eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(config, layer_idx, f"{prefix}.self_attn")
         self.mlp = Gemma3MLP(config, f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
@@ -123,6 +141,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    decoder_layer_cls: type[Gemma3DecoderLayer] = Gemma3DecoderLayer
+
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -130,7 +150,7 @@ class Gemma3Model(nn.Module):
         )
         self.embed_scale = float(config.hidden_size) ** 0.5
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, float(config.rms_norm_eps))
 

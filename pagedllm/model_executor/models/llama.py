@@ -75,7 +75,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     """Self-attention. `qkv_bias` / `o_bias` add projection biases (Qwen2 has the first only); `qk_norm`
-    adds per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    adds per-head RMSNorm on q and k before RoPE (Qwen3); `scale` replaces head_dim^-0.5 (Granite)."""
 
     def __init__(
         self,
@@ -84,6 +84,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: bool = False,
+        scale: float | None = None,
         prefix: str = "",
     ) -> None:
         super().__init__()
@@ -125,7 +126,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            scale if scale is not None else self.head_dim**-0.5,
             num_kv_heads=self.num_kv_heads,
             sliding_window=layer_sliding_window(config, layer_idx),
             prefix=f"{prefix}.attn",

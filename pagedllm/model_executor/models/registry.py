@@ -18,10 +18,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     # Encoder-only pooling models (pagedllm/pooling runs them).
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
+    "RobertaModel": ("roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
 }
 
 

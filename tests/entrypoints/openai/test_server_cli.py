@@ -56,3 +56,20 @@ def test_help_lists_groups() -> None:
         [sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and "--request-rate" in out.stdout and "--save-result" in out.stdout
+
+
+def test_tool_and_reasoning_flags() -> None:
+    args = parser().parse_args(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    )
+    assert args.enable_auto_tool_choice is True and args.tool_call_parser == "hermes"
+    assert EngineArgs.from_cli_args(args).reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        EngineArgs(reasoning_parser="nope")._validate()
+    from pagedllm.entrypoints.openai.chat_parsing import check_parser_args
+
+    check_parser_args("pythonic", True)
+    with pytest.raises(ValueError, match="enable_auto_tool_choice"):
+        check_parser_args(None, True)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        check_parser_args("nope", False)

@@ -21,5 +21,5 @@ SLOW = {"phi3", "opt_post_ln_proj"}  # CI time: run with `pytest -m slow`
 def test_dense_greedy_and_prompt_logprobs_match_hf(variant: str, tmp_path) -> None:  # noqa: ANN001
     torch.set_num_threads(2)
     hf = make_tiny_hf_model(variant, tmp_path, config=tiny_config(DENSE_VARIANTS, variant))
-    # Gemma 3's sliding layers get their own KV-cache group (blocks past the window are dropped).
-    check_against_hf(hf, str(tmp_path), mixed_prompts(), expect_sliding_group=variant == "gemma3")
+    # Gemma 2 / 3's sliding layers get their own KV-cache group (blocks past the window are dropped).
+    check_against_hf(hf, str(tmp_path), mixed_prompts(), expect_sliding_group=variant in ("gemma2", "gemma3"))

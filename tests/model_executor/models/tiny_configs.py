@@ -96,6 +96,33 @@ DENSE_VARIANTS["gemma3"] = (
         "eos_token_id": 2,
     },
 )
+# Gemma 2: a small attention-logit cap so that it bites on a tiny model's scores.
+DENSE_VARIANTS["gemma2"] = (
+    "Gemma2Config",
+    {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 1.5,
+        "final_logit_softcapping": 30.0,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
+# Granite's four scalars, away from 1 so that a missing one shows.
+DENSE_VARIANTS["granite"] = (
+    "GraniteConfig",
+    {
+        "embedding_multiplier": 3.0,
+        "attention_multiplier": 0.05,
+        "residual_multiplier": 0.4,
+        "logits_scaling": 2.5,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
 # Configs with their own names for the sizes: built from these keys of TINY_COMMON only.
 _OWN_NAMES = {
     "GPT2Config": ("vocab_size",),
