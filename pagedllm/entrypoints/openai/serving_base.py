@@ -312,6 +312,7 @@ class OpenAIServing:
             params, source = so.structured_outputs_from_request(req)
             if params is not None:
                 so.check(params, source)
+                params = so.as_json_text(params)
         except so.StructuredOutputsRequestError as e:
             raise OpenAIServingError(str(e), 400, e.param) from None
         return params, source

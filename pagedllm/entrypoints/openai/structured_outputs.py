@@ -8,6 +8,7 @@ is a 400 naming the field the client used.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -46,8 +47,6 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
             raise _bad("response_format.json_schema.schema", "must be a JSON schema object")
         return StructuredOutputsParams(json=schema)
     if kind == "structural_tag":
-        import json
-
         tag = {k: v for k, v in rf.items() if k != "type"}
         return StructuredOutputsParams(structural_tag=json.dumps(rf if "format" in rf else tag))
     raise _bad("response_format.type", f"expected 'text', 'json_object' or 'json_schema', got {kind!r}")
@@ -100,6 +99,14 @@ def structured_outputs_from_request(req: Any) -> tuple[StructuredOutputsParams |
         if msg.startswith("structured_outputs: "):
             msg = msg[len("structured_outputs: ") :]
         raise _bad(name, msg) from None
+
+
+def as_json_text(params: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """A schema given as an object crosses to the engine as JSON text: a client's schema may hold values
+    (integers beyond 64 bits) that the engine's msgpack transport cannot carry as objects."""
+    if params is not None and isinstance(params.json, dict):
+        params.json = json.dumps(params.json)
+    return params
 
 
 def field_for_error(source: str, params: StructuredOutputsParams) -> str:
