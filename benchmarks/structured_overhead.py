@@ -166,7 +166,7 @@ def main() -> None:
     rids = [f"r{i}" for i in range(args.num_reqs)]
     for _ in range(20):
         t = time.perf_counter()
-        mask = GrammarBitmask(matchers, vocab, batch).result()
+        mask = GrammarBitmask(matchers, vocab, batch, backend.valid_vocab).result()
         fills.append(time.perf_counter() - t)
         ids = {r: i for i, r in enumerate(rids)}
         so_ = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=mask)

@@ -127,8 +127,12 @@ class XgrammarBackend:
 
         self.config = config
         self.vocab_size = vocab_size
+        self.valid_vocab = min(vocab_size, len(tokenizer))
+        """Ids the tokenizer has text for. The rest of the model's (padded) vocabulary is never allowed under a
+        grammar; xgrammar is given only these, since padding ids it cannot read make its fill ~150x slower
+        (64 rows inside a JSON string: 20 ms instead of 0.13 ms with a 49k tokenizer on a 152k model)."""
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            tokenizer, vocab_size=self.valid_vocab, stop_token_ids=list(stop_token_ids)
         )
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
 

@@ -64,9 +64,17 @@ class GrammarBitmask:
     """The allowed-token bitmask of one step's structured requests (row i: matchers[i]), filled on the
     host on first `result()` with xgrammar's batch fill (which spreads the rows over threads)."""
 
-    def __init__(self, matchers: list[xgr.GrammarMatcher], vocab_size: int, batch: xgr.BatchGrammarMatcher) -> None:
+    def __init__(
+        self,
+        matchers: list[xgr.GrammarMatcher],
+        vocab_size: int,
+        batch: xgr.BatchGrammarMatcher,
+        valid_vocab: int | None = None,
+    ) -> None:
         self.matchers = matchers
         self.vocab_size = vocab_size
+        self.valid_vocab = valid_vocab or vocab_size
+        """The matchers' vocabulary (`XgrammarBackend.valid_vocab`): model ids past it are never allowed."""
         self._batch = batch
         self._mask: np.ndarray | None = None
         self.before_fill: Callable[[], None] | None = None
@@ -78,7 +86,8 @@ class GrammarBitmask:
                 self.before_fill()
             import xgrammar as xgr
 
-            mask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)  # all tokens allowed
+            n, tv = len(self.matchers), self.valid_vocab
+            mask = xgr.allocate_token_bitmask(n, tv)  # all tokens allowed
             # A grammar that terminated with the previous step's token: its request stops, this row's token is
             # dropped, so the row stays unconstrained.
             rows = [i for i, m in enumerate(self.matchers) if not m.is_terminated()]
@@ -86,7 +95,18 @@ class GrammarBitmask:
                 self.matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
             elif rows:
                 self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in rows], mask, rows)
-            self._mask = mask.numpy()
+            narrow = mask.numpy()
+            wide_w = -(-self.vocab_size // 32)
+            if wide_w == narrow.shape[1]:
+                self._mask = narrow
+            else:  # the model's padded ids: disallowed in constrained rows, allowed in unconstrained ones
+                full = np.full((n, wide_w), -1, dtype=np.int32)
+                full[:, : narrow.shape[1]] = narrow
+                if rows:
+                    full[rows, narrow.shape[1] :] = 0
+                    if tv % 32:
+                        full[rows, narrow.shape[1] - 1] &= np.int32((1 << (tv % 32)) - 1)
+                self._mask = full
         return self._mask
 
 
@@ -194,7 +214,8 @@ class StructuredOutputManager:
                 import xgrammar as xgr
 
                 self._batch = xgr.BatchGrammarMatcher()
-            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch)
+            valid = self._backend.valid_vocab if self._backend is not None else None
+            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid)
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
         """Advance the request's matcher with its new tokens (already in `req.output_token_ids`; those after
