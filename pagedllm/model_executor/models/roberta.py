@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
-from pagedllm.model_executor.models.bert import BertEncoderModel, EncoderBatch, _rename
+from pagedllm.model_executor.models.bert import BertEncoderModel, BertModel, EncoderBatch, _rename
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
 
@@ -36,19 +36,12 @@ def _roberta_rename(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor, Any]
     return None if r is None else (f"model.{r[0]}", t, r[1])
 
 
-class XLMRobertaModel(nn.Module):
+class XLMRobertaModel(BertModel):
     """An embedder: last hidden states to the pooler (bge-m3: CLS pooling + normalize)."""
 
-    is_encoder_only = True
-    default_pooling_type = "CLS"
-
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
-        super().__init__()
-        self.config = hf_config
-        self.model = _encoder(hf_config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, eb)
+        super().__init__(hf_config, prefix)
+        self.model.position_offset = position_offset(hf_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_renamed(self, weights, _roberta_rename)
