@@ -39,6 +39,10 @@ def apply_grammar_bitmask(
         full = np.full((n, words), -1, dtype=np.int32)  # all bits set: rows without a grammar stay as they are
         full[logit_rows] = mask[mask_rows]
         aligned = torch.from_numpy(full)
+    if logits.is_cuda:
+        # From pinned memory (PyTorch's caching host allocator: reused blocks, freed after the copy's event):
+        # a copy from pageable memory would first wait for the stream, i.e. for the forward in flight.
+        aligned = aligned.pin_memory()
     aligned = aligned.to(logits.device, non_blocking=True)
     vocab = min(logits.shape[-1], words * 32)
     xgr.apply_token_bitmask_inplace(
