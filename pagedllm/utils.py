@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 _C = TypeVar("_C")
 
@@ -16,6 +17,19 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+def json_dict_option(value: Any, field: str) -> dict[str, Any]:
+    """An engine option given as a dict or as JSON text (the CLI's form): a new dict ({} for None);
+    ValueError naming `field` for invalid JSON or a non-object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON ({e})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{field}: expected a JSON object, got {type(value).__name__}")
+    return dict(value or {})
 
 
 class PluginRegistry(Generic[_C]):

@@ -4,9 +4,10 @@ plus the top-level aliases `spec_method` / `spec_model` / `spec_tokens`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagedllm.utils import json_dict_option
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 """Accepted values of `method` ("[ngram]" is vLLM's older spelling of "ngram")."""
@@ -41,14 +42,7 @@ class SpeculativeConfig:
     ) -> SpeculativeConfig | None:
         """The config from the dict / JSON and the aliases (an alias fills a key the dict leaves out, and
         must agree with it otherwise); None when speculation is off. Errors name the field."""
-        if isinstance(speculative_config, str):
-            try:
-                speculative_config = json.loads(speculative_config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-        if speculative_config is not None and not isinstance(speculative_config, dict):
-            raise ValueError(f"speculative_config: expected a dict, got {type(speculative_config).__name__}")
-        d = dict(speculative_config or {})
+        d = json_dict_option(speculative_config, "speculative_config")
         for alias, key, value in (
             ("spec_method", "method", spec_method),
             ("spec_model", "model", spec_model),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagedllm.utils import json_dict_option
 
 BACKENDS = ("auto", "xgrammar")
 
@@ -33,14 +34,7 @@ class StructuredOutputsConfig:
     ) -> StructuredOutputsConfig:
         """From the engine argument (a dict or its JSON text); ValueError naming the key otherwise.
         `reasoning_parser` (the engine argument) wins over the dict's."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from None
-        if value is not None and not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config: expected a JSON object, got {value!r}")
-        value = dict(value or {})
+        value = json_dict_option(value, "structured_outputs_config")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - names)
         if unknown:

@@ -161,13 +161,16 @@ class CudaGraphRunner:
                 self.input_ids[patch[0]].copy_(patch[1])
             else:
                 self.input_ids[patch[0]] = patch[1]
+        self._upload_tables(block_tables, n)
+        graph, out, _ = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+    def _upload_tables(self, block_tables: list[np.ndarray], n: int) -> None:
         for g in range(len(self.groups)):
             bt = block_tables[g]
             # Into a strided slice: PyTorch stages through a contiguous device temporary itself.
             self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
-        graph, out, _ = self.graphs[size]
-        graph.replay()
-        return out[:n]
 
     def can_run_padded(self, cu: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether a step of requests with cu-delimited query rows fits these graphs (q > 1): few enough
@@ -208,10 +211,10 @@ class CudaGraphRunner:
             sm[:t] = -1
             sm[dest] = slots[g]
         self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
-        for g in range(len(self.groups)):
-            bt = block_tables[g]
-            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
+        self._upload_tables(block_tables, n)
+        # Before the replay: an upload from pageable memory waits for the stream, i.e. for the graph.
+        rows = torch.from_numpy(dest).to(self.device, non_blocking=True)
         graph, out, _ = self.graphs[size]
         graph.replay()
         self.num_padded_runs += 1
-        return out[torch.from_numpy(dest).to(self.device, non_blocking=True)]
+        return out[rows]
