@@ -8,7 +8,7 @@
 #   lora-w3    W3 with no LoRA and with one rank-16 adapter, each with a kernel table (issue 21)
 #   lora-w2    the W2-shaped run with 4 adapters and without
 #   pool       BERT-base-shaped pooling vs sentence-transformers, float32 and float16 (issue 22)
-#   structured benchmarks/structured_overhead.py on W1's model shape (issue 16, acceptance 5)
+#   structured benchmarks/structured_overhead.py on W1's model shape (issue 16, acceptance 5; carry .smol_tok)
 #   tests      pytest -m gpu on $GPU_TESTS (default: all of tests/gpu)
 # Logs and JSON under $OUT; a summary prints last.
 set -uo pipefail
@@ -52,9 +52,11 @@ for stage in "$@"; do
             run pool_fp16 240 python3 benchmarks/pooling_throughput.py --device cuda --bert-base "${tok[@]}" \
                 --dtype float16 --repeats 5 --json "$OUT/pool_fp16.json" ;;
         structured)
-            [ -f /tmp/smollm2.gguf ] && export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf  # the tokenizer
+            # The SmolLM2 tokenizer: the GGUF's, or its files carried as .smol_tok (save_pretrained of it)
+            tok=()
+            if [ -f /tmp/smollm2.gguf ]; then export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf; else tok=(--tokenizer .smol_tok); fi
             run structured 300 python3 benchmarks/structured_overhead.py --model benchmarks/workloads/qwen3-0.6b \
-                --device cuda --json "$OUT/structured.json" ;;
+                --device cuda "${tok[@]}" --json "$OUT/structured.json" ;;
         tests)
             read -r -a files <<< "${GPU_TESTS:-tests/gpu}"
             run tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark "${files[@]}"

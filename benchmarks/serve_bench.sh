@@ -6,21 +6,25 @@
 # PROFILE=1: py-spy samples the API server and the engine core for PROFILE_S seconds (default 12) during the
 # first run of each model (raw collapsed stacks + a self-time table per process, under $OUT).
 # SERVE_ARGS: extra `pagedllm serve` flags (e.g. "--api-server-count 2").
+# SERVE_ROOT: serve from another tree (e.g. .carry_before, for a same-lease A/B; the client stays this tree's).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_serve_bench}
 mkdir -p "$OUT"
 . "$(dirname "$0")/device_wheels.sh" && install_wheels .whl .whl_serve
 export PYTHONPATH=.:${PYTHONPATH:-}
+export PATH=/tmp/site/bin:$PATH  # py-spy (carried in .whl_serve)
 export PYTHONUNBUFFERED=1
 PORT=8013
+root=$PWD
 read -r -a serve_args <<< "${SERVE_ARGS:-}"
 for spec in "$@"; do
     w=${spec%%:*}
     rates=${spec#*:}
     model=benchmarks/workloads/serve-$(echo "$w" | tr 'A-Z' 'a-z')
     t0=$SECONDS
-    python3 -m pagedllm serve "$model" --load-format dummy --dtype bfloat16 --max-model-len 4096 \
-        --port $PORT --disable-log-requests "${serve_args[@]}" > "$OUT/server_$w.log" 2>&1 &
+    (cd "${SERVE_ROOT:-.}" && PYTHONPATH=.:$PYTHONPATH exec python3 -m pagedllm serve "$root/$model" --load-format dummy \
+        --dtype bfloat16 --max-model-len 4096 --port $PORT --disable-log-requests "${serve_args[@]}") \
+        > "$OUT/server_$w.log" 2>&1 &
     spid=$!
     until curl -sf "localhost:$PORT/health" > /dev/null; do
         sleep 1

@@ -152,6 +152,7 @@ def main() -> None:
 
     from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
     from pagedllm.structured_output.apply import apply_grammar_bitmask
+    from pagedllm.structured_output.engine import FILL_THREADS
     from pagedllm.structured_output.manager import GrammarBitmask
 
     compiled = backend.compile(StructuredOutputsParams(json=decode_schema(256)))
@@ -160,22 +161,31 @@ def main() -> None:
     for m in matchers:
         for t_id in prefix:
             m.accept_token(t_id)
-    batch = xgr.BatchGrammarMatcher()
+    batch = xgr.BatchGrammarMatcher(FILL_THREADS)
     fills, applies = [], []
     logits = torch.randn(args.num_reqs, vocab, device=args.device)
     rids = [f"r{i}" for i in range(args.num_reqs)]
     for _ in range(20):
         t = time.perf_counter()
-        mask = GrammarBitmask(matchers, vocab, batch, backend.valid_vocab).result()
+        bm = GrammarBitmask(matchers, vocab, batch, backend.valid_vocab, pin=on_gpu)
+        bm.narrow()
         fills.append(time.perf_counter() - t)
         ids = {r: i for i, r in enumerate(rids)}
-        so_ = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=mask)
+        so_ = SchedulerOutput([], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=bm)
         t = time.perf_counter()
         apply_grammar_bitmask(logits, so_, rids, np.arange(args.num_reqs))
         if on_gpu:
             torch.cuda.synchronize()
         applies.append(time.perf_counter() - t)
     res["fill_ms_median"] = statistics.median(fills) * 1e3
+    for threads in (1, 2, 4, 8):  # xgrammar's batch-fill threads (PAGEDLLM_GRAMMAR_FILL_THREADS)
+        sweep_batch = xgr.BatchGrammarMatcher(threads)
+        ts = []
+        for _ in range(20):
+            t = time.perf_counter()
+            GrammarBitmask(matchers, vocab, sweep_batch, backend.valid_vocab, pin=on_gpu).narrow()
+            ts.append(time.perf_counter() - t)
+        res[f"fill_ms_threads_{threads}"] = statistics.median(ts) * 1e3
     res["apply_ms_median"] = statistics.median(applies) * 1e3
 
     # 2. Decode step time: N free requests vs N constrained by one JSON schema (compiled once, shared).

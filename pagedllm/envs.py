@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_KERNELS: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_CPU_THREADS: int | None
+    PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
@@ -67,6 +68,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CPU_PACKED_GEMM": _flag("PAGEDLLM_CPU_PACKED_GEMM"),
     # torch intra-op threads of a CPU worker (default: torch's choice).
     "PAGEDLLM_CPU_THREADS": _opt_int("PAGEDLLM_CPU_THREADS"),
+    # Threads of xgrammar's per-step bitmask fill (structured outputs); unset: structured_output.engine's choice.
+    "PAGEDLLM_GRAMMAR_FILL_THREADS": _opt_int("PAGEDLLM_GRAMMAR_FILL_THREADS"),
     # One-pass Gumbel-max sampling on CUDA (sample/triton_sample.py).
     "PAGEDLLM_ONE_PASS_SAMPLING": _flag("PAGEDLLM_ONE_PASS_SAMPLING"),
     # Float32 logits straight from the 16-bit LM-head GEMM on CUDA.

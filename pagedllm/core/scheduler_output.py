@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -11,12 +11,24 @@ from pagedllm.logprobs import LogprobsLists
 from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+
 
 class BitmaskSource(Protocol):
-    """A step's grammar bitmask filled on demand (`structured_output.manager.GrammarBitmask`): the runner asks
-    for it after launching the forward, so the host fill overlaps the device's work."""
+    """A step's grammar bitmask filled in the background (`structured_output.manager.GrammarBitmask`): the
+    runner asks for it after launching the forward, so the host fill overlaps the device's work."""
 
-    def result(self) -> np.ndarray: ...
+    valid_vocab: int
+    """The ids the mask covers (the tokenizer's); the model's ids past them are padding."""
+
+    def result(self) -> np.ndarray:
+        """int32 [rows, ceil(model vocab / 32)]."""
+        ...
+
+    def narrow(self) -> tuple[torch.Tensor, list[int]]:
+        """(int32 [rows, ceil(valid_vocab / 32)], the rows whose grammar constrains this step)."""
+        ...
 
 
 @dataclass

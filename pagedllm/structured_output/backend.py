@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +135,9 @@ class XgrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.valid_vocab, stop_token_ids=list(stop_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
+        # A grammar's per-state token masks are computed in parallel: a new schema's first token waits for it.
+        threads = min(8, os.cpu_count() or 1)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, _, compact, no_extra, max_ws = grammar_key(params, self.config)

@@ -31,6 +31,7 @@ from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, gram
 from pagedllm.structured_output.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar as xgr
 
     from pagedllm.core.request import Request
@@ -62,7 +63,12 @@ class _RequestGrammar:
 
 class GrammarBitmask:
     """The allowed-token bitmask of one step's structured requests (row i: matchers[i]), filled on the
-    host on first `result()` with xgrammar's batch fill (which spreads the rows over threads)."""
+    host on first `narrow()` / `result()` (the runner asks after launching the forward) with xgrammar's batch
+    fill, which spreads the rows over `fill_threads` threads.
+
+    The fill covers only the tokenizer's ids (`valid_vocab`); the model's padded ids past them are never
+    allowed in a constrained row, allowed in an unconstrained one (a grammar that terminated with the previous
+    step's token: its request stops and this row's token is dropped)."""
 
     def __init__(
         self,
@@ -70,39 +76,53 @@ class GrammarBitmask:
         vocab_size: int,
         batch: xgr.BatchGrammarMatcher,
         valid_vocab: int | None = None,
+        pin: bool = False,
     ) -> None:
         self.matchers = matchers
         self.vocab_size = vocab_size
         self.valid_vocab = valid_vocab or vocab_size
         """The matchers' vocabulary (`XgrammarBackend.valid_vocab`): model ids past it are never allowed."""
         self._batch = batch
+        self._pin = pin
+        """Fill into pinned memory (a CUDA runner uploads it without a staging copy)."""
+        self._narrow: tuple[torch.Tensor, list[int]] | None = None
         self._mask: np.ndarray | None = None
         self.before_fill: Callable[[], None] | None = None
         """Async scheduling: takes the previous step's tokens into the matchers first (see `chain`)."""
 
-    def result(self) -> np.ndarray:
-        if self._mask is None:
-            if self.before_fill is not None:
-                self.before_fill()
-            import xgrammar as xgr
+    def _fill(self) -> tuple[torch.Tensor, list[int]]:
+        if self.before_fill is not None:
+            self.before_fill()
+        import torch
 
-            n, tv = len(self.matchers), self.valid_vocab
-            mask = xgr.allocate_token_bitmask(n, tv)  # all tokens allowed
-            # A grammar that terminated with the previous step's token: its request stops, this row's token is
-            # dropped, so the row stays unconstrained.
-            rows = [i for i, m in enumerate(self.matchers) if not m.is_terminated()]
-            if len(rows) == 1:
-                self.matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
-            elif rows:
-                self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in rows], mask, rows)
+        n, words = len(self.matchers), -(-self.valid_vocab // 32)
+        mask = torch.full((n, words), -1, dtype=torch.int32, pin_memory=self._pin)  # all tokens allowed
+        rows = [i for i, m in enumerate(self.matchers) if not m.is_terminated()]
+        if len(rows) == 1:
+            self.matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
+        elif rows:
+            self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in rows], mask, rows)
+        return mask, rows
+
+    def narrow(self) -> tuple[torch.Tensor, list[int]]:
+        """(the mask over the tokenizer's ids, int32 [rows, ceil(valid_vocab / 32)]; the constrained rows)."""
+        if self._narrow is None:
+            self._narrow = self._fill()
+        return self._narrow
+
+    def result(self) -> np.ndarray:
+        """The mask over the model's whole vocabulary (int32 [rows, ceil(vocab_size / 32)])."""
+        if self._mask is None:
+            mask, rows = self.narrow()
             narrow = mask.numpy()
             wide_w = -(-self.vocab_size // 32)
             if wide_w == narrow.shape[1]:
                 self._mask = narrow
-            else:  # the model's padded ids: disallowed in constrained rows, allowed in unconstrained ones
-                full = np.full((n, wide_w), -1, dtype=np.int32)
+            else:
+                full = np.full((narrow.shape[0], wide_w), -1, dtype=np.int32)
                 full[:, : narrow.shape[1]] = narrow
                 if rows:
+                    tv = self.valid_vocab
                     full[rows, narrow.shape[1] :] = 0
                     if tv % 32:
                         full[rows, narrow.shape[1] - 1] &= np.int32((1 << (tv % 32)) - 1)
@@ -118,6 +138,8 @@ class StructuredOutputManager:
         vocab_size: int,
         reasoning_parser_factory: Callable[[], ReasoningParser] | None = None,
         max_workers: int = 2,
+        pin_masks: bool = False,
+        fill_threads: int | None = None,
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
@@ -132,6 +154,8 @@ class StructuredOutputManager:
         """Structured requests (every one the scheduler holds) -> their grammar state."""
         self._batch: xgr.BatchGrammarMatcher | None = None
         """xgrammar's batch fill (threads), made with the first bitmask: no xgrammar import before then."""
+        self.pin_masks = pin_masks
+        self.fill_threads = fill_threads
 
     # ---- compile -------------------------------------------------------------------------------------
     def _get_backend(self) -> XgrammarBackend:
@@ -213,9 +237,9 @@ class StructuredOutputManager:
             if self._batch is None:
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher()
+                self._batch = xgr.BatchGrammarMatcher(self.fill_threads or "auto")
             valid = self._backend.valid_vocab if self._backend is not None else None
-            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid)
+            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks)
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
         """Advance the request's matcher with its new tokens (already in `req.output_token_ids`; those after
@@ -277,14 +301,18 @@ class StructuredOutputManager:
                 cache.append(previous.result())
             return cache[0]
 
-        bitmask.before_fill = lambda: self.pre_accept(once())
+        def take_tokens() -> None:
+            r = once()
+            self.pre_accept(r.req_ids, r.sampled_token_ids, r.failed)
+
+        bitmask.before_fill = take_tokens
         return StepFuture(once)
 
-    def pre_accept(self, result: ModelRunnerOutput) -> None:
+    def pre_accept(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], failed: dict[str, str]) -> None:
         """A step's sampled tokens into their matchers, before the scheduler sees them (async scheduling)."""
-        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+        for rid, tokens in zip(req_ids, sampled):
             st = self.states.get(rid)
-            if st is None or not tokens or st.matcher is None or rid in result.failed:
+            if st is None or not tokens or st.matcher is None or rid in failed:
                 continue
             if not st.reasoning_ended or st.terminated or st.error is not None:
                 continue
