@@ -275,8 +275,8 @@ class EngineArgs:
         check_weight_transfer_config(self.weight_transfer_config)
         if self.batch_invariant or env_batch_invariant():
             self.batch_invariant = True
-            if self.resolved_device() != "cpu":
-                raise ValueError("batch_invariant: only the CPU is batch-invariant for now (device must be 'cpu')")
+            if self.resolved_device() not in ("cpu", "cuda"):
+                raise ValueError(f"batch_invariant: supported on 'cpu' and 'cuda', not {self.resolved_device()!r}")
         pc = self.profiler_config
         if pc is not None:
             if not isinstance(pc, dict):

@@ -78,8 +78,3 @@ def test_bf16_bitwise_identical_alone_together_cached_chunked(bf16_model: str) -
     for name, outs in (("together", together), ("cached", cached), ("chunked", chunked)):
         diff = [i for i, (a, b) in enumerate(zip(alone, outs)) if a != b]
         assert not diff, f"{name}: prompts {diff} differ from running alone"
-
-
-def test_batch_invariant_refused_on_gpu_device() -> None:
-    with pytest.raises(ValueError, match="batch_invariant"):
-        LLM(device="cuda", batch_invariant=True)

@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
@@ -532,6 +533,13 @@ def paged_attention(
         cfg = launch_config(head_size, group, query.dtype, max_query_len)
         cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))  # type: ignore[assignment]
         launches = [(cfg, 0)]
+
+    if batch_invariant.enabled():
+        # Batch-invariant mode: one tile shape for every step and no split-KV, so a query row meets its keys in
+        # the same tiles, in the same order, alone or batched, decoded or inside a (chunked) prefill: key tiles
+        # sit at absolute positions and a tile whose keys a row cannot see changes nothing of that row.
+        launches = [(launch_config(head_size, group, query.dtype, 1), 0)]
+        num_splits = 1
 
     if num_splits > 1:
         key = (num_actual_tokens, num_reqs, num_heads, num_kv_heads, num_splits, head_pad, query.device)

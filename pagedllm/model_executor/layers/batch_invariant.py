@@ -16,9 +16,13 @@ What it takes is a reduction order fixed per token:
   order, one thread per row), so a token's attention is the same however it was scheduled.
 - RMSNorm, activations, rotary, log-softmax and argmax reduce within a row, sequentially: invariant already.
 
-Enabled by `batch_invariant=True` (engine argument) or `PAGEDLLM_BATCH_INVARIANT=1`. CPU only for now: on the
-GPU the engine refuses the flag rather than pretend (cuBLAS picks kernels and split-K by M; the Triton
-attention picks split-KV by batch size).
+On the GPU (`batch_invariant_gpu.py`): cuBLAS picks kernels and split-K by M and the Triton attention picks
+tiles and split-KV by the batch, so the mode sends every linear layer and the LM head through one Triton matmul
+whose configuration depends on (N, K) only, and runs the attention with one tile shape and no split-KV.
+Covered: the dense decoder path (unquantized linear layers, Triton attention). Not covered: fused MoE,
+quantized or LoRA linear layers.
+
+Enabled by `batch_invariant=True` (engine argument) or `PAGEDLLM_BATCH_INVARIANT=1`.
 """
 
 from __future__ import annotations

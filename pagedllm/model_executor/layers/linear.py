@@ -23,7 +23,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers import triton_gemv
+from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu, triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 
 
@@ -95,6 +95,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if packed is not None:
             return packed_linear(x, packed, bias, int(layer.packed_out_features))  # type: ignore[arg-type]
         weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+        if x.is_cuda and batch_invariant.enabled():  # one kernel shape for every batch (layers/batch_invariant.py)
+            return batch_invariant_gpu.linear(x, weight, bias)
         if triton_gemv.row_gemv_enabled(x, weight):  # batch-1 decode: one launch, no split-K reduce
             # A LoRA layer's shrink rides along (lora/layers.py), saving its launch.
             return triton_gemv.row_gemv(x, weight, bias, lora=getattr(layer, "row_gemv_lora", None))

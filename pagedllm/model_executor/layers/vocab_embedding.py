@@ -19,6 +19,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import set_weight_attrs
 
@@ -150,6 +151,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = gguf_matmul(hidden_states, gguf_parts, self.bias, out_dtype=torch.float32)
         elif packed is not None:
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
+        elif hidden_states.is_cuda and batch_invariant.enabled():  # one kernel shape for every batch
+            logits = batch_invariant_gpu.linear(hidden_states, self.weight, self.bias, out_dtype=torch.float32)
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
             # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same
