@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MOE_CONFIG: str | None
     PAGEDLLM_TORCH_PROFILER_DIR: str | None
     PAGEDLLM_BATCH_INVARIANT: bool
+    PAGEDLLM_BI_SMALL_M_TILE: bool
     PAGEDLLM_SERVER_DEV_MODE: bool
     PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     PAGEDLLM_MOE_FUSED_SILU: bool
@@ -92,6 +93,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_TORCH_PROFILER_DIR": lambda: os.environ.get("PAGEDLLM_TORCH_PROFILER_DIR"),
     # Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT), as the `batch_invariant` engine argument.
     "PAGEDLLM_BATCH_INVARIANT": lambda: os.environ.get("PAGEDLLM_BATCH_INVARIANT", "0") == "1",
+    # Batch-invariant matmul on the GPU: 16-row tiles for batches of up to 16 rows (layers/batch_invariant_gpu.py).
+    "PAGEDLLM_BI_SMALL_M_TILE": _flag("PAGEDLLM_BI_SMALL_M_TILE"),
     # Development routes of the server (/sleep, /wake_up, /collective_rpc, ...), as VLLM_SERVER_DEV_MODE.
     "PAGEDLLM_SERVER_DEV_MODE": lambda: os.environ.get("PAGEDLLM_SERVER_DEV_MODE", "0") == "1",
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, accepted too).

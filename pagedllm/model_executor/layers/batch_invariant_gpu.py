@@ -2,8 +2,8 @@
 
 cuBLAS picks its kernel, tile and split-K by M (and the batch-1 row GEMV is another kernel again), so a token's
 linear-layer outputs change with the batch it rides in. Here every linear layer and the LM head go through one
-Triton kernel whose configuration depends on (N, K) only: a fixed BLOCK_K and an in-order K loop, no split-K,
-rows padded with zeros into BLOCK_M tiles. A row's reduction is then the same instruction sequence whatever M
+Triton kernel: an in-order K loop accumulating into float32, no split-K, rows padded with zeros into BLOCK_M
+tiles. A row's reduction is then the same instruction sequence whatever M
 is and wherever the row sits (tests/gpu/test_batch_invariant_gpu.py checks every row bitwise for M = 1..300).
 
 The attention kernel is made invariant by fixing its tiles and turning split-KV off
@@ -13,8 +13,11 @@ log-softmax and argmax of sampling already reduce within a row. The cost on W1 /
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from pagedllm import envs
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 
 if HAS_TRITON:
@@ -61,14 +64,22 @@ if HAS_TRITON:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-BLOCK_M = 64
-BLOCK_K = 64
+def config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). N tiles are narrow for layers of up to 8k outputs, so a
+    decode batch still has one program per SM or more streaming the weight (Llama-3.1-8B's o/down: 4,096 / 32 =
+    128 programs on 132 SMs). Batches of up to 16 rows take 16-row tiles with a deeper pipeline (more weight
+    bytes in flight per program), larger ones 64-row tiles: both accumulate the same 64-deep K tiles in the same
+    order into float32, which the GPU test checks row for row across the boundary (PAGEDLLM_BI_SMALL_M_TILE=0:
+    64 rows always)."""
+    bn = 32 if n <= 8192 else 64
+    if m <= 16 and small_m_tile():
+        return 16, bn, 64, 4, 8
+    return 64, bn, 64, 4, 4
 
 
-def block_n(n: int) -> int:
-    """Narrow N tiles for the layers of up to 8k outputs, so a batch-1 decode still has one program per SM or
-    more streaming the weight (Llama-3.1-8B's o/down: 4,096 / 32 = 128 programs on 132 SMs)."""
-    return 32 if n <= 8192 else 64
+@functools.cache
+def small_m_tile() -> bool:
+    return envs.PAGEDLLM_BI_SMALL_M_TILE
 
 
 def linear(
@@ -85,8 +96,8 @@ def linear(
     n = w.shape[0]
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        bn = block_n(n)
-        grid = (triton.cdiv(n, bn), triton.cdiv(m, BLOCK_M))
+        bm, bn, bk, warps, stages = config(m, n, k)
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _bi_matmul_kernel[grid](
             x2,
             w,
@@ -100,10 +111,10 @@ def linear(
             y.stride(0),
             HAS_BIAS=bias is not None,
             DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=BLOCK_M,
+            BLOCK_M=bm,
             BLOCK_N=bn,
-            BLOCK_K=BLOCK_K,
-            num_warps=4,
-            num_stages=4,
+            BLOCK_K=bk,
+            num_warps=warps,
+            num_stages=stages,
         )
     return y.reshape(*lead, n)
