@@ -277,6 +277,8 @@ class EngineArgs:
             self.batch_invariant = True
             if self.resolved_device() not in ("cpu", "cuda"):
                 raise ValueError(f"batch_invariant: supported on 'cpu' and 'cuda', not {self.resolved_device()!r}")
+            if self.enable_lora and self.resolved_device() == "cuda":
+                raise ValueError("batch_invariant: LoRA layers are not batch-invariant on the GPU (enable_lora)")
         pc = self.profiler_config
         if pc is not None:
             if not isinstance(pc, dict):
