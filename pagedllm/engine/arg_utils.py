@@ -142,7 +142,20 @@ class EngineArgs:
     )
     enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
     device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("Tensor-parallel workers (one process per device; gloo on the CPU).", "Parallel")
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata=_help("Pipeline stages (layer ranges, one worker process each per TP rank).", "Parallel")
+    )
+    distributed_executor_backend: Literal["mp", "uni"] | None = field(
+        default=None,
+        metadata=_help(
+            "'mp': one worker process per device; 'uni': the worker in the engine core's process (one device "
+            "only). Default: 'uni' for one device, else 'mp'.",
+            "Parallel",
+        ),
+    )
     served_model_name: list[str] | None = field(
         default=None, metadata=_help("Model name(s) the API answers to (default: the model argument).", "Frontend")
     )
@@ -245,14 +258,30 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        self._validate_parallel()
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
         self._validate_lora()
         self._validate_controls()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        backends = get_args(get_args(get_type_hints(EngineArgs)["distributed_executor_backend"])[0])
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in backends:
+            raise ValueError(f"distributed_executor_backend: expected one of {', '.join(backends)}, got {backend!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world != 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size x "
+                f"pipeline_parallel_size = {world} needs 'mp'"
+            )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size: only 1 is supported for now")
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:
@@ -354,7 +383,11 @@ class EngineArgs:
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                 max_loras=self.max_loras if self.enable_lora else 0,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
             load_config=LoadConfig(load_format=self.load_format),
             device=device,
             enforce_eager=self.enforce_eager,
