@@ -48,6 +48,8 @@ logger = init_logger(__name__)
 POLL_S = 0.1
 """How often a caller waiting for a reply checks that every worker is alive."""
 START_TIMEOUT_S = 600.0
+PEER_GRACE_S = 0.5
+"""After a worker's error: how long to wait for a peer's death that would explain it."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -186,6 +188,9 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(f"no answer from the workers during {during}")
         rank, kind, call_id, payload = pickle.loads(self.pull.recv())
         if kind == ERROR:
+            # A collective fails on every rank when one peer dies: name the dead one, not the first to report.
+            wait([p.sentinel for p in self.procs], timeout=PEER_GRACE_S)
+            self._check_alive(during)
             self._fail(f"worker rank {rank} failed during {during}: {payload}")
         return rank, kind, call_id, payload
 
