@@ -79,8 +79,9 @@ def test_collective_rpc_reaches_every_worker(checkpoints: dict[str, str]) -> Non
     try:
         ranks = llm.collective_rpc(lambda worker: worker.config.parallel_config.rank)
         assert ranks == [0, 1]
+        layer = "model.layers.0.mlp.down_proj"
         sizes = llm.collective_rpc(
-            lambda worker: worker.model_runner.model.model.layers[0].mlp.down_proj.input_size_per_partition
+            lambda worker: worker.model_runner.model.get_submodule(layer).input_size_per_partition
         )
         assert sizes == [64, 64]  # intermediate 128 split in two: each rank holds its half
     finally:
