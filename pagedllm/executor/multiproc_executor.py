@@ -9,6 +9,7 @@ rank, the remaining workers are killed, and later calls fail at once instead of 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import multiprocessing
 import os
@@ -50,6 +51,18 @@ POLL_S = 0.1
 START_TIMEOUT_S = 600.0
 PEER_GRACE_S = 0.5
 """After a worker's error: how long to wait for a peer's death that would explain it."""
+
+
+_exiting = False
+
+
+def _mark_exiting() -> None:
+    """Interpreter exit: multiprocessing then terminates the workers; that is no failure to report."""
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_mark_exiting)  # runs before multiprocessing's own exit hook (registered earlier)
 
 
 class WorkerDiedError(RuntimeError):
@@ -163,7 +176,7 @@ class MultiprocExecutor(Executor):
     def _watch(self) -> None:
         """Notice a dead worker while nobody waits for a reply (e.g. an idle server)."""
         wait([p.sentinel for p in self.procs])
-        if self._closing or self.failure is not None:
+        if self._closing or _exiting or self.failure is not None:
             return
         try:
             self._check_alive("serving")

@@ -86,3 +86,19 @@ def test_collective_rpc_reaches_every_worker(checkpoints: dict[str, str]) -> Non
         assert sizes == [64, 64]  # intermediate 128 split in two: each rank holds its half
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+    """SmolLM2-135M: 9 query heads / 3 KV heads, one KV head per rank at tp=3 (the packed GGUF weights are
+    dequantized for tensor parallelism, so tp=1 dequantizes too)."""
+    prompts = smollm2_prompt_ids[:4]
+    kw = {
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 64 << 20,
+        "gguf_dequantize": True,
+        "max_num_batched_tokens": 256,
+    }
+    ref = run_engine(smollm2_path, prompts, max_tokens=16, **kw)
+    got = run_engine(smollm2_path, prompts, max_tokens=16, tensor_parallel_size=3, **kw)
+    assert_same_outputs(ref, got)

@@ -110,8 +110,14 @@ def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
     `gguf_dequantize`) on the CPU with the C kernels built; otherwise they are dequantized to `dtype`."""
     if getattr(model_config, "quantization", None) != "gguf":
         return False
+    from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
     from pagedllm.model_executor.layers.quantization.gguf import kernels_available
 
+    if get_tensor_model_parallel_world_size() > 1:
+        logger.info(
+            "gguf: packed weights are not sharded; dequantizing to %s for tensor parallelism", model_config.dtype
+        )
+        return False
     if torch.device(device).type != "cpu":
         logger.info("gguf: packed kernels are CPU-only for now; dequantizing the weights to %s", model_config.dtype)
         return False
