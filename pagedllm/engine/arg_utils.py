@@ -280,8 +280,15 @@ class EngineArgs:
                 f"distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size x "
                 f"pipeline_parallel_size = {world} needs 'mp'"
             )
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline_parallel_size: only 1 is supported for now")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling: not supported with pipeline_parallel_size > 1 (leave it unset)")
+        if world > 1:
+            for name, on in (
+                ("enable_lora", self.enable_lora),
+                ("speculative_config", self.speculative_config or self.spec_method),
+            ):
+                if on:
+                    raise ValueError(f"{name}: not supported with tensor or pipeline parallelism yet")
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:
@@ -377,6 +384,7 @@ class EngineArgs:
                 enable_chunked_prefill=engine_overrides.get("enable_chunked_prefill", self.enable_chunked_prefill),
                 policy=self.scheduling_policy,
                 async_scheduling=spec is None
+                and self.pipeline_parallel_size == 1
                 and engine_overrides.get(
                     "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
                 ),

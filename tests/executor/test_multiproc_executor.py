@@ -102,3 +102,25 @@ def test_smollm2_tp3_matches_tp1(smollm2_path: str, smollm2_prompt_ids: list[lis
     ref = run_engine(smollm2_path, prompts, max_tokens=16, **kw)
     got = run_engine(smollm2_path, prompts, max_tokens=16, tensor_parallel_size=3, **kw)
     assert_same_outputs(ref, got)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pp2_matches_tp1(variant: str, checkpoints: dict[str, str], references: dict[str, list]) -> None:
+    """Two stages of one layer each: activations and residual passed on, sampled ids passed back."""
+    got = run_engine(checkpoints[variant], tiny_prompts(), pipeline_parallel_size=2)
+    assert_same_outputs(references[variant], got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tp2_pp2_matches_tp1(variant: str, checkpoints: dict[str, str], references: dict[str, list]) -> None:
+    got = run_engine(checkpoints[variant], tiny_prompts(), tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert_same_outputs(references[variant], got)
+
+
+@pytest.mark.slow
+def test_pp2_tied_embeddings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tied LM head: the last stage holds the embedding too (loaded from the same checkpoint tensor)."""
+    path = str(tmp_path_factory.mktemp("tied"))
+    make_tiny_hf_model("llama3_tied", path)
+    assert_same_outputs(run_engine(path, tiny_prompts()), run_engine(path, tiny_prompts(), pipeline_parallel_size=2))

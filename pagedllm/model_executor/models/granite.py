@@ -54,6 +54,7 @@ class GraniteModel(LlamaModel):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
+    supports_pp = False  # its own forward takes no previous stage's activations
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__(hf_config, prefix)
