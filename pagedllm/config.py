@@ -142,6 +142,9 @@ class ParallelConfig:
     """'uni' (the worker in the engine core's process), 'mp' (one worker process per device) or 'ray';
     None: 'uni' for one device, else 'mp' (as vLLM)."""
     rank: int = 0
+    data_parallel_size: int = 1
+    """Engine cores behind one front end (AsyncLLM / the server), each with world_size workers."""
+    data_parallel_rank: int = 0
 
     @property
     def world_size(self) -> int:

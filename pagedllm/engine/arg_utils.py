@@ -148,11 +148,20 @@ class EngineArgs:
     pipeline_parallel_size: int = field(
         default=1, metadata=_help("Pipeline stages (layer ranges, one worker process each per TP rank).", "Parallel")
     )
-    distributed_executor_backend: Literal["mp", "uni"] | None = field(
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "Engine cores behind the API server (each its own process, scheduler and KV cache; requests go to "
+            "the least loaded). `pagedllm serve` / AsyncLLM only.",
+            "Parallel",
+        ),
+    )
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = field(
         default=None,
         metadata=_help(
-            "'mp': one worker process per device; 'uni': the worker in the engine core's process (one device "
-            "only). Default: 'uni' for one device, else 'mp'.",
+            "'mp': one worker process per device; 'ray': workers as actors of a running Ray cluster (the "
+            "'ray' extra); 'uni': the worker in the engine core's process (one device only). Default: 'uni' "
+            "for one device, else 'mp'.",
             "Parallel",
         ),
     )
@@ -267,7 +276,7 @@ class EngineArgs:
         self._validate_controls()
 
     def _validate_parallel(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         backends = get_args(get_args(get_type_hints(EngineArgs)["distributed_executor_backend"])[0])
@@ -395,6 +404,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             device=device,

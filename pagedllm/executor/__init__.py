@@ -13,6 +13,10 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     if backend != "uni":
         raise ValueError(f"distributed_executor_backend: unknown backend {backend!r}")
     from pagedllm.executor.uniproc_executor import UniProcExecutor

@@ -92,12 +92,9 @@ class MultiprocExecutor(Executor):
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.setsockopt(zmq.LINGER, 0)
-        broadcast_addr = f"ipc://{self._dir}/broadcast"
-        self.pub.bind(broadcast_addr)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
-        reply_addr = f"ipc://{self._dir}/reply"
-        self.pull.bind(reply_addr)
+        broadcast_addr, reply_addr = self._bind_sockets()
         lps = None
         if logits_processors:
             import cloudpickle
@@ -105,26 +102,61 @@ class MultiprocExecutor(Executor):
             lps = cloudpickle.dumps(logits_processors)
         seed = config.model_config.seed
         seed = seed if seed is not None else random.randrange(2**31)
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        dist_init = f"tcp://127.0.0.1:{_free_port()}"
-        mp_ctx = multiprocessing.get_context("spawn")
-        self.procs = []
-        for rank in range(self.world_size):
-            proc = mp_ctx.Process(
-                target=run_worker,
-                args=(config, rank, dist_init, broadcast_addr, reply_addr, self.output_rank, lps, seed, threads),
-                name=f"PagedLLMWorker-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            self.procs.append(proc)
+        self.procs: list[Any] = []
         try:
+            self._start_workers((broadcast_addr, reply_addr, self.output_rank, lps, seed))
             self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
         self._watcher = threading.Thread(target=self._watch, name="WorkerWatch", daemon=True)
         self._watcher.start()
+
+    # ---- the worker processes (the Ray executor overrides these) -------------------------------
+    def _bind_sockets(self) -> tuple[str, str]:
+        """The broadcast and reply sockets' addresses as the workers connect to them."""
+        broadcast_addr, reply_addr = f"ipc://{self._dir}/broadcast", f"ipc://{self._dir}/reply"
+        self.pub.bind(broadcast_addr)
+        self.pull.bind(reply_addr)
+        return broadcast_addr, reply_addr
+
+    def _start_workers(self, common: tuple[Any, ...]) -> None:
+        """One spawned process per rank, running `run_worker`."""
+        broadcast_addr, reply_addr, output_rank, lps, seed = common
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        dist_init = f"tcp://127.0.0.1:{_free_port()}"
+        mp_ctx = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            proc = mp_ctx.Process(
+                target=run_worker,
+                args=(self.config, rank, dist_init, broadcast_addr, reply_addr, output_rank, lps, seed, threads),
+                name=f"PagedLLMWorker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    def _dead_worker(self) -> str | None:
+        """A description of the first worker that is gone (rank, pid, exit code), or None."""
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None:
+                return f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+        return None
+
+    def _wait_any_exit(self, timeout: float | None) -> None:
+        """Block until some worker is gone (or `timeout` seconds)."""
+        wait([p.sentinel for p in self.procs], timeout=timeout)
+
+    def _stop_workers(self, graceful_s: float) -> None:
+        """Wait up to `graceful_s` for the workers to exit (after SHUTDOWN), then kill what remains."""
+        deadline = time.monotonic() + graceful_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
 
     # ---- start-up ------------------------------------------------------------------------------
     def _wait_ready(self) -> None:
@@ -157,9 +189,9 @@ class MultiprocExecutor(Executor):
     def _check_alive(self, during: str) -> None:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
-        for rank, proc in enumerate(self.procs):
-            if proc.exitcode is not None:
-                self._fail(f"worker rank {rank} (pid {proc.pid}) died during {during} (exit code {proc.exitcode})")
+        dead = self._dead_worker()
+        if dead is not None:
+            self._fail(f"{dead} during {during}")
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -168,14 +200,14 @@ class MultiprocExecutor(Executor):
                 self.failure = message
         if first:
             logger.error("%s; stopping the other workers", message)
-            self._kill_all()
+            self._stop_workers(0.0)
             for cb in self._failure_callbacks:
                 cb(message)
         raise WorkerDiedError(self.failure)
 
     def _watch(self) -> None:
         """Notice a dead worker while nobody waits for a reply (e.g. an idle server)."""
-        wait([p.sentinel for p in self.procs])
+        self._wait_any_exit(None)
         if self._closing or _exiting or self.failure is not None:
             return
         try:
@@ -202,7 +234,7 @@ class MultiprocExecutor(Executor):
         rank, kind, call_id, payload = pickle.loads(self.pull.recv())
         if kind == ERROR:
             # A collective fails on every rank when one peer dies: name the dead one, not the first to report.
-            wait([p.sentinel for p in self.procs], timeout=PEER_GRACE_S)
+            self._wait_any_exit(PEER_GRACE_S)
             self._check_alive(during)
             self._fail(f"worker rank {rank} failed during {during}: {payload}")
         return rank, kind, call_id, payload
@@ -255,29 +287,17 @@ class MultiprocExecutor(Executor):
         return StepFuture(lambda: self._collect(call_id, 1, "a step")[0])
 
     # ---- shutdown ------------------------------------------------------------------------------
-    def _kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.exitcode is None:
-                proc.kill()
-        for proc in self.procs:
-            proc.join(5)
-
     def shutdown(self) -> None:
         if self._closing:
             return
         self._closing = True
-        if self.failure is None and all(p.exitcode is None for p in self.procs):
+        graceful = self.failure is None and self._dead_worker() is None
+        if graceful:
             try:
                 self.pub.send(pickle.dumps((SHUTDOWN, -1, None)))
             except zmq.ZMQError:
                 pass
-            deadline = time.monotonic() + 5
-            for proc in self.procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        self._kill_all()
+        self._stop_workers(5.0 if graceful else 0.0)
         self.pub.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()

@@ -181,11 +181,14 @@ def run_worker(
     logits_processors: bytes | None,
     seed: int,
     num_threads: int,
+    standalone: bool = True,
 ) -> None:
-    """Entry point of a spawned worker process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core shuts us down in order
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _die_with_parent()
+    """Entry point of a spawned worker process (`standalone`), or of a Ray actor's `run` (Ray owns the
+    process: no signal handlers, no parent watch)."""
+    if standalone:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core shuts us down in order
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        _die_with_parent()
     torch.set_num_threads(num_threads)
     torch.manual_seed(seed)  # every rank draws the same numbers (see the module docstring)
     lps = None

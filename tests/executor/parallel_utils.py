@@ -32,7 +32,7 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int = MAX_TOKEN
         "max_num_batched_tokens": 64,
         **kwargs,
     }
-    llm = LLM(model, **args)
+    llm = LLM(model, **{k: v for k, v in args.items() if v is not None})
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=2)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
