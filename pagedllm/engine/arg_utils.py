@@ -366,6 +366,7 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
+        _check_tp_divides(mc.hf_config, self.tensor_parallel_size)
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         engine_overrides: dict[str, Any] = {}
@@ -461,6 +462,21 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _check_tp_divides(hf_config: Any, tp: int) -> None:
+    """The shapes tensor parallelism splits must divide by tp (KV heads may instead be replicated)."""
+    if tp == 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {heads} attention heads")
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if kv is not None and kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size: {tp} and the model's {kv} KV heads: neither divides the other")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if isinstance(inter, int) and inter % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size {inter}")
 
 
 def _unwrap(tp: Any) -> tuple[Any, list[Any] | None, bool]:

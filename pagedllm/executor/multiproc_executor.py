@@ -235,7 +235,9 @@ class MultiprocExecutor(Executor):
         if kind == ERROR:
             # A collective fails on every rank when one peer dies: name the dead one, not the first to report.
             self._wait_any_exit(PEER_GRACE_S)
-            self._check_alive(during)
+            dead = self._dead_worker()
+            if dead is not None and not dead.startswith(f"worker rank {rank} "):
+                self._fail(f"{dead} during {during}")
             self._fail(f"worker rank {rank} failed during {during}: {payload}")
         return rank, kind, call_id, payload
 

@@ -42,7 +42,7 @@ class _RayWorker:
     def run(self, *args: Any) -> None:
         from pagedllm.executor.worker_proc import run_worker
 
-        run_worker(*args, standalone=False)
+        run_worker(*args, standalone=False)  # type: ignore[misc]
 
 
 class RayExecutor(MultiprocExecutor):
@@ -53,7 +53,7 @@ class RayExecutor(MultiprocExecutor):
         ip = ray.util.get_node_ip_address()
         self.pub.bind(f"tcp://{ip}:*")
         self.pull.bind(f"tcp://{ip}:*")
-        return self.pub.getsockopt(zmq.LAST_ENDPOINT).decode(), self.pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self.pub.getsockopt_string(zmq.LAST_ENDPOINT), self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _start_workers(self, common: tuple[Any, ...]) -> None:
         ray = _import_ray()

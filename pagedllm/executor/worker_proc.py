@@ -94,11 +94,16 @@ class WorkerProc:
         from pagedllm.distributed.parallel_state import init_distributed
         from pagedllm.worker.worker import Worker
 
-        init_distributed(
-            rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, dist_init_method, "nccl" if on_gpu else "gloo"
-        )
-        self.worker = Worker(config, logits_processors)
-        self.worker.load_model()
+        try:
+            init_distributed(
+                rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, dist_init_method, "nccl" if on_gpu else "gloo"
+            )
+            self.worker = Worker(config, logits_processors)
+            self.worker.load_model()
+        except Exception as e:  # the driver raises this message (the process exits after it)
+            self.send(ERROR, -1, f"{type(e).__name__}: {e}")
+            self.reply.close(linger=2000)
+            raise
 
     def send(self, kind: str, call_id: int, payload: Any) -> None:
         self.reply.send(pickle.dumps((self.rank, kind, call_id, payload), protocol=5))

@@ -9,6 +9,7 @@ Each logger has its own `CollectorRegistry` (exposed at `/metrics`), so several 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,8 +172,12 @@ class PrometheusStatLogger:
         )
         counters = [routed.labels(self.model_name, str(i)) for i in range(len(client.clients))]
         for i in range(len(client.clients)):
-            in_flight.labels(self.model_name, str(i)).set_function(lambda i=i: client.in_flight[i])
-        client.on_route = lambda i: counters[i].inc()
+            in_flight.labels(self.model_name, str(i)).set_function(functools.partial(_item, client.in_flight, i))
+
+        def on_route(i: int) -> None:
+            counters[i].inc()
+
+        client.on_route = on_route
 
     def enable_lora_info(self, max_lora: int) -> None:
         """`pagedllm:lora_requests_info` (vLLM's vllm:lora_requests_info): a gauge whose labels list the
@@ -239,3 +244,7 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _item(values: list[int], i: int) -> float:
+    return float(values[i])

@@ -124,3 +124,16 @@ def test_pp2_tied_embeddings(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = str(tmp_path_factory.mktemp("tied"))
     make_tiny_hf_model("llama3_tied", path)
     assert_same_outputs(run_engine(path, tiny_prompts()), run_engine(path, tiny_prompts(), pipeline_parallel_size=2))
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(smollm2_path: str) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide the model's 9 attention heads"):
+        EngineArgs(model=smollm2_path, tensor_parallel_size=2, device="cpu").create_engine_config()
+
+
+def test_worker_start_up_error_reaches_the_caller(checkpoints: dict[str, str]) -> None:
+    """A worker that fails while loading: the caller gets its error message and rank, no worker is left."""
+    with pytest.raises(RuntimeError, match=r"worker rank \d failed during start-up: .*no \*\.bin files"):
+        run_engine(checkpoints["llama"], tiny_prompts(), tensor_parallel_size=2, load_format="pt")

@@ -89,7 +89,11 @@ def get_weights_iterator(model_config: ModelConfig, load_format: str) -> Iterabl
         files = get_safetensors_files(model_dir)
         if not files:
             raise ValueError(f"load_format 'safetensors': no *.safetensors files in {model_dir}")
-        return safetensors_weights_iterator(files)
+        from pagedllm.distributed import parallel_state as ps
+
+        # Several ranks: each narrows the weights to its shard; mapped, it reads only those pages.
+        sharded = ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1
+        return safetensors_weights_iterator(files, mapped=sharded)
     if load_format == "pt":
         files = get_pt_files(model_dir)
         if not files:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
                 config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
             )
         else:
-            self.embed_tokens = PPMissingLayer()
+            self.embed_tokens = cast(VocabParallelEmbedding, PPMissingLayer())
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer
@@ -277,13 +277,13 @@ class LlamaForCausalLM(nn.Module):
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = self.model_cls(hf_config, prefix=model_prefix)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
+        self.lm_head = cast(ParallelLMHead, PPMissingLayer())
         if getattr(self.model, "is_last_stage", True):
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
             )
             if self.tie_word_embeddings:
-                self.lm_head.tie_weights(self.model.embed_tokens)  # type: ignore[arg-type]
+                self.lm_head.tie_weights(self.model.embed_tokens)
 
     supports_pp = True
     """Pipeline stages: `forward` takes the previous stage's (hidden states, residual)."""
@@ -294,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate)  # type: ignore[return-value]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)  # type: ignore[union-attr]
+        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads HF-named tensors; returns the names of the parameters fully loaded."""
