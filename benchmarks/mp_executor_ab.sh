@@ -3,14 +3,15 @@
 # in-process executor, on W1 (throughput) and W3 (batch-1 latency), one GPU, same call. Alternates
 # uni, mp, uni, mp (RUNS pairs, default 2) so both see the same machine state, then prints each run and the
 # mp/uni ratios of the medians (target: < 3% cost, i.e. W1 tok/s ratio > 0.97, W3 ms/token ratio < 1.03).
-#   bash benchmarks/mp_executor_ab.sh            (carry nothing: dummy weights)
-# JSON per run under $OUT. The workloads and flags are gpu_e2e.sh's W1 / W3.
+#   bash benchmarks/mp_executor_ab.sh      (carry .whl and .whl_serve: msgspec, gguf, and pyzmq for the executor)
+# Dummy weights. JSON per run under $OUT. The workloads and flags are gpu_e2e.sh's W1 / W3.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_mp_ab}
 mkdir -p "$OUT"
 RUNS=${RUNS:-2}
-. "$(dirname "$0")/device_wheels.sh" && install_wheels
+. "$(dirname "$0")/device_wheels.sh" && install_wheels .whl .whl_serve
 export PYTHONPATH=.:${PYTHONPATH:-}
+python3 -c "import zmq" || { echo "pyzmq missing: carry its cp312 wheel in .whl or .whl_serve"; exit 1; }
 export PYTHONUNBUFFERED=1
 for r in $(seq "$RUNS"); do
     for backend in uni mp; do

@@ -114,3 +114,27 @@ def test_async_engine_fails_in_flight_requests_and_exits(checkpoint: str) -> Non
         assert _gone(workers), "a worker outlived the engine core"  # ... and takes its workers along
     finally:
         engine.shutdown()
+
+
+def test_idle_async_engine_notices_a_dead_worker(checkpoint: str) -> None:
+    """No request running: the executor's watcher still notices, the core exits, the front end is errored."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(**_engine_kwargs(checkpoint)))
+    try:
+        workers = _workers_of(engine.engine_core.proc.pid)
+
+        async def main() -> None:
+            engine.start()
+            workers[0].send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + FAIL_WITHIN_S
+            while not engine.errored and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+        asyncio.run(main())
+        assert engine.errored
+        assert "rank 0" in str(engine.dead_error)
+        deadline = time.monotonic() + 5
+        while not _gone(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(workers)
+    finally:
+        engine.shutdown()
