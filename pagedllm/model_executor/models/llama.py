@@ -242,6 +242,8 @@ class LlamaModel(nn.Module):
         )
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.norm = RMSNorm(config.hidden_size, eps=eps) if self.is_last_stage else PPMissingLayer()
+        self.stage_layers: list[nn.Module] = list(self.layers)[self.start_layer : self.end_layer]
+        """This stage's layers, as a plain list (slicing the ModuleList would build a new one every forward)."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
@@ -257,7 +259,7 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = torch.zeros(input_ids.shape[0], self.config.hidden_size, device=input_ids.device)
             residual = torch.zeros_like(hidden_states)
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        for layer in self.stage_layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_stage:
             assert residual is not None
