@@ -293,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
     ) -> torch.Tensor:
+        if intermediate is None:  # (subclasses' models, e.g. Gemma 3's, take no third argument)
+            return self.model(input_ids, positions)  # type: ignore[return-value]
         return self.model(input_ids, positions, intermediate)  # type: ignore[return-value]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
