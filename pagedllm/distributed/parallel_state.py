@@ -68,6 +68,8 @@ def init_distributed(
 
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _PP_GROUP
     world = tp_size * pp_size
+    if world == 1:  # one worker in its own process: no collective ever runs
+        return
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )

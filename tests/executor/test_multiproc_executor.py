@@ -135,5 +135,10 @@ def test_tp_that_does_not_divide_the_heads_is_refused(smollm2_path: str) -> None
 
 def test_worker_start_up_error_reaches_the_caller(checkpoints: dict[str, str]) -> None:
     """A worker that fails while loading: the caller gets its error message and rank, no worker is left."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}
     with pytest.raises(RuntimeError, match=r"worker rank \d failed during start-up: .*no \*\.bin files"):
         run_engine(checkpoints["llama"], tiny_prompts(), tensor_parallel_size=2, load_format="pt")
+    left = [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in left if "resource_tracker" not in " ".join(p.cmdline())]
