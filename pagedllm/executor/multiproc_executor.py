@@ -207,7 +207,10 @@ class MultiprocExecutor(Executor):
 
     def _watch(self) -> None:
         """Notice a dead worker while nobody waits for a reply (e.g. an idle server)."""
-        self._wait_any_exit(None)
+        try:
+            self._wait_any_exit(None)
+        except Exception:  # (Ray shut down under us)
+            return
         if self._closing or _exiting or self.failure is not None:
             return
         try:

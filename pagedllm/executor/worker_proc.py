@@ -88,8 +88,9 @@ class WorkerProc:
         pc = config.parallel_config
         pc.rank = rank
         on_gpu = config.device.startswith("cuda")
-        if on_gpu:
-            config.device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+        if on_gpu:  # the engine core's first device (data parallelism offsets it) + rank; Ray shows one device
+            base = torch.device(config.device).index or 0
+            config.device = f"cuda:{(base + rank) % max(torch.cuda.device_count(), 1)}"
             torch.cuda.set_device(config.device)
         from pagedllm.distributed.parallel_state import init_distributed
         from pagedllm.worker.worker import Worker
