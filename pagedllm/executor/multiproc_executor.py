@@ -39,6 +39,7 @@ from pagedllm.executor.worker_proc import (
     RESULT,
     RPC,
     SHUTDOWN,
+    RpcFailure,
     run_worker,
 )
 from pagedllm.logger import init_logger
@@ -266,7 +267,11 @@ class MultiprocExecutor(Executor):
 
             method = cloudpickle.dumps(method)
         call_id = self._broadcast(RPC, (method, args, kwargs or {}, None))
-        return self._collect(call_id, self.world_size, "collective_rpc")
+        results = self._collect(call_id, self.world_size, "collective_rpc")
+        for rank, r in enumerate(results):
+            if isinstance(r, RpcFailure):
+                raise RuntimeError(f"collective_rpc failed on worker rank {rank}: {r}")
+        return results
 
     def determine_num_blocks(self) -> int:
         """The KV cache is sized by the rank with the least memory to spare."""

@@ -41,6 +41,10 @@ HELLO, EXECUTE, EXECUTE_ASYNC, RPC, SHUTDOWN = "hello", "execute", "execute_asyn
 READY, RESULT, ERROR = "ready", "result", "error"
 
 
+class RpcFailure(str):
+    """A collective RPC that raised on a worker: its message, returned in place of the result."""
+
+
 def _die_with_parent() -> None:
     """A worker never outlives the engine core: PR_SET_PDEATHSIG on Linux, and a watcher thread."""
     try:
@@ -132,11 +136,14 @@ class WorkerProc:
                         self.send(RESULT, call_id, out)
                 elif kind == RPC:
                     method, args, kwargs, reply_rank = payload
-                    if isinstance(method, bytes):
-                        import cloudpickle
+                    try:
+                        if isinstance(method, bytes):
+                            import cloudpickle
 
-                        method = cloudpickle.loads(method)
-                    result = run_worker_method(worker, method, args, kwargs)
+                            method = cloudpickle.loads(method)
+                        result = run_worker_method(worker, method, args, kwargs)
+                    except Exception as e:  # the caller's error, not the worker's: the engine goes on
+                        result = RpcFailure(f"{type(e).__name__}: {e}")
                     if reply_rank is None or reply_rank == self.rank:
                         self.send(RESULT, call_id, result)
                 elif kind == HELLO:

@@ -84,6 +84,9 @@ def test_collective_rpc_reaches_every_worker(checkpoints: dict[str, str]) -> Non
             lambda worker: worker.model_runner.model.get_submodule(layer).input_size_per_partition
         )
         assert sizes == [64, 64]  # intermediate 128 split in two: each rank holds its half
+        with pytest.raises(RuntimeError, match="collective_rpc failed on worker rank 0"):
+            llm.collective_rpc("no_such_method")
+        assert llm.collective_rpc(lambda worker: 1) == [1, 1]  # a failed call leaves the workers serving
     finally:
         llm.llm_engine.engine_core.shutdown()
 
