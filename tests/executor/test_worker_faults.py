@@ -18,6 +18,8 @@ from tests.executor.parallel_utils import tiny_prompts
 from tests.utils_model import make_tiny_hf_model
 
 FAIL_WITHIN_S = 10.0
+IDLE_NOTICE_S = 30.0
+"""Idle: typically ~1 s; generous because this shared 2-core box can be very loaded."""
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +123,18 @@ def test_idle_async_engine_notices_a_dead_worker(checkpoint: str) -> None:
     engine = AsyncLLM.from_engine_args(EngineArgs(**_engine_kwargs(checkpoint)))
     try:
         workers = _workers_of(engine.engine_core.proc.pid)
+        assert len(workers) == 2
 
         async def main() -> None:
             engine.start()
             workers[0].send_signal(signal.SIGKILL)
-            deadline = time.monotonic() + FAIL_WITHIN_S
+            deadline = time.monotonic() + IDLE_NOTICE_S
             while not engine.errored and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
 
         asyncio.run(main())
         assert engine.errored
-        assert "rank 0" in str(engine.dead_error)
+        assert "rank" in str(engine.dead_error)
         deadline = time.monotonic() + 5
         while not _gone(workers) and time.monotonic() < deadline:
             time.sleep(0.1)
