@@ -4,7 +4,8 @@
 # uni, mp, uni, mp (RUNS pairs, default 2) so both see the same machine state, then prints each run and the
 # mp/uni ratios of the medians (target: < 3% cost, i.e. W1 tok/s ratio > 0.97, W3 ms/token ratio < 1.03).
 #   bash benchmarks/mp_executor_ab.sh      (carry .whl and .whl_serve: msgspec, gguf, and pyzmq for the executor)
-# Dummy weights. JSON per run under $OUT. The workloads and flags are gpu_e2e.sh's W1 / W3.
+# Dummy weights. JSON per run under $OUT. The workloads and flags are gpu_e2e.sh's W1 / W3. If one call's
+# 10 minutes are too short for both: WORKLOADS=W1 bash benchmarks/mp_executor_ab.sh, then WORKLOADS=W3.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_mp_ab}
 mkdir -p "$OUT"
@@ -13,15 +14,20 @@ RUNS=${RUNS:-2}
 export PYTHONPATH=.:${PYTHONPATH:-}
 python3 -c "import zmq" || { echo "pyzmq missing: carry its cp312 wheel in .whl or .whl_serve"; exit 1; }
 export PYTHONUNBUFFERED=1
+WORKLOADS=${WORKLOADS:-W1 W3}
 for r in $(seq "$RUNS"); do
     for backend in uni mp; do
-        timeout 400 python3 -m pagedllm bench throughput --workload W1 --max-model-len 2048 --load-format dummy \
-            --distributed-executor-backend "$backend" --output-json "$OUT/W1_${backend}_$r.json" 2>&1 \
-            | grep -E "^Throughput|Error|error" | tail -2 | sed "s/^/W1 $backend $r: /"
-        timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
-            --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
-            --distributed-executor-backend "$backend" --output-json "$OUT/W3_${backend}_$r.json" 2>&1 \
-            | grep -vE "^INFO|^WARNING" | tail -1 | sed "s/^/W3 $backend $r: /"
+        if [[ " $WORKLOADS " == *" W1 "* ]]; then
+            timeout 400 python3 -m pagedllm bench throughput --workload W1 --max-model-len 2048 --load-format dummy \
+                --distributed-executor-backend "$backend" --output-json "$OUT/W1_${backend}_$r.json" 2>&1 \
+                | grep -E "^Throughput|Error|error" | tail -2 | sed "s/^/W1 $backend $r: /"
+        fi
+        if [[ " $WORKLOADS " == *" W3 "* ]]; then
+            timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
+                --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
+                --distributed-executor-backend "$backend" --output-json "$OUT/W3_${backend}_$r.json" 2>&1 \
+                | grep -vE "^INFO|^WARNING" | tail -1 | sed "s/^/W3 $backend $r: /"
+        fi
     done
 done
 python3 - "$OUT" <<'PY'
