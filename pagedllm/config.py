@@ -137,7 +137,24 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    """'uni' (the worker in the engine core's process), 'mp' (one worker process per device) or 'ray';
+    None: 'uni' for one device, else 'mp' (as vLLM)."""
     rank: int = 0
+    data_parallel_size: int = 1
+    """Engine cores behind one front end (AsyncLLM / the server), each with world_size workers."""
+    data_parallel_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
 
 @dataclass

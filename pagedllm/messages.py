@@ -92,6 +92,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  #
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     finished_requests: list[str] = []
+    engine_index: int = 0
+    """Which engine core sent them (data parallelism; set by the front end's `DPAsyncMPClient`)."""
 
 
 # Wire tags: the first frame of every message on the core process's sockets (`engine/core_proc.py`).

@@ -1,15 +1,30 @@
-"""Tensor-parallel rank and size of this process (1 process, size 1, until tensor parallelism lands).
+"""Tensor- and pipeline-parallel rank and size of this process, and the collectives the layers call.
 
-`set_tensor_parallel_state` lets a test build rank r of n in one process to check weight sharding.
+One process (the in-process executor) is rank 0 of 1 and every collective is the identity. A worker of the
+multi-process executor calls `init_distributed` once: a `torch.distributed` world of tp * pp processes
+(NCCL on GPUs, gloo on the CPU), split into tensor-parallel groups (consecutive ranks) and pipeline groups
+(ranks tp apart), as vLLM lays them out: global rank = pp_rank * tp + tp_rank.
+
+`set_tensor_parallel_state` lets a test build rank r of n in one process to check weight sharding (no
+collectives then).
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import torch
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_PP_RANK = 0
+_PP_SIZE = 1
+_TP_GROUP: Any = None
+"""The torch.distributed group of this rank's tensor-parallel peers (None: one process, no collectives)."""
+_PP_GROUP: Any = None
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -18,6 +33,18 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_tensor_model_parallel_world_size() -> int:
     return _TP_SIZE
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _PP_RANK
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _PP_SIZE
+
+
+def get_pp_group() -> Any:
+    return _PP_GROUP
 
 
 @contextmanager
@@ -33,13 +60,63 @@ def set_tensor_parallel_state(rank: int, world_size: int) -> Iterator[None]:
         _TP_RANK, _TP_SIZE = prev
 
 
-def tensor_model_parallel_all_reduce(x):  # noqa: ANN001, ANN201 - identity at size 1
-    if _TP_SIZE != 1:
-        raise NotImplementedError("tensor parallelism across processes is not implemented yet")
+def init_distributed(
+    rank: int, tp_size: int, pp_size: int, init_method: str, backend: str, timeout_s: float = 600.0
+) -> None:
+    """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups."""
+    import torch.distributed as dist
+
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _PP_GROUP
+    world = tp_size * pp_size
+    if world == 1:  # one worker in its own process: no collective ever runs
+        return
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    # Every rank creates every group (torch.distributed's rule), keeping its own.
+    for pp in range(pp_size):
+        ranks = list(range(pp * tp_size, (pp + 1) * tp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            _TP_GROUP = group
+    for tp in range(tp_size):
+        ranks = list(range(tp, world, tp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            _PP_GROUP = group
+    _TP_RANK, _TP_SIZE = rank % tp_size, tp_size
+    _PP_RANK, _PP_SIZE = rank // tp_size, pp_size
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+
+    global _TP_GROUP, _PP_GROUP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_GROUP = _PP_GROUP = None
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the tensor-parallel ranks (in place on `x`, which is returned)."""
+    if _TP_SIZE == 1:
+        return x
+    if _TP_GROUP is None:
+        raise RuntimeError("tensor parallelism needs init_distributed (the multi-process executor)")
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
-def tensor_model_parallel_all_gather(x, dim: int = -1):  # noqa: ANN001, ANN201
-    if _TP_SIZE != 1:
-        raise NotImplementedError("tensor parallelism across processes is not implemented yet")
-    return x
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The tensor-parallel ranks' `x` concatenated along `dim`, in rank order."""
+    if _TP_SIZE == 1:
+        return x
+    if _TP_GROUP is None:
+        raise RuntimeError("tensor parallelism needs init_distributed (the multi-process executor)")
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
+    return torch.cat(parts, dim=dim)

@@ -142,7 +142,29 @@ class EngineArgs:
     )
     enforce_eager: bool = field(default=False, metadata=_help("Never use CUDA graphs.", "Device"))
     device: str = field(default="auto", metadata=_help("'auto', 'cpu' or 'cuda[:N]'.", "Device"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor-parallel GPUs (1 for now).", "Parallel"))
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("Tensor-parallel workers (one process per device; gloo on the CPU).", "Parallel")
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata=_help("Pipeline stages (layer ranges, one worker process each per TP rank).", "Parallel")
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "Engine cores behind the API server (each its own process, scheduler and KV cache; requests go to "
+            "the least loaded). `pagedllm serve` / AsyncLLM only.",
+            "Parallel",
+        ),
+    )
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = field(
+        default=None,
+        metadata=_help(
+            "'mp': one worker process per device; 'ray': workers as actors of a running Ray cluster (the "
+            "'ray' extra); 'uni': the worker in the engine core's process (one device only). Default: 'uni' "
+            "for one device, else 'mp'.",
+            "Parallel",
+        ),
+    )
     served_model_name: list[str] | None = field(
         default=None, metadata=_help("Model name(s) the API answers to (default: the model argument).", "Frontend")
     )
@@ -245,14 +267,37 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        self._validate_parallel()
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
         self._validate_lora()
         self._validate_controls()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        backends = get_args(get_args(get_type_hints(EngineArgs)["distributed_executor_backend"])[0])
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in backends:
+            raise ValueError(f"distributed_executor_backend: expected one of {', '.join(backends)}, got {backend!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world != 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size x "
+                f"pipeline_parallel_size = {world} needs 'mp'"
+            )
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling: not supported with pipeline_parallel_size > 1 (leave it unset)")
+        if world > 1:
+            for name, on in (
+                ("enable_lora", self.enable_lora),
+                ("speculative_config", self.speculative_config or self.spec_method),
+            ):
+                if on:
+                    raise ValueError(f"{name}: not supported with tensor or pipeline parallelism yet")
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:
@@ -323,6 +368,7 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
+        _check_tp_divides(mc.hf_config, self.tensor_parallel_size)
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         engine_overrides: dict[str, Any] = {}
@@ -350,13 +396,19 @@ class EngineArgs:
                 enable_chunked_prefill=engine_overrides.get("enable_chunked_prefill", self.enable_chunked_prefill),
                 policy=self.scheduling_policy,
                 async_scheduling=spec is None
+                and self.pipeline_parallel_size == 1
                 and engine_overrides.get(
                     "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
                 ),
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                 max_loras=self.max_loras if self.enable_lora else 0,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
+            ),
             load_config=LoadConfig(load_format=self.load_format),
             device=device,
             enforce_eager=self.enforce_eager,
@@ -412,6 +464,21 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _check_tp_divides(hf_config: Any, tp: int) -> None:
+    """The shapes tensor parallelism splits must divide by tp (KV heads may instead be replicated)."""
+    if tp == 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {heads} attention heads")
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if kv is not None and kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size: {tp} and the model's {kv} KV heads: neither divides the other")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if isinstance(inter, int) and inter % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size {inter}")
 
 
 def _unwrap(tp: Any) -> tuple[Any, list[Any] | None, bool]:

@@ -77,7 +77,12 @@ class AsyncLLM(AsyncLLMControlsMixin):
         self.log_interval_s = log_interval_s
         # Tokenizing a huge prompt takes a while; do it off the event loop, one at a time (2 cores).
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
-        self.engine_core = AsyncMPClient(config)
+        if config.parallel_config.data_parallel_size > 1:  # N cores behind this front end
+            from pagedllm.engine.dp_client import DPAsyncMPClient
+
+            self.engine_core: AsyncMPClient = DPAsyncMPClient(config)  # type: ignore[assignment]
+        else:
+            self.engine_core = AsyncMPClient(config)
         self.engine_core.on_dead = self._fail_all_requests
         self.dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         """Called (on the event loop) once the core process is found dead, after requests were failed."""
@@ -119,7 +124,7 @@ class AsyncLLM(AsyncLLMControlsMixin):
         return self.model_config.get_diff_sampling_param()
 
     async def check_health(self) -> None:
-        if self.engine_core.dead or not self.engine_core.proc.is_alive():
+        if not self.engine_core.is_alive():
             raise self.dead_error
 
     # ---- requests -------------------------------------------------------------------------------------

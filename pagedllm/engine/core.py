@@ -29,6 +29,15 @@ class EngineCore(EngineCoreControlsMixin):
         self.config = config
         executor_cls = get_executor_class(config)
         self.executor = executor_cls(config, logits_processors)  # type: ignore[call-arg]
+        try:
+            self._init_after_executor(config, logits_processors, t0)
+        except BaseException:
+            self.executor.shutdown()  # (worker processes must not outlive a failed start)
+            raise
+
+    def _init_after_executor(
+        self, config: EngineConfig, logits_processors: list[LogitsProcessor] | None, t0: float
+    ) -> None:
         num_blocks = self.executor.determine_num_blocks()
         cc = config.cache_config
         max_len = config.model_config.max_model_len

@@ -5,7 +5,8 @@ Wire protocol (ZMQ, msgspec msgpack), all multipart messages `[type byte, payloa
 - front end -> core (PUSH -> PULL, `input_addr`): `ADD` an `EngineCoreRequest`, `ABORT` a list of
   request ids, `UTILITY` `(call_id, method, args)`, `SHUTDOWN`.
 - core -> front end (PUSH -> PULL, `output_addr`): `OUTPUTS` one `EngineCoreOutputs` per step,
-  `UTILITY_RESULT` `(call_id, ok, result_or_error)`.
+  `UTILITY_RESULT` `(call_id, ok, result_or_error)`, `FAILED` a message just before a fatal exit (e.g. a
+  dead tensor-parallel worker, named by its rank).
 - core -> front end once at start (PUSH -> PULL, `handshake_addr`): `READY` a dict, or `FAILED` a message.
 
 Why a thread reads the input socket: the step loop must block when there is nothing to do (these machines
@@ -46,6 +47,9 @@ from pagedllm.messages import (
 )
 
 logger = init_logger(__name__)
+
+WORKER_FAILED = b"worker-failed"
+"""Not a wire tag: the executor's failure callback queues it, so an idle loop wakes up and exits too."""
 
 
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"}) | frozenset(
@@ -90,6 +94,9 @@ class EngineCoreProc:
             handshake.send_multipart([FAILED, self.encoder.encode(msg)])
             handshake.close()
             raise
+        register = getattr(self.core.executor, "register_failure_callback", None)
+        if register is not None:  # multi-process executor: a dead worker ends the core (and the server)
+            register(lambda message: self.input_queue.put((WORKER_FAILED, message)))
         # Connect the input socket before READY, so the front end's first send finds a peer as soon as possible;
         # the socket is used only by the input thread from then on (handing it over at thread start is safe).
         input_socket = self.ctx.socket(zmq.PULL)
@@ -179,6 +186,8 @@ class EngineCoreProc:
             self.output_socket.send_multipart([UTILITY_RESULT, encoded])
         elif kind == SHUTDOWN:
             return True
+        elif kind == WORKER_FAILED:
+            raise RuntimeError(payload)
         return False
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
@@ -189,6 +198,14 @@ class EngineCoreProc:
 
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT)
         self._send(EngineCoreOutputs(outputs=[out], timestamp=time.monotonic()))
+
+    def report_fatal(self, message: str) -> None:
+        """`FAILED` on the output socket; a moment for it to arrive before the exit is noticed."""
+        try:
+            self.output_socket.send_multipart([FAILED, self.encoder.encode(message)])
+            time.sleep(0.3)
+        except zmq.ZMQError:
+            pass
 
     def shutdown(self) -> None:
         try:
@@ -224,8 +241,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, han
         proc.run_busy_loop()
     except SystemExit:
         raise
-    except BaseException:
+    except BaseException as e:
         logger.exception("engine core: fatal error, exiting")
+        if proc is not None:  # the front end fails its requests with this message, not just an exit code
+            proc.report_fatal(f"{type(e).__name__}: {e}")
         sys.exit(1)
     finally:
         if proc is not None:

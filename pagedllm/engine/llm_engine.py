@@ -40,6 +40,11 @@ class LLMEngine:
         log_stats: bool = False,
         logits_processors: list[LogitsProcessor] | None = None,
     ) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size: the offline engine runs one engine core; data parallelism is for "
+                "AsyncLLM / `pagedllm serve --data-parallel-size N`"
+            )
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)

@@ -251,6 +251,10 @@ class AsyncMPClient:
             kind_b = kind.bytes
             if kind_b == OUTPUTS:
                 return self.outputs_decoder.decode(payload.buffer)
+            if kind_b == FAILED:
+                message = self.any_decoder.decode(payload.buffer)
+                self.mark_dead(EngineDeadError(f"The engine core failed: {message}"))
+                self._check_alive()
             if kind_b == UTILITY_RESULT:
                 call_id, ok, result = self.any_decoder.decode(payload.buffer)
                 fut = self._pending_calls.pop(call_id, None)

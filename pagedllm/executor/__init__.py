@@ -7,9 +7,18 @@ from pagedllm.executor.abstract import Executor
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor for `config`'s parallel layout."""
-    if config.parallel_config.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size: only 1 is supported for now")
+    """The executor for `config`'s parallel layout: in-process for one device unless 'mp' is asked for."""
+    backend = config.parallel_config.backend
+    if backend == "mp":
+        from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    if backend != "uni":
+        raise ValueError(f"distributed_executor_backend: unknown backend {backend!r}")
     from pagedllm.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor

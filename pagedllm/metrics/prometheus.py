@@ -9,7 +9,9 @@ Each logger has its own `CollectorRegistry` (exposed at `/metrics`), so several 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -153,6 +155,30 @@ class PrometheusStatLogger:
         self.last_scheduler_stats = SchedulerStats()
         """The core's latest gauges, kept for readers outside Prometheus (the web dashboard's KV grid)."""
 
+    def enable_data_parallel(self, client: Any) -> None:
+        """Per engine core (label `engine`): `pagedllm:engine_requests_routed_total` (requests sent to it) and
+        `pagedllm:engine_requests_in_flight`, read from the front end's `DPAsyncMPClient`."""
+        routed = Counter(
+            "pagedllm:engine_requests_routed",
+            "Requests the front end sent to each engine core (data parallelism).",
+            ["model_name", "engine"],
+            registry=self.registry,
+        )
+        in_flight = Gauge(
+            "pagedllm:engine_requests_in_flight",
+            "Requests in flight per engine core (data parallelism).",
+            ["model_name", "engine"],
+            registry=self.registry,
+        )
+        counters = [routed.labels(self.model_name, str(i)) for i in range(len(client.clients))]
+        for i in range(len(client.clients)):
+            in_flight.labels(self.model_name, str(i)).set_function(functools.partial(_item, client.in_flight, i))
+
+        def on_route(i: int) -> None:
+            counters[i].inc()
+
+        client.on_route = on_route
+
     def enable_lora_info(self, max_lora: int) -> None:
         """`pagedllm:lora_requests_info` (vLLM's vllm:lora_requests_info): a gauge whose labels list the
         adapters of the waiting and running requests; its value is the time of the last update."""
@@ -218,3 +244,7 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _item(values: list[int], i: int) -> float:
+    return float(values[i])

@@ -104,6 +104,7 @@ class PoolingModelRunner(ModelRunner):
         assert batch is not None and inputs is not None
         x = inputs.build(so)
         hidden = self._forward(x, None)
+        assert hidden is not None  # (no pipeline stages for pooling models)
         batch.num_computed_tokens[x.rows] = x.seq_lens
         done = x.seq_lens >= batch.num_tokens[x.rows]
         setup = self.model_config.pooling

@@ -81,6 +81,8 @@ class ModelRunner:
         """Speculative decoding (`spec_decode.runner.SpecDecodeRunner`) when configured; None: the plain path."""
         self.lora: Any = None
         """Multi-LoRA (`lora.manager.LoRAManager`) when the config enables it; None keeps the plain path."""
+        self.pp: Any = None
+        """This rank's pipeline stage (`distributed.pipeline.PipelineStage`) when pp > 1; None: one stage."""
 
     @property
     def requests(self) -> dict:
@@ -105,6 +107,14 @@ class ModelRunner:
             if n_packed:
                 logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            from pagedllm.distributed.pipeline import PipelineStage
+
+            if not getattr(self.model, "supports_pp", False):
+                raise ValueError(
+                    f"pipeline_parallel_size: {type(self.model).__name__} does not support pipeline parallelism"
+                )
+            self.pp = PipelineStage(self.model_config.hf_config.hidden_size, self.dtype, self.device)
         if self.config.lora_config is not None:
             from pagedllm.lora.manager import LoRAManager
 
@@ -173,13 +183,17 @@ class ModelRunner:
 
     def warm_up_kernels(self) -> None:
         """Compiles the attention and sampling launch variants at start-up (GPU only)."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.pp is None:  # (pipeline stages: compiled on first use)
             t0 = time.perf_counter()
             warmup.warm_up_kernels(self.run_dummy_batches(), self.device, t0)
 
     def capture_cuda_graphs(self) -> None:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend that supports them."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.attn_layers:
+            return
+        if self.pp is not None or self.config.parallel_config.tensor_parallel_size > 1:
+            # Fallback: torch.distributed's collectives are not captured into graphs here yet.
+            logger.info("CUDA graphs off: tensor / pipeline parallelism runs eagerly for now")
             return
         if not self.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: attention backend %s cannot be captured", self.backend.name)
@@ -233,6 +247,8 @@ class ModelRunner:
             x.req_ids, x.req_of_token, x.positions, batch.num_tokens[x.token_rows], self.device
         )
         hidden = self._forward(x, patch)
+        if hidden is None:  # a pipeline stage before the last: the last stage's sampled ids come back
+            return self.pp.follow_step(x, batch, self.in_flight)
         prompt_lp_done = self.prompt_logprobs.gather(
             model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden
         )
@@ -253,6 +269,8 @@ class ModelRunner:
             md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids
+            if self.pp is not None:  # the earlier stages append these ids too
+                self.pp.share_sampled(sampled_gpu, len(sample_idx))
             if out.failed_rows:
                 step.failed = {x.req_ids[sample_idx[r]]: msg for r, msg in out.failed_rows.items()}
             if ahead:
@@ -274,8 +292,9 @@ class ModelRunner:
             self.in_flight.clear()
         return step
 
-    def _forward(self, x: StepInputs, patch: Patch | None) -> torch.Tensor:
-        """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly."""
+    def _forward(self, x: StepInputs, patch: Patch | None) -> torch.Tensor | None:
+        """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly.
+        None on a pipeline stage before the last (its activations went to the next stage)."""
         batch, model, kv = self.input_batch, self.model, self.kv_cache_config
         assert batch is not None and model is not None and kv is not None
         groups = kv.groups
@@ -298,6 +317,8 @@ class ModelRunner:
         positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
         commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
+            if self.pp is not None:
+                return self.pp.forward(model, input_ids, positions)
             return model(input_ids, positions)
 
     def finish_step(self, step: PendingStep) -> ModelRunnerOutput:

@@ -53,7 +53,8 @@ def profile_forward(
         hidden = model(
             torch.zeros(num_tokens, dtype=torch.long, device=device), torch.arange(num_tokens, device=device)
         )
-        model.compute_logits(hidden[-num_logits:])
+        if not isinstance(hidden, tuple):  # (a pipeline stage before the last returns activations, no logits)
+            model.compute_logits(hidden[-num_logits:])
 
 
 @torch.inference_mode()

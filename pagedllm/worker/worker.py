@@ -39,6 +39,8 @@ class Worker:
         batch_invariant.set_enabled(bool(config.extra.get("batch_invariant")))
         runner_cls = ModelRunner
         if config.model_config.runner_type == "pooling":  # pooling models: hidden states to the pooler
+            if config.parallel_config.pipeline_parallel_size > 1:
+                raise ValueError("pipeline_parallel_size: pooling models run as one pipeline stage")
             from pagedllm.pooling.runner import PoolingModelRunner
 
             runner_cls = PoolingModelRunner

@@ -389,6 +389,8 @@ async def run_server(args: argparse.Namespace) -> int:
         prometheus.enable_lora_info(config.lora_config.max_loras)
     stat_loggers: list[Any] = [prometheus]
     engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    if config.parallel_config.data_parallel_size > 1:
+        prometheus.enable_data_parallel(engine.engine_core)
     app: FastAPI | None = None
     try:
         app = build_app(

@@ -89,7 +89,11 @@ def get_weights_iterator(model_config: ModelConfig, load_format: str) -> Iterabl
         files = get_safetensors_files(model_dir)
         if not files:
             raise ValueError(f"load_format 'safetensors': no *.safetensors files in {model_dir}")
-        return safetensors_weights_iterator(files)
+        from pagedllm.distributed import parallel_state as ps
+
+        # Several ranks: each narrows the weights to its shard; mapped, it reads only those pages.
+        sharded = ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1
+        return safetensors_weights_iterator(files, mapped=sharded)
     if load_format == "pt":
         files = get_pt_files(model_dir)
         if not files:
@@ -110,8 +114,14 @@ def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
     `gguf_dequantize`) on the CPU with the C kernels built; otherwise they are dequantized to `dtype`."""
     if getattr(model_config, "quantization", None) != "gguf":
         return False
+    from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
     from pagedllm.model_executor.layers.quantization.gguf import kernels_available
 
+    if get_tensor_model_parallel_world_size() > 1:
+        logger.info(
+            "gguf: packed weights are not sharded; dequantizing to %s for tensor parallelism", model_config.dtype
+        )
+        return False
     if torch.device(device).type != "cpu":
         logger.info("gguf: packed kernels are CPU-only for now; dequantizing the weights to %s", model_config.dtype)
         return False

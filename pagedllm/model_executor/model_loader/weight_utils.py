@@ -49,13 +49,59 @@ def get_pt_files(model_dir: str) -> list[str]:
     return files
 
 
-def safetensors_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def safetensors_weights_iterator(files: list[str], mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the files. `mapped`: views of a private memory map of each file
+    (no copy), so a tensor-parallel rank that narrows a weight to its shard reads only those pages."""
     from safetensors import safe_open
 
     for path in files:
+        if mapped:
+            tensors = _mapped_safetensors(path)
+            if tensors is not None:
+                yield from tensors
+                continue
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, f.get_tensor(name)
+
+
+def _mapped_safetensors(path: str) -> list[tuple[str, torch.Tensor]] | None:
+    """The file's tensors as views of `UntypedStorage.from_file` (a private mmap: pages are read when
+    touched); None when a tensor's dtype or alignment does not allow a view (then they are read whole)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        start = base + int(info["data_offsets"][0])
+        if start % itemsize:
+            return None
+        t = torch.empty(0, dtype=dtype)
+        t.set_(storage, start // itemsize, tuple(info["shape"]))  # type: ignore[call-overload]
+        out.append((name, t))
+    return out
 
 
 def pt_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

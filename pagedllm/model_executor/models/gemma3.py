@@ -168,6 +168,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     plus `final_logit_softcapping`: logits = cap * tanh(logits / cap)."""
 
     model_cls = Gemma3Model  # type: ignore[assignment]
+    supports_pp = False  # its own forward takes no previous stage's activations
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__(hf_config, prefix)

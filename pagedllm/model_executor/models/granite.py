@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.distributed.pipeline import Intermediate
 from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
@@ -43,7 +44,9 @@ class GraniteModel(LlamaModel):
         super().__init__(config, prefix)
         self.embedding_multiplier = float(config.embedding_multiplier)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+    ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -54,6 +57,7 @@ class GraniteModel(LlamaModel):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     model_cls = GraniteModel
+    supports_pp = False  # its own forward takes no previous stage's activations
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__(hf_config, prefix)

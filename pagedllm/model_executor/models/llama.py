@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from pagedllm.attention.backends.abstract import RotaryArgs
 from pagedllm.attention.layer import Attention
-from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagedllm.distributed.parallel_state import (
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_tensor_model_parallel_world_size,
+)
+from pagedllm.distributed.pipeline import Intermediate, PPMissingLayer, get_pp_indices, is_first_stage, is_last_stage
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
@@ -215,19 +220,50 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        # Pipeline parallelism: this stage's layers only; the embedding on the first stage (and on the last
+        # where the LM head is tied to it), the final norm on the last (pagedllm/distributed/pipeline.py).
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = get_pp_indices(
+            n, get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
         )
+        self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.is_first_stage or (tied and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            )
+        else:
+            self.embed_tokens = cast(VocabParallelEmbedding, PPMissingLayer())
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(n)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=float(getattr(config, "rms_norm_eps", 1e-6)))
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(config.hidden_size, eps=eps) if self.is_last_stage else PPMissingLayer()
+        self.stage_layers: list[nn.Module] = list(self.layers)[self.start_layer : self.end_layer]
+        """This stage's layers, as a plain list (slicing the ModuleList would build a new one every forward)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+    ) -> torch.Tensor | Intermediate:
+        """[T, hidden] hidden states; on a pipeline stage before the last, (hidden states, residual).
+        `intermediate` is the previous stage's output (a later stage without it, e.g. a warm-up forward,
+        starts from zeros)."""
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if intermediate is not None:
+            hidden_states, residual = intermediate
+        elif self.is_first_stage:
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            hidden_states = torch.zeros(input_ids.shape[0], self.config.hidden_size, device=input_ids.device)
+            residual = torch.zeros_like(hidden_states)
+        for layer in self.stage_layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            assert residual is not None
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -243,14 +279,23 @@ class LlamaForCausalLM(nn.Module):
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = self.model_cls(hf_config, prefix=model_prefix)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(
-            hf_config.vocab_size, hf_config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = cast(ParallelLMHead, PPMissingLayer())
+        if getattr(self.model, "is_last_stage", True):
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, prefix=f"{prefix}.lm_head" if prefix else "lm_head"
+            )
+            if self.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_pp = True
+    """Pipeline stages: `forward` takes the previous stage's (hidden states, residual)."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+    ) -> torch.Tensor:
+        if intermediate is None:  # (subclasses' models, e.g. Gemma 3's, take no third argument)
+            return self.model(input_ids, positions)  # type: ignore[return-value]
+        return self.model(input_ids, positions, intermediate)  # type: ignore[return-value]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
@@ -280,7 +325,8 @@ class LlamaForCausalLM(nn.Module):
                 break
             else:
                 if name not in params:
-                    logger.warning("load_weights: ignoring checkpoint tensor %s (no such parameter)", name)
+                    if get_pipeline_model_parallel_world_size() == 1:  # else: another stage's weight
+                        logger.warning("load_weights: ignoring checkpoint tensor %s (no such parameter)", name)
                     continue
                 param = params[name]
                 loader = getattr(param, "weight_loader", default_weight_loader)

@@ -1,0 +1,110 @@
+"""Pipeline parallelism: layer ranges per stage, and what the stages exchange each step.
+
+Stage s of p holds layers `get_pp_indices(n, s, p)`; the first stage embeds, the last normalizes, computes
+the logits and samples. Every rank builds the same step inputs from the same `SchedulerOutput`, so the
+number of tokens is known everywhere and only the activations travel: stage s sends its hidden states and
+residual to stage s + 1 (the same tensor-parallel rank), and the last stage broadcasts the sampled ids to
+the earlier stages, whose persistent batches need them (the first stage embeds them next step).
+
+Only the last stage samples (the other stages have no logits); one batch is in flight at a time (stages
+do not overlap yet), CUDA graphs are off with pp > 1 and async scheduling is turned off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import parallel_state as ps
+
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+"""(hidden states, residual) between two stages, [num_tokens, hidden_size] each."""
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of stage `pp_rank`'s layers: an even split, the first stages taking one more."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size: {pp_size} stages for {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands where another stage's layer (or embedding, norm, LM head) is: no parameters."""
+
+
+def is_first_stage() -> bool:
+    return ps.get_pipeline_model_parallel_rank() == 0
+
+
+def is_last_stage() -> bool:
+    return ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_world_size() - 1
+
+
+class PipelineStage:
+    """This rank's side of the per-step exchange (the model runner holds one when pp > 1)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        rank = dist.get_rank()
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.is_first = self.pp_rank == 0
+        self.is_last = self.pp_rank == self.pp_size - 1
+        self.prev_rank = rank - tp
+        self.next_rank = rank + tp
+        self.last_rank = rank + (self.pp_size - 1 - self.pp_rank) * tp
+        self.group = ps.get_pp_group()
+
+    def forward(self, model: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The stage's forward: activations in from the previous stage, out to the next. The hidden states
+        on the last stage, None elsewhere."""
+        intermediate: Intermediate | None = None
+        if not self.is_first:
+            n = input_ids.shape[0]
+            hidden = torch.empty(n, self.hidden_size, dtype=self.dtype, device=self.device)
+            residual = torch.empty_like(hidden)
+            self.dist.recv(hidden, src=self.prev_rank)
+            self.dist.recv(residual, src=self.prev_rank)
+            intermediate = (hidden, residual)
+        out = model(input_ids, positions, intermediate)
+        if self.is_last:
+            return out
+        hidden, residual = out
+        self.dist.send(hidden.contiguous(), dst=self.next_rank)
+        self.dist.send(residual.contiguous(), dst=self.next_rank)
+        return None
+
+    def share_sampled(self, sampled: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The last stage's sampled ids ([n] int64) on every stage of this pipeline."""
+        if self.is_last:
+            assert sampled is not None
+            ids = sampled.to(torch.int64).contiguous()
+        else:
+            ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.dist.broadcast(ids, src=self.last_rank, group=self.group)
+        return ids
+
+    def follow_step(self, x: Any, batch: Any, in_flight: Any) -> Any:
+        """A stage before the last after its forward: the step's sampled ids from the last stage (the same
+        requests sample on every stage: all build the same inputs), as the runner's `PendingStep`."""
+        import numpy as np
+
+        from pagedllm.worker.async_output import PendingStep
+
+        sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
+        step = PendingStep(x.req_ids, sample_idx)
+        if len(sample_idx):
+            step.sampled_host = self.share_sampled(None, len(sample_idx)).cpu()
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        in_flight.clear()
+        return step
