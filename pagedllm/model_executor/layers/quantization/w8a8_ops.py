@@ -1,0 +1,144 @@
+"""8-bit weight-and-activation GEMMs: FP8 (e4m3) and INT8, per-output-channel weight scales, activations
+quantized per token on the fly (dynamic) or with a static per-tensor scale.
+
+GPU: FP8 through `torch._scaled_mm` (row-wise scales, Hopper / Ada), INT8 through `torch._int_mm`; the
+per-token quantization is one Triton pass. CPU (and shapes the GPU GEMMs refuse): the same math emulated
+in float32 (quantized values times their scales), which is what the tests check the loaders against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INT8_MAX = 127.0
+_EPS = 1e-10
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 natively (CUDA compute capability >= 8.9)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_weight_per_channel(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] in `dtype` (FP8 e4m3 or int8), scale [N] float32) with q * scale ~= w."""
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / qmax).clamp(min=_EPS)
+    q = wf / scale[:, None]
+    q = q.clamp(-qmax, qmax) if dtype == FP8_DTYPE else q.round().clamp(-128, 127)
+    return q.to(dtype), scale
+
+
+def _quantize_rows_torch(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    xf = x.float()
+    if static_scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_EPS)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    q = xf / scale
+    q = q.clamp(-qmax, qmax) if dtype == FP8_DTYPE else q.round().clamp(-128, 127)
+    return q.to(dtype), scale.contiguous()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, QMAX: tl.constexpr,
+                           IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-10)
+        q = tl.clamp(x / scale, -QMAX, QMAX)
+        if IS_INT:
+            # round half to even, as torch.round
+            r = tl.floor(q + 0.5)
+            tie = (r - q) == 0.5
+            r = tl.where(tie & ((r % 2) != 0), r - 1.0, r)
+            q = tl.clamp(r, -128.0, 127.0)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] in `dtype`, scale [M, 1] float32): per-token amax scales, or `static_scale`."""
+    use_triton = HAS_TRITON and (x.is_cuda or _interpret()) and x.shape[1] <= 32768
+    if not use_triton or x.shape[0] == 0:
+        return _quantize_rows_torch(x, dtype, static_scale)
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    static = static_scale if static_scale is not None else s
+    _quant_rows_kernel[(m,)](
+        x, q, s, static, k, x.stride(0), QMAX=qmax, IS_INT=dtype == torch.int8,
+        STATIC=static_scale is not None, BLOCK=triton.next_power_of_2(k),
+    )  # fmt: skip
+    return q, s
+
+
+def _interpret() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _emulated(
+    xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = (xq.float() @ w.float().t()) * x_scale * w_scale[None, :]
+    return out if bias is None else out + bias.float()
+
+
+def w8a8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] * w_scale [N, None]).T with x quantized to w's dtype (FP8 or int8) per token
+    (or with the static `input_scale`); the result is in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    xq, xs = quantize_rows(x2, w.dtype, input_scale)
+    m = x2.shape[0]
+    out: torch.Tensor
+    if x.is_cuda and w.dtype == FP8_DTYPE and k % 16 == 0 and n % 16 == 0:
+        # Row-wise scaling wants bfloat16 output; other dtypes are cast after.
+        b = bias.to(torch.bfloat16) if bias is not None else None
+        out = torch._scaled_mm(
+            xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), bias=b, out_dtype=torch.bfloat16
+        )
+    elif x.is_cuda and w.dtype == torch.int8 and k % 8 == 0 and n % 8 == 0:
+        pad = 17 - m if m <= 16 else 0  # _int_mm needs more than 16 rows
+        a = torch.nn.functional.pad(xq, (0, 0, 0, pad)) if pad else xq
+        acc = torch._int_mm(a, w.t())[:m]
+        out = acc.float() * xs * w_scale[None, :]
+        if bias is not None:
+            out = out + bias.float()
+    else:
+        out = _emulated(xq, xs, w, w_scale, bias)
+    return out.to(x.dtype).view(*lead, n)
