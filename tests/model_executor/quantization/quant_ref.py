@@ -109,7 +109,9 @@ def make_w8a8_reference(
         else:
             static = torch.tensor(input_scales[name])
 
-            def pre(_m: nn.Module, args: tuple[torch.Tensor, ...], static: torch.Tensor = static) -> tuple[torch.Tensor]:
+            def pre(
+                _m: nn.Module, args: tuple[torch.Tensor, ...], static: torch.Tensor = static
+            ) -> tuple[torch.Tensor]:
                 return (fq(args[0], static),)
 
         mod.register_forward_pre_hook(pre)
@@ -119,9 +121,7 @@ def make_w8a8_reference(
 # ---- int4 ---------------------------------------------------------------------------------------------
 
 
-def quantize_int4(
-    w: torch.Tensor, group: int, sym: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(w: torch.Tensor, group: int, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit min/max quantization of w [N, K] by groups of `group` input columns, asymmetric (AWQ) or
     symmetric with zero 8 (GPTQ sym=True): (q [K, N] in 0..15, zeros [K/G, N], scales [K/G, N]);
     w.T ~= (q - z) * s."""

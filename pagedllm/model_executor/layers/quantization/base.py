@@ -100,9 +100,8 @@ def get_quantization_config(quantization: str | None, hf_config: Any) -> Quantiz
     if method is None or method == "gguf":
         return None
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization: unsupported method {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
-        )
+        field = "quantization" if quantization else "quantization_config.quant_method"
+        raise ValueError(f"{field}: unsupported method {method!r}; expected one of {', '.join(QUANTIZATION_METHODS)}")
     if ckpt_method is not None and ckpt_method != method:
         raise ValueError(
             f"quantization: {quantization!r} does not match the checkpoint, whose config.json has "

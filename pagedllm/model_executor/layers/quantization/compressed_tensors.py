@@ -40,7 +40,9 @@ def _scheme(name: str, group: dict[str, Any], fmt: str | None) -> tuple[torch.dt
     if wtype not in ("float", "int"):
         raise ValueError(f"{field}.weights.type: {wtype!r} is not supported; expected 'float' or 'int'")
     if w.get("strategy") not in ("channel", "tensor"):
-        raise ValueError(f"{field}.weights.strategy: {w.get('strategy')!r} is not supported; expected 'channel' or 'tensor'")
+        raise ValueError(
+            f"{field}.weights.strategy: {w.get('strategy')!r} is not supported; expected 'channel' or 'tensor'"
+        )
     if not w.get("symmetric", True):
         raise ValueError(f"{field}.weights.symmetric: asymmetric weights are not supported")
     if w.get("dynamic"):
@@ -58,7 +60,7 @@ def _scheme(name: str, group: dict[str, Any], fmt: str | None) -> tuple[torch.dt
     else:
         if a.get("strategy") != "tensor":
             raise ValueError(
-                f"{field}.input_activations.strategy: static activations must be per 'tensor', got {a.get('strategy')!r}"
+                f"{field}.input_activations.strategy: static scales must be per 'tensor', got {a.get('strategy')!r}"
             )
         static = True
     return (FP8_DTYPE if wtype == "float" else torch.int8), static

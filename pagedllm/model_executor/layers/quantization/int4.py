@@ -117,9 +117,7 @@ class Int4LinearMethod(LinearMethodBase):
         k, n, g = input_size_per_partition, sum(output_partition_sizes), self.group
         where = getattr(layer, "prefix", "") or "a linear layer"
         if k % g:
-            raise ValueError(
-                f"quantization_config.group_size: {g} does not divide the input size {k} of {where}"
-            )
+            raise ValueError(f"quantization_config.group_size: {g} does not divide the input size {k} of {where}")
         if any(p % 8 for p in output_partition_sizes):
             raise ValueError(f"{self.fmt}: the output sizes {output_partition_sizes} of {where} are not multiples of 8")
         if self.fmt == "awq":

@@ -67,7 +67,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_gemm_kernel(a_ptr, qw_ptr, z_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_cm,
-                          G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                          G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PREC: tl.constexpr):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -85,7 +86,7 @@ if HAS_TRITON:
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             w = (q.to(tl.float32) - z[None, :]) * s[None, :]
-            acc += tl.dot(a, w.to(a.dtype))
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
         c = acc.to(c_ptr.dtype.element_ty)
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -128,7 +129,8 @@ def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     bn, bk = 64, _block_k(group)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int4_gemm_kernel[grid](x, qweight, zeros, scales, out, m, n, k, x.stride(0), out.stride(0),
-                            G=group, BM=bm, BN=bn, BK=bk)  # fmt: skip
+                            G=group, BM=bm, BN=bn, BK=bk,
+                            PREC="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
     return out
 
 

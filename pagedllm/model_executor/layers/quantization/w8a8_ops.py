@@ -66,13 +66,15 @@ if HAS_TRITON:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-10)
-        q = tl.clamp(x / scale, -QMAX, QMAX)
+        q = x / scale
         if IS_INT:
             # round half to even, as torch.round
             r = tl.floor(q + 0.5)
             tie = (r - q) == 0.5
             r = tl.where(tie & ((r % 2) != 0), r - 1.0, r)
             q = tl.clamp(r, -128.0, 127.0)
+        else:
+            q = tl.clamp(q, -QMAX, QMAX)
         tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
@@ -129,9 +131,7 @@ def w8a8_linear(
     if x.is_cuda and w.dtype == FP8_DTYPE and k % 16 == 0 and n % 16 == 0:
         # Row-wise scaling wants bfloat16 output; other dtypes are cast after.
         b = bias.to(torch.bfloat16) if bias is not None else None
-        out = torch._scaled_mm(
-            xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), bias=b, out_dtype=torch.bfloat16
-        )
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), bias=b, out_dtype=torch.bfloat16)
     elif x.is_cuda and w.dtype == torch.int8 and k % 8 == 0 and n % 8 == 0:
         pad = 17 - m if m <= 16 else 0  # _int_mm needs more than 16 rows
         a = torch.nn.functional.pad(xq, (0, 0, 0, pad)) if pad else xq
