@@ -117,6 +117,9 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
+    cache_dtype: str = "auto"
+    """'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' / 'fp8_e5m2' (attention/kv_quant.py)."""
+    calculate_kv_scales: bool = False
     num_blocks: int = 0
     """Filled in by the engine once the worker has sized the KV cache."""
 

@@ -110,6 +110,18 @@ class EngineArgs:
         default=None,
         metadata=_help("KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"),
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
+        default="auto",
+        metadata=_help(
+            "KV-cache storage: 'auto' (the model's dtype) or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a "
+            "V scale per layer from the checkpoint (else 1.0, or see --calculate-kv-scales): twice the tokens.",
+            "Cache",
+        ),
+    )
+    calculate_kv_scales: bool = field(
+        default=False,
+        metadata=_help("FP8 KV cache: set each layer's k/v scales from the first batch (amax / FP8 max).", "Cache"),
+    )
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=_help("Force the number of KV-cache blocks (testing/preemption).", "Cache")
     )
@@ -247,6 +259,11 @@ class EngineArgs:
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported for now")
+        kv_dtypes = get_args(get_type_hints(EngineArgs)["kv_cache_dtype"])
+        if self.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales: needs an FP8 kv_cache_dtype ('fp8', 'fp8_e4m3' or 'fp8_e5m2')")
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import get_reasoning_parser
 
@@ -340,6 +357,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks_override", self.num_gpu_blocks_override),
+                cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

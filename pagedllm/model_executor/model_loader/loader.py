@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.kv_quant import split_kv_scales
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.quantization.base import (
     QuantizationConfig,
@@ -151,7 +152,8 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
             loaded = load_gguf_packed(model, model_config.gguf_file, model_config.hf_config)
             check_all_loaded(model, loaded)
         else:
-            loaded = model.load_weights(get_weights_iterator(model_config, fmt))  # type: ignore[operator]
+            weights = split_kv_scales(model, get_weights_iterator(model_config, fmt))  # k/v cache scales
+            loaded = model.load_weights(weights)  # type: ignore[operator]
             check_all_loaded(model, loaded)
         for module in model.modules():
             qm = getattr(module, "quant_method", None)
