@@ -159,7 +159,8 @@ def throughput_floor(
     written once, each request's context read once by its prefill and once per later decode token.
     Quantized linear layers count their logical parameters; FP8 ones multiply at `fp8_tflops`.
     """
-    el = model.lm_head.weight.element_size() if hasattr(model, "lm_head") else next(model.parameters()).element_size()
+    head_w = getattr(getattr(model, "lm_head", None), "weight", None)
+    el = head_w.element_size() if isinstance(head_w, torch.Tensor) else next(model.parameters()).element_size()
     w_bytes = weight_read_bytes(model)
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     head_params = head.numel() if isinstance(head, torch.Tensor) else 0

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention.kv_quant import split_kv_scales
+from pagedllm.attention.kv_scales import split_kv_scales
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.quantization.base import (
     QuantizationConfig,

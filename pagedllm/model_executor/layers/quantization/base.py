@@ -144,25 +144,20 @@ def linear_method_for(layer: nn.Module, prefix: str) -> Any:
 # ---- shard geometry --------------------------------------------------------------------------------
 
 
-def shard_rows(layer: nn.Module, shard_id: Any) -> tuple[int, int]:
-    """(offset, size) in this rank's output rows of a fused layer's sub-projection `shard_id` (q/k/v or
-    0/1), or the whole output for None."""
-    sizes = list(getattr(layer, "output_partition_sizes", None) or [layer.output_size])
-    if shard_id is None:
-        return 0, sum(sizes)
-    idx = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id) if isinstance(shard_id, str) else int(shard_id)
-    return sum(sizes[:idx]), sizes[idx]
+def _shard_index(shard_id: Any) -> int:
+    """A fused layer's sub-projection index: q/k/v -> 0/1/2, gate/up given as 0/1."""
+    return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
 
 
-def full_shard_rows(layer: nn.Module, shard_id: Any) -> int:
+def full_shard_rows(layer: Any, shard_id: Any) -> int:
     """Rows of the checkpoint tensor of sub-projection `shard_id` (all ranks), or of the whole layer."""
     if shard_id is None:
         return int(layer.output_size)
-    idx = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id) if isinstance(shard_id, str) else int(shard_id)
+    idx = _shard_index(shard_id)
     return int(layer.output_sizes[idx]) if hasattr(layer, "output_sizes") else int(layer.output_size)
 
 
-def per_channel_loader(layer: nn.Module) -> Any:
+def per_channel_loader(layer: Any) -> Any:
     """A weight_loader for a per-output-row float32 parameter [N] that also takes a per-tensor scale
     (a scalar or [1], expanded over the sub-projection's rows) or a [N, 1] per-channel one."""
 

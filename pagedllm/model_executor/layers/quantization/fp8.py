@@ -149,7 +149,7 @@ class Fp8OnlineLinearMethod(W8A8LinearMethod):
             **extra_weight_attrs,
         )
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_weight_per_channel(layer.weight.data, FP8_DTYPE)  # type: ignore[union-attr]
+    def process_weights_after_loading(self, layer: Any) -> None:
+        q, scale = quantize_weight_per_channel(layer.weight.data, FP8_DTYPE)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -134,15 +134,15 @@ class Int4LinearMethod(LinearMethodBase):
             set_weight_attrs(g_idx, {"input_dim": 0, "skip_dummy_init": True, **extra_weight_attrs})
             layer.register_parameter("g_idx", g_idx)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qw: torch.Tensor = layer.qweight.data  # type: ignore[union-attr]
-        qz: torch.Tensor = layer.qzeros.data  # type: ignore[union-attr]
+    def process_weights_after_loading(self, layer: Any) -> None:
+        qw: torch.Tensor = layer.qweight.data
+        qz: torch.Tensor = layer.qzeros.data
         if self.fmt == "awq":
             qweight = pack_int4_rows(unpack_int4_cols(qw, AWQ_ORDER))
             zeros = unpack_int4_cols(qz, AWQ_ORDER)
         else:
             k = qw.shape[0] * 8
-            g_idx = layer.g_idx.data  # type: ignore[union-attr]
+            g_idx = layer.g_idx.data
             expected = torch.arange(k, dtype=g_idx.dtype, device=g_idx.device) // self.group
             if not torch.equal(g_idx, expected):
                 raise ValueError(
