@@ -195,3 +195,41 @@ def test_fp8_kv_cache_kernels(kv_dtype: torch.dtype, q_lens: list[int], ctx_lens
     paged_attention(query, kf, vf, ref, bt, seq_t, qsl, **kw)  # type: ignore[arg-type]
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.skipif(INTERPRET, reason="the engine test needs a GPU")
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_engine_fp8_kv_cache_matches_reference(kv_dtype: str, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The engine with an FP8 KV cache on the GPU (decode CUDA graphs, chunked prefill, prefix-cache hits on
+    the second round) against HF's float32 model whose attention sees the same fake-quantized K/V."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from tests.hf_utils import compare_greedy, hf_greedy
+    from tests.model_executor.quantization.test_kv_cache_fp8 import DTYPES, FP8KVReference
+    from tests.utils_model import VOCAB, make_tiny_hf_model
+
+    rng = random.Random(0)
+    base = [rng.randrange(VOCAB) for _ in range(20)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 40, 9)] + [base + [1, 2], base + [3]]
+    model = make_tiny_hf_model("llama", tmp_path)
+    ref = FP8KVReference(monkeypatch, DTYPES[kv_dtype])
+    scales = ref.calibrate(model, prompts)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    for i, (ks, vs) in scales.items():
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(ks)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(vs)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ref.scales = scales
+    model = model.to("cuda")
+    refs = [hf_greedy(model, p, 16) for p in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=32, kv_cache_dtype=kv_dtype)  # fmt: skip
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    assert runner.cuda_graphs is not None
+    assert all(c.dtype == DTYPES[kv_dtype] for c in runner.kv_caches.values())
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    for _ in range(2):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        for p, o, r in zip(prompts, outs, refs):
+            compare_greedy(model, p, list(o.outputs[0].token_ids), r, torch.float32)
