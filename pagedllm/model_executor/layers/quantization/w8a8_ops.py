@@ -128,10 +128,13 @@ def w8a8_linear(
     xq, xs = quantize_rows(x2, w.dtype, input_scale)
     m = x2.shape[0]
     out: torch.Tensor
-    if x.is_cuda and w.dtype == FP8_DTYPE and k % 16 == 0 and n % 16 == 0:
-        # Row-wise scaling wants bfloat16 output; other dtypes are cast after.
-        b = bias.to(torch.bfloat16) if bias is not None else None
-        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), bias=b, out_dtype=torch.bfloat16)
+    if m == 0:
+        out = x2.new_empty(0, n)
+    elif x.is_cuda and w.dtype == FP8_DTYPE and k % 16 == 0 and n % 16 == 0:
+        # Row-wise scaling wants bfloat16 output (other dtypes are cast after); the bias is added after.
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), out_dtype=torch.bfloat16)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     elif x.is_cuda and w.dtype == torch.int8 and k % 8 == 0 and n % 8 == 0:
         pad = 17 - m if m <= 16 else 0  # _int_mm needs more than 16 rows
         a = torch.nn.functional.pad(xq, (0, 0, 0, pad)) if pad else xq
