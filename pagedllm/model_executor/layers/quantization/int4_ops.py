@@ -93,25 +93,29 @@ if HAS_TRITON:
     @triton.jit
     def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
                           G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """Each packed int32 is loaded once and unpacked in registers to its 8 rows ([BK/8, 8, BN] tiles)."""
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
+        BR: tl.constexpr = BK // 8
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
-        offs_k = tl.arange(0, BK)
-        acc = tl.zeros([BK, BN], dtype=tl.float32)
+        offs_r = tl.arange(0, BR)
+        nib = tl.arange(0, 8)
+        shifts = (nib * 4)[None, :, None]
+        acc = tl.zeros([BR, 8, BN], dtype=tl.float32)
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
         for k0 in range(k_begin, k_end, BK):
-            kk = k0 + offs_k
-            x = tl.load(x_ptr + m * stride_xm + kk).to(tl.float32)
-            q = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-            q = (q >> ((kk % 8) * 4)[:, None]) & 0xF
+            rows = k0 // 8 + offs_r
+            packed = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = (packed[:, None, :] >> shifts) & 0xF  # [BR, 8, BN]
+            x = tl.load(x_ptr + m * stride_xm + rows[:, None] * 8 + nib[None, :]).to(tl.float32)  # [BR, 8]
             g = k0 // G
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc += x[:, None] * ((q.to(tl.float32) - z[None, :]) * s[None, :])
-        res = tl.sum(acc, axis=0)
+            acc += x[:, :, None] * ((q.to(tl.float32) - z[None, None, :]) * s[None, None, :])
+        res = tl.sum(tl.sum(acc, axis=1), axis=0)
         tl.store(part_ptr + (split * M + m) * N + offs_n, res, mask=n_ok)
 
 
