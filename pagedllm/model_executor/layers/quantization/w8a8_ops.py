@@ -78,6 +78,63 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
+    @triton.jit
+    def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
+                          QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """Decode rows: the row's per-token quantization fused into the GEMV (each program re-reads the
+        small activation row for its amax), BN weight rows streamed along K; one launch per linear."""
+        m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BK)
+        x_row = x_ptr + m * stride_xm
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(xk))
+            scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-10)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xq = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32) / scale
+            if IS_INT:
+                r = tl.floor(xq + 0.5)
+                r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
+                xq = tl.clamp(r, -128.0, 127.0)
+            else:
+                xq = tl.clamp(xq, -QMAX, QMAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + offs_n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * xq[None, :]
+        res = tl.sum(acc, axis=1) * scale * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_MAX_M = 4
+
+
+def w8a8_gemv(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M <= GEMV_MAX_M, K] (contiguous rows) through `_w8a8_gemv_kernel` -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn, bk = 16, 256
+    qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
+    _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
+        x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
+        out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
+    )  # fmt: skip
+    return out
+
 
 def quantize_rows(
     x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
@@ -125,8 +182,10 @@ def w8a8_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     x2 = x.reshape(-1, k)
-    xq, xs = quantize_rows(x2, w.dtype, input_scale)
     m = x2.shape[0]
+    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
+        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias).view(*lead, n)
+    xq, xs = quantize_rows(x2, w.dtype, input_scale)
     out: torch.Tensor
     if m == 0:
         out = x2.new_empty(0, n)
