@@ -70,8 +70,10 @@ class EngineArgs:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "Quantization method of the weights: 'gguf' (GGUF blocks kept packed, the default for a .gguf "
-            "model on the CPU; on the GPU the weights are dequantized to dtype for now)."
+            "Quantization method of the weights (vLLM's names; default: the checkpoint's quantization_config): "
+            "'fp8' (online: e4m3 weights with per-channel scales, per-token activations; or a vLLM fp8 "
+            "checkpoint), 'compressed-tensors' (FP8/INT8 W8A8), 'awq', 'gptq' (int4), 'gguf' (GGUF blocks kept "
+            "packed, the default for a .gguf model on the CPU)."
         ),
     )
     gguf_dequantize: bool = field(
