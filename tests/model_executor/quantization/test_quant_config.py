@@ -116,3 +116,26 @@ def test_engine_start_up_errors(tmp_path) -> None:  # noqa: ANN001
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantization_config.group_size: 128 does not divide the input size 64"):
         LLM(str(tmp_path / "awq"), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+def test_prequantized_moe_refused(tmp_path) -> None:  # noqa: ANN001
+    """A pre-quantized mixture-of-experts checkpoint fails at start-up naming `quantization` (the experts
+    have no quantized kernels), instead of a missing-weights error."""
+    import json
+
+    from transformers import MixtralConfig
+
+    from pagedllm import LLM
+    from tests.utils_model import make_tiny_hf_model
+
+    cfg = MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    make_tiny_hf_model("llama", tmp_path, config=cfg)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["quantization_config"] = {**GPTQ, "group_size": 32}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="quantization: 'gptq' checkpoints of mixture-of-experts models"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=8 << 20)
