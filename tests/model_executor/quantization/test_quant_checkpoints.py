@@ -135,3 +135,25 @@ def test_quantized_checkpoint_matches_dequantized_reference(case: str, prompts: 
             worst = max(worst, abs(got - ref_lp))
     tol = FP8_ACT_LOGPROB_TOL if case == "fp8-online" or "-fp8-" in case else LOGPROB_TOL
     assert worst < tol, f"{case}: logprob difference {worst:.3g}"
+
+
+def test_online_fp8_on_a_moe_model(prompts: list[list[int]], tmp_path) -> None:  # noqa: ANN001
+    """Online FP8 on a mixture-of-experts model: the attention projections are quantized, the experts and
+    the router stay in the model's dtype; greedy as the reference with the same layers fake-quantized."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = make_tiny_hf_model("llama", tmp_path, config=cfg)
+    quantized = qr.make_w8a8_reference(model, "fp8", per_channel=True, input_scales=None)
+    assert quantized and all(n.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in quantized)
+    refs = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              kv_cache_memory_bytes=8 << 20, quantization="fp8")  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    for p, o, r in zip(prompts, outs, refs):
+        compare_greedy(model, p, list(o.outputs[0].token_ids), r, torch.float32)
