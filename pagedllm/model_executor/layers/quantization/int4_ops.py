@@ -144,7 +144,7 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     split-K partial sums (float32) are added by one reduction."""
     m, k = x.shape
     n = qweight.shape[1]
-    bn, bk = 64, _block_k(group)
+    bn, bk = 64, group  # a whole group per step: 4 KB of packed weight in flight per program at G=128
     n_blocks = triton.cdiv(n, bn)
     split = max(1, min(2 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
