@@ -52,7 +52,9 @@ class ModelConfig:
     max_logprobs: int
     sliding_window: int | None
     quantization: str | None = None
-    """'gguf' when a .gguf model's weights stay packed (the default; `gguf_dequantize=True` turns it off)."""
+    """'gguf' when a .gguf model's weights stay packed (the default; `gguf_dequantize=True` turns it off);
+    'fp8' / 'compressed-tensors' / 'awq' / 'gptq' (model_executor/layers/quantization/), from the argument or
+    the checkpoint's `quantization_config`."""
     logprobs_mode: str = "raw_logprobs"
     """What logprobs report: raw_logprobs | raw_logits (the model's) | processed_logprobs |
     processed_logits (after penalties, processors, temperature, top-k/top-p), as vLLM."""
@@ -115,6 +117,9 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
+    cache_dtype: str = "auto"
+    """'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' / 'fp8_e5m2' (attention/kv_quant.py)."""
+    calculate_kv_scales: bool = False
     num_blocks: int = 0
     """Filled in by the engine once the worker has sized the KV cache."""
 
@@ -227,10 +232,10 @@ def build_model_config(
     gguf_dequantize: bool = False,
 ) -> ModelConfig:
     model_dir, gguf_file = resolve_model_path(model, revision)
-    quantization = resolve_quantization(quantization, gguf_dequantize, gguf_file)
     hf_config = get_hf_config(model_dir, gguf_file)
     for k, v in (hf_overrides or {}).items():
         setattr(hf_config, k, v)
+    quantization = resolve_quantization(quantization, gguf_dequantize, gguf_file, hf_config)
     derived = get_max_model_len_from_config(hf_config)
     if max_model_len is None:
         max_model_len = derived
@@ -266,21 +271,34 @@ def build_model_config(
     )
 
 
-QUANTIZATION_METHODS = ("gguf",)
+def resolve_quantization(
+    quantization: str | None, gguf_dequantize: bool, gguf_file: str | None, hf_config: Any = None
+) -> str | None:
+    """The quantization method in force: a .gguf model runs packed ('gguf') unless `gguf_dequantize`;
+    otherwise the argument or the checkpoint's `quantization_config` (validated here, at start-up)."""
+    from pagedllm.model_executor.layers.quantization.base import (
+        QUANTIZATION_METHODS,
+        canonical_method,
+        get_quantization_config,
+    )
 
-
-def resolve_quantization(quantization: str | None, gguf_dequantize: bool, gguf_file: str | None) -> str | None:
-    """The quantization method in force: a .gguf model runs packed ('gguf') unless `gguf_dequantize`."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization: unsupported method {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
-        )
+    if quantization is not None:
+        quantization = canonical_method(quantization)
+        if quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization: unsupported method {quantization!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
+            )
     if gguf_file is None:
         if quantization == "gguf":
             raise ValueError("quantization: 'gguf' needs a .gguf model file")
         if gguf_dequantize:
             raise ValueError("gguf_dequantize: applies to .gguf models only")
-        return quantization
+        qc = get_quantization_config(quantization, hf_config)
+        return qc.name if qc is not None else None
+    if quantization == "fp8":  # the GGUF weights dequantized, then quantized online
+        return "fp8"
+    if quantization not in (None, "gguf"):
+        raise ValueError(f"quantization: {quantization!r} does not apply to a .gguf model (use 'gguf' or 'fp8')")
     if gguf_dequantize:
         if quantization == "gguf":
             raise ValueError("quantization='gguf' keeps GGUF weights packed; it contradicts gguf_dequantize=True")

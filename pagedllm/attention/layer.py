@@ -40,6 +40,12 @@ class Attention(nn.Module):
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, self.num_kv_heads, sliding_window, attn_type, logits_soft_cap
         )
+        # FP8 KV cache (attention/kv_quant.py): cache = fp8(x / scale); read only when the cache is FP8.
+        k_scale = torch.ones(1, dtype=torch.float32)
+        v_scale = torch.ones(1, dtype=torch.float32)
+        self.register_buffer("k_scale", k_scale, persistent=False)
+        self.register_buffer("v_scale", v_scale, persistent=False)
+        self.impl.kv_scales = (k_scale, v_scale)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs | None = None

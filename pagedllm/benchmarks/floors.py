@@ -71,6 +71,47 @@ def matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int 
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def fp8_matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int = 20) -> float:
+    """FP8 (e4m3) n x n x n `torch._scaled_mm` rate with row-wise scales, bf16 out (TFLOP/s): the ceiling
+    of the W8A8 FP8 linear layers."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+    ms = _median_ms(
+        partial(torch._scaled_mm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), warmup=5, reps=reps
+    )
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def quantized_linears(model: torch.nn.Module) -> tuple[int, int, bool]:
+    """(logical parameters of the quantized linear layers, their bytes, whether they multiply in FP8):
+    packed or 8-bit weights hold more parameters than their bytes / element size says."""
+    from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    params = nbytes = 0
+    fp8 = False
+    for m in model.modules():
+        if isinstance(m, LinearBase) and not isinstance(m.quant_method, UnquantizedLinearMethod):
+            params += int(m.input_size) * int(m.output_size) // max(1, int(m.tp_size))
+            nbytes += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+            w = getattr(m, "weight", None)
+            fp8 = fp8 or (isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn)
+    return params, nbytes, fp8
+
+
+def kv_element_size(model: torch.nn.Module, default: int) -> int:
+    """Bytes per K/V element of the bound cache (1 for an FP8 cache)."""
+    from pagedllm.attention.layer import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention) and m.kv_cache is not None:
+            return int(m.kv_cache.element_size())
+    return default
+
+
 def moe_expert_params(model: torch.nn.Module) -> tuple[int, float]:
     """(routed-expert parameters of the model, the fraction top_k / E of them one token uses); (0, 1.0)
     for a dense model."""
@@ -109,19 +150,24 @@ def throughput_floor(
     max_num_batched_tokens: int,
     copy_gbps: float,
     tflops: float,
+    fp8_tflops: float | None = None,
 ) -> ThroughputFloor:
     """Floor of an offline run of `requests` = (prompt len, output len, prompt tokens served from the
     prefix cache). FLOPs: 2 x body parameters per computed token, 2 x LM-head parameters per sampled token,
     4 x heads x head_dim x context per computed token and layer (QK^T and PV). Bytes: the weights once
     per step (at least max(longest output, computed tokens / token budget) steps), each token's K/V
-    written once, each request's context read once by its prefill and once per later decode token."""
-    el = next(model.parameters()).element_size()
+    written once, each request's context read once by its prefill and once per later decode token.
+    Quantized linear layers count their logical parameters; FP8 ones multiply at `fp8_tflops`.
+    """
+    head_w = getattr(getattr(model, "lm_head", None), "weight", None)
+    el = head_w.element_size() if isinstance(head_w, torch.Tensor) else next(model.parameters()).element_size()
     w_bytes = weight_read_bytes(model)
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     head_params = head.numel() if isinstance(head, torch.Tensor) else 0
-    body_params = w_bytes // el - head_params
+    q_params, q_bytes, q_fp8 = quantized_linears(model)
+    body_params = (w_bytes - q_bytes) // el - head_params + q_params
     expert_params, active = moe_expert_params(model)
-    kv_token = 2 * num_kv_heads * head_dim * el * num_layers  # K and V of one token, all layers
+    kv_token = 2 * num_kv_heads * head_dim * kv_element_size(model, el) * num_layers  # K and V, all layers
     computed = sampled = ctx_sum = kv_read = 0
     for n_in, n_out, cached in requests:
         n = n_in + n_out - 1  # the last sampled token is never fed back
@@ -137,5 +183,7 @@ def throughput_floor(
         touched = 1 - (1 - active) ** (computed / max(1, steps))
         w_bytes -= round(expert_params * el * (1 - touched))
     flops = 2 * body_params * computed + 2 * head_params * sampled + 4 * num_heads * head_dim * num_layers * ctx_sum
+    fast = 2 * q_params * computed if (q_fp8 and fp8_tflops) else 0  # FLOPs at the FP8 rate
+    flops_s = (flops - fast) / (tflops * 1e12) + (fast / (fp8_tflops * 1e12) if fast else 0.0)  # type: ignore[operator]
     nbytes = steps * w_bytes + kv_token * (computed + kv_read)
-    return ThroughputFloor(nbytes, flops, nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12))
+    return ThroughputFloor(nbytes, flops, nbytes / (copy_gbps * 1e9), flops_s)

@@ -63,6 +63,9 @@ def main(args: argparse.Namespace) -> int:
         "p90_request_s": full[int(0.9 * (len(full) - 1))],
         "time_per_output_token_ms": tpot * 1e3,
     }
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine: its KV capacity
+    if core is not None:
+        result["kv_cache_tokens"] = (core.config.cache_config.num_blocks - 1) * core.config.cache_config.block_size
     floor = ""
     model = floors.in_process_model(llm)
     if model is not None and next(model.parameters()).is_cuda:

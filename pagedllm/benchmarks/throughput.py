@@ -96,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
         # The floor of this request list on this GPU, from bandwidth and matmul rate measured now.
         dev = next(model.parameters()).device
         gbps, tflops = floors.copy_bandwidth_gbps(dev), floors.matmul_tflops(dev)
+        fp8_tflops = floors.fp8_matmul_tflops(dev) if floors.quantized_linears(model)[2] else None
         mc = core.config.model_config
         fl = floors.throughput_floor(
             model,
@@ -107,10 +108,12 @@ def main(args: argparse.Namespace) -> int:
             core.config.scheduler_config.max_num_batched_tokens,
             gbps,
             tflops,
+            fp8_tflops,
         )
         result.update(
             copy_GBps=gbps,
             matmul_TFLOPs=tflops,
+            fp8_matmul_TFLOPs=fp8_tflops,
             floor_s=fl.seconds,
             floor_bytes_s=fl.bytes_s,
             floor_flops_s=fl.flops_s,

@@ -70,8 +70,10 @@ class EngineArgs:
     quantization: str | None = field(
         default=None,
         metadata=_help(
-            "Quantization method of the weights: 'gguf' (GGUF blocks kept packed, the default for a .gguf "
-            "model on the CPU; on the GPU the weights are dequantized to dtype for now)."
+            "Quantization method of the weights (vLLM's names; default: the checkpoint's quantization_config): "
+            "'fp8' (online: e4m3 weights with per-channel scales, per-token activations; or a vLLM fp8 "
+            "checkpoint), 'compressed-tensors' (FP8/INT8 W8A8), 'awq', 'gptq' (int4), 'gguf' (GGUF blocks kept "
+            "packed, the default for a .gguf model on the CPU)."
         ),
     )
     gguf_dequantize: bool = field(
@@ -109,6 +111,18 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata=_help("KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"),
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
+        default="auto",
+        metadata=_help(
+            "KV-cache storage: 'auto' (the model's dtype) or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a "
+            "V scale per layer from the checkpoint (else 1.0, or see --calculate-kv-scales): twice the tokens.",
+            "Cache",
+        ),
+    )
+    calculate_kv_scales: bool = field(
+        default=False,
+        metadata=_help("FP8 KV cache: set each layer's k/v scales from the first batch (amax / FP8 max).", "Cache"),
     )
     num_gpu_blocks_override: int | None = field(
         default=None, metadata=_help("Force the number of KV-cache blocks (testing/preemption).", "Cache")
@@ -268,6 +282,15 @@ class EngineArgs:
         if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
             raise ValueError(f"load_format: unknown value {self.load_format!r}")
         self._validate_parallel()
+        if self.quantization not in (None, "gguf") and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"quantization: {self.quantization!r} with tensor / pipeline parallelism is not supported yet"
+            )
+        kv_dtypes = get_args(get_type_hints(EngineArgs)["kv_cache_dtype"])
+        if self.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales: needs an FP8 kv_cache_dtype ('fp8', 'fp8_e4m3' or 'fp8_e5m2')")
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import get_reasoning_parser
 
@@ -324,6 +347,10 @@ class EngineArgs:
                 raise ValueError(f"batch_invariant: supported on 'cpu' and 'cuda', not {self.resolved_device()!r}")
             if self.enable_lora and self.resolved_device() == "cuda":
                 raise ValueError("batch_invariant: LoRA layers are not batch-invariant on the GPU (enable_lora)")
+            if self.quantization not in (None, "gguf") and self.resolved_device() == "cuda":
+                raise ValueError(
+                    f"batch_invariant: quantized layers ({self.quantization}) are not batch-invariant on the GPU"
+                )
         pc = self.profiler_config
         if pc is not None:
             if not isinstance(pc, dict):
@@ -388,6 +415,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks_override", self.num_gpu_blocks_override),
+                cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -128,8 +128,11 @@ class ModelRunner:
             self.spec = SpecDecodeRunner(self.config.speculative_config, self)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        from pagedllm.attention.kv_quant import resolve_kv_cache_dtype
+
+        kv_dtype = resolve_kv_cache_dtype(self.config.cache_config.cache_dtype, self.dtype)
         return {
-            name: KVCacheSpec(self.block_size, layer.num_kv_heads, layer.head_size, self.dtype, layer.sliding_window)
+            name: KVCacheSpec(self.block_size, layer.num_kv_heads, layer.head_size, kv_dtype, layer.sliding_window)
             for name, layer in self.attn_layers.items()
             if layer.attn_type == "decoder"
         }

@@ -83,6 +83,10 @@ class Worker:
         kv_config = self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.warm_up_kernels()
         self.model_runner.capture_cuda_graphs()
+        if self.config.cache_config.calculate_kv_scales:  # after the warm-up: the first real batch sets them
+            from pagedllm.attention.kv_scales import arm_scale_calculation
+
+            arm_scale_calculation(self.model_runner.model)
         compile_log.set_phase("serving")
         return kv_config
 

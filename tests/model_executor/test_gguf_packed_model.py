@@ -51,7 +51,7 @@ def test_default_model_is_packed() -> None:
 def test_quantization_args_validated() -> None:
     with pytest.raises(ValueError, match="contradicts gguf_dequantize"):
         model_config(quantization="gguf", gguf_dequantize=True)
-    with pytest.raises(ValueError, match="quantization: unsupported method 'awq'"):
+    with pytest.raises(ValueError, match="quantization: 'awq' does not apply to a .gguf model"):
         model_config(quantization="awq")
     assert model_config(quantization="gguf").quantization == "gguf"
     import argparse

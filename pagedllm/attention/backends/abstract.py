@@ -85,6 +85,8 @@ M = TypeVar("M", bound=AttentionMetadata)
 class AttentionImpl(ABC, Generic[M]):
     fuses_rotary: bool = False
     """True where `forward` takes `rotary=` and applies it itself (with the KV-cache write)."""
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The layer's float32 [1] K and V scales, read when the cache is FP8 (attention/kv_quant.py)."""
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -169,8 +170,17 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         kvh, hd = self.num_kv_heads, self.head_size
         slots = attn_metadata.slot_mapping[:n]
         use_c = self._c_kernels(kv_cache)
+        fp8 = kv_quant.is_fp8(kv_cache.dtype)  # cache = fp8(x / scale), see attention/kv_quant.py
         if use_c:
             cpu_paged_attn.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, slots)
+        elif fp8:
+            assert self.kv_scales is not None
+            ks, vs = self.kv_scales
+            # As bytes: the CPU index ops have no FP8 kernels.
+            kq = kv_quant.quantize(key[:n], ks, k_cache.dtype).view(torch.uint8)
+            vq = kv_quant.quantize(value[:n], vs, v_cache.dtype).view(torch.uint8)
+            k_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, kq)
+            v_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, vq)
         else:
             # index_copy_ (a row memcpy per slot) is several times faster than advanced-index assignment.
             k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
@@ -182,14 +192,20 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
             batch_invariant_prefill(query, k_cache, v_cache, attn_metadata.prefills, output, self)
         for p in attn_metadata.prefills if not bi else ():
             q = query[p.q_start : p.q_end]
-            if p.context_len == 0 and self.sliding_window is None:
-                # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed.
+            if p.context_len == 0 and self.sliding_window is None and not fp8:
+                # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed (an
+                # FP8 cache is read back instead, so every token attends to the same quantized K/V).
                 output[p.q_start : p.q_end] = self._sdpa(
                     q, key[p.q_start : p.q_end], value[p.q_start : p.q_end], None, causal=True
                 )
                 continue
-            k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
-            v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            if fp8:
+                assert self.kv_scales is not None
+                k = kv_quant.gather_dequantized(k_cache, p.blocks, p.seq_len, self.kv_scales[0], q.dtype)
+                v = kv_quant.gather_dequantized(v_cache, p.blocks, p.seq_len, self.kv_scales[1], q.dtype)
+            else:
+                k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+                v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
             q_pos = torch.arange(p.context_len, p.seq_len, device=q.device)[:, None]
             k_pos = torch.arange(p.seq_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
@@ -249,8 +265,16 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         nb, bs = bt.shape[1], k_cache.shape[1]  # type: ignore[union-attr]
         flat = bt.reshape(-1).long()  # type: ignore[union-attr]
         length = nb * bs
+        kv_dtype = k_cache.dtype
+        fp8 = kv_quant.is_fp8(kv_dtype)
+        if fp8:  # gathered as bytes (no FP8 index kernels on the CPU), then widened and scaled below
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k = k_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(d_reqs, length, kvh, hd).transpose(1, 2)
+        if fp8:
+            assert self.kv_scales is not None
+            k = kv_quant.dequantize(k.contiguous().view(kv_dtype), self.kv_scales[0], torch.float32)
+            v = kv_quant.dequantize(v.contiguous().view(kv_dtype), self.kv_scales[1], torch.float32)
         k = k.to(torch.float32, memory_format=torch.contiguous_format)  # [D, kvh, L, hd]
         v = v.to(torch.float32, memory_format=torch.contiguous_format)
         qg = q.view(d_reqs, kvh, g, hd).float()

@@ -104,8 +104,12 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return self._encoder_forward(query, key, value, md, output)
         assert kv_cache is not None, "decoder attention needs its KV cache"
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        kv_scales = self.kv_scales if k_cache.element_size() == 1 else None  # FP8 cache (attention/kv_quant.py)
+        if rotary is not None and kv_scales is not None:  # the fused RoPE + write stores 16-bit values
+            apply_rotary_(rotary, query, key, self.head_size)
+            rotary = None
         if rotary is None:
-            reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping)
+            reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping, kv_scales)
         else:
             apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
         num_splits = md.num_splits
@@ -129,6 +133,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             workspace=md.workspace,
             num_decodes=md.num_decodes,
             logits_soft_cap=self.logits_soft_cap,
+            kv_scales=kv_scales,
         )
         return output
 

@@ -57,11 +57,15 @@ if HAS_TRITON:
         stride_vcb,
         stride_vct,
         stride_vch,
+        k_scale_ptr,
+        v_scale_ptr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         KVH_PAD: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -76,6 +80,9 @@ if HAS_TRITON:
         v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         kc = k_cache_ptr + blk * stride_kcb + off * stride_kct + h[:, None] * stride_kch + d[None, :]
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + d[None, :]
+        if FP8:  # cache = fp8(x / scale), saturated (kv_quant.py)
+            k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
         tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -209,6 +216,8 @@ if HAS_TRITON:
         stride_vt,
         stride_vh,
         stride_bt,
+        k_scale_ptr,
+        v_scale_ptr,
         GROUP: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -223,6 +232,7 @@ if HAS_TRITON:
         FILTER: tl.constexpr,
         DIRECT: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -280,6 +290,8 @@ if HAS_TRITON:
             t0 = tile_lo
             t1 = tile_hi
 
+        if KV_FP8:  # cache = fp8(x / scale): the K scale joins the score scale, the V scale the output
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -356,6 +368,8 @@ if HAS_TRITON:
             DOT_PREC,
             SOFTCAP,
         )
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr)
 
         if NUM_SEGMENTS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: empty row (padding) -> zeros
@@ -406,13 +420,17 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [>= T] int64; negative entries are skipped
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Write the new tokens' K/V into their cache slots (slot = block_id * block_size + offset)."""
+    """Write the new tokens' K/V into their cache slots (slot = block_id * block_size + offset); an FP8
+    cache stores x / scale with the layer's `kv_scales` (float32 [1] tensors)."""
     require_triton()
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    fp8 = k_cache.element_size() == 1
+    assert not fp8 or kv_scales is not None, "an FP8 cache needs the layer's k/v scales"
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -429,13 +447,20 @@ def reshape_and_cache(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        *(kv_scales if fp8 else (slot_mapping, slot_mapping)),  # type: ignore[misc]
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         KVH_PAD=next_pow2(num_kv_heads),
         HEAD_PAD=next_pow2(head_size),
         BLOCK_SIZE=k_cache.shape[1],
+        FP8=fp8,
+        FP8_MAX=_fp8_max(k_cache.dtype) if fp8 else 0.0,
         num_warps=4,
     )
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
 
 
 @functools.cache
@@ -499,13 +524,15 @@ def paged_attention(
     num_stages: int | None = None,
     num_decodes: int | None = None,
     logits_soft_cap: float | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
     `workspace` (any dict kept for the step) caches the split-KV scratch buffers across layers.
     `num_decodes` (requests with one query token, if known on the host) lets a mixed batch run as two
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
-    heuristics (benchmarks, tests) and force a single launch.
+    heuristics (benchmarks, tests) and force a single launch. An FP8 cache (1-byte elements) is read back
+    as cache * scale with the layer's `kv_scales` (float32 [1] tensors, attention/kv_quant.py).
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -521,6 +548,9 @@ def paged_attention(
     use_window = sliding_window is not None and sliding_window > 0
     dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
     overridden = any(x is not None for x in (block_m, tile_n, num_warps, num_stages))
+    kv_fp8 = k_cache.element_size() == 1
+    assert not kv_fp8 or kv_scales is not None, "an FP8 cache needs the layer's k/v scales"
+    k_scale, v_scale = kv_scales if kv_fp8 else (seq_lens, seq_lens)  # type: ignore[misc]
 
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
@@ -594,6 +624,8 @@ def paged_attention(
             v_cache.stride(1),
             v_cache.stride(2),
             block_table.stride(0),
+            k_scale,
+            v_scale,
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -608,6 +640,7 @@ def paged_attention(
             FILTER=filt,
             DIRECT=direct,
             SOFTCAP=bool(logits_soft_cap),
+            KV_FP8=kv_fp8,
             num_warps=nw,
             num_stages=ns,
         )

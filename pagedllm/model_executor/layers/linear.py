@@ -25,6 +25,7 @@ from pagedllm.distributed.parallel_state import (
 )
 from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu, triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
+from pagedllm.model_executor.layers.quantization.base import linear_method_for
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -120,8 +121,11 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method: LinearMethodBase = quant_method or UnquantizedLinearMethod()
         self.prefix = prefix
+        # A quantized model's layers get their method from the config in force while it is built.
+        self.quant_method: LinearMethodBase = (
+            quant_method or linear_method_for(self, prefix) or UnquantizedLinearMethod()
+        )
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
 
@@ -254,13 +258,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             # Already fused in the checkpoint: split into the sub-projections and load each.
             start = 0
+            pack = getattr(param, "output_pack_factor", 1)
             for i, size in enumerate(self.output_sizes):
+                size //= pack
                 self.weight_loader(param, loaded_weight.narrow(output_dim, start, size), i)
                 start += size
             return
         shard_id = int(shard_id)
-        part = self.output_partition_sizes[shard_id]
-        offset = sum(self.output_partition_sizes[:shard_id])
+        pack = getattr(param, "output_pack_factor", 1)  # int4 values packed along the output dim
+        part = self.output_partition_sizes[shard_id] // pack
+        offset = sum(self.output_partition_sizes[:shard_id]) // pack
         src = loaded_weight.narrow(output_dim, self.tp_rank * part, part)
         _copy_checked(param.data.narrow(output_dim, offset, part), src, f"{self.prefix}[{shard_id}]")
 
@@ -324,15 +331,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         hd = self.head_size
         if shard_id is None:
             # Checkpoint with a fused qkv weight: split it and load each part.
-            sizes = {"q": self.total_num_heads * hd, "k": self.total_num_kv_heads * hd}
+            pack = getattr(param, "output_pack_factor", 1)
+            sizes = {"q": self.total_num_heads * hd // pack, "k": self.total_num_kv_heads * hd // pack}
             sizes["v"] = sizes["k"]
             start = 0
             for sid in ("q", "k", "v"):
                 self.weight_loader(param, loaded_weight.narrow(output_dim, start, sizes[sid]), sid)
                 start += sizes[sid]
             return
-        q_part = self.num_heads * hd
-        kv_part = self.num_kv_heads * hd
+        pack = getattr(param, "output_pack_factor", 1)  # int4 values packed along the output dim
+        q_part = self.num_heads * hd // pack
+        kv_part = self.num_kv_heads * hd // pack
         if shard_id == "q":
             offset, size, src_start = 0, q_part, self.tp_rank * q_part
         elif shard_id in ("k", "v"):

@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.kv_scales import split_kv_scales
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.quantization.base import (
+    QuantizationConfig,
+    get_quantization_config,
+    set_current_quant_config,
+)
 from pagedllm.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagedllm.model_executor.model_loader.weight_utils import (
     get_pt_files,
@@ -52,14 +58,17 @@ def _default_dtype(dtype: torch.dtype):  # noqa: ANN202
         torch.set_default_dtype(prev)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """Instantiates the model (uninitialized weights) on `device` with parameters in `dtype`."""
+def build_model(
+    hf_config: Any, dtype: torch.dtype, device: torch.device | str, quant_config: QuantizationConfig | None = None
+) -> nn.Module:
+    """Instantiates the model (uninitialized weights) on `device` with parameters in `dtype`; the linear
+    layers take their methods from `quant_config` (None: unquantized)."""
     model_cls = get_model_class(get_architectures(hf_config))
     if getattr(hf_config, "pagedllm_convert", None) == "classify":  # a decoder-only LM as a classifier
         from pagedllm.pooling.adapters import as_sequence_classifier
 
         model_cls = as_sequence_classifier(model_cls)
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(dtype), torch.device(device), set_current_quant_config(quant_config):
         model = model_cls(hf_config=hf_config, prefix="")
     return model.eval()
 
@@ -138,7 +147,18 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
     "safetensors", "pt", "gguf", or "dummy" (deterministic random weights, nothing read from disk).
     """
     fmt = resolve_load_format(model_config, load_format)
-    model = build_model(model_config.hf_config, model_config.dtype, device)
+    quant = model_config.quantization
+    quant_config = get_quantization_config(quant, model_config.hf_config) if quant not in (None, "gguf") else None
+    if quant_config is not None:
+        quant_config.check_device(torch.device(device))
+    hf = model_config.hf_config
+    moe = any(getattr(hf, a, None) for a in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if quant_config is not None and getattr(quant_config, "serialized", True) and moe:
+        raise ValueError(
+            f"quantization: {quant_config.name!r} checkpoints of mixture-of-experts models are not supported "
+            "yet (their expert weights have no quantized kernels); online 'fp8' quantizes the dense layers"
+        )
+    model = build_model(hf, model_config.dtype, device, quant_config)
     with torch.no_grad():
         if fmt == "dummy":
             initialize_dummy_weights(model, seed=model_config.seed if model_config.seed is not None else 1234)
@@ -149,17 +169,34 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
             loaded = load_gguf_packed(model, model_config.gguf_file, model_config.hf_config)
             check_all_loaded(model, loaded)
         else:
-            loaded = model.load_weights(get_weights_iterator(model_config, fmt))  # type: ignore[operator]
+            weights = split_kv_scales(model, get_weights_iterator(model_config, fmt))  # k/v cache scales
+            loaded = model.load_weights(weights)  # type: ignore[operator]
             check_all_loaded(model, loaded)
         for module in model.modules():
             qm = getattr(module, "quant_method", None)
             if qm is not None and hasattr(qm, "process_weights_after_loading"):
                 qm.process_weights_after_loading(module)
     logger.info(
-        "loaded %s (%s, %s) from %s",
+        "loaded %s (%s, %s%s) from %s: %.1f MiB of weights",
         type(model).__name__,
         fmt,
         model_config.dtype,
+        f", {quant_config.describe()}" if quant_config is not None else "",
         model_config.gguf_file or os.path.abspath(model_config.model_dir),
+        weight_bytes(model) / 2**20,
     )
     return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied tensors counted once), packed weights included."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        total += int(getattr(qm, "nbytes", 0) or 0)  # GGUF blocks live outside the parameters
+    return total

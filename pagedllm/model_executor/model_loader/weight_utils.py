@@ -122,6 +122,8 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         if id(param) in norm_params:
             param.data.fill_(1.0)
             continue
+        if getattr(param, "skip_dummy_init", False):  # e.g. a GPTQ layer's g_idx keeps its trivial order
+            continue
         gen = torch.Generator(device=param.device).manual_seed(seed + i)
         if param.dtype in (torch.float16, torch.bfloat16, torch.float32):
             param.data.uniform_(low, high, generator=gen)

@@ -1,0 +1,71 @@
+"""The FP8 KV cache's per-layer scales (`Attention.k_scale` / `v_scale`, see kv_quant.py): read from the
+checkpoint at load, or computed from the first real batch (`calculate_kv_scales`)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.kv_quant import fp8_max, is_fp8
+from pagedllm.attention.layer import Attention
+
+logger = logging.getLogger(__name__)
+
+_SCALE_NAME = re.compile(r"^(.*?)\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+
+
+def split_kv_scales(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes the checkpoint's tensors through, except per-layer K/V cache scales, which are copied into
+    the matching attention layer's `k_scale` / `v_scale` (a checkpoint without them keeps 1.0)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    n = 0
+    for name, tensor in weights:
+        match = _SCALE_NAME.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        base, which = match.group(1), match.group(2) or match.group(3)
+        layer = layers.get(f"{base}.attn") or layers.get(base)
+        if layer is None:
+            yield name, tensor
+            continue
+        buf: torch.Tensor = getattr(layer, f"{which}_scale")
+        buf.copy_(tensor.reshape(-1)[:1].float())
+        n += 1
+    if n:
+        logger.info("KV cache: %d per-layer k/v scales read from the checkpoint", n)
+
+
+def arm_scale_calculation(model: nn.Module) -> None:
+    """`calculate_kv_scales`: the next forward of each attention layer that writes the cache sets its
+    scales to amax(|k|) / fp8 max and amax(|v|) / fp8 max first (once; the wrapper then removes itself,
+    so later steps pay nothing)."""
+    for layer in model.modules():
+        if isinstance(layer, Attention) and layer.kv_cache is not None and is_fp8(layer.kv_cache.dtype):
+            layer.forward = _ScaleCalculation(layer)  # type: ignore[method-assign]
+
+
+class _ScaleCalculation:
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Any = None) -> torch.Tensor:
+        layer = self.layer
+        m = fp8_max(layer.kv_cache.dtype)
+        if k.shape[0]:
+            if rotary is not None:  # the cache stores rotated keys: rotate first (in place, as the layer would)
+                from pagedllm.attention.ops.triton_rope_cache import apply_rotary_
+
+                apply_rotary_(rotary, q, k, layer.head_size)
+                rotary = None
+            layer.k_scale.copy_((k.abs().amax().float() / m).clamp(min=1e-8).reshape(1))
+            layer.v_scale.copy_((v.abs().amax().float() / m).clamp(min=1e-8).reshape(1))
+            del layer.forward  # back to the class's forward
+        return type(layer).forward(layer, q, k, v, rotary)

@@ -1,0 +1,190 @@
+"""Int4 weight-only GEMMs (AWQ / GPTQ checkpoints after repacking at load).
+
+One canonical layout for both formats: `qweight` int32 [K/8, N] (nibble j of row r holds input row
+8r + j, lowest bits first), `zeros` uint8 [K/G, N] (the zero point itself, 0..15, or 16 for GPTQ v1's
+stored 15), `scales` [K/G, N]; w[k, n] = (q[k, n] - zeros[k/G, n]) * scales[k/G, n].
+
+GPU: a Triton dequant-GEMM (tensor cores, the tile dequantized in registers) for prefill and a split-K
+GEMV for decode (M <= 8) that reads each packed weight once. CPU: the dequantized float32 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from pagedllm.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+GEMV_MAX_M = 8
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """int values 0..15 [K, N] -> int32 [K/8, N] (nibble j of row r is row 8r + j)."""
+    k, n = q.shape
+    q64 = q.to(torch.int64).reshape(k // 8, 8, n)
+    shifts = (torch.arange(8, dtype=torch.int64, device=q.device) * 4).view(1, 8, 1)
+    packed = (q64 << shifts).sum(dim=1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4_rows`: int32 [K/8, N] -> int32 [K, N] values 0..15."""
+    r, n = packed.shape
+    shifts = (torch.arange(8, dtype=torch.int32, device=packed.device) * 4).view(1, 8, 1)
+    return ((packed.unsqueeze(1) >> shifts) & 0xF).reshape(r * 8, n)
+
+
+def unpack_int4_cols(packed: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
+    """int32 [R, N/8] packed along columns -> int32 [R, N]; nibble i holds column `order[i]` of its 8
+    (identity for GPTQ; AWQ's interleaved [0, 2, 4, 6, 1, 3, 5, 7])."""
+    r, c = packed.shape
+    order = order or list(range(8))
+    nibble_of_col = torch.tensor([order.index(j) for j in range(8)], dtype=torch.int32, device=packed.device)
+    shifts = (nibble_of_col * 4).view(1, 1, 8)
+    return ((packed.unsqueeze(2) >> shifts) & 0xF).reshape(r, c * 8)
+
+
+def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """The canonical layout's weight as float32 [K, N]."""
+    q = unpack_int4_rows(qweight).float()
+    z = zeros.float().repeat_interleave(group, dim=0)
+    s = scales.float().repeat_interleave(group, dim=0)
+    return (q - z) * s
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _int4_gemm_kernel(a_ptr, qw_ptr, z_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_cm,
+                          G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PREC: tl.constexpr):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None], other=0.0)
+            q = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = (q >> ((kk % 8) * 4)[:, None]) & 0xF
+            g = k0 // G  # BK divides G: one group per K step
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            w = (q.to(tl.float32) - z[None, :]) * s[None, :]
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
+        c = acc.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
+                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """Each packed int32 is loaded once and unpacked in registers to its 8 rows ([BK/8, 8, BN] tiles)."""
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
+        BR: tl.constexpr = BK // 8
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        offs_r = tl.arange(0, BR)
+        nib = tl.arange(0, 8)
+        shifts = (nib * 4)[None, :, None]
+        acc = tl.zeros([BR, 8, BN], dtype=tl.float32)
+        k_begin = split * K_SPLIT
+        k_end = tl.minimum(k_begin + K_SPLIT, K)
+        for k0 in range(k_begin, k_end, BK):
+            rows = k0 // 8 + offs_r
+            packed = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = (packed[:, None, :] >> shifts) & 0xF  # [BR, 8, BN]
+            x = tl.load(x_ptr + m * stride_xm + rows[:, None] * 8 + nib[None, :]).to(tl.float32)  # [BR, 8]
+            g = k0 // G
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += x[:, :, None] * ((q.to(tl.float32) - z[None, None, :]) * s[None, None, :])
+        res = tl.sum(tl.sum(acc, axis=1), axis=0)
+        tl.store(part_ptr + (split * M + m) * N + offs_n, res, mask=n_ok)
+
+
+def _block_k(group: int) -> int:
+    return 64 if group % 64 == 0 else 32
+
+
+def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                     group: int) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (16-bit or float32) @ dequant(W) [K, N] with tensor cores -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = 64, _block_k(group)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _int4_gemm_kernel[grid](x, qweight, zeros, scales, out, m, n, k, x.stride(0), out.stride(0),
+                            G=group, BM=bm, BN=bn, BK=bk,
+                            PREC="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+    return out
+
+
+def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                     group: int, num_sms: int = 132) -> torch.Tensor:  # fmt: skip
+    """x [M <= 8, K] @ dequant(W): every program streams a [K / split, 64] slice of the packed weight; the
+    split-K partial sums (float32) are added by one reduction."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    bn, bk = 64, group  # a whole group per step: 4 KB of packed weight in flight per program at G=128
+    n_blocks = triton.cdiv(n, bn)
+    split = max(1, min(2 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, m, n, k, x.stride(0), k_split,
+                                             G=group, BN=bn, BK=bk)  # fmt: skip
+    out = part[0] if split == 1 else part.sum(dim=0)
+    return out.to(x.dtype)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] @ dequant(W) (+ bias) in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = qweight.shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        out = x2.new_empty(0, n)
+    elif _use_triton(x2):
+        if x2.shape[0] <= GEMV_MAX_M:
+            sms = _num_sms(x2.device.index or 0) if x2.is_cuda else 4
+            out = int4_gemv_triton(x2, qweight, zeros, scales, group, sms)
+        else:
+            out = int4_gemm_triton(x2, qweight, zeros, scales, group)
+    else:
+        out = (x2.float() @ dequantize(qweight, zeros, scales, group)).to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.view(*lead, n)

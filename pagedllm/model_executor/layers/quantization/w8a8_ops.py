@@ -1,0 +1,206 @@
+"""8-bit weight-and-activation GEMMs: FP8 (e4m3) and INT8, per-output-channel weight scales, activations
+quantized per token on the fly (dynamic) or with a static per-tensor scale.
+
+GPU: FP8 through `torch._scaled_mm` (row-wise scales, Hopper / Ada), INT8 through `torch._int_mm`; the
+per-token quantization is one Triton pass. CPU (and shapes the GPU GEMMs refuse): the same math emulated
+in float32 (quantized values times their scales), which is what the tests check the loaders against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INT8_MAX = 127.0
+_EPS = 1e-10
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 natively (CUDA compute capability >= 8.9)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_weight_per_channel(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] in `dtype` (FP8 e4m3 or int8), scale [N] float32) with q * scale ~= w."""
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / qmax).clamp(min=_EPS)
+    q = wf / scale[:, None]
+    q = q.clamp(-qmax, qmax) if dtype == FP8_DTYPE else q.round().clamp(-128, 127)
+    return q.to(dtype), scale
+
+
+def _quantize_rows_torch(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    xf = x.float()
+    if static_scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_EPS)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    q = xf / scale
+    q = q.clamp(-qmax, qmax) if dtype == FP8_DTYPE else q.round().clamp(-128, 127)
+    return q.to(dtype), scale.contiguous()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, QMAX: tl.constexpr,
+                           IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-10)
+        q = x / scale
+        if IS_INT:
+            # round half to even, as torch.round
+            r = tl.floor(q + 0.5)
+            tie = (r - q) == 0.5
+            r = tl.where(tie & ((r % 2) != 0), r - 1.0, r)
+            q = tl.clamp(r, -128.0, 127.0)
+        else:
+            q = tl.clamp(q, -QMAX, QMAX)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
+                          QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """Decode rows: the row's per-token quantization fused into the GEMV (each program re-reads the
+        small activation row for its amax), BN weight rows streamed along K; one launch per linear."""
+        m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BK)
+        x_row = x_ptr + m * stride_xm
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(xk))
+            scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-10)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xq = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32) / scale
+            if IS_INT:
+                r = tl.floor(xq + 0.5)
+                r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
+                xq = tl.clamp(r, -128.0, 127.0)
+            else:
+                xq = tl.clamp(xq, -QMAX, QMAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + offs_n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * xq[None, :]
+        res = tl.sum(acc, axis=1) * scale * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_MAX_M = 4
+
+
+def w8a8_gemv(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M <= GEMV_MAX_M, K] (contiguous rows) through `_w8a8_gemv_kernel` -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn, bk = 16, 256
+    qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
+    _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
+        x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
+        out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
+    )  # fmt: skip
+    return out
+
+
+def quantize_rows(
+    x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] in `dtype`, scale [M, 1] float32): per-token amax scales, or `static_scale`."""
+    use_triton = HAS_TRITON and (x.is_cuda or _interpret()) and x.shape[1] <= 32768
+    if not use_triton or x.shape[0] == 0:
+        return _quantize_rows_torch(x, dtype, static_scale)
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
+    static = static_scale if static_scale is not None else s
+    _quant_rows_kernel[(m,)](
+        x, q, s, static, k, x.stride(0), QMAX=qmax, IS_INT=dtype == torch.int8,
+        STATIC=static_scale is not None, BLOCK=triton.next_power_of_2(k),
+    )  # fmt: skip
+    return q, s
+
+
+def _interpret() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _emulated(
+    xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out = (xq.float() @ w.float().t()) * x_scale * w_scale[None, :]
+    return out if bias is None else out + bias.float()
+
+
+def w8a8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] * w_scale [N, None]).T with x quantized to w's dtype (FP8 or int8) per token
+    (or with the static `input_scale`); the result is in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
+        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias).view(*lead, n)
+    xq, xs = quantize_rows(x2, w.dtype, input_scale)
+    out: torch.Tensor
+    if m == 0:
+        out = x2.new_empty(0, n)
+    elif x.is_cuda and w.dtype == FP8_DTYPE and k % 16 == 0 and n % 16 == 0:
+        # Row-wise scaling wants bfloat16 output (other dtypes are cast after); the bias is added after.
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, n), out_dtype=torch.bfloat16)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+    elif x.is_cuda and w.dtype == torch.int8 and k % 8 == 0 and n % 8 == 0:
+        pad = 17 - m if m <= 16 else 0  # _int_mm needs more than 16 rows
+        a = torch.nn.functional.pad(xq, (0, 0, 0, pad)) if pad else xq
+        acc = torch._int_mm(a, w.t())[:m]
+        out = acc.float() * xs * w_scale[None, :]
+        if bias is not None:
+            out = out + bias.float()
+    else:
+        out = _emulated(xq, xs, w, w_scale, bias)
+    return out.to(x.dtype).view(*lead, n)
