@@ -18,6 +18,7 @@ from pagedllm.config import (
     SchedulerConfig,
     build_model_config,
 )
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.transformers_utils.config import default_model_path
@@ -220,6 +221,20 @@ class EngineArgs:
         ),
     )
 
+    limit_mm_per_prompt: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help('Most images per prompt, e.g. {"image": 2} (default: no practical limit).', "Multimodal"),
+    )
+    mm_processor_kwargs: dict[str, Any] | None = field(
+        default=None, metadata=_help("JSON dict passed to the model's HF processor call.", "Multimodal")
+    )
+    allowed_local_media_path: str = field(
+        default="", metadata=_help("Directory whose files chat requests may name as file:// image URLs.", "Multimodal")
+    )
+    allowed_media_domains: list[str] | None = field(
+        default=None, metadata=_help("Hosts http(s) image URLs may be fetched from (none: no fetching).", "Multimodal")
+    )
+
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
         if self.trust_remote_code:
@@ -369,6 +384,12 @@ class EngineArgs:
             if self.enable_lora
             else None,
             structured_outputs_config=so_config,
+            multimodal_config=MultiModalConfig.from_args(
+                _json(self.limit_mm_per_prompt, "limit_mm_per_prompt"),
+                _json(self.mm_processor_kwargs, "mm_processor_kwargs"),
+                self.allowed_local_media_path,
+                self.allowed_media_domains,
+            ),
         )
 
     # ---- CLI -----------------------------------------------------------------------------------
@@ -410,6 +431,15 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _json(value: Any, name: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name}: not valid JSON ({value[:64]!r})") from None
+    return value
 
 
 def _unwrap(tp: Any) -> tuple[Any, list[Any] | None, bool]:

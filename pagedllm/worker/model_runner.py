@@ -81,6 +81,8 @@ class ModelRunner:
         """Speculative decoding (`spec_decode.runner.SpecDecodeRunner`) when configured; None: the plain path."""
         self.lora: Any = None
         """Multi-LoRA (`lora.manager.LoRAManager`) when the config enables it; None keeps the plain path."""
+        self.mm: Any = None
+        """The encoder step (`multimodal.runner.MultiModalRunner`) for a vision-language model; else None."""
 
     @property
     def requests(self) -> dict:
@@ -105,6 +107,10 @@ class ModelRunner:
             if n_packed:
                 logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
+        if getattr(self.model, "mm_spec", None) is not None:
+            from pagedllm.multimodal.runner import MultiModalRunner
+
+            self.mm = MultiModalRunner(self.model, self.device)
         if self.config.lora_config is not None:
             from pagedllm.lora.manager import LoRAManager
 
@@ -232,7 +238,8 @@ class ModelRunner:
         patch = self.in_flight.patch(
             x.req_ids, x.req_of_token, x.positions, batch.num_tokens[x.token_rows], self.device
         )
-        hidden = self._forward(x, patch)
+        mm_pieces = self.mm.prepare(so, x, self.requests) if self.mm is not None else None
+        hidden = self._forward(x, patch, mm_pieces)
         prompt_lp_done = self.prompt_logprobs.gather(
             model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden
         )
@@ -274,8 +281,9 @@ class ModelRunner:
             self.in_flight.clear()
         return step
 
-    def _forward(self, x: StepInputs, patch: Patch | None) -> torch.Tensor:
-        """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly."""
+    def _forward(self, x: StepInputs, patch: Patch | None, mm_pieces: list | None = None) -> torch.Tensor:
+        """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly.
+        `mm_pieces`: image rows for the input embeddings (`MultiModalRunner.prepare`; eager only)."""
         batch, model, kv = self.input_batch, self.model, self.kv_cache_config
         assert batch is not None and model is not None and kv is not None
         groups = kv.groups
@@ -286,10 +294,16 @@ class ModelRunner:
         if self.lora is not None:  # the step's per-token adapter slots (a graph input)
             self.lora.prepare_step(batch, x.token_rows)
         graphs = self.cuda_graphs
-        if graphs is not None and x.max_query_len == 1 and graphs.can_run(x.num_reqs):
+        if graphs is not None and x.max_query_len == 1 and mm_pieces is None and graphs.can_run(x.num_reqs):
             return graphs.run(x.input_ids, x.positions, x.seq_lens.astype(np.int32), slots, tables, patch)
         vg = self.verify_graphs
-        if vg is not None and patch is None and x.max_query_len <= vg.q and vg.can_run_padded(x.cu, x.seq_lens):
+        if (
+            vg is not None
+            and patch is None
+            and mm_pieces is None
+            and x.max_query_len <= vg.q
+            and vg.can_run_padded(x.cu, x.seq_lens)
+        ):
             return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables)
         dev = self.device
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
@@ -298,6 +312,8 @@ class ModelRunner:
         positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
         commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
+            if mm_pieces is not None:
+                return model(input_ids, positions, inputs_embeds=self.mm.embeds(input_ids, mm_pieces))
             return model(input_ids, positions)
 
     def finish_step(self, step: PendingStep) -> ModelRunnerOutput:

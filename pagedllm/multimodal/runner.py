@@ -1,0 +1,80 @@
+"""The model runner's multimodal step: run the vision encoder on the images the scheduler named, keep the
+outputs by image hash, and give the step's input embeddings their image rows (a chunk that starts or
+ends inside an image takes the matching slice of the cached output)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.multimodal.inputs import overlapping
+
+
+class MultiModalRunner:
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.outputs: dict[str, torch.Tensor] = {}
+        """Image hash -> encoder output [placeholder tokens, hidden] on the device."""
+        self.encoder_seconds = 0.0
+        """Wall time spent in the encoder (synchronized on the device); the benchmark's encoder share."""
+        self.time_encoder = False
+
+    def prepare(self, so: SchedulerOutput, x: Any, requests: dict[str, Any]) -> list[tuple[int, torch.Tensor]] | None:
+        """Encodes this step's images; (flat token index, rows) to place into the input embeddings, or None
+        when no scheduled token is an image placeholder (the plain forward then runs)."""
+        for h in so.free_encoder_hashes:
+            self.outputs.pop(h, None)
+        if so.scheduled_encoder_inputs:
+            self._encode(so.scheduled_encoder_inputs, requests)
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for i, rid in enumerate(x.req_ids):
+            feats = requests[rid].mm_features
+            if not feats:
+                continue
+            start = int(x.computed[i])
+            end = start + int(x.num_scheduled[i])
+            base = int(x.cu[i])
+            for _, f in overlapping(feats, start, end):
+                lo, hi = max(start, f.offset), min(end, f.offset + f.length)
+                out = self.outputs.get(f.identifier)
+                if out is None:
+                    raise RuntimeError(f"encoder output of image {f.identifier[:12]} missing (request {rid})")
+                pieces.append((base + lo - start, out[lo - f.offset : hi - f.offset]))
+        return pieces or None
+
+    @torch.inference_mode()
+    def _encode(self, scheduled: dict[str, list[int]], requests: dict[str, Any]) -> None:
+        feats = []
+        seen: set[str] = set()
+        for rid, idxs in scheduled.items():
+            for j in idxs:
+                f = requests[rid].mm_features[j]
+                if f.identifier not in seen and f.identifier not in self.outputs:
+                    seen.add(f.identifier)
+                    feats.append(f)
+        if not feats:
+            return
+        timing = self.time_encoder and self.device.type == "cuda"
+        if timing:
+            import time
+
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+        items = [{k: v.to(self.device, non_blocking=True) for k, v in f.tensors().items()} for f in feats]
+        outs = self.model.embed_multimodal(items)
+        for f, out in zip(feats, outs):
+            if out.shape[0] != f.length:
+                raise RuntimeError(f"encoder returned {out.shape[0]} rows for an image of {f.length} placeholders")
+            self.outputs[f.identifier] = out
+        if timing:
+            torch.cuda.synchronize(self.device)
+            self.encoder_seconds += time.perf_counter() - t0
+
+    def embeds(self, input_ids: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        emb = self.model.embed_input_ids(input_ids)
+        for pos, rows in pieces:
+            emb[pos : pos + rows.shape[0]] = rows.to(emb.dtype)
+        return emb
