@@ -97,6 +97,10 @@ class InputProcessor:
         if prompt_token_ids is None and isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             prompt_text, prompt_token_ids, mm_features = self.process_multimodal(prompt)
             cache_salt = prompt.get("cache_salt")
+        elif prompt_token_ids is None and isinstance(prompt, dict) and prompt.get("mm_features"):
+            # Already through `process_multimodal` (the chat server processes images off its event loop).
+            prompt_text, prompt_token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
+            mm_features, cache_salt = prompt["mm_features"], prompt.get("cache_salt")  # type: ignore[typeddict-item]
         elif prompt_token_ids is None:
             prompt_text, prompt_token_ids, cache_salt = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
