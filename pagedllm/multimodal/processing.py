@@ -6,6 +6,9 @@ and how the processor's batched tensors split into per-image items."""
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
+import os
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +47,43 @@ def get_mm_spec(hf_config: Any) -> MultiModalSpec | None:
     return getattr(get_model_class(get_architectures(hf_config)), "mm_spec", None)
 
 
+def _processor_class_name(model_dir: str) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                cls = json.load(f).get("processor_class")
+            if cls:
+                return str(cls)
+    return None
+
+
+def load_hf_processor(model_dir: str) -> Any:
+    """The model's HF processor (`AutoProcessor`). Processors that also handle video (Qwen2-VL's) cannot be
+    built where the video processor's backend (torchvision) is missing: then the same HF processor class is
+    built with its image processor and tokenizer only (images need nothing else)."""
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(model_dir)
+    except (ImportError, ValueError, AttributeError, TypeError) as e:
+        name = _processor_class_name(model_dir)
+        cls = getattr(transformers, name, None) if name else None
+        if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+            raise
+        first_error = e
+
+    class ImageOnlyProcessor(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kw)
+
+    ImageOnlyProcessor.__name__ = cls.__name__
+    try:
+        return ImageOnlyProcessor.from_pretrained(model_dir)
+    except Exception:
+        raise first_error from None
+
+
 def hash_item(item: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(item):
@@ -65,9 +105,7 @@ class MultiModalProcessor:
     @property
     def processor(self) -> Any:
         if self._processor is None:
-            from transformers import AutoProcessor
-
-            self._processor = AutoProcessor.from_pretrained(self.model_dir)
+            self._processor = load_hf_processor(self.model_dir)
         return self._processor
 
     def prompt_placeholder(self) -> str:

@@ -4,27 +4,75 @@ ends inside an image takes the matching slice of the cached output)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.multimodal.inputs import overlapping
 
 
+@dataclass
+class MMStep:
+    pieces: list[tuple[int, torch.Tensor]] | None
+    """(flat token index, encoder rows) to write into the input embeddings; None: no image token this step."""
+    positions: np.ndarray | None
+    """M-RoPE models: [3, T] positions, or [T] when every token is past its prompt (a CUDA graph can run)."""
+
+
 class MultiModalRunner:
     def __init__(self, model: Any, device: torch.device) -> None:
         self.model = model
         self.device = device
+        self.mrope = bool(getattr(model, "uses_mrope", False))
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
+        """Request id -> its prompt's M-RoPE positions [3, prompt_len] and the offset of later positions."""
         self.outputs: dict[str, torch.Tensor] = {}
         """Image hash -> encoder output [placeholder tokens, hidden] on the device."""
         self.encoder_seconds = 0.0
         """Wall time spent in the encoder (synchronized on the device); the benchmark's encoder share."""
         self.time_encoder = False
 
-    def prepare(self, so: SchedulerOutput, x: Any, requests: dict[str, Any]) -> list[tuple[int, torch.Tensor]] | None:
-        """Encodes this step's images; (flat token index, rows) to place into the input embeddings, or None
-        when no scheduled token is an image placeholder (the plain forward then runs)."""
+    def prepare(self, so: SchedulerOutput, x: Any, requests: dict[str, Any]) -> MMStep | None:
+        """Encodes this step's images; the image rows for the input embeddings and (M-RoPE) the positions.
+        None when neither is needed (the plain forward runs)."""
+        if self.mrope and so.finished_req_ids:
+            for rid in so.finished_req_ids:
+                self._mrope.pop(rid, None)
+        pieces = self._pieces(so, x, requests)
+        positions = self._mrope_positions(x, requests) if self.mrope else None
+        return MMStep(pieces, positions) if pieces is not None or positions is not None else None
+
+    def _mrope_positions(self, x: Any, requests: dict[str, Any]) -> np.ndarray | None:
+        out = None
+        in_prompt_any = False
+        for i, rid in enumerate(x.req_ids):
+            st = requests[rid]
+            if not st.mm_features:
+                continue  # text only: (p, p, p)
+            info = self._mrope.get(rid)
+            if info is None:
+                info = self._mrope[rid] = self.model.get_mrope_positions(len(st.prompt_token_ids), st.mm_features)
+            mpos, delta = info
+            if out is None:
+                out = np.tile(x.positions, (3, 1))
+            a, b = int(x.cu[i]), int(x.cu[i + 1])
+            p = x.positions[a:b]
+            inside = p < mpos.shape[1]
+            if inside.any():
+                in_prompt_any = True
+                seg = out[:, a:b]
+                seg[:, inside] = mpos[:, p[inside]]
+                seg[:, ~inside] = p[~inside] + delta
+            else:
+                out[:, a:b] = p + delta
+        if out is None:
+            return None
+        return out if in_prompt_any else out[0].copy()
+
+    def _pieces(self, so: SchedulerOutput, x: Any, requests: dict[str, Any]) -> list[tuple[int, torch.Tensor]] | None:
         for h in so.free_encoder_hashes:
             self.outputs.pop(h, None)
         if so.scheduled_encoder_inputs:

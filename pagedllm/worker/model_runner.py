@@ -238,8 +238,8 @@ class ModelRunner:
         patch = self.in_flight.patch(
             x.req_ids, x.req_of_token, x.positions, batch.num_tokens[x.token_rows], self.device
         )
-        mm_pieces = self.mm.prepare(so, x, self.requests) if self.mm is not None else None
-        hidden = self._forward(x, patch, mm_pieces)
+        mm_step = self.mm.prepare(so, x, self.requests) if self.mm is not None else None
+        hidden = self._forward(x, patch, mm_step)
         prompt_lp_done = self.prompt_logprobs.gather(
             model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden
         )
@@ -281,9 +281,10 @@ class ModelRunner:
             self.in_flight.clear()
         return step
 
-    def _forward(self, x: StepInputs, patch: Patch | None, mm_pieces: list | None = None) -> torch.Tensor:
+    def _forward(self, x: StepInputs, patch: Patch | None, mm_step: Any = None) -> torch.Tensor:
         """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly.
-        `mm_pieces`: image rows for the input embeddings (`MultiModalRunner.prepare`; eager only)."""
+        `mm_step` (`multimodal.runner.MMStep`): image rows for the input embeddings (eager only) and M-RoPE
+        positions (a graph can run when they are one row)."""
         batch, model, kv = self.input_batch, self.model, self.kv_cache_config
         assert batch is not None and model is not None and kv is not None
         groups = kv.groups
@@ -294,13 +295,20 @@ class ModelRunner:
         if self.lora is not None:  # the step's per-token adapter slots (a graph input)
             self.lora.prepare_step(batch, x.token_rows)
         graphs = self.cuda_graphs
-        if graphs is not None and x.max_query_len == 1 and mm_pieces is None and graphs.can_run(x.num_reqs):
-            return graphs.run(x.input_ids, x.positions, x.seq_lens.astype(np.int32), slots, tables, patch)
+        pos_host = x.positions
+        mm_pieces = None
+        if mm_step is not None:
+            mm_pieces = mm_step.pieces
+            if mm_step.positions is not None:
+                pos_host = mm_step.positions
+        graph_ok = mm_pieces is None and pos_host.ndim == 1
+        if graphs is not None and x.max_query_len == 1 and graph_ok and graphs.can_run(x.num_reqs):
+            return graphs.run(x.input_ids, pos_host, x.seq_lens.astype(np.int32), slots, tables, patch)
         vg = self.verify_graphs
         if (
             vg is not None
             and patch is None
-            and mm_pieces is None
+            and mm_step is None
             and x.max_query_len <= vg.q
             and vg.can_run_padded(x.cu, x.seq_lens)
         ):
@@ -309,7 +317,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
+        positions = torch.from_numpy(pos_host).to(dev, non_blocking=True)
         commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
             if mm_pieces is not None:

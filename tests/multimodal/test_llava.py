@@ -52,7 +52,7 @@ def _data_url(img) -> str:  # noqa: ANN001
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def test_greedy_matches_hf_batched_0_1_2_images_chunked(tiny_llava, llava_llm) -> None:  # noqa: ANN001
+def test_greedy_matches_hf_batched_0_1_2_images_chunked_image_first(tiny_llava, llava_llm) -> None:  # noqa: ANN001
     _, hf, proc = tiny_llava
     imgs = [random_image(1, 40, 60), random_image(2, 90, 50), random_image(3, 70, 70)]
     prompts = [

@@ -5,6 +5,7 @@ random float32 weights with a scaled-up output layer (peaked logits), all saved 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -133,3 +134,71 @@ def hf_mm_logprobs_fn(inputs: dict[str, torch.Tensor]) -> Any:
         return torch.log_softmax(logits, dim=-1)
 
     return fn
+
+
+QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def make_tiny_qwen_vl(out_dir: str | os.PathLike[str], qwen25: bool) -> tuple[Any, Any]:
+    """Qwen2-VL / Qwen2.5-VL shaped: 14 px patches merged 2x2, images resized to 4..36 merged tokens; the
+    2.5 tower with one windowed (56 px windows: 2x2 merged tokens) and one full-attention block."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+
+    from pagedllm.multimodal.processing import load_hf_processor
+
+    tok = word_tokenizer(QWEN_SPECIALS)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
+    ip = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 36)
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": len(tok),
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+    }
+    if qwen25:
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "hidden_act": "silu",
+        }
+        cfg_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+        cfg_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = cfg_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    _peak(model)
+    model.save_pretrained(out_dir)
+    # The layout of the Qwen2-VL repos: the image processor's config names the processor class.
+    tok.save_pretrained(out_dir)
+    ip.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "preprocessor_config.json")
+    with open(path) as f:
+        pre = json.load(f)
+    pre["processor_class"] = "Qwen2VLProcessor"
+    with open(path, "w") as f:
+        json.dump(pre, f)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return model, load_hf_processor(str(out_dir))

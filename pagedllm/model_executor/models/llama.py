@@ -172,6 +172,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attn_cls: type[LlamaAttention] = LlamaAttention
+
     @staticmethod
     def attn_kwargs(config: Any) -> dict[str, Any]:
         """Per-architecture LlamaAttention options (overridden by Qwen2 / Qwen3)."""
@@ -180,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
+        self.self_attn = self.attn_cls(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
         self.mlp = self.make_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
