@@ -4,6 +4,7 @@ ends inside an image takes the matching slice of the cached output)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,11 +106,10 @@ class MultiModalRunner:
                     feats.append(f)
         if not feats:
             return
-        timing = self.time_encoder and self.device.type == "cuda"
+        timing = self.time_encoder
         if timing:
-            import time
-
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
         items = [{k: v.to(self.device, non_blocking=True) for k, v in f.tensors().items()} for f in feats]
         outs = self.model.embed_multimodal(items)
@@ -118,7 +118,8 @@ class MultiModalRunner:
                 raise RuntimeError(f"encoder returned {out.shape[0]} rows for an image of {f.length} placeholders")
             self.outputs[f.identifier] = out
         if timing:
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.encoder_seconds += time.perf_counter() - t0
 
     def embeds(self, input_ids: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
