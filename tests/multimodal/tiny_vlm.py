@@ -111,6 +111,7 @@ def hf_mm_greedy(model: Any, inputs: dict[str, torch.Tensor], max_new_tokens: in
     """HF `generate`, greedy, explicit all-ones attention mask, no EOS stop: exactly max_new_tokens."""
     from transformers import GenerationConfig
 
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
     ids = inputs["input_ids"]
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     saved = model.generation_config.eos_token_id
@@ -129,8 +130,9 @@ def hf_mm_logprobs_fn(inputs: dict[str, torch.Tensor]) -> Any:
 
     @torch.inference_mode()
     def fn(model: Any, ids: list[int]) -> torch.Tensor:
-        t = torch.tensor([ids])
-        logits = model(input_ids=t, attention_mask=torch.ones_like(t), **extra).logits[0].float()
+        t = torch.tensor([ids], device=model.device)
+        extra_dev = {k: v.to(model.device) for k, v in extra.items()}
+        logits = model(input_ids=t, attention_mask=torch.ones_like(t), **extra_dev).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
 
     return fn
