@@ -83,6 +83,11 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or prompt.get("mm_features")):
+            if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+                raise ValueError("multi_modal_data: images are not supported for pooling requests")
+            if self.speculative:
+                raise ValueError("multi_modal_data: images are not supported together with speculative decoding")
         if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
             from pagedllm.pooling.inputs import process_pooling
 

@@ -122,6 +122,13 @@ class MultiModalRunner:
                 torch.cuda.synchronize(self.device)
             self.encoder_seconds += time.perf_counter() - t0
 
+    @torch.inference_mode()
+    def profile(self, num_tokens: int) -> None:
+        """The encoder over dummy images filling one step's encoder budget (`num_tokens` placeholder rows):
+        its activations count in the profiled peak memory the KV cache is sized from."""
+        items = self.model.dummy_mm_items(num_tokens)
+        self.model.embed_multimodal([{k: v.to(self.device) for k, v in it.items()} for it in items])
+
     def embeds(self, input_ids: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         emb = self.model.embed_input_ids(input_ids)
         for pos, rows in pieces:

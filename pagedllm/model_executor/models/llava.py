@@ -99,6 +99,13 @@ class LlavaForConditionalGeneration(nn.Module):
         out = self.multi_modal_projector(torch.cat(feats, dim=-1))
         return list(out.to(self.language_model.lm_head.weight.dtype))
 
+    def dummy_mm_items(self, num_tokens: int) -> list[dict[str, torch.Tensor]]:
+        """Zero images filling `num_tokens` placeholder rows (at least one): the memory profile's input."""
+        vc = self.config.vision_config
+        per_image = (vc.image_size // vc.patch_size) ** 2 + (1 if self.full else 0)
+        n = max(1, num_tokens // per_image)
+        return [{"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size)} for _ in range(n)]
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 

@@ -39,18 +39,17 @@ class MRopeAttention(LlamaAttention):
         )
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        if positions.dim() == 1:  # every token's three positions equal: plain RoPE (fused on CUDA)
+            return super().forward_qkv(positions, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope = self.rotary_emb
-        if positions.dim() == 1:
-            q, k = rope(positions, q, k)
-        else:
-            half = rope.rotary_dim // 2
-            cs = rope.cos_sin_cache[positions]  # [3, T, rotary_dim]
-            sel = self._section_of_freq.view(1, 1, -1).expand(1, cs.shape[1], half)
-            cos = cs[..., :half].gather(0, sel)[0][:, None, :]
-            sin = cs[..., half:].gather(0, sel)[0][:, None, :]
-            q = rope._rotate(q, cos.to(q.dtype), sin.to(q.dtype))
-            k = rope._rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+        half = rope.rotary_dim // 2
+        cs = rope.cos_sin_cache[positions]  # [3, T, rotary_dim]
+        sel = self._section_of_freq.view(1, 1, -1).expand(1, cs.shape[1], half)
+        cos = cs[..., :half].gather(0, sel)[0][:, None, :]
+        sin = cs[..., half:].gather(0, sel)[0][:, None, :]
+        q = rope._rotate(q, cos.to(q.dtype), sin.to(q.dtype))
+        k = rope._rotate(k, cos.to(k.dtype), sin.to(k.dtype))
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 
@@ -119,6 +118,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         out = self.visual(torch.cat([it["pixel_values"] for it in items]), grids)
         out = out.to(self.language_model.lm_head.weight.dtype)
         return list(out.split([t * h * w // self.merge**2 for t, h, w in grids]))
+
+    def dummy_mm_items(self, num_tokens: int) -> list[dict[str, torch.Tensor]]:
+        """Zero 448x448-sized images (32 x 32 patches, 256 tokens) filling `num_tokens` placeholder rows."""
+        vc = self.config.vision_config
+        side = 32 if num_tokens >= 256 else 2 * self.merge
+        tokens = side * side // self.merge**2
+        width = self.visual.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        grid = torch.tensor([[1, side, side]])
+        item = {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": grid}
+        return [item] * max(1, num_tokens // tokens)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
