@@ -43,8 +43,11 @@ class GraniteModel(LlamaModel):
         super().__init__(config, prefix)
         self.embedding_multiplier = float(config.embedding_multiplier)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.embedding_multiplier
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = emb * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)

@@ -28,6 +28,8 @@ def mrope_section(text_config: Any) -> list[int]:
 class MRopeAttention(LlamaAttention):
     """Qwen2 attention whose RoPE takes positions [3, T] (M-RoPE) or [T] (text only: all three equal)."""
 
+    _section_of_freq: torch.Tensor
+
     def __init__(self, config: Any, layer_idx: int, **kw: Any) -> None:
         super().__init__(config, layer_idx, **kw)
         sec = mrope_section(config)

@@ -115,8 +115,16 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
 
 
+class PatchEmbed(nn.Module):
+    def __init__(self, in_channels: int, dim: int, kernel: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=kernel, stride=kernel, bias=False)
+
+
 class QwenVisionTransformer(nn.Module):
     """`visual.*`. `qwen25`: RMSNorm, gated MLP, window attention (Qwen2.5-VL); else Qwen2-VL's."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, cfg: Any, qwen25: bool) -> None:
         super().__init__()
@@ -126,12 +134,12 @@ class QwenVisionTransformer(nn.Module):
         self.heads, self.dim = cfg.num_heads, dim
         self.merge = cfg.spatial_merge_size
         self.patch = cfg.patch_size
-        self.in_channels = getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", 3)
+        channels: Any = getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", 3)
+        self.in_channels = int(channels)
         self.window_size = getattr(cfg, "window_size", 0)
         self.fullatt = set(getattr(cfg, "fullatt_block_indexes", None) or [])
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.patch_embed = PatchEmbed(self.in_channels, dim, kernel)
 
         def mlp() -> nn.Module:
             if qwen25:
