@@ -142,3 +142,27 @@ def test_image_on_text_only_model_is_rejected(tmp_path) -> None:  # noqa: ANN001
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="text-only"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0, 8, 8)}}, _greedy())
+
+
+def test_preempted_image_requests_recompute_to_the_same_tokens(tiny_llava) -> None:  # noqa: ANN001
+    path, hf, proc = tiny_llava
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=96,
+        num_gpu_blocks_override=7,
+        block_size=16,
+        max_num_batched_tokens=BUDGET,
+        enable_prefix_caching=False,
+    )
+    imgs = [random_image(20 + i, 50 + 10 * i, 60) for i in range(3)]
+    texts = ["w1 <image> w2 w3", "<image> w4 w5 w6 w7", "w8 w9 <image> w10"]
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": im}} for t, im in zip(texts, imgs)], _greedy(24), use_tqdm=False
+    )
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
+    for text, im, out in zip(texts, imgs, outs):
+        inputs = dict(proc(text=[text], images=[im], return_tensors="pt"))
+        ids = inputs["input_ids"][0].tolist()
+        ref = hf_mm_greedy(hf, inputs, 24)
+        compare_greedy(hf, ids, list(out.outputs[0].token_ids), ref, torch.float32, hf_mm_logprobs_fn(inputs))
