@@ -50,3 +50,24 @@ def test_greedy_matches_hf_batched_images_chunked(family: str, tmp_path: Any) ->
             assert all(f.length > BUDGET for f in mm.process(text, {"image": im})[1])
         ref = hf_mm_greedy(hf, inputs, 12)
         compare_greedy(hf, ids, list(out.outputs[0].token_ids), ref, torch.float32, hf_mm_logprobs_fn(inputs))
+
+
+def test_mm_processor_kwargs_reach_the_hf_processor(tmp_path: Any) -> None:
+    """Engine-level `mm_processor_kwargs` (Qwen's max_pixels) shrink the image; per-prompt ones override them."""
+    make_tiny_qwen_vl(tmp_path, qwen25=False)
+    small = 28 * 28 * 4  # at most 4 merged tokens
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=8 << 20,
+        mm_processor_kwargs={"max_pixels": small},
+    )
+    mm = llm.llm_engine.input_processor.mm_processor
+    img = random_image(9, 170, 150)
+    (feat,) = mm.process(f"w1 {QWEN_IMAGE}", {"image": img})[1]
+    assert feat.length <= 4
+    (big,) = mm.process(f"w1 {QWEN_IMAGE}", {"image": img}, {"max_pixels": 28 * 28 * 36})[1]
+    assert big.length > 4 and big.identifier != feat.identifier
+    out = llm.generate({"prompt": f"w1 {QWEN_IMAGE}", "multi_modal_data": {"image": img}}, SamplingParams(max_tokens=2))
+    assert len(out[0].prompt_token_ids) == 1 + 2 + feat.length
