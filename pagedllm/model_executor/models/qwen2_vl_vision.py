@@ -4,6 +4,7 @@ windows except on `fullatt_block_indexes`), and a merger of every 2x2 patch bloc
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -11,6 +12,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_executor.models.clip import vision_act
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_hw(t: int, h: int, w: int, m: int) -> torch.Tensor:
+    """(row, col) of each patch of a t x h x w grid, in the processor's order (2x2 merge blocks together)."""
+    hp = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
+    wp = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
+    return torch.stack([hp, wp], dim=-1).repeat(t, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_order(t: int, gh: int, gw: int, win: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """One image's merge units in window order, and the windows' sizes in merge units."""
+    idx = torch.arange(t * gh * gw).view(t, gh, gw)
+    ph, pw = -gh % win, -gw % win
+    padded = F.pad(idx, (0, pw, 0, ph), value=-1)
+    nh, nw = (gh + ph) // win, (gw + pw) // win
+    padded = padded.view(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
+    lens = (padded >= 0).sum(-1)
+    return padded[padded >= 0], tuple(int(n) for n in lens.tolist() if n > 0)
 
 
 class VisionRMSNorm(nn.Module):
@@ -157,14 +178,8 @@ class QwenVisionTransformer(nn.Module):
 
     def _rope(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, head_dim] of every patch (h and w positions laid out by 2x2 merge block)."""
-        m = self.merge
-        pos = []
-        for t, h, w in grids:
-            hp = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
-            wp = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).flatten()
-            pos.append(torch.stack([hp, wp], dim=-1).repeat(t, 1))
-        p = torch.cat(pos).to(device)
-        freqs = (p[..., None].float() * self.inv_freq.to(device)).flatten(1)  # [N, 2 * quarter / 2] (h then w)
+        p = torch.cat([_patch_hw(t, h, w, self.merge) for t, h, w in grids]).to(device)
+        freqs = (p[..., None].float() * self.inv_freq.to(device)).flatten(1)  # [N, head_dim / 2]: h, then w
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
@@ -174,18 +189,11 @@ class QwenVisionTransformer(nn.Module):
         win = self.window_size // self.merge // self.patch
         index, cu, base = [], [0], 0
         for t, h, w in grids:
-            gh, gw = h // self.merge, w // self.merge
-            idx = torch.arange(t * gh * gw).view(t, gh, gw)
-            ph, pw = -gh % win, -gw % win
-            padded = F.pad(idx, (0, pw, 0, ph), value=-1)
-            nh, nw = (gh + ph) // win, (gw + pw) // win
-            padded = padded.view(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, win * win)
-            for row in padded:
-                keep = row[row >= 0]
-                if len(keep):
-                    index.append(keep + base)
-                    cu.append(cu[-1] + len(keep) * unit)
-            base += t * gh * gw
+            idx, lens = _window_order(t, h // self.merge, w // self.merge, win)
+            index.append(idx + base)
+            for n in lens:
+                cu.append(cu[-1] + n * unit)
+            base += t * (h // self.merge) * (w // self.merge)
         return torch.cat(index), cu
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
