@@ -30,6 +30,8 @@ class MultiModalRunner:
         self.mrope = bool(getattr(model, "uses_mrope", False))
         self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         """Request id -> its prompt's M-RoPE positions [3, prompt_len] and the offset of later positions."""
+        self._memo: tuple[list[str], np.ndarray, np.ndarray, bool] | None = None
+        """(scheduled request ids, their offsets, their prompt-table lengths, any image request) of the last step."""
         self.outputs: dict[str, torch.Tensor] = {}
         """Image hash -> encoder output [placeholder tokens, hidden] on the device."""
         self.encoder_seconds = 0.0
@@ -47,31 +49,39 @@ class MultiModalRunner:
         return MMStep(pieces, positions) if pieces is not None or positions is not None else None
 
     def _mrope_positions(self, x: Any, requests: dict[str, Any]) -> np.ndarray | None:
-        out = None
-        in_prompt_any = False
-        for i, rid in enumerate(x.req_ids):
-            st = requests[rid]
-            if not st.mm_features:
-                continue  # text only: (p, p, p)
-            info = self._mrope.get(rid)
-            if info is None:
-                info = self._mrope[rid] = self.model.get_mrope_positions(len(st.prompt_token_ids), st.mm_features)
-            mpos, delta = info
-            if out is None:
-                out = np.tile(x.positions, (3, 1))
+        """[3, T] M-RoPE positions, or [T] when no token is inside an image prompt's range (the common decode
+        step: each token's position + its request's offset, vectorized; the per-request lists are rebuilt only
+        when the scheduled requests change)."""
+        memo = self._memo
+        if memo is None or memo[0] != x.req_ids:
+            n = len(x.req_ids)
+            deltas, plens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            for i, rid in enumerate(x.req_ids):
+                st = requests[rid]
+                if st.mm_features:  # (text-only requests: delta 0, no prompt table)
+                    info = self._mrope.get(rid)
+                    if info is None:
+                        info = self._mrope[rid] = self.model.get_mrope_positions(
+                            len(st.prompt_token_ids), st.mm_features
+                        )
+                    plens[i], deltas[i] = info[0].shape[1], info[1]
+            memo = self._memo = (list(x.req_ids), deltas, plens, bool(plens.any()))
+        _, deltas, plens, any_mm = memo
+        if not any_mm:
+            return None
+        tok_req = x.req_of_token
+        shifted = x.positions + deltas[tok_req]
+        inside = x.positions < plens[tok_req]
+        if not inside.any():
+            return shifted
+        out = np.tile(shifted, (3, 1))
+        for i in np.unique(tok_req[inside]).tolist():
             a, b = int(x.cu[i]), int(x.cu[i + 1])
             p = x.positions[a:b]
-            inside = p < mpos.shape[1]
-            if inside.any():
-                in_prompt_any = True
-                seg = out[:, a:b]
-                seg[:, inside] = mpos[:, p[inside]]
-                seg[:, ~inside] = p[~inside] + delta
-            else:
-                out[:, a:b] = p + delta
-        if out is None:
-            return None
-        return out if in_prompt_any else out[0].copy()
+            ins = p < plens[i]
+            seg = out[:, a:b]
+            seg[:, ins] = self._mrope[x.req_ids[i]][0][:, p[ins]]
+        return out
 
     def _pieces(self, so: SchedulerOutput, x: Any, requests: dict[str, Any]) -> list[tuple[int, torch.Tensor]] | None:
         for h in so.free_encoder_hashes:
