@@ -369,9 +369,16 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
     (
         "bad_content_part",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
         400,
         "text",
+    ),
+    (
+        "image_part_without_url",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "image_url",
     ),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
