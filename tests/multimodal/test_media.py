@@ -51,3 +51,36 @@ def test_http_needs_an_allowed_domain() -> None:
         MediaConnector().load_image("http://example.com/a.png")
     with pytest.raises(ValueError, match="'evil.com' is not in"):
         MediaConnector(allowed_media_domains=["example.com"]).load_image("https://evil.com/a.png")
+
+
+def test_http_fetch_and_redirects_only_to_allowed_hosts() -> None:
+    import http.server
+    import threading
+
+    png = _png()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path == "/img.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png)
+            else:  # a redirect to the same server under a host name that is not allowed
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/img.png")
+                self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        mc = MediaConnector(allowed_media_domains=["127.0.0.1"])
+        assert mc.load_image(f"http://127.0.0.1:{port}/img.png").size == (9, 7)
+        with pytest.raises(ValueError, match="'localhost' is not in"):
+            mc.load_image(f"http://127.0.0.1:{port}/redirect")
+    finally:
+        srv.shutdown()
