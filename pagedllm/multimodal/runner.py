@@ -32,6 +32,8 @@ class MultiModalRunner:
         """Request id -> its prompt's M-RoPE positions [3, prompt_len] and the offset of later positions."""
         self._memo: tuple[list[str], np.ndarray, np.ndarray, bool] | None = None
         """(scheduled request ids, their offsets, their prompt-table lengths, any image request) of the last step."""
+        self._ends_memo: tuple[list[str], np.ndarray] | None = None
+        """(scheduled request ids, where each one's last image ends) of the last step."""
         self.outputs: dict[str, torch.Tensor] = {}
         """Image hash -> encoder output [placeholder tokens, hidden] on the device."""
         self.encoder_seconds = 0.0
@@ -88,11 +90,19 @@ class MultiModalRunner:
             self.outputs.pop(h, None)
         if so.scheduled_encoder_inputs:
             self._encode(so.scheduled_encoder_inputs, requests)
+        memo = self._ends_memo
+        if memo is None or memo[0] != x.req_ids:
+            ends = np.fromiter(
+                ((f[-1].offset + f[-1].length) if (f := requests[r].mm_features) else 0 for r in x.req_ids),
+                dtype=np.int64,
+                count=len(x.req_ids),
+            )
+            memo = self._ends_memo = (list(x.req_ids), ends)
         pieces: list[tuple[int, torch.Tensor]] = []
-        for i, rid in enumerate(x.req_ids):
+        # Only requests whose computed tokens have not passed their last image can meet one (decodes never).
+        for i in np.nonzero(x.computed < memo[1])[0].tolist():
+            rid = x.req_ids[i]
             feats = requests[rid].mm_features
-            if not feats:
-                continue
             start = int(x.computed[i])
             end = start + int(x.num_scheduled[i])
             base = int(x.cu[i])
