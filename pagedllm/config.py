@@ -68,21 +68,27 @@ class ModelConfig:
         return list(getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"])
 
     @property
+    def text_config(self) -> Any:
+        """The language model's config (a vision-language model's `text_config`; else hf_config itself)."""
+        return text_config_of(self.hf_config)
+
+    @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.text_config.vocab_size)
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        return int(self.text_config.num_hidden_layers)
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads)
+        tc = self.text_config
+        return int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        hd = getattr(self.hf_config, "head_dim", None)
-        return int(hd or self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+        tc = self.text_config
+        return int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -192,6 +198,13 @@ class EngineConfig:
     """Multi-LoRA serving (None: off, the model is not wrapped)."""
     structured_outputs_config: Any = None
     """A `structured_output.StructuredOutputsConfig` (None: the defaults)."""
+    multimodal_config: Any = None
+    """A `multimodal.config.MultiModalConfig` (limits, processor kwargs, allowed media sources)."""
+
+
+def text_config_of(hf_config: Any) -> Any:
+    sub = getattr(hf_config, "text_config", None)
+    return sub if sub is not None else hf_config
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
@@ -235,8 +248,9 @@ def build_model_config(
     hf_config = get_hf_config(model_dir, gguf_file)
     for k, v in (hf_overrides or {}).items():
         setattr(hf_config, k, v)
+    text_config = text_config_of(hf_config)
     quantization = resolve_quantization(quantization, gguf_dequantize, gguf_file, hf_config)
-    derived = get_max_model_len_from_config(hf_config)
+    derived = get_max_model_len_from_config(text_config)
     if max_model_len is None:
         max_model_len = derived
     elif max_model_len <= 0:
@@ -250,6 +264,7 @@ def build_model_config(
         raise ValueError(f"generation_config: expected 'auto', 'vllm' or a directory, got {generation_config!r}")
     gen_dir = model_dir if generation_config in ("auto", "vllm") else generation_config
     hf_config.pagedllm_max_model_len = int(max_model_len)  # longrope picks its factors from it (as vLLM)
+    text_config.pagedllm_max_model_len = int(max_model_len)
     return ModelConfig(
         model=model,
         tokenizer=tokenizer or model,
@@ -265,7 +280,7 @@ def build_model_config(
         generation_config_mode=generation_config,
         generation_defaults=load_generation_config(gen_dir, hf_config),
         max_logprobs=max_logprobs,
-        sliding_window=get_sliding_window(hf_config),
+        sliding_window=get_sliding_window(text_config),
         logprobs_mode=logprobs_mode,
         quantization=quantization,
     )

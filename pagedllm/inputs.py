@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypedDict, Union
+from typing import Any, TypedDict, Union
 
 from typing_extensions import NotRequired
 
@@ -10,6 +10,9 @@ from typing_extensions import NotRequired
 class TextPrompt(TypedDict):
     prompt: str
     cache_salt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]
+    """{"image": a PIL image or a list of them} (vision-language models; `pagedllm/multimodal/`)."""
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):

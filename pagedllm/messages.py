@@ -11,6 +11,7 @@ import msgspec
 
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature
 from pagedllm.pooling_params import PooledData, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     are then a placeholder (max_tokens=1) the scheduler's bookkeeping reads."""
     lora_request: LoRARequest | None = None
     """The adapter (the core reads it off the step loop before scheduling the request); lora_id is its id."""
+    mm_features: list[MultiModalFeature] | None = None
+    """The prompt's images (`pagedllm/multimodal/`), ordered by their placeholder offset."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

@@ -28,12 +28,19 @@ def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]
 
 def request_extra_keys(request: Request, block_index: int) -> bytes:
     """Anything besides the token ids that changes the KV of a block: the cache salt (first block: it
-    seeds the whole chain), the LoRA adapter, later multimodal inputs."""
+    seeds the whole chain), the LoRA adapter, the hashes of the images whose placeholder tokens the block
+    holds (the chain carries them into every later block)."""
     keys = []
     if block_index == 0 and request.cache_salt:
         keys.append(b"salt:" + request.cache_salt.encode())
     if request.lora_id is not None:
         keys.append(b"lora:" + str(request.lora_id).encode())
+    if request.mm_features:
+        bs = request._hash_block_size
+        start, end = block_index * bs, (block_index + 1) * bs
+        for f in request.mm_features:
+            if f.offset < end and f.offset + f.length > start:
+                keys.append(b"mm:" + f.identifier.encode())
     return b";".join(keys)
 
 
@@ -48,7 +55,7 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         parent = hashes[-1] if start else NONE_HASH
         out: list[bytes] = []
         tokens = request.all_token_ids
-        if not request.cache_salt and request.lora_id is None:
+        if not request.cache_salt and request.lora_id is None and not request.mm_features:
             # No extra keys in any block: `hash_block_tokens(parent, block, b"")` inlined, as one digest of
             # the concatenation (the same bytes as its two updates). A decode reaching a block boundary
             # hashes one block per request, all requests in the same step.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.pooling_params import PoolingParams
@@ -67,6 +68,7 @@ class Request:
         "stop_token_set",
         "kv_fast_limit",
         "spec_token_ids",
+        "mm_features",
     )
 
     def __init__(
@@ -80,6 +82,7 @@ class Request:
         cache_salt: str | None = None,
         lora_id: int | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -89,6 +92,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_id = lora_id
+        self.mm_features: list[Any] = mm_features or []
+        """The prompt's images (`multimodal.inputs.MultiModalFeature`); their hashes enter the block hashes."""
         self.pooling_params: PoolingParams | None = None
         """Set for a pooling request: it finishes when its prompt is computed (no sampled token)."""
         self.status = RequestStatus.WAITING
@@ -147,6 +152,7 @@ class Request:
             req.cache_salt,
             req.lora_id,
             block_hasher,
+            req.mm_features,
         )
         request.pooling_params = req.pooling_params
         return request

@@ -27,6 +27,7 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.core.stop import append_until_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.pooling_params import PooledData
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
@@ -84,6 +85,9 @@ class Scheduler:
         """Structured outputs (set by the engine core): grammars, matchers and the step's bitmask."""
         self._grammar_errors: dict[str, str] = {}
         """Requests whose grammar failed to compile -> the error (they fail at the next update)."""
+        self.encoder: EncoderCacheManager | None = None
+        """Multimodal: the worker's encoder cache as the scheduler tracks it (made at the first request with
+        images; None keeps the plain path)."""
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
@@ -93,6 +97,9 @@ class Scheduler:
         if core_req.lora_request is not None:
             self.lora_names[core_req.lora_request.lora_int_id] = core_req.lora_request.lora_name
         req.stop_len = min(req.stop_len, self.max_model_len)
+        if req.mm_features and self.encoder is None:
+            n = self.config.max_num_batched_tokens
+            self.encoder = EncoderCacheManager(budget=n, capacity=max(n, self.max_model_len))
         if req.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured_outputs: not available in this engine")
@@ -138,6 +145,8 @@ class Scheduler:
         return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, errors[req.request_id]) for req in failed]
 
     def _free_request(self, req: Request) -> None:
+        if req.mm_features and self.encoder is not None:
+            self.encoder.release(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
@@ -175,6 +184,10 @@ class Scheduler:
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
         spec = self.spec
         spec_tokens: dict[str, list[int]] = {}
+        enc = self.encoder
+        enc_inputs: dict[str, list[int]] = {}
+        if enc is not None:
+            enc.begin_step()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -196,6 +209,12 @@ class Scheduler:
                 continue
             if spec is not None and req.spec_token_ids:
                 num_new = spec.add_drafts(req, computed, num_new, target, budget, max_model_len, spec_tokens)
+            to_encode = None
+            if enc is not None and req.mm_features and computed < req.num_prompt_tokens:
+                num_new, to_encode = enc.plan(req, computed, num_new)
+                if num_new <= 0:
+                    i += 1
+                    continue
             if computed + num_new > req.kv_fast_limit:
                 while True:
                     blocks = allocate_slots(req, num_new)
@@ -217,6 +236,8 @@ class Scheduler:
             # Victims only come from the not-yet-scheduled tail, so this request stays scheduled: record it for
             # the worker now ("cached": the worker already holds its state).
             rid = req.request_id
+            if to_encode is not None:
+                self._commit_encoder(req, computed, num_new, to_encode, enc_inputs)
             num_scheduled[rid] = num_new
             sched_ids_append(rid)
             computed_append(computed)
@@ -258,6 +279,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = min(num_new, budget)
+                to_encode = None
+                if enc is not None and req.mm_features:
+                    planned, to_encode = enc.plan(req, num_hit, num_new)
+                    if planned <= 0 or (planned < num_new and not self.config.enable_chunked_prefill):
+                        break
+                    num_new = planned
                 blocks = self.kv.allocate_slots(req, num_new, num_hit, hit_blocks)
                 if blocks is None:
                     break
@@ -269,6 +296,8 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit
                 self.running.append(req)
+                if to_encode is not None:
+                    self._commit_encoder(req, num_hit, num_new, to_encode, enc_inputs)
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 if req.request_id in self._new_to_worker:
@@ -283,6 +312,7 @@ class Scheduler:
                             num_hit,
                             req.lora_id,
                             req.pooling_params,
+                            req.mm_features or None,
                         )
                     )
                 else:
@@ -306,12 +336,23 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
         )
+        if enc is not None:
+            out.scheduled_encoder_inputs = enc_inputs
+            out.free_encoder_hashes = enc.take_freed()
         self.finished_req_ids = set()
         if self.structured is not None and self.structured.states:
             self.structured.prepare(out, self.requests)
             if not num_scheduled and not self._grammar_errors:
                 self.structured.wait_pending(0.05)  # only grammars to wait for: no busy step loop
         return out
+
+    def _commit_encoder(
+        self, req: Request, computed: int, num_new: int, to_encode: list[int], enc_inputs: dict[str, list[int]]
+    ) -> None:
+        assert self.encoder is not None
+        self.encoder.commit(req, computed, num_new, to_encode)
+        if to_encode:
+            enc_inputs[req.request_id] = to_encode
 
     def _pick_victim(self, current: int) -> Request:
         """Only requests not yet scheduled this step (index >= current) are candidates, so a victim
@@ -321,6 +362,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:
+        if req.mm_features and self.encoder is not None:
+            self.encoder.release(req)
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED

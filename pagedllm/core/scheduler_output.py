@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -44,6 +44,8 @@ class NewRequestData:
     """Hook for multi-LoRA (issue: multi-LoRA serving): the adapter this request runs with; None today."""
     pooling_params: PoolingParams | None = None
     """A pooling request's parameters (its hidden states go to the pooler, not the sampler)."""
+    mm_features: list[Any] | None = None
+    """The prompt's images (`multimodal.inputs.MultiModalFeature`): the runner encodes them when scheduled."""
 
 
 @dataclass
@@ -79,6 +81,10 @@ class SchedulerOutput:
     """The allowed-token bitmask (int32, ceil(vocab / 32) words per row) of those requests, or its source,
     filled on the host when the runner resolves it (after launching the forward). A worker in another
     process would get it resolved before sending."""
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """Multimodal: request id -> indexes of its images to run through the encoder this step (before the
+    forward); their outputs stay cached by image hash until named in free_encoder_hashes."""
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass

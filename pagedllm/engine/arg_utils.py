@@ -18,6 +18,7 @@ from pagedllm.config import (
     SchedulerConfig,
     build_model_config,
 )
+from pagedllm.multimodal.config import MultiModalConfig
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.transformers_utils.config import default_model_path
@@ -256,6 +257,20 @@ class EngineArgs:
         ),
     )
 
+    limit_mm_per_prompt: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help('Most images per prompt, e.g. {"image": 2} (default: no practical limit).', "Multimodal"),
+    )
+    mm_processor_kwargs: dict[str, Any] | None = field(
+        default=None, metadata=_help("JSON dict passed to the model's HF processor call.", "Multimodal")
+    )
+    allowed_local_media_path: str = field(
+        default="", metadata=_help("Directory whose files chat requests may name as file:// image URLs.", "Multimodal")
+    )
+    allowed_media_domains: list[str] | None = field(
+        default=None, metadata=_help("Hosts http(s) image URLs may be fetched from (none: no fetching).", "Multimodal")
+    )
+
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
         if self.trust_remote_code:
@@ -452,6 +467,12 @@ class EngineArgs:
             if self.enable_lora
             else None,
             structured_outputs_config=so_config,
+            multimodal_config=MultiModalConfig.from_args(
+                _json(self.limit_mm_per_prompt, "limit_mm_per_prompt"),
+                _json(self.mm_processor_kwargs, "mm_processor_kwargs"),
+                self.allowed_local_media_path,
+                self.allowed_media_domains,
+            ),
         )
 
     # ---- CLI -----------------------------------------------------------------------------------
@@ -508,6 +529,15 @@ def _check_tp_divides(hf_config: Any, tp: int) -> None:
     inter = getattr(hf_config, "intermediate_size", None)
     if isinstance(inter, int) and inter % tp:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size {inter}")
+
+
+def _json(value: Any, name: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name}: not valid JSON ({value[:64]!r})") from None
+    return value
 
 
 def _unwrap(tp: Any) -> tuple[Any, list[Any] | None, bool]:

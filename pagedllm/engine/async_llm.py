@@ -68,6 +68,7 @@ class AsyncLLM(AsyncLLMControlsMixin):
             lora_config=config.lora_config,
             speculative=config.speculative_config is not None,
             structured_outputs_config=config.structured_outputs_config,
+            multimodal_config=config.multimodal_config,
         )
         self.log_stats = log_stats
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])

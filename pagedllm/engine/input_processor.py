@@ -24,8 +24,11 @@ class InputProcessor:
         *,
         speculative: bool = False,
         structured_outputs_config: Any = None,
+        multimodal_config: Any = None,
     ) -> None:
         self.model_config = model_config
+        self.multimodal_config = multimodal_config
+        self._mm: Any = None
         self.speculative = speculative
         """Speculative decoding is on: structured outputs are rejected (no grammar rollback)."""
         self.structured_outputs_config = structured_outputs_config
@@ -80,6 +83,11 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or prompt.get("mm_features")):
+            if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
+                raise ValueError("multi_modal_data: images are not supported for pooling requests")
+            if self.speculative:
+                raise ValueError("multi_modal_data: images are not supported together with speculative decoding")
         if isinstance(params, PoolingParams) or self.model_config.runner_type == "pooling":
             from pagedllm.pooling.inputs import process_pooling
 
@@ -90,7 +98,15 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if lora_request is not None:
             self.validate_lora(lora_request)
-        if prompt_token_ids is None:
+        mm_features = None
+        if prompt_token_ids is None and isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            prompt_text, prompt_token_ids, mm_features = self.process_multimodal(prompt)
+            cache_salt = prompt.get("cache_salt")
+        elif prompt_token_ids is None and isinstance(prompt, dict) and prompt.get("mm_features"):
+            # Already through `process_multimodal` (the chat server processes images off its event loop).
+            prompt_text, prompt_token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])  # type: ignore[typeddict-item]
+            mm_features, cache_salt = prompt["mm_features"], prompt.get("cache_salt")  # type: ignore[typeddict-item]
+        elif prompt_token_ids is None:
             prompt_text, prompt_token_ids, cache_salt = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         self.validate_sampling(params)
@@ -118,8 +134,41 @@ class InputProcessor:
             cache_salt=cache_salt,
             lora_id=lora_request.lora_int_id if lora_request is not None else None,
             lora_request=lora_request,
+            mm_features=mm_features or None,
         )
         return req, prompt_text
+
+    @property
+    def mm_processor(self) -> Any:
+        """The model's `MultiModalProcessor`, or None for a text-only model."""
+        if self._mm is None:
+            from pagedllm.multimodal.config import MultiModalConfig
+            from pagedllm.multimodal.processing import MultiModalProcessor, get_mm_spec
+
+            mc = self.model_config
+            spec = get_mm_spec(mc.hf_config)
+            if spec is None:
+                self._mm = False
+            else:
+                self._mm = MultiModalProcessor(
+                    mc.hf_config, mc.model_dir, self.multimodal_config or MultiModalConfig(), spec
+                )
+        return self._mm or None
+
+    def process_multimodal(self, prompt: Any) -> tuple[str, list[int], list[Any]]:
+        """(prompt text, token ids with the image placeholders expanded, the images' features)."""
+        mm = self.mm_processor
+        if mm is None:
+            archs = ", ".join(self.model_config.architectures)
+            raise ValueError(f"multi_modal_data: the model ({archs}) is text-only and does not accept images")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("multi_modal_data: needs a text 'prompt' (the processor expands its image placeholders)")
+        kwargs = prompt.get("mm_processor_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs: expected a dict, got {type(kwargs).__name__}")
+        ids, features = mm.process(text, prompt["multi_modal_data"], kwargs)
+        return text, ids, features
 
     def validate_lora(self, lora_request: LoRARequest) -> None:
         """ValueError for an adapter the engine cannot serve (LoRA off, missing files, rank over

@@ -55,6 +55,7 @@ class LLMEngine:
             config.lora_config,
             speculative=config.speculative_config is not None,
             structured_outputs_config=config.structured_outputs_config,
+            multimodal_config=config.multimodal_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core = InprocClient(config, logits_processors)

@@ -22,6 +22,8 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.llm_controls import LLMControlsMixin
 from pagedllm.inputs import PromptType, TokensPrompt
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.chat import has_images, load_images, split_image_parts
+from pagedllm.multimodal.media import MediaConnector
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.llm_api import LLMPoolingMixin
 from pagedllm.sample.logits_processor import LogitsProcessor
@@ -195,6 +197,9 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
+            images = None
+            if has_images(conv):
+                conv, images = self._chat_images(conv)  # type: ignore[arg-type]
             text = apply_chat_template(
                 tok,
                 conv,  # type: ignore[arg-type]
@@ -204,9 +209,27 @@ class LLM(LLMControlsMixin, LLMPoolingMixin):
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tools,
             )
+            if images is not None:
+                mm_kwargs = {"add_special_tokens": False}
+                prompts.append(
+                    {"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": mm_kwargs}
+                )
+                continue
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append(TokensPrompt(prompt_token_ids=ids, prompt=text))
         return prompts
+
+    def _chat_images(self, conv: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The conversation with its image parts as the model's placeholders, and the images (loaded)."""
+        engine = self.llm_engine
+        mm = engine.input_processor.mm_processor
+        if mm is None:
+            archs = ", ".join(engine.model_config.architectures)
+            raise ValueError(f"messages: image content parts need a vision-language model; {archs} is text-only")
+        conv, sources = split_image_parts(conv, mm.prompt_placeholder())
+        mc = engine.config.multimodal_config
+        connector = MediaConnector(mc.allowed_local_media_path, mc.allowed_media_domains)
+        return conv, load_images(sources, connector)
 
     def _run(
         self,

@@ -46,6 +46,7 @@ class BatchUpdater:
                 [list(ids) for ids in new.block_ids],
                 new.num_computed_tokens,
                 new.lora_id,
+                mm_features=new.mm_features,
             )
             self.requests[new.req_id] = st
             batch.add_request(st)

@@ -25,6 +25,8 @@ class CachedRequestState:
     the current value."""
     lora_id: int | None = None
     extra: dict = field(default_factory=dict)
+    mm_features: list | None = None
+    """The prompt's images (`multimodal.inputs.MultiModalFeature`), None for a text prompt."""
 
     @property
     def num_tokens(self) -> int:

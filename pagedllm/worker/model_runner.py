@@ -83,6 +83,8 @@ class ModelRunner:
         """Multi-LoRA (`lora.manager.LoRAManager`) when the config enables it; None keeps the plain path."""
         self.pp: Any = None
         """This rank's pipeline stage (`distributed.pipeline.PipelineStage`) when pp > 1; None: one stage."""
+        self.mm: Any = None
+        """The encoder step (`multimodal.runner.MultiModalRunner`) for a vision-language model; else None."""
 
     @property
     def requests(self) -> dict:
@@ -115,6 +117,12 @@ class ModelRunner:
                     f"pipeline_parallel_size: {type(self.model).__name__} does not support pipeline parallelism"
                 )
             self.pp = PipelineStage(self.model_config.hf_config.hidden_size, self.dtype, self.device)
+        if getattr(self.model, "mm_spec", None) is not None:
+            from pagedllm.multimodal.runner import MultiModalRunner
+
+            self.mm = MultiModalRunner(self.model, self.device)
+        if self.pp is not None and self.mm is not None:
+            raise ValueError("pipeline_parallel_size: multimodal models do not support pipeline parallelism yet")
         if self.config.lora_config is not None:
             from pagedllm.lora.manager import LoRAManager
 
@@ -143,8 +151,11 @@ class ModelRunner:
         return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values()) + extra
 
     def profile_run(self) -> None:
-        """One forward over max_num_batched_tokens dummy tokens (no KV cache), for the peak memory."""
+        """One forward over max_num_batched_tokens dummy tokens (no KV cache), for the peak memory (and for
+        a vision-language model, first its encoder over a step's worth of dummy images)."""
         assert self.model is not None
+        if self.mm is not None:
+            self.mm.profile(self.max_num_tokens)
         n = min(self.max_num_tokens, self.max_model_len)
         names = list(self.attn_layers)
         warmup.profile_forward(
@@ -249,7 +260,8 @@ class ModelRunner:
         patch = self.in_flight.patch(
             x.req_ids, x.req_of_token, x.positions, batch.num_tokens[x.token_rows], self.device
         )
-        hidden = self._forward(x, patch)
+        mm_step = self.mm.prepare(so, x, self.requests) if self.mm is not None else None
+        hidden = self._forward(x, patch, mm_step)
         if hidden is None:  # a pipeline stage before the last: the last stage's sampled ids come back
             return self.pp.follow_step(x, batch, self.in_flight)
         prompt_lp_done = self.prompt_logprobs.gather(
@@ -295,9 +307,11 @@ class ModelRunner:
             self.in_flight.clear()
         return step
 
-    def _forward(self, x: StepInputs, patch: Patch | None) -> torch.Tensor | None:
+    def _forward(self, x: StepInputs, patch: Patch | None, mm_step: Any = None) -> torch.Tensor | None:
         """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly.
-        None on a pipeline stage before the last (its activations went to the next stage)."""
+        `mm_step` (`multimodal.runner.MMStep`): image rows for the input embeddings (eager only) and M-RoPE
+        positions (a graph can run when they are one row). None on a pipeline stage before the last (its
+        activations went to the next stage)."""
         batch, model, kv = self.input_batch, self.model, self.kv_cache_config
         assert batch is not None and model is not None and kv is not None
         groups = kv.groups
@@ -308,20 +322,35 @@ class ModelRunner:
         if self.lora is not None:  # the step's per-token adapter slots (a graph input)
             self.lora.prepare_step(batch, x.token_rows)
         graphs = self.cuda_graphs
-        if graphs is not None and x.max_query_len == 1 and graphs.can_run(x.num_reqs):
-            return graphs.run(x.input_ids, x.positions, x.seq_lens.astype(np.int32), slots, tables, patch)
+        pos_host = x.positions
+        mm_pieces = None
+        if mm_step is not None:
+            mm_pieces = mm_step.pieces
+            if mm_step.positions is not None:
+                pos_host = mm_step.positions
+        graph_ok = mm_pieces is None and pos_host.ndim == 1
+        if graphs is not None and x.max_query_len == 1 and graph_ok and graphs.can_run(x.num_reqs):
+            return graphs.run(x.input_ids, pos_host, x.seq_lens.astype(np.int32), slots, tables, patch)
         vg = self.verify_graphs
-        if vg is not None and patch is None and x.max_query_len <= vg.q and vg.can_run_padded(x.cu, x.seq_lens):
+        if (
+            vg is not None
+            and patch is None
+            and mm_step is None
+            and x.max_query_len <= vg.q
+            and vg.can_run_padded(x.cu, x.seq_lens)
+        ):
             return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables)
         dev = self.device
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
-        positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
+        positions = torch.from_numpy(pos_host).to(dev, non_blocking=True)
         commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
             if self.pp is not None:
                 return self.pp.forward(model, input_ids, positions)
+            if mm_pieces is not None:
+                return model(input_ids, positions, inputs_embeds=self.mm.embeds(input_ids, mm_pieces))
             return model(input_ids, positions)
 
     def finish_step(self, step: PendingStep) -> ModelRunnerOutput:

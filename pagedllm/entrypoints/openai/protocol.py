@@ -112,11 +112,28 @@ class ChatCompletionContentPartText(OpenAIRequestModel):
     text: str
 
 
+class ImageURL(OpenAIRequestModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ChatCompletionContentPartImage(OpenAIRequestModel):
+    """An image part: a data URL, a file:// URL under --allowed-local-media-path, or an http(s) URL from
+    --allowed-media-domains (vision-language models only)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatCompletionMessageParam(OpenAIRequestModel):
     """One chat message. Other keys (e.g. `reasoning_content`) are passed to the chat template as given."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatCompletionContentPartText] | None = None
+    content: (
+        str
+        | list[Annotated[ChatCompletionContentPartText | ChatCompletionContentPartImage, Field(discriminator="type")]]
+        | None
+    ) = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None

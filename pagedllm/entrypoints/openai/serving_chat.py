@@ -35,6 +35,8 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.inputs import TokensPrompt
 from pagedllm.logger import init_logger
+from pagedllm.multimodal.chat import has_images, load_images, split_image_parts
+from pagedllm.multimodal.media import MediaConnector
 from pagedllm.outputs import RequestOutput
 
 logger = init_logger(__name__)
@@ -74,6 +76,30 @@ class OpenAIServingChat(OpenAIServing):
                 "chat_template",
             )
         return template
+
+    async def chat_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages with their image parts as the model's placeholder text, and the images (loaded off
+        the event loop: a download or a decode must not stall other requests)."""
+        ip = self.engine.input_processor
+        mm = await self.engine.run_in_worker(lambda: ip.mm_processor)
+        if mm is None:
+            archs = ", ".join(self.engine.model_config.architectures)
+            raise OpenAIServingError(
+                f"messages: image content parts need a vision-language model; the served model ({archs}) is text-only",
+                400,
+                "messages",
+            )
+        mc = self.engine.config.multimodal_config
+        connector = MediaConnector(mc.allowed_local_media_path, mc.allowed_media_domains)
+        try:
+            placeholder = await self.engine.run_in_worker(mm.prompt_placeholder)
+            messages, sources = split_image_parts(messages, placeholder)
+            images = await self.engine.run_in_worker(load_images, sources, connector)
+        except ValueError as e:
+            err = OpenAIServingError.from_value_error(e)
+            err.param = err.param or "messages"
+            raise err from None
+        return messages, images
 
     async def render_messages(
         self,
@@ -148,6 +174,9 @@ class OpenAIServingChat(OpenAIServing):
             name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             raise OpenAIServingError(f"{name}: must be at least 1, got {max_tokens}", 400, name)
         messages = messages_as_dicts(req.messages)
+        images = None
+        if has_images(messages):
+            messages, images = await self.chat_images(messages)
         text, ids = await self.render_messages(
             messages,
             req.chat_template,
@@ -157,6 +186,20 @@ class OpenAIServingChat(OpenAIServing):
             req.add_special_tokens,
             rp.tools,
         )
+        prompt: Any = TokensPrompt(prompt_token_ids=ids, prompt=text)
+        if images is not None:
+            mm_prompt = {
+                "prompt": text,
+                "multi_modal_data": {"image": images},
+                "mm_processor_kwargs": {"add_special_tokens": req.add_special_tokens},
+            }
+            try:
+                text, ids, features = await self.engine.run_in_worker(
+                    self.engine.input_processor.process_multimodal, mm_prompt
+                )
+            except ValueError as e:
+                raise OpenAIServingError.from_value_error(e) from None
+            prompt = {"prompt": text, "prompt_token_ids": ids, "mm_features": features}
         max_tokens = self.check_prompt_len(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sp = self.build_sampling_params(
@@ -166,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             q = await self.engine.add_request(
                 rid,
-                TokensPrompt(prompt_token_ids=ids, prompt=text),
+                prompt,
                 sp,
                 priority=req.priority,
                 lora_request=self.lora_for(req.model),

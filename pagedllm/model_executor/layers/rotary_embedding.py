@@ -152,6 +152,6 @@ def get_rope(
         inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
     elif rtype in ("longrope", "su"):
         inv_freq, mscale = _longrope(base, rotary_dim, rope_scaling)  # type: ignore[arg-type]
-    elif rtype != "default":
+    elif rtype not in ("default", "mrope"):  # mrope: default frequencies (`models/qwen2_vl.py` splits them)
         raise NotImplementedError(f"rope scaling type {rtype!r} is not supported (default, linear, llama3, longrope)")
     return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style, inv_freq, mscale)

@@ -45,9 +45,14 @@ class GraniteModel(LlamaModel):
         self.embedding_multiplier = float(config.embedding_multiplier)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: Intermediate | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.embedding_multiplier
+        emb = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = emb * self.embedding_multiplier
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)

@@ -177,6 +177,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attn_cls: type[LlamaAttention] = LlamaAttention
+
     @staticmethod
     def attn_kwargs(config: Any) -> dict[str, Any]:
         """Per-architecture LlamaAttention options (overridden by Qwen2 / Qwen3)."""
@@ -185,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
+        self.self_attn = self.attn_cls(config, layer_idx, prefix=f"{prefix}.self_attn", **self.attn_kwargs(config))
         self.mlp = self.make_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
@@ -246,14 +248,20 @@ class LlamaModel(nn.Module):
         """This stage's layers, as a plain list (slicing the ModuleList would build a new one every forward)."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: Intermediate | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | Intermediate:
         """[T, hidden] hidden states; on a pipeline stage before the last, (hidden states, residual).
         `intermediate` is the previous stage's output (a later stage without it, e.g. a warm-up forward,
-        starts from zeros)."""
+        starts from zeros). `inputs_embeds` (multimodal: image rows merged in) replaces the embedding lookup."""
         residual: torch.Tensor | None = None
         if intermediate is not None:
             hidden_states, residual = intermediate
+        elif inputs_embeds is not None:
+            hidden_states = inputs_embeds
         elif self.is_first_stage:
             hidden_states = self.embed_tokens(input_ids)
         else:
@@ -291,11 +299,18 @@ class LlamaForCausalLM(nn.Module):
     """Pipeline stages: `forward` takes the previous stage's (hidden states, residual)."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: Intermediate | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: Intermediate | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if intermediate is None:  # (subclasses' models, e.g. Gemma 3's, take no third argument)
+        if intermediate is None and inputs_embeds is None:  # (subclasses' models, e.g. Gemma 3's, take two)
             return self.model(input_ids, positions)  # type: ignore[return-value]
-        return self.model(input_ids, positions, intermediate)  # type: ignore[return-value]
+        return self.model(input_ids, positions, intermediate, inputs_embeds)  # type: ignore[return-value]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -21,6 +21,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    # Vision-language models (pagedllm/multimodal feeds their images).
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     # Encoder-only pooling models (pagedllm/pooling runs them).
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),

@@ -369,9 +369,16 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str]] = [
     (
         "bad_content_part",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
         400,
         "text",
+    ),
+    (
+        "image_part_without_url",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "image_url",
     ),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
@@ -709,3 +716,11 @@ def test_beam_search_matches_offline(server: ServerProcess, offline) -> None:  #
     assert texts == {i: c["text"] for i, c in enumerate(raw["choices"])}
     resp = post(server, "/v1/completions", {**body, "stop": ["\n"]})
     assert resp.status_code == 400 and "use_beam_search" in resp.json()["error"]["message"]
+
+
+def test_image_part_on_text_only_model_is_400(client: openai.OpenAI) -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    msgs: Any = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2)
+    assert "text-only" in str(ei.value.body)
