@@ -145,8 +145,12 @@ class MultiprocExecutor(Executor):
         return None
 
     def _wait_any_exit(self, timeout: float | None) -> None:
-        """Block until some worker is gone (or `timeout` seconds)."""
-        wait([p.sentinel for p in self.procs], timeout=timeout)
+        """Block until some worker is gone (or `timeout` seconds). A sentinel fires when the process closes its
+        files, which can be a moment before it can be reaped: join it, so `exitcode` is set on return."""
+        ready = wait([p.sentinel for p in self.procs], timeout=timeout)
+        for proc in self.procs:
+            if proc.sentinel in ready:
+                proc.join(5.0)
 
     def _stop_workers(self, graceful_s: float) -> None:
         """Wait up to `graceful_s` for the workers to exit (after SHUTDOWN), then kill what remains."""
