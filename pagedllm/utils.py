@@ -72,3 +72,23 @@ class PluginRegistry(Generic[_C]):
         if name not in self.classes:
             raise ValueError(f"{self.field}: unknown parser {name!r}; expected one of {', '.join(self.names())}")
         return self.classes[name]
+
+
+def exit_when_parent_dies(thread_name: str) -> None:
+    """A spawned process (engine core, worker) that must not outlive its parent, e.g. one killed with SIGKILL
+    that could not shut it down: a daemon thread waits on the parent's sentinel and exits the process."""
+    import multiprocessing
+    import os
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name=thread_name, daemon=True).start()

@@ -18,7 +18,6 @@ loop only sees ready-made requests; per step the loop does one `core.step()` and
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import signal
@@ -45,6 +44,7 @@ from pagedllm.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
+from pagedllm.utils import exit_when_parent_dies
 
 logger = init_logger(__name__)
 
@@ -214,27 +214,12 @@ class EngineCoreProc:
             self.output_socket.close(linger=1000)
 
 
-def _exit_when_parent_dies() -> None:
-    """The front end may die without shutting us down (SIGKILL): don't outlive it holding the model."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="EngineCoreParentWatch", daemon=True).start()
-
-
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, handshake_addr: str) -> None:
     """Entry point of the spawned core process."""
     # Ctrl-C reaches the whole process group; the front end shuts us down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _exit_when_parent_dies()
+    exit_when_parent_dies("EngineCoreParentWatch")  # the front end may die without shutting us down (SIGKILL)
     proc: EngineCoreProc | None = None
     try:
         proc = EngineCoreProc(config, input_addr, output_addr, handshake_addr)

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import multiprocessing
 import os
 import pickle
 import signal
 import sys
-import threading
 import traceback
 from typing import Any
 
@@ -34,6 +32,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.logger import init_logger
+from pagedllm.utils import exit_when_parent_dies
 
 logger = init_logger(__name__)
 
@@ -52,17 +51,7 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="WorkerParentWatch", daemon=True).start()
+    exit_when_parent_dies("WorkerParentWatch")
 
 
 class WorkerProc:

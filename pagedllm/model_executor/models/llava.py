@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.model_executor.models.clip import CLIPVisionTower, vision_act
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.model_executor.models.vlm_base import VisionLanguageModel
 
 # HF checkpoint prefixes (transformers 4.x "legacy" and 5.x layouts) -> ours.
 _PREFIXES = (
@@ -67,7 +68,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     mm_spec = LlavaMMSpec
 
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
@@ -105,17 +106,6 @@ class LlavaForConditionalGeneration(nn.Module):
         per_image = (vc.image_size // vc.patch_size) ** 2 + (1 if self.full else 0)
         n = max(1, num_tokens // per_image)
         return [{"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size)} for _ in range(n)]
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         own = dict(self.named_parameters())

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagedllm.model_executor.models.llama import LlamaAttention
 from pagedllm.model_executor.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
 from pagedllm.model_executor.models.qwen2_vl_vision import QwenVisionTransformer
+from pagedllm.model_executor.models.vlm_base import VisionLanguageModel
 
 
 def mrope_section(text_config: Any) -> list[int]:
@@ -103,7 +103,7 @@ _PREFIXES = (
 )
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     mm_spec = QwenVLMMSpec
     uses_mrope = True
     qwen25 = False
@@ -130,17 +130,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid = torch.tensor([[1, side, side]])
         item = {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": grid}
         return [item] * max(1, num_tokens // tokens)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def get_mrope_positions(self, prompt_len: int, features: list[Any]) -> tuple[np.ndarray, int]:
         """(positions [3, prompt_len], delta): text tokens count on from the previous token's largest
