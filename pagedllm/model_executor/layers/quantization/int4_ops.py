@@ -92,30 +92,32 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
-                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """Each packed int32 is loaded once and unpacked in registers to its 8 rows ([BK/8, 8, BN] tiles)."""
+                               G: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+        """Each packed [BR, BN] int32 tile is loaded once and its 8 nibbles are taken in turn
+        (`static_range`) into a [BR, BN] float32 accumulator: a 2-D live state (a [BR, 8, BN] one was 2.1x
+        slower on an H100: registers, fewer loads in flight). BR * 8 divides G, so a step stays in one group."""
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
-        BR: tl.constexpr = BK // 8
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         offs_r = tl.arange(0, BR)
-        nib = tl.arange(0, 8)
-        shifts = (nib * 4)[None, :, None]
-        acc = tl.zeros([BR, 8, BN], dtype=tl.float32)
+        acc = tl.zeros([BR, BN], dtype=tl.float32)
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
-        for k0 in range(k_begin, k_end, BK):
+        x_row = x_ptr + m * stride_xm
+        for k0 in range(k_begin, k_end, BR * 8):
             rows = k0 // 8 + offs_r
             packed = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-            q = (packed[:, None, :] >> shifts) & 0xF  # [BR, 8, BN]
-            x = tl.load(x_ptr + m * stride_xm + rows[:, None] * 8 + nib[None, :]).to(tl.float32)  # [BR, 8]
             g = k0 // G
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc += x[:, :, None] * ((q.to(tl.float32) - z[None, None, :]) * s[None, None, :])
-        res = tl.sum(tl.sum(acc, axis=1), axis=0)
+            zs = (z * s)[None, :]
+            for j in tl.static_range(8):
+                q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+                xj = tl.load(x_row + rows * 8 + j).to(tl.float32)
+                acc += xj[:, None] * (q * s[None, :] - zs)
+        res = tl.sum(acc, axis=0)
         tl.store(part_ptr + (split * M + m) * N + offs_n, res, mask=n_ok)
 
 
@@ -141,17 +143,19 @@ def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
 def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                      group: int, num_sms: int = 132) -> torch.Tensor:  # fmt: skip
     """x [M <= 8, K] @ dequant(W): every program streams a [K / split, 64] slice of the packed weight; the
-    split-K partial sums (float32) are added by one reduction."""
+    split-K partial sums (float32) are added by one reduction. The configuration is the best of
+    `benchmarks/gemv_tune.py`'s sweep on Llama-3.1-8B's shapes on an H100 (benchmarks/NOTES.md)."""
     m, k = x.shape
     n = qweight.shape[1]
-    bn, bk = 64, group  # a whole group per step: 4 KB of packed weight in flight per program at G=128
+    bn, br = 64, min(16, group // 8)
+    bk = br * 8
     n_blocks = triton.cdiv(n, bn)
-    split = max(1, min(2 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
+    split = max(1, min(4 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, m, n, k, x.stride(0), k_split,
-                                             G=group, BN=bn, BK=bk)  # fmt: skip
+                                             G=group, BN=bn, BR=br, num_warps=4, num_stages=2)  # fmt: skip
     out = part[0] if split == 1 else part.sum(dim=0)
     return out.to(x.dtype)
 
