@@ -1,6 +1,7 @@
 """Where a small-batch decode step's time goes (W3's question), on the GPU.
 
     PYTHONPATH=. python3 benchmarks/decode_profile.py [--model benchmarks/workloads/llama-3.1-8b] [--batch 1]
+        [--quantization fp8]   (or --model benchmarks/workloads/llama-3.1-8b-awq)
 
 In one process: the copy-bandwidth floor; every linear layer of the model run as the decode step runs
 it (M = batch rows, all layers in order, replayed as one CUDA graph so L2 never holds the next weight)
@@ -120,6 +121,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (the per-linear table is then skipped)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decode_profile.json"))
     args = p.parse_args()
 
@@ -129,12 +131,18 @@ def main() -> None:
 
     copy_gbs = floors.copy_bandwidth_gbps()
     llm = LLM(
-        model=args.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024, async_scheduling=False
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        async_scheduling=False,
+        quantization=args.quantization,
     )
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.executor.worker.model_runner
     model = runner.model
-    lin = linear_table(model, args.batch, copy_gbs)
+    quantized = args.quantization is not None or any(not p.is_floating_point() for p in model.parameters())
+    lin = [] if quantized else linear_table(model, args.batch, copy_gbs)  # the table times bf16 weights only
     weight_bytes = floors.weight_read_bytes(model)
 
     n_out = args.steps + args.profile_steps + 20

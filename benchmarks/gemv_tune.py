@@ -57,11 +57,14 @@ def run_int4(c: dict, bn: int, br: int, mult: int, warps: int, stages: int, sms:
     split = max(1, min(mult * sms // max(1, m * n_blocks), k // (bk * 4)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (m, n_blocks, split)
-    int4_ops._int4_gemv_kernel[grid](x, qw, c["zeros"], c["scales"], part, m, n, k, x.stride(0), k_split,
-                                     G=GROUP, BN=bn, BR=br, num_warps=warps, num_stages=stages)  # fmt: skip
-    return (part[0] if split == 1 else part.sum(dim=0)).to(x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = int4_ops._split_counters(x.device, m * n_blocks)
+    int4_ops._int4_gemv_kernel[(m, n_blocks, split)](
+        x, qw, c["zeros"], c["scales"], part, out, cnt, m, n, k, x.stride(0), out.stride(0), k_split, split,
+        G=GROUP, BN=bn, BR=br, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
 
 
 def fp8_case(n: int, k: int) -> dict:

@@ -91,11 +91,18 @@ if HAS_TRITON:
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, M, N, K, stride_xm, K_SPLIT,
-                               G: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):  # fmt: skip
-        """Each packed [BR, BN] int32 tile is loaded once and its 8 nibbles are taken in turn
-        (`static_range`) into a [BR, BN] float32 accumulator: a 2-D live state (a [BR, 8, BN] one was 2.1x
-        slower on an H100: registers, fewer loads in flight). BR * 8 divides G, so a step stays in one group."""
+    def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm, stride_om,
+                          K_SPLIT, SPLIT, G: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+        """out[m, n-block] = x[m] @ dequant(W[k-slice, n-block]), split-K over programs.
+
+        Each packed [BR, BN] int32 tile is loaded once and its 8 nibbles taken in turn (`static_range`) into
+        a 2-D accumulator (a [BR, 8, BN] one was 2.1x slower on an H100: registers, fewer loads in flight).
+        A nibble becomes a float by the exponent trick (`q | 0x4B000000` is the float 2^23 + q, exact), not an
+        int-to-float conversion, whose throughput is 1/8 of an FMA's on Hopper; the group's scale and zero
+        are applied once per [BR, BN] tile: sum_j x_j (q_j s - z s) = s (sum_j x_j q_j) - z s (sum_j x_j).
+        BR * 8 divides G, so a tile stays in one group. The split-K partials (float32) are summed by the
+        last program of each column block to finish (an atomic counter, reset by that program for the next
+        launch or graph replay), in split order, so no separate reduction or cast kernel runs."""
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
@@ -112,13 +119,29 @@ if HAS_TRITON:
             g = k0 // G
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            zs = (z * s)[None, :]
+            t = tl.zeros([BR, BN], dtype=tl.float32)
+            xsum = tl.zeros([BR], dtype=tl.float32)
             for j in tl.static_range(8):
-                q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+                bits = ((packed >> (4 * j)) & 0xF) | 0x4B000000
+                q = bits.to(tl.float32, bitcast=True) - 8388608.0
                 xj = tl.load(x_row + rows * 8 + j).to(tl.float32)
-                acc += xj[:, None] * (q * s[None, :] - zs)
+                t += xj[:, None] * q
+                xsum += xj
+            acc += t * s[None, :] - xsum[:, None] * (z * s)[None, :]
         res = tl.sum(acc, axis=0)
-        tl.store(part_ptr + (split * M + m) * N + offs_n, res, mask=n_ok)
+        if SPLIT == 1:
+            tl.store(out_ptr + m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(part_ptr + (split * M + m) * N + offs_n, res, mask=n_ok)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            done = tl.atomic_add(cnt_ptr + pid_n * M + m, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if done == SPLIT - 1:
+                tot = tl.zeros([BN], dtype=tl.float32)
+                for i in range(0, SPLIT):
+                    tot += tl.load(part_ptr + (i * M + m) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m * stride_om + offs_n, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(cnt_ptr + pid_n * M + m, 0)
 
 
 def _block_k(group: int) -> int:
@@ -140,11 +163,24 @@ def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     return out
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the GEMV's split-K hand-off, shared by every launch on `device` (each
+    launch leaves them at zero). Allocated on the first, eager, call of a shape, before graph capture."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = cnt
+    return cnt
+
+
 def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                      group: int, num_sms: int = 132) -> torch.Tensor:  # fmt: skip
-    """x [M <= 8, K] @ dequant(W): every program streams a [K / split, 64] slice of the packed weight; the
-    split-K partial sums (float32) are added by one reduction. The configuration is the best of
-    `benchmarks/gemv_tune.py`'s sweep on Llama-3.1-8B's shapes on an H100 (benchmarks/NOTES.md)."""
+    """x [M <= 8, K] @ dequant(W) -> [M, N] in x's dtype: every program streams a [K / split, 64] slice of
+    the packed weight. The configuration is the best of `benchmarks/gemv_tune.py`'s sweep on
+    Llama-3.1-8B's shapes on an H100 (benchmarks/NOTES.md)."""
     m, k = x.shape
     n = qweight.shape[1]
     bn, br = 64, min(16, group // 8)
@@ -153,11 +189,13 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     split = max(1, min(4 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, m, n, k, x.stride(0), k_split,
-                                             G=group, BN=bn, BR=br, num_warps=4, num_stages=2)  # fmt: skip
-    out = part[0] if split == 1 else part.sum(dim=0)
-    return out.to(x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _split_counters(x.device, m * n_blocks)
+    _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, out, cnt, m, n, k, x.stride(0),
+                                             out.stride(0), k_split, split, G=group, BN=bn, BR=br, num_warps=4,
+                                             num_stages=2)  # fmt: skip
+    return out
 
 
 @functools.cache

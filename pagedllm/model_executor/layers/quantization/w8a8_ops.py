@@ -65,8 +65,8 @@ if HAS_TRITON:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-10)
-        q = x / scale
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), 1e-10)
+        q = tl.math.div_rn(x, scale)  # IEEE division, as torch's: a rounding boundary is crossed the same way
         if IS_INT:
             # round half to even, as torch.round
             r = tl.floor(q + 0.5)
@@ -96,12 +96,12 @@ if HAS_TRITON:
             for k0 in range(0, K, BK):
                 xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(xk))
-            scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-10)
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + offs_k
             k_ok = kk < K
-            xq = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32) / scale
+            xq = tl.math.div_rn(tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32), scale)
             if IS_INT:
                 r = tl.floor(xq + 0.5)
                 r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
