@@ -25,8 +25,8 @@ from pagedllm.model_executor.layers.quantization import int4_ops, w8a8_ops  # no
 from tests.model_executor.quantization import quant_ref as qr  # noqa: E402
 
 # (M, K, N, group)
-# (m, k, n, group); (2, 2048, 72, 128) splits K over programs (the last one of a column block sums the partials)
-INT4_SHAPES = [(1, 96, 200, 32), (3, 192, 72, 64), (8, 384, 136, 128), (2, 2048, 72, 128), (17, 160, 200, 32),
+# (m, k, n, group); (2, 2048, 128, 128) splits K over programs (the last one of a column block sums the partials)
+INT4_SHAPES = [(1, 96, 200, 32), (3, 192, 72, 64), (8, 384, 136, 128), (2, 2048, 128, 128), (17, 160, 200, 32),
                (33, 256, 64, 128)]  # fmt: skip
 if not INTERPRET:
     INT4_SHAPES += [(1, 4096, 6144, 128), (5, 14336, 4096, 128), (64, 4096, 28672, 64), (300, 1024, 520, 32)]
@@ -46,11 +46,21 @@ def _int4_problem(m: int, k: int, n: int, group: int, dtype: torch.dtype, seed: 
     return x.to(DEVICE), qweight, z.to(torch.uint8).to(DEVICE), s.to(DEVICE), ref
 
 
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", INT4_SHAPES)
-def test_int4_kernels_match_dequantized_reference(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+def test_int4_kernels_match_dequantized_reference(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, tiled: bool
+) -> None:
+    """Row-major packed weights and the GPU's column-tiled ones (`tile_columns`, where N is a multiple of 64)."""
     m, k, n, group = shape
     x, qweight, zeros, scales, ref = _int4_problem(m, k, n, group, dtype)
+    if tiled:
+        if n % int4_ops.TILE_N:
+            pytest.skip("column tiles need N to be a multiple of 64")
+        rows = qweight
+        qweight = int4_ops.tile_columns(rows)
+        assert qweight.dim() == 3 and torch.equal(int4_ops.untile_columns(qweight), rows)
     scale = float(ref.abs().max())
     outs = {"gemm": int4_ops.int4_gemm_triton(x, qweight, zeros, scales, group)}
     if m <= int4_ops.GEMV_MAX_M:

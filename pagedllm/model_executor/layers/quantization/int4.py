@@ -21,8 +21,10 @@ from torch import nn
 from pagedllm.model_executor.layers.linear import LinearMethodBase, set_weight_attrs
 from pagedllm.model_executor.layers.quantization.base import QuantizationConfig, _is_ignored
 from pagedllm.model_executor.layers.quantization.int4_ops import (
+    TILE_N,
     int4_linear,
     pack_int4_rows,
+    tile_columns,
     unpack_int4_cols,
 )
 
@@ -152,6 +154,8 @@ class Int4LinearMethod(LinearMethodBase):
             qweight = qw.contiguous()
             zeros = unpack_int4_cols(qz) + self.zero_offset
             del layer.g_idx
+        if qweight.is_cuda and qweight.shape[1] % TILE_N == 0:
+            qweight = tile_columns(qweight)  # contiguous [rows, 64] tiles for the GPU kernels (int4_ops)
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(torch.uint8), requires_grad=False)
         del layer.qzeros

@@ -2,7 +2,10 @@
 
 One canonical layout for both formats: `qweight` int32 [K/8, N] (nibble j of row r holds input row
 8r + j, lowest bits first), `zeros` uint8 [K/G, N] (the zero point itself, 0..15, or 16 for GPTQ v1's
-stored 15), `scales` [K/G, N]; w[k, n] = (q[k, n] - zeros[k/G, n]) * scales[k/G, n].
+stored 15), `scales` [K/G, N]; w[k, n] = (q[k, n] - zeros[k/G, n]) * scales[k/G, n]. On the GPU the
+packed weight is re-tiled at load into column blocks of 64 (`tile_columns`: int32 [N/64, K/8, 64], a 3-D
+tensor, so the kernels know it by its shape): a program's [rows, 64] tile is then one contiguous run of
+memory instead of 256-byte rows N * 4 bytes apart.
 
 GPU: a Triton dequant-GEMM (tensor cores, the tile dequantized in registers) for prefill and a split-K
 GEMV for decode (M <= 8) that reads each packed weight once. CPU: the dequantized float32 reference.
@@ -51,9 +54,33 @@ def unpack_int4_cols(packed: torch.Tensor, order: list[int] | None = None) -> to
     return ((packed.unsqueeze(2) >> shifts) & 0xF).reshape(r, c * 8)
 
 
+TILE_N = 64
+
+
+def tile_columns(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K/8, N] -> [N/64, K/8, 64] (N a multiple of 64): column block b is `tiled[b]`, contiguous."""
+    r, n = qweight.shape
+    return qweight.view(r, n // TILE_N, TILE_N).permute(1, 0, 2).contiguous()
+
+
+def untile_columns(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tile_columns` (a 2-D weight is returned as it is)."""
+    if qweight.dim() == 2:
+        return qweight
+    nb, r, t = qweight.shape
+    return qweight.permute(1, 0, 2).reshape(r, nb * t)
+
+
+def packed_shape(qweight: torch.Tensor) -> tuple[int, int]:
+    """(K/8, N) of a row-major or column-tiled packed weight."""
+    if qweight.dim() == 3:
+        return qweight.shape[1], qweight.shape[0] * qweight.shape[2]
+    return qweight.shape[0], qweight.shape[1]
+
+
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """The canonical layout's weight as float32 [K, N]."""
-    q = unpack_int4_rows(qweight).float()
+    q = unpack_int4_rows(untile_columns(qweight)).float()
     z = zeros.float().repeat_interleave(group, dim=0)
     s = scales.float().repeat_interleave(group, dim=0)
     return (q - z) * s
@@ -66,9 +93,16 @@ def _use_triton(x: torch.Tensor) -> bool:
 if HAS_TRITON:
 
     @triton.jit
+    def _packed_offsets(rows, offs_n, N, K, TILED: tl.constexpr):
+        """Element offsets of packed rows x columns in the row-major [K/8, N] or the [N/64, K/8, 64] layout."""
+        if TILED:
+            return ((offs_n // 64) * (K // 8))[None, :] * 64 + rows[:, None] * 64 + (offs_n % 64)[None, :]
+        return rows[:, None] * N + offs_n[None, :]
+
+    @triton.jit
     def _int4_gemm_kernel(a_ptr, qw_ptr, z_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_cm,
                           G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr):  # fmt: skip
+                          PREC: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -80,7 +114,7 @@ if HAS_TRITON:
         for k0 in range(0, K, BK):
             kk = k0 + offs_k
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None], other=0.0)
-            q = tl.load(qw_ptr + (kk // 8)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            q = tl.load(qw_ptr + _packed_offsets(kk // 8, offs_n, N, K, TILED), mask=n_ok[None, :], other=0)
             q = (q >> ((kk % 8) * 4)[:, None]) & 0xF
             g = k0 // G  # BK divides G: one group per K step
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
@@ -92,7 +126,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm, stride_om,
-                          K_SPLIT, SPLIT, G: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                          K_SPLIT, SPLIT, G: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                          TILED: tl.constexpr):  # fmt: skip
         """out[m, n-block] = x[m] @ dequant(W[k-slice, n-block]), split-K over programs.
 
         Each packed [BR, BN] int32 tile is loaded once and its 8 nibbles taken in turn (`static_range`) into
@@ -115,7 +150,7 @@ if HAS_TRITON:
         x_row = x_ptr + m * stride_xm
         for k0 in range(k_begin, k_end, BR * 8):
             rows = k0 // 8 + offs_r
-            packed = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+            packed = tl.load(qw_ptr + _packed_offsets(rows, offs_n, N, K, TILED), mask=n_ok[None, :], other=0)
             g = k0 // G
             z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
             s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -152,14 +187,14 @@ def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
                      group: int) -> torch.Tensor:  # fmt: skip
     """x [M, K] (16-bit or float32) @ dequant(W) [K, N] with tensor cores -> [M, N] in x's dtype."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = packed_shape(qweight)[1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn, bk = 64, _block_k(group)
+    bn, bk = TILE_N, _block_k(group)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int4_gemm_kernel[grid](x, qweight, zeros, scales, out, m, n, k, x.stride(0), out.stride(0),
-                            G=group, BM=bm, BN=bn, BK=bk,
-                            PREC="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+                            G=group, BM=bm, BN=bn, BK=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                            TILED=qweight.dim() == 3)  # fmt: skip
     return out
 
 
@@ -182,8 +217,8 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     the packed weight. The configuration is the best of `benchmarks/gemv_tune.py`'s sweep on
     Llama-3.1-8B's shapes on an H100 (benchmarks/NOTES.md)."""
     m, k = x.shape
-    n = qweight.shape[1]
-    bn, br = 64, min(16, group // 8)
+    n = packed_shape(qweight)[1]
+    bn, br = TILE_N, min(16, group // 8)
     bk = br * 8
     n_blocks = triton.cdiv(n, bn)
     split = max(1, min(4 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
@@ -194,7 +229,7 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     cnt = _split_counters(x.device, m * n_blocks)
     _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, out, cnt, m, n, k, x.stride(0),
                                              out.stride(0), k_split, split, G=group, BN=bn, BR=br, num_warps=4,
-                                             num_stages=2)  # fmt: skip
+                                             num_stages=2, TILED=qweight.dim() == 3)  # fmt: skip
     return out
 
 
@@ -213,7 +248,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """x [..., K] @ dequant(W) (+ bias) in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
-    n = qweight.shape[1]
+    n = packed_shape(qweight)[1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
