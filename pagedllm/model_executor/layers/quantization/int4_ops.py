@@ -221,7 +221,7 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     bn, br = TILE_N, min(16, group // 8)
     bk = br * 8
     n_blocks = triton.cdiv(n, bn)
-    split = max(1, min(4 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
+    split = max(1, min(8 * num_sms // max(1, m * n_blocks), k // (bk * 4)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -229,7 +229,7 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     cnt = _split_counters(x.device, m * n_blocks)
     _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, out, cnt, m, n, k, x.stride(0),
                                              out.stride(0), k_split, split, G=group, BN=bn, BR=br, num_warps=4,
-                                             num_stages=2, TILED=qweight.dim() == 3)  # fmt: skip
+                                             num_stages=4, TILED=qweight.dim() == 3)  # fmt: skip
     return out
 
 
