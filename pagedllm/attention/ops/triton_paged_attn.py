@@ -107,6 +107,7 @@ if HAS_TRITON:
         acc,
         q,
         q_pos,
+        q_lim,
         t_begin,
         t_end,
         kv_hi,
@@ -134,7 +135,8 @@ if HAS_TRITON:
         SOFTCAP: tl.constexpr,
     ):
         """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
-        scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e)."""
+        scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
+        Causal: a row sees keys up to `q_lim` (its position, or with key limits the end of its image)."""
         offs_n = tl.arange(0, TILE_N)
         offs_d = tl.arange(0, HEAD_PAD)
         d_ok = offs_d < HEAD_SIZE
@@ -160,7 +162,7 @@ if HAS_TRITON:
             if MASKED:
                 ok = k_ok[None, :]
                 if CAUSAL:
-                    ok = ok & (k_pos[None, :] <= q_pos[:, None])
+                    ok = ok & (k_pos[None, :] <= q_lim[:, None])
                 if USE_WINDOW:
                     ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
                 s = tl.where(ok, s, float("-inf"))
@@ -218,6 +220,7 @@ if HAS_TRITON:
         stride_bt,
         k_scale_ptr,
         v_scale_ptr,
+        key_limit_ptr,
         GROUP: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -233,6 +236,7 @@ if HAS_TRITON:
         DIRECT: tl.constexpr,
         SOFTCAP: tl.constexpr,
         KV_FP8: tl.constexpr,
+        KEY_LIMIT: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -271,10 +275,16 @@ if HAS_TRITON:
             other=0.0,
         )
         q_pos = ctx + tok
+        if KEY_LIMIT:  # per token, the last key it may see (>= its position: an image's tokens see the image)
+            q_lim = tl.load(key_limit_ptr + tok_g, mask=row_ok, other=0)
+        else:
+            q_lim = q_pos
 
         # Key range this query tile needs: [kv_lo, kv_hi).
         if CAUSAL:
             kv_hi = ctx + tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+            if KEY_LIMIT:
+                kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim + 1, 0), 0))
         else:
             kv_hi = seq_len
         kv_lo = 0
@@ -310,6 +320,7 @@ if HAS_TRITON:
             acc,
             q,
             q_pos,
+            q_lim,
             t0,
             t_mid,
             kv_hi,
@@ -342,6 +353,7 @@ if HAS_TRITON:
             acc,
             q,
             q_pos,
+            q_lim,
             t_mid,
             t1,
             kv_hi,
@@ -525,6 +537,7 @@ def paged_attention(
     num_decodes: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -533,6 +546,8 @@ def paged_attention(
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch. An FP8 cache (1-byte elements) is read back
     as cache * scale with the layer's `kv_scales` (float32 [1] tensors, attention/kv_quant.py).
+    `key_limit` ([T] int32, causal only): the last key position each query token may see instead of its own
+    (`CommonAttentionMetadata.key_limit`); None compiles and runs the plain causal kernel.
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -626,6 +641,7 @@ def paged_attention(
             block_table.stride(0),
             k_scale,
             v_scale,
+            key_limit if key_limit is not None else seq_lens,  # (unread without KEY_LIMIT)
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -641,6 +657,7 @@ def paged_attention(
             DIRECT=direct,
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
+            KEY_LIMIT=key_limit is not None,
             num_warps=nw,
             num_stages=ns,
         )
