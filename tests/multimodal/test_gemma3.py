@@ -148,3 +148,28 @@ def test_image_longer_than_the_budget_is_rejected(tiny_gemma3) -> None:  # noqa:
     with pytest.raises(ValueError, match="disable_chunked_mm_input"):
         llm.generate({"prompt": f"w1 {IMG}", "multi_modal_data": {"image": random_image(0, 30, 30)}}, _greedy())
     assert len(llm.generate("w1 w2", _greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_disable_chunked_mm_input_is_optional_for_other_models(tmp_path) -> None:  # noqa: ANN001
+    """LLaVA (causal over its image tokens): off by default (images split across chunks), on when asked;
+    the same greedy output either way."""
+    from tests.multimodal.tiny_vlm import make_tiny_llava
+
+    make_tiny_llava(tmp_path)
+    img = random_image(5, 60, 60)
+    prompt = {"prompt": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 <image> w11", "multi_modal_data": {"image": img}}
+    outs = []
+    for whole in (False, True):
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory_bytes=4 << 20,
+            max_num_batched_tokens=20,
+            disable_chunked_mm_input=whole,
+        )
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        assert sched.config.disable_chunked_mm_input is whole
+        outs.append(llm.generate(prompt, _greedy(), use_tqdm=False)[0].outputs[0].token_ids)
+        assert (sched.encoder.whole_item_cuts > 0) is whole  # the 16-token image at 10..25 vs a 20-token step
+    assert outs[0] == outs[1]
