@@ -31,8 +31,11 @@ class SiglipVisionTransformer(nn.Module):
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=float(getattr(cfg, "layer_norm_eps", 1e-6)))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, patches, hidden]: HF's `last_hidden_state`."""
-        return self.post_layernorm(self.encoder(self.embeddings(pixel_values))[-1])
+        """[images, patches, hidden]: HF's `last_hidden_state` (no intermediate states kept)."""
+        x = self.embeddings(pixel_values)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
 
 
 class SiglipVisionModel(nn.Module):
