@@ -143,6 +143,9 @@ class SchedulerConfig:
     """Schedule and prepare step N+1 while step N runs on the device (see EngineCore.step_async)."""
     max_loras: int = 0
     """Most distinct LoRA adapters in one step (0: LoRA off)."""
+    disable_chunked_mm_input: bool = False
+    """With chunked prefill: never schedule part of an image (vLLM's name); forced on for models whose image
+    tokens attend to each other (`requires_whole_mm_items`, e.g. Gemma 3)."""
 
 
 @dataclass

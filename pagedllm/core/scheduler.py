@@ -99,7 +99,8 @@ class Scheduler:
         req.stop_len = min(req.stop_len, self.max_model_len)
         if req.mm_features and self.encoder is None:
             n = self.config.max_num_batched_tokens
-            self.encoder = EncoderCacheManager(budget=n, capacity=max(n, self.max_model_len))
+            whole = self.config.disable_chunked_mm_input and self.config.enable_chunked_prefill
+            self.encoder = EncoderCacheManager(budget=n, capacity=max(n, self.max_model_len), whole_items=whole)
         if req.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured_outputs: not available in this engine")

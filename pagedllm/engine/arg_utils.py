@@ -18,7 +18,7 @@ from pagedllm.config import (
     SchedulerConfig,
     build_model_config,
 )
-from pagedllm.multimodal.config import MultiModalConfig
+from pagedllm.multimodal.config import MultiModalConfig, requires_whole_mm_items
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.transformers_utils.config import default_model_path
@@ -270,6 +270,14 @@ class EngineArgs:
     allowed_media_domains: list[str] | None = field(
         default=None, metadata=_help("Hosts http(s) image URLs may be fetched from (none: no fetching).", "Multimodal")
     )
+    disable_chunked_mm_input: bool = field(
+        default=False,
+        metadata=_help(
+            "With chunked prefill, never schedule part of an image: a chunk stops before it (always on for models "
+            "whose image tokens attend to each other, e.g. Gemma 3).",
+            "Multimodal",
+        ),
+    )
 
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
@@ -419,6 +427,7 @@ class EngineArgs:
 
             engine_overrides = apply_pooling(self, mc, max_batched)
             max_batched = engine_overrides.pop("max_num_batched_tokens", max_batched)
+        whole_mm = self.disable_chunked_mm_input or requires_whole_mm_items(mc.hf_config)
         if not self.enable_chunked_prefill and max_batched < mc.max_model_len:
             # Without chunking a whole prompt must fit one step.
             max_batched = mc.max_model_len
@@ -446,6 +455,7 @@ class EngineArgs:
                 ),
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
                 max_loras=self.max_loras if self.enable_lora else 0,
+                disable_chunked_mm_input=whole_mm,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -472,6 +482,7 @@ class EngineArgs:
                 _json(self.mm_processor_kwargs, "mm_processor_kwargs"),
                 self.allowed_local_media_path,
                 self.allowed_media_domains,
+                max_item_tokens=max_batched if whole_mm else None,
             ),
         )
 

@@ -17,6 +17,9 @@ class MultiModalConfig:
     """Passed to the HF processor call (per-prompt `mm_processor_kwargs` override them)."""
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    max_item_tokens: int | None = None
+    """`disable_chunked_mm_input` (an image is never split across steps): the step token budget, which every
+    image's placeholder run must fit (a longer one is rejected when the request is added); None: no limit."""
 
     @classmethod
     def from_args(
@@ -25,6 +28,7 @@ class MultiModalConfig:
         mm_processor_kwargs: dict[str, Any] | None,
         allowed_local_media_path: str,
         allowed_media_domains: list[str] | None,
+        max_item_tokens: int | None = None,
     ) -> MultiModalConfig:
         limits: dict[str, int] = {}
         for k, v in (limit_mm_per_prompt or {}).items():
@@ -37,7 +41,21 @@ class MultiModalConfig:
             limits[k] = v
         if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs: expected a dict, got {type(mm_processor_kwargs).__name__}")
-        return cls(limits, dict(mm_processor_kwargs or {}), allowed_local_media_path or "", allowed_media_domains)
+        kwargs = dict(mm_processor_kwargs or {})
+        return cls(limits, kwargs, allowed_local_media_path or "", allowed_media_domains, max_item_tokens)
 
     def limit(self, modality: str) -> int:
         return self.limit_per_prompt.get(modality, DEFAULT_LIMIT_PER_PROMPT)
+
+
+def requires_whole_mm_items(hf_config: Any) -> bool:
+    """Whether the model's image tokens attend to each other, so an image must never be split across steps
+    (its class's `requires_whole_mm_items`; False for text-only and unknown architectures)."""
+    from pagedllm.model_executor.model_loader.loader import get_architectures
+    from pagedllm.model_executor.models.registry import get_model_class
+
+    try:
+        cls = get_model_class(get_architectures(hf_config))
+    except (ValueError, KeyError, ImportError):
+        return False
+    return bool(getattr(cls, "requires_whole_mm_items", False))

@@ -7,7 +7,11 @@ slice of the cached output), and an image already cached is never encoded again 
 encode at most `budget` placeholder tokens' worth of images, and the cache holds at most `capacity` rows;
 an image that does not fit ends the request's chunk just before its placeholder. Entries no request
 references are dropped lazily (least recently released first) when room is needed, and the worker is told
-which (`take_freed`)."""
+which (`take_freed`).
+
+`whole_items` (vLLM's `disable_chunked_mm_input`): a chunk never ends inside an image; it stops before the
+image, and a request whose next tokens start with (or, after a prefix-cache hit, lie inside) an image that
+does not fit the step's remaining budget waits for a later step (`whole_item_cuts` counts those cuts)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,12 @@ from typing import Any
 
 
 class EncoderCacheManager:
-    def __init__(self, budget: int, capacity: int) -> None:
+    def __init__(self, budget: int, capacity: int, whole_items: bool = False) -> None:
         self.budget = budget
         self.capacity = capacity
+        self.whole_items = whole_items
+        self.whole_item_cuts = 0
+        """Chunks cut back (or requests held) so that an image is not split (`whole_items`)."""
         self.cached: dict[str, int] = {}
         """Image hash -> rows, for every output held on the worker (or scheduled to be computed)."""
         self.refs: dict[str, set[str]] = {}
@@ -46,6 +53,9 @@ class EncoderCacheManager:
                 break
             if f.offset + f.length <= computed:
                 continue  # already in the KV cache
+            if self.whole_items and f.offset + f.length > end:
+                self.whole_item_cuts += 1
+                return max(0, f.offset - computed), to_encode
             if f.identifier in self.cached or any(req.mm_features[j].identifier == f.identifier for j in to_encode):
                 continue
             fits_budget = step_used == 0 or step_used + f.length <= self.budget

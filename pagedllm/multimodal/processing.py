@@ -144,6 +144,12 @@ class MultiModalProcessor:
                 f"multi_modal_data: the prompt has {len(positions)} image placeholder tokens after expansion but "
                 f"{len(images)} image(s) need {sum(lengths)} (one placeholder per image in the prompt)"
             )
+        cap = self.config.max_item_tokens
+        if cap is not None and any(n > cap for n in lengths):
+            raise ValueError(
+                f"multi_modal_data: an image takes {max(lengths)} tokens, more than max_num_batched_tokens ({cap}); "
+                "with disable_chunked_mm_input (always on for this model) an image must fit one step's token budget"
+            )
         features: list[MultiModalFeature] = []
         start = 0
         for item, n in zip(per_image, lengths):

@@ -21,6 +21,9 @@ class MMStep:
     """(flat token index, encoder rows) to write into the input embeddings; None: no image token this step."""
     positions: np.ndarray | None
     """M-RoPE models: [3, T] positions, or [T] when every token is past its prompt (a CUDA graph can run)."""
+    key_limit: np.ndarray | None = None
+    """Models whose image tokens attend to each other (`requires_whole_mm_items`), when a step's token is inside
+    an image: [T] int32, the last key position each token may see (its image's last position, else its own)."""
 
 
 class MultiModalRunner:
@@ -28,6 +31,7 @@ class MultiModalRunner:
         self.model = model
         self.device = device
         self.mrope = bool(getattr(model, "uses_mrope", False))
+        self.bidirectional = bool(getattr(model, "requires_whole_mm_items", False))
         self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         """Request id -> its prompt's M-RoPE positions [3, prompt_len] and the offset of later positions."""
         self._memo: tuple[list[str], np.ndarray, np.ndarray, bool] | None = None
@@ -48,7 +52,28 @@ class MultiModalRunner:
                 self._mrope.pop(rid, None)
         pieces = self._pieces(so, x, requests)
         positions = self._mrope_positions(x, requests) if self.mrope else None
-        return MMStep(pieces, positions) if pieces is not None or positions is not None else None
+        if pieces is None and positions is None:
+            return None
+        limit = self._key_limits(x, requests) if self.bidirectional and pieces is not None else None
+        return MMStep(pieces, positions, limit)
+
+    def _key_limits(self, x: Any, requests: dict[str, Any]) -> np.ndarray | None:
+        """Per token, the last key position it may see: causal, except that an image's tokens see the whole
+        image (the scheduler keeps each image within one step, so those keys are written this step)."""
+        assert self._ends_memo is not None  # set by _pieces this step
+        limit: np.ndarray | None = None
+        for i in np.nonzero(x.computed < self._ends_memo[1])[0].tolist():
+            start = int(x.computed[i])
+            end = start + int(x.num_scheduled[i])
+            base = int(x.cu[i])
+            for _, f in overlapping(requests[x.req_ids[i]].mm_features, start, end):
+                if f.length < 2:
+                    continue
+                if limit is None:
+                    limit = x.positions.astype(np.int32)
+                lo, hi = max(start, f.offset), min(end, f.offset + f.length)
+                limit[base + lo - start : base + hi - start] = f.offset + f.length - 1
+        return limit
 
     def _mrope_positions(self, x: Any, requests: dict[str, Any]) -> np.ndarray | None:
         """[3, T] M-RoPE positions, or [T] when no token is inside an image prompt's range (the common decode

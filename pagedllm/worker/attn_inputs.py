@@ -48,15 +48,21 @@ def build_commons(
     device: torch.device,
     causal: bool = True,
     kv_cache_free: bool = False,
+    key_limit: np.ndarray | None = None,
 ) -> list[CommonAttentionMetadata]:
     """One `CommonAttentionMetadata` per group from host arrays: `cu` the query start offsets
-    [num_reqs + 1], `seq_lens` / `computed` per request, `tables` / `slots` per group."""
+    [num_reqs + 1], `seq_lens` / `computed` per request, `tables` / `slots` per group, `key_limit` per token
+    (None: causal)."""
     qsl_cpu = torch.from_numpy(cu.astype(np.int32))
     seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
     computed_cpu = torch.from_numpy(computed.astype(np.int32))
     qsl_dev = qsl_cpu.to(device, non_blocking=True)  # uploaded once for all groups (the same values)
     seq_dev = seq_cpu.to(device, non_blocking=True)
     num_reqs, total, max_seq = len(seq_lens), int(cu[-1]), int(seq_lens.max())
+    limit_cpu = limit_dev = None
+    if key_limit is not None:
+        limit_cpu = torch.from_numpy(key_limit.astype(np.int32))
+        limit_dev = limit_cpu.to(device, non_blocking=True)
     return [
         CommonAttentionMetadata(
             query_start_loc=qsl_dev,
@@ -72,6 +78,8 @@ def build_commons(
             max_seq_len=max_seq,
             causal=causal,
             kv_cache_free=kv_cache_free,
+            key_limit=limit_dev,
+            key_limit_cpu=limit_cpu,
         )
         for bt, sm in zip(tables, slots, strict=True)
     ]

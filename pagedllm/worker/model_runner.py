@@ -345,7 +345,8 @@ class ModelRunner:
         if patch is not None:
             input_ids[patch[0]] = patch[1]
         positions = torch.from_numpy(pos_host).to(dev, non_blocking=True)
-        commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev)
+        key_limit = mm_step.key_limit if mm_step is not None else None
+        commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev, key_limit=key_limit)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
             if self.pp is not None:
                 return self.pp.forward(model, input_ids, positions)

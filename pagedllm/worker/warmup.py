@@ -76,7 +76,9 @@ def run_dummy_batches(
     # variants that eager decoding (no CUDA graphs) picks by batch size.
     shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 2], [16, 0])]
     shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max_num_reqs]
-    for q_lens, ctx in shapes:
+    # Models whose image tokens see their whole image: the attention's key-limit variants too (first two shapes).
+    limited = bool(getattr(model, "requires_whole_mm_items", False))
+    for i, (q_lens, ctx) in enumerate(shapes + (shapes[:2] if limited else [])):
         n = sum(q_lens)
         seq = np.array(q_lens) + np.array(ctx)
         if n > max_num_tokens or int(seq.max()) > max_model_len:
@@ -84,7 +86,10 @@ def run_dummy_batches(
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         tables = [np.zeros((len(q_lens), cdiv(int(seq.max()), g.spec.block_size)), np.int32) for g in groups]
         slots = [np.full(n, -1, dtype=np.int64) for _ in groups]
-        commons = build_commons(cu, seq, np.array(ctx), tables, slots, max(q_lens), device)
+        limit = None
+        if i >= len(shapes):  # (each token's own position: the causal result, through the key-limit variant)
+            limit = np.concatenate([np.arange(a, a + q) for q, a in zip(q_lens, ctx)])
+        commons = build_commons(cu, seq, np.array(ctx), tables, slots, max(q_lens), device, key_limit=limit)
         logits = _forward(model, q_lens, ctx, metadata_by_layer(builders, groups, commons), device)
     return logits
 

@@ -67,3 +67,22 @@ def test_hits_and_eviction() -> None:
     d = R("d", [F("w", 2, 6)])
     enc.begin_step()
     assert enc.plan(d, 0, 8) == (2, [])
+
+
+def test_whole_items_move_the_chunk_boundary_before_an_image() -> None:
+    """`disable_chunked_mm_input`: a chunk never ends inside an image (without it, the same plan splits it)."""
+    a = R("a", [F("x", 4, 8)])
+    split = EncoderCacheManager(budget=100, capacity=100)
+    split.begin_step()
+    assert split.plan(a, 0, 10) == (10, [0])  # tokens 4..9 of the image now, the rest next step
+    whole = EncoderCacheManager(budget=100, capacity=100, whole_items=True)
+    whole.begin_step()
+    assert whole.plan(a, 0, 10) == (4, [])  # stops before the image
+    assert whole.whole_item_cuts == 1
+    assert whole.plan(a, 4, 6) == (0, [])  # the image starts the chunk and does not fit: wait
+    assert whole.plan(a, 4, 8) == (8, [0])  # fits: the whole image in one step
+    assert whole.plan(a, 0, 12) == (12, [0])
+    # A prefix-cache hit that ends inside the image: the rest of it must come in one step.
+    assert whole.plan(a, 7, 3) == (0, [])
+    assert whole.plan(a, 7, 5) == (5, [0])
+    assert whole.whole_item_cuts == 3

@@ -1,4 +1,4 @@
-"""Images through `pagedllm serve` with the official `openai` client, on the tiny LLaVA checkpoint: a
+"""Images through `pagedllm serve` with the official `openai` client, on the tiny LLaVA and Gemma 3 checkpoints: a
 base64 image gives the same text as offline `LLM.chat`; http(s) URLs are fetched (from a local
 http.server) only from --allowed-media-domains; file:// only under --allowed-local-media-path; bad input
 is a 400 naming the problem."""
@@ -20,10 +20,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from tests.entrypoints.openai.test_server import ServerProcess  # noqa: E402
-from tests.multimodal.tiny_vlm import make_tiny_llava, random_image  # noqa: E402
+from tests.multimodal.tiny_vlm import make_tiny_gemma3, make_tiny_llava, random_image  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 << 20)]
-FLAGS += ["--max-num-batched-tokens", "8", "--limit-mm-per-prompt", '{"image": 2}']
+FLAGS += ["--limit-mm-per-prompt", '{"image": 2}']
+FAMILIES = {"llava": (make_tiny_llava, 8), "gemma3": (make_tiny_gemma3, 20)}
+"""Builder and step token budget (LLaVA's images split across chunks; Gemma 3's are kept whole: 16 tokens)."""
 
 
 def _png(img: Any) -> bytes:
@@ -48,15 +50,20 @@ def media(tmp_path_factory) -> dict[str, Any]:  # noqa: ANN001
     httpd.shutdown()
 
 
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request) -> str:  # noqa: ANN001
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:  # noqa: ANN001
-    path = tmp_path_factory.mktemp("llava_srv")
-    make_tiny_llava(path)
+def model_dir(tmp_path_factory, family: str) -> str:  # noqa: ANN001
+    path = tmp_path_factory.mktemp(f"{family}_srv")
+    FAMILIES[family][0](path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, media: dict[str, Any]) -> Iterator[ServerProcess]:
+def server(model_dir: str, family: str, media: dict[str, Any]) -> Iterator[ServerProcess]:
     srv = ServerProcess(
         [
             model_dir,
@@ -67,6 +74,8 @@ def server(model_dir: str, media: dict[str, Any]) -> Iterator[ServerProcess]:
             "--allowed-media-domains",
             "127.0.0.1",
             *FLAGS,
+            "--max-num-batched-tokens",
+            str(FAMILIES[family][1]),
         ]
     )
     try:
@@ -99,12 +108,15 @@ def _bad(client: Any, messages: list[dict[str, Any]]) -> str:
     return json.dumps(ei.value.body)
 
 
-def test_base64_image_equals_offline(client: Any, model_dir: str, media: dict[str, Any]) -> None:
+def test_base64_image_equals_offline(client: Any, model_dir: str, family: str, media: dict[str, Any]) -> None:
     from pagedllm import LLM, SamplingParams
 
     url = "data:image/png;base64," + base64.b64encode(_png(media["img"])).decode()
     served = _chat(client, _messages(url))
-    llm = LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=8)
+    budget = FAMILIES[family][1]
+    llm = LLM(
+        model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=budget
+    )
     offline = llm.chat(_messages(url), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert served == offline.outputs[0].text
     assert len(offline.outputs[0].token_ids) == 8

@@ -132,6 +132,9 @@ def hf_mm_logprobs_fn(inputs: dict[str, torch.Tensor]) -> Any:
     def fn(model: Any, ids: list[int]) -> torch.Tensor:
         t = torch.tensor([ids], device=model.device)
         extra_dev = {k: v.to(model.device) for k, v in extra.items()}
+        if "token_type_ids" in extra_dev:  # Gemma 3: the generated tokens are text (type 0)
+            tt = extra_dev["token_type_ids"]
+            extra_dev["token_type_ids"] = torch.nn.functional.pad(tt, (0, t.shape[1] - tt.shape[1]))
         logits = model(input_ids=t, attention_mask=torch.ones_like(t), **extra_dev).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
 
@@ -204,3 +207,75 @@ def make_tiny_qwen_vl(out_dir: str | os.PathLike[str], qwen25: bool) -> tuple[An
     with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
         f.write(CHAT_TEMPLATE)
     return model, load_hf_processor(str(out_dir))
+
+
+GEMMA3_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def make_tiny_gemma3(
+    out_dir: str | os.PathLike[str],
+    image_size: int = 56,
+    tokens_per_image: int = 16,
+    sliding_window: int = 12,
+    all_global: bool = False,
+) -> tuple[Any, Any]:
+    """Gemma 3 shaped: SigLIP tower (14 px patches, pooled to `tokens_per_image`), the Gemma3Processor with
+    its real image processor, a Gemma 3 text decoder alternating sliding-window (window shorter than an
+    image's run, so the window cuts into images) and global layers (`all_global`: global layers only, so
+    that prefix caching, which sliding-window groups do not use, is on). Returns (HF model, processor)."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    tok = word_tokenizer(GEMMA3_SPECIALS)
+    tok.add_special_tokens({"additional_special_tokens": GEMMA3_SPECIALS})
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok._set_model_specific_special_tokens(names)  # what the Gemma 3 tokenizer config names (tok.boi_token, ...)
+    ip = Gemma3ImageProcessor(size={"height": image_size, "width": image_size})
+    proc = Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=tokens_per_image)
+    proc.chat_template = CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS}
+    tc = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=sliding_window,
+        layer_types=["full_attention"] * 2 if all_global else ["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
+    vc = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=14,
+    )
+    cfg = Gemma3Config(
+        text_config=tc,
+        vision_config=vc,
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # HF initializes the projection to zeros: random, so the image matters
+        w = model.model.multi_modal_projector.mm_input_projection_weight
+        w.copy_(torch.randn_like(w) * 0.5)
+    _peak(model)
+    model.save_pretrained(out_dir)
+    proc.save_pretrained(out_dir)
+    return model, proc

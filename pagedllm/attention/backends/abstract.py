@@ -44,6 +44,11 @@ class CommonAttentionMetadata:
     kv_cache_free: bool = False
     """Attend within this step's tokens only, neither reading nor writing the KV cache (bidirectional, as
     encoder-only layers): the profiling forward that runs before the cache exists."""
+    key_limit: torch.Tensor | None = None
+    """[num_tokens] int32 on device, or None (plain causal): the last key position each query token may see
+    (>= its own position: an image's tokens see the whole image, `multimodal/runner.py`). Only a step with
+    such tokens carries it; every key it names is in the cache or written this step."""
+    key_limit_cpu: torch.Tensor | None = None
 
 
 class AttentionMetadata(Protocol):

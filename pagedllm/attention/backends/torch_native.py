@@ -51,6 +51,8 @@ class TorchNativeMetadata:
     spans: list[tuple[int, int]]
     num_reqs: int = 0
     kv_cache_free: bool = False
+    key_limit: torch.Tensor | None = None
+    """Per token, the last key it may see (see `CommonAttentionMetadata.key_limit`); None: causal."""
 
 
 class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
@@ -110,6 +112,7 @@ class TorchNativeMetadataBuilder(AttentionMetadataBuilder):
             spans=spans,
             num_reqs=n,
             kv_cache_free=common.kv_cache_free,
+            key_limit=common.key_limit,
         )
 
 
@@ -186,13 +189,14 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
             k_cache.view(-1, kvh, hd).index_copy_(0, slots, key[:n].to(k_cache.dtype))
             v_cache.view(-1, kvh, hd).index_copy_(0, slots, value[:n].to(v_cache.dtype))
 
-        bi = use_c and batch_invariant.enabled() and cpu_paged_attn.can_decode(query, output, k_cache)
+        limit = attn_metadata.key_limit  # (a one-token query's limit is its own position: decodes ignore it)
+        bi = use_c and limit is None and batch_invariant.enabled() and cpu_paged_attn.can_decode(query, output, k_cache)
         if bi and attn_metadata.prefills:
             # One kernel, one reduction order for every query token (see layers/batch_invariant.py).
             batch_invariant_prefill(query, k_cache, v_cache, attn_metadata.prefills, output, self)
         for p in attn_metadata.prefills if not bi else ():
             q = query[p.q_start : p.q_end]
-            if p.context_len == 0 and self.sliding_window is None and not fp8:
+            if p.context_len == 0 and self.sliding_window is None and not fp8 and limit is None:
                 # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed (an
                 # FP8 cache is read back instead, so every token attends to the same quantized K/V).
                 output[p.q_start : p.q_end] = self._sdpa(
@@ -208,7 +212,7 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
                 v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
             q_pos = torch.arange(p.context_len, p.seq_len, device=q.device)[:, None]
             k_pos = torch.arange(p.seq_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
+            mask = k_pos <= (q_pos if limit is None else limit[p.q_start : p.q_end, None])
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
             output[p.q_start : p.q_end] = self._sdpa(q, k, v, mask, causal=False)

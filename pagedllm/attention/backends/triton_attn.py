@@ -57,6 +57,7 @@ class TritonAttentionMetadata:
     num_decodes: int | None = None  # requests with exactly one query token (host int)
     num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
     workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
+    key_limit: torch.Tensor | None = None  # [num_tokens] int32: see CommonAttentionMetadata.key_limit
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -80,6 +81,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             causal=common.causal,
             kv_cache_free=common.kv_cache_free,
             num_decodes=num_decodes,
+            key_limit=common.key_limit,
         )
 
 
@@ -134,6 +136,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             num_decodes=md.num_decodes,
             logits_soft_cap=self.logits_soft_cap,
             kv_scales=kv_scales,
+            key_limit=md.key_limit,
         )
         return output
 

@@ -1,4 +1,5 @@
-"""Triton kernels for paged attention: KV-cache writes and one attention kernel for mixed batches.
+"""Triton kernels for paged attention: one attention kernel for mixed batches (the KV-cache write is in
+`triton_kv_write.py`, re-exported here).
 
 Cache layout (one layer): `k_cache`, `v_cache` are each `[num_blocks, block_size, num_kv_heads, head_size]`
 (the two halves of the backend's `[2, num_blocks, block_size, num_kv_heads, head_size]` tensor).
@@ -27,9 +28,12 @@ import functools
 
 import torch
 
+from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
+
+__all__ = ["HAS_TRITON", "choose_num_splits", "launch_config", "paged_attention", "reshape_and_cache"]
 
 if HAS_TRITON:
     import triton
@@ -39,52 +43,6 @@ _LOG2E = 1.4426950408889634
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _reshape_and_cache_kernel(
-        key_ptr,
-        value_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        slot_ptr,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_kcb,
-        stride_kct,
-        stride_kch,
-        stride_vcb,
-        stride_vct,
-        stride_vch,
-        k_scale_ptr,
-        v_scale_ptr,
-        NUM_KV_HEADS: tl.constexpr,
-        HEAD_SIZE: tl.constexpr,
-        KVH_PAD: tl.constexpr,
-        HEAD_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        FP8: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot < 0:  # padded token (e.g. CUDA-graph padding): nothing to write
-            return
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        h = tl.arange(0, KVH_PAD)
-        d = tl.arange(0, HEAD_PAD)
-        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_SIZE)[None, :]
-        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        kc = k_cache_ptr + blk * stride_kcb + off * stride_kct + h[:, None] * stride_kch + d[None, :]
-        vc = v_cache_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + d[None, :]
-        if FP8:  # cache = fp8(x / scale), saturated (kv_quant.py)
-            k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
-        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -107,6 +65,7 @@ if HAS_TRITON:
         acc,
         q,
         q_pos,
+        q_lim,
         t_begin,
         t_end,
         kv_hi,
@@ -134,7 +93,8 @@ if HAS_TRITON:
         SOFTCAP: tl.constexpr,
     ):
         """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
-        scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e)."""
+        scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
+        Causal: a row sees keys up to `q_lim` (its position, or with key limits the end of its image)."""
         offs_n = tl.arange(0, TILE_N)
         offs_d = tl.arange(0, HEAD_PAD)
         d_ok = offs_d < HEAD_SIZE
@@ -160,7 +120,7 @@ if HAS_TRITON:
             if MASKED:
                 ok = k_ok[None, :]
                 if CAUSAL:
-                    ok = ok & (k_pos[None, :] <= q_pos[:, None])
+                    ok = ok & (k_pos[None, :] <= q_lim[:, None])
                 if USE_WINDOW:
                     ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
                 s = tl.where(ok, s, float("-inf"))
@@ -218,6 +178,7 @@ if HAS_TRITON:
         stride_bt,
         k_scale_ptr,
         v_scale_ptr,
+        key_limit_ptr,
         GROUP: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -233,6 +194,7 @@ if HAS_TRITON:
         DIRECT: tl.constexpr,
         SOFTCAP: tl.constexpr,
         KV_FP8: tl.constexpr,
+        KEY_LIMIT: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -271,10 +233,16 @@ if HAS_TRITON:
             other=0.0,
         )
         q_pos = ctx + tok
+        if KEY_LIMIT:  # per token, the last key it may see (>= its position: an image's tokens see the image)
+            q_lim = tl.load(key_limit_ptr + tok_g, mask=row_ok, other=0)
+        else:
+            q_lim = q_pos
 
         # Key range this query tile needs: [kv_lo, kv_hi).
         if CAUSAL:
             kv_hi = ctx + tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+            if KEY_LIMIT:
+                kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim + 1, 0), 0))
         else:
             kv_hi = seq_len
         kv_lo = 0
@@ -310,6 +278,7 @@ if HAS_TRITON:
             acc,
             q,
             q_pos,
+            q_lim,
             t0,
             t_mid,
             kv_hi,
@@ -342,6 +311,7 @@ if HAS_TRITON:
             acc,
             q,
             q_pos,
+            q_lim,
             t_mid,
             t1,
             kv_hi,
@@ -414,55 +384,6 @@ if HAS_TRITON:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,  # [T, num_kv_heads, head_size], last dim contiguous
-    value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [>= T] int64; negative entries are skipped
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """Write the new tokens' K/V into their cache slots (slot = block_id * block_size + offset); an FP8
-    cache stores x / scale with the layer's `kv_scales` (float32 [1] tensors)."""
-    require_triton()
-    num_tokens, num_kv_heads, head_size = key.shape
-    if num_tokens == 0:
-        return
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    fp8 = k_cache.element_size() == 1
-    assert not fp8 or kv_scales is not None, "an FP8 cache needs the layer's k/v scales"
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        *(kv_scales if fp8 else (slot_mapping, slot_mapping)),  # type: ignore[misc]
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size,
-        KVH_PAD=next_pow2(num_kv_heads),
-        HEAD_PAD=next_pow2(head_size),
-        BLOCK_SIZE=k_cache.shape[1],
-        FP8=fp8,
-        FP8_MAX=_fp8_max(k_cache.dtype) if fp8 else 0.0,
-        num_warps=4,
-    )
-
-
-def _fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -525,6 +446,7 @@ def paged_attention(
     num_decodes: int | None = None,
     logits_soft_cap: float | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -533,6 +455,8 @@ def paged_attention(
     launches with tiles suited to each part. block_m/tile_n/num_warps/num_stages override the
     heuristics (benchmarks, tests) and force a single launch. An FP8 cache (1-byte elements) is read back
     as cache * scale with the layer's `kv_scales` (float32 [1] tensors, attention/kv_quant.py).
+    `key_limit` ([T] int32, causal only): the last key position each query token may see instead of its own
+    (`CommonAttentionMetadata.key_limit`); None compiles and runs the plain causal kernel.
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -626,6 +550,7 @@ def paged_attention(
             block_table.stride(0),
             k_scale,
             v_scale,
+            key_limit if key_limit is not None else seq_lens,  # (unread without KEY_LIMIT)
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -641,6 +566,7 @@ def paged_attention(
             DIRECT=direct,
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
+            KEY_LIMIT=key_limit is not None,
             num_warps=nw,
             num_stages=ns,
         )

@@ -154,10 +154,21 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, float(config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # HF multiplies by the scale rounded to the weights' dtype.
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        return x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` (multimodal: the scaled token embeddings with image rows merged in, unscaled as
+        HF merges them) replaces the embedding lookup; `intermediate` is unused (no pipeline stages)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
@@ -173,6 +184,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, hf_config: Any, prefix: str = "") -> None:
         super().__init__(hf_config, prefix)
         self.softcap = getattr(hf_config, "final_logit_softcapping", None)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)  # type: ignore[operator]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden_states)
