@@ -5,7 +5,8 @@ Wire protocol (ZMQ, pickled tuples; see `multiproc_executor.py` for the driver's
 - driver -> every worker, one PUB socket: `(kind, call_id, payload)` serialized once for all ranks.
   `HELLO` (start-up handshake: PUB drops what is sent before a subscriber has joined), `EXECUTE`
   (a `SchedulerOutput`, run now), `EXECUTE_ASYNC` (launched; its result is read once the next message is
-  launched or none is waiting), `RPC` `(method, args, kwargs, reply_rank)`, `SHUTDOWN`.
+  launched or none is waiting; pipeline stages run it like `EXECUTE`), `RPC`
+  `(method, args, kwargs, reply_rank)`, `SHUTDOWN`.
 - every worker -> driver, PUSH to one PULL socket: `(rank, kind, call_id, payload)`: `READY`, `HELLO`,
   `RESULT` (a step's `ModelRunnerOutput` from the output rank only; an RPC's result from every rank, or
   from `reply_rank` alone), `ERROR` (a formatted traceback; the driver raises it naming the rank).
@@ -80,6 +81,9 @@ class WorkerProc:
         self.sub.connect(broadcast_addr)
         pc = config.parallel_config
         pc.rank = rank
+        self.run_in_order = pc.pipeline_parallel_size > 1
+        """Pipeline stages run each launched step to its end before the next: the overlap is across stages
+        (the engine core's batch queue), and the last stage's result goes back as soon as it is ready."""
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # the engine core's first device (data parallelism offsets it) + rank; Ray shows one device
             base = torch.device(config.device).index or 0
@@ -114,12 +118,12 @@ class WorkerProc:
                 continue
             kind, call_id, payload = pickle.loads(self.sub.recv(copy=False).buffer)
             try:
-                if kind == EXECUTE_ASYNC:
+                if kind == EXECUTE_ASYNC and not self.run_in_order:
                     pending.append((call_id, worker.execute_model_async(payload)))
                     continue
                 while pending:  # anything else runs after the launched steps are read, in order
                     self._finish(*pending.popleft())
-                if kind == EXECUTE:
+                if kind == EXECUTE or kind == EXECUTE_ASYNC:
                     out = worker.execute_model(payload)
                     if self.rank == self.output_rank:
                         self.send(RESULT, call_id, out)
