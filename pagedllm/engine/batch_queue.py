@@ -25,7 +25,7 @@ class BatchQueue:
         self.scheduler = scheduler
         self.executor = executor
         self.max_batches = max(1, max_batches)
-        self.pipe = PipelineScheduling(scheduler)
+        self.pipe = PipelineScheduling(scheduler, self.max_batches)
         self.queue: collections.deque[tuple[SchedulerOutput, StepFuture]] = collections.deque()
         self.max_in_flight = 0
         """The most batches launched and unread at once so far (> 1: the stages overlapped)."""
