@@ -2,7 +2,9 @@
 
 Wire protocol (ZMQ, pickled tuples; see `multiproc_executor.py` for the driver's side):
 
-- driver -> every worker, one PUB socket: `(kind, call_id, payload)` serialized once for all ranks.
+- driver -> every worker, one PUB socket: `(kind, call_id, payload)` serialized once for all ranks (a
+  step's `SchedulerOutput`, and the output rank's `ModelRunnerOutput`, in `wire.py`'s compact form when
+  steady).
   `HELLO` (start-up handshake: PUB drops what is sent before a subscriber has joined), `EXECUTE`
   (a `SchedulerOutput`, run now), `EXECUTE_ASYNC` (launched; its result is read once the next message is
   launched or none is waiting; pipeline stages run it like `EXECUTE`), `RPC`
@@ -32,6 +34,7 @@ import torch
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.wire import OutputEncoder, StepDecoder
 from pagedllm.logger import init_logger
 from pagedllm.utils import exit_when_parent_dies
 
@@ -70,6 +73,8 @@ class WorkerProc:
     ) -> None:
         self.rank = rank
         self.output_rank = output_rank
+        self.step_decoder = StepDecoder()
+        self.output_encoder = OutputEncoder()
         self.ctx = zmq.Context(io_threads=1)
         self.reply = self.ctx.socket(zmq.PUSH)
         self.reply.setsockopt(zmq.SNDHWM, 0)
@@ -117,6 +122,8 @@ class WorkerProc:
                 self._finish(*pending.popleft())
                 continue
             kind, call_id, payload = pickle.loads(self.sub.recv(copy=False).buffer)
+            if kind == EXECUTE_ASYNC or kind == EXECUTE:  # (in message order: the driver encoded in it)
+                payload = self.step_decoder.decode(payload)
             try:
                 if kind == EXECUTE_ASYNC and not self.run_in_order:
                     pending.append((call_id, worker.execute_model_async(payload)))
@@ -126,7 +133,7 @@ class WorkerProc:
                 if kind == EXECUTE or kind == EXECUTE_ASYNC:
                     out = worker.execute_model(payload)
                     if self.rank == self.output_rank:
-                        self.send(RESULT, call_id, out)
+                        self.send(RESULT, call_id, self.output_encoder.encode(out))
                 elif kind == RPC:
                     method, args, kwargs, reply_rank = payload
                     try:
@@ -164,7 +171,7 @@ class WorkerProc:
             self.send(ERROR, call_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             return
         if self.rank == self.output_rank:
-            self.send(RESULT, call_id, out)
+            self.send(RESULT, call_id, self.output_encoder.encode(out))
 
     def close(self) -> None:
         from pagedllm.distributed.parallel_state import destroy_distributed
