@@ -232,7 +232,13 @@ class MultiprocExecutor(Executor):
 
     # ---- messages ------------------------------------------------------------------------------
     def _broadcast(self, kind: str, payload: Any, data: bytes | None = None) -> int:
-        self._check_alive("a call")
+        if kind == EXECUTE or kind == EXECUTE_ASYNC:
+            # A step skips the per-process exit-code poll (a waitpid each): a death is caught while its
+            # result is awaited (`_recv_one`) or by the watcher thread, which records `failure`.
+            if self.failure is not None:
+                raise WorkerDiedError(self.failure)
+        else:
+            self._check_alive("a call")
         call_id = self._next_call
         self._next_call += 1
         self.pub.send(data if data is not None else pickle.dumps((kind, call_id, payload), protocol=5))
