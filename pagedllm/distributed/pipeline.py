@@ -84,7 +84,8 @@ class PipelineStage:
         hidden, residual = out
         works = [self.dist.isend(t.contiguous(), dst=self.next_rank) for t in (hidden, residual)]
         for w in works:
-            w.wait()
+            if w is not None:
+                w.wait()
         return None
 
     def follow_step(self, x: Any, batch: Any, in_flight: Any) -> Any:
