@@ -42,7 +42,10 @@ class BatchQueue:
     def step(self) -> EngineCoreOutputs:
         sched, queue = self.scheduler, self.queue
         while len(queue) < self.max_batches and sched.has_unfinished_requests():
-            so = self.pipe.schedule(self.busy())
+            busy = self.busy()
+            if not len(sched.waiting) and all(r.request_id in busy for r in sched.running):
+                break  # every request is in a launched batch: nothing to schedule
+            so = self.pipe.schedule(busy)
             if not so.total_num_scheduled_tokens and not so.preempted_req_ids:
                 sched.finished_req_ids |= so.finished_req_ids  # for the next batch the workers see
                 break
