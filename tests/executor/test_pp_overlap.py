@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
-from tests.executor.parallel_utils import assert_same_outputs
+from tests.executor.parallel_utils import NEAR_TIE, assert_same_outputs
 from tests.utils_model import VOCAB, make_tiny_hf_model
 
 MAX_TOKENS = 10
@@ -145,3 +145,41 @@ def test_tp2_pp2_batch_queue_matches_tp1(checkpoint: str, reference: list[Any]) 
     got, core = run_pp(checkpoint, many_prompts(), tensor_parallel_size=2)
     assert_same_outputs(reference, got)
     assert core.batch_queue.max_in_flight == 2
+
+
+@pytest.mark.slow
+def test_smollm2_pp2_stop_strings(smollm2_path: str) -> None:
+    """Stop strings (matched by the front end's detokenizer, which then aborts the request in the engine
+    core while its next batch may be in flight) give the same text at pp=2 with the batch queue as at tp=1."""
+    prompts = [
+        "Write one sentence about the sea.",
+        "List three colours, separated by commas:",
+        "What is 2 + 2? Answer:",
+        "Name a planet.",
+        "Say hello in French.",
+        "Describe a cat in a few words.",
+    ]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, stop=[".", ","], logprobs=2)
+    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20,
+                          "gguf_dequantize": True, "max_num_seqs": 4}  # fmt: skip
+    texts = {}
+    for pp in (1, 2):
+        llm = LLM(smollm2_path, pipeline_parallel_size=pp, **kw)
+        try:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            texts[pp] = [o.outputs[0] for o in outs]
+            if pp == 2:
+                assert llm.llm_engine.engine_core.engine_core.batch_queue.max_in_flight == 2
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert any(r.finish_reason == "stop" and r.stop_reason is not None for r in texts[1])
+    for ref, got in zip(texts[1], texts[2], strict=True):
+        r_ids, g_ids = list(ref.token_ids), list(got.token_ids)
+        if r_ids == g_ids:
+            assert (got.text, got.finish_reason, got.stop_reason) == (ref.text, ref.finish_reason, ref.stop_reason)
+            continue
+        step = next((i for i, (a, b) in enumerate(zip(r_ids, g_ids)) if a != b), None)
+        assert step is not None, f"same tokens up to {min(len(r_ids), len(g_ids))}, different stops"
+        # A divergence passes only at a near tie of the reference.
+        top = sorted((lp.logprob for lp in ref.logprobs[step].values()), reverse=True)
+        assert top[0] - top[1] < NEAR_TIE, f"diverges at step {step} with a top-2 gap of {top[0] - top[1]:.2e}"
