@@ -1,5 +1,5 @@
 """Host time per engine step through the in-process (uni) vs the multi-process (mp) executor, with the
-model's forward replaced by a no-op in the worker (wherever it runs): what the mp executor's per-step
+model's forward replaced by a no-op in the worker (wherever it runs; CPU only): what the mp executor's per-step
 messages cost (issue 24, acceptance 5). W1-like: 256 running decodes, Qwen3-0.6B shape, one layer.
 
     PYTHONPATH=. python benchmarks/mp_host_overhead.py [--steps 300] [--async-scheduling] [--profile DIR]
@@ -49,6 +49,7 @@ def run(backend: str, args: argparse.Namespace, profile_dir: str | None) -> floa
         cfg_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
+        device="cpu",  # (the no-op forward makes host tensors: a CPU benchmark)
         dtype="float32",
         max_model_len=2048,
         kv_cache_memory_bytes=1 << 30,
