@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     PAGEDLLM_MOE_FUSED_SILU: bool
     PAGEDLLM_MOE_PLACE_BLOCK: int
+    PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
     CC: str | None
 
 
@@ -102,6 +103,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         os.environ.get(n, "0").strip().lower() in ("1", "true")
         for n in ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     ),
+    # Pipeline parallelism: batches in flight at once (default: pipeline_parallel_size; 1: one at a time).
+    "PAGEDLLM_MAX_CONCURRENT_BATCHES": _opt_int("PAGEDLLM_MAX_CONCURRENT_BATCHES"),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

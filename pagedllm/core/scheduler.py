@@ -71,6 +71,9 @@ class Scheduler:
         self._new_to_worker: set[str] = set()
         """Requests the worker has never seen (or dropped): sent as NewRequestData."""
         self.num_preemptions = 0
+        self.num_busy = 0
+        """Pipeline parallelism: running requests hidden from this schedule call (in a launched batch,
+        `core/pipeline_scheduling.py`); they still count against max_num_seqs."""
         self.async_scheduling = config.async_scheduling
         self._sync_only: set[str] = set()
         """Requests whose sampling needs the previous token on the host (penalties, logprobs, ...): while
@@ -261,7 +264,8 @@ class Scheduler:
             max_loras = self.config.max_loras
             loras = {r.lora_id for r in self.running if r.lora_id is not None} if max_loras else set()
             skipped: list[Request] = []
-            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            max_seqs = self.config.max_num_seqs - self.num_busy
+            while len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
                 req = self.waiting.peek()
                 if req.status == RequestStatus.WAITING_FOR_FSM and not self.structured.ready(  # type: ignore[union-attr]
                     req, self._grammar_errors

@@ -57,6 +57,10 @@ class CachedRequestData:
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     """Blocks appended this step (for a resumed request: its whole new block list)."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Pipeline parallelism only (empty otherwise): per request, its output tokens from position
+    max(num_computed_tokens, prompt length) up to the step's end; the stages before the last, which do not
+    sample, learn the sampled tokens from it (`core/pipeline_scheduling.py`)."""
 
 
 @dataclass

@@ -3,11 +3,13 @@
 Stage s of p holds layers `get_pp_indices(n, s, p)`; the first stage embeds, the last normalizes, computes
 the logits and samples. Every rank builds the same step inputs from the same `SchedulerOutput`, so the
 number of tokens is known everywhere and only the activations travel: stage s sends its hidden states and
-residual to stage s + 1 (the same tensor-parallel rank), and the last stage broadcasts the sampled ids to
-the earlier stages, whose persistent batches need them (the first stage embeds them next step).
+residual to stage s + 1 (the same tensor-parallel rank).
 
-Only the last stage samples (the other stages have no logits); one batch is in flight at a time (stages
-do not overlap yet), CUDA graphs are off with pp > 1 and async scheduling is turned off.
+Only the last stage samples (the other stages have no logits). The earlier stages learn the sampled ids
+from the scheduler: a request's next `SchedulerOutput` carries its new tokens
+(`CachedRequestData.new_token_ids`), so no stage waits for the last one after its forward and the engine
+core keeps up to pp batches in flight (`engine/batch_queue.py`): the stages overlap. CUDA graphs are off
+with pp > 1 and async scheduling is turned off.
 """
 
 from __future__ import annotations
@@ -80,31 +82,19 @@ class PipelineStage:
         if self.is_last:
             return out
         hidden, residual = out
-        self.dist.send(hidden.contiguous(), dst=self.next_rank)
-        self.dist.send(residual.contiguous(), dst=self.next_rank)
+        works = [self.dist.isend(t.contiguous(), dst=self.next_rank) for t in (hidden, residual)]
+        for w in works:
+            if w is not None:
+                w.wait()
         return None
 
-    def share_sampled(self, sampled: torch.Tensor | None, n: int) -> torch.Tensor:
-        """The last stage's sampled ids ([n] int64) on every stage of this pipeline."""
-        if self.is_last:
-            assert sampled is not None
-            ids = sampled.to(torch.int64).contiguous()
-        else:
-            ids = torch.empty(n, dtype=torch.int64, device=self.device)
-        self.dist.broadcast(ids, src=self.last_rank, group=self.group)
-        return ids
-
     def follow_step(self, x: Any, batch: Any, in_flight: Any) -> Any:
-        """A stage before the last after its forward: the step's sampled ids from the last stage (the same
-        requests sample on every stage: all build the same inputs), as the runner's `PendingStep`."""
+        """A stage before the last after its forward: an empty `PendingStep` (nothing sampled here; the
+        tokens the last stage samples come with the requests' next steps)."""
         import numpy as np
 
         from pagedllm.worker.async_output import PendingStep
 
-        sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
-        step = PendingStep(x.req_ids, sample_idx)
-        if len(sample_idx):
-            step.sampled_host = self.share_sampled(None, len(sample_idx)).cpu()
         batch.num_computed_tokens[x.rows] = x.seq_lens
         in_flight.clear()
-        return step
+        return PendingStep(x.req_ids, np.zeros(0, dtype=np.int64))

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.engine.controls import EngineCoreControlsMixin
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import StepFuture
@@ -58,6 +59,14 @@ class EngineCore(EngineCoreControlsMixin):
         """Async scheduling: the launched step whose results are not read yet."""
         self.num_steps_ahead = 0
         """Steps launched before the previous step's results were read (async scheduling at work)."""
+        self.batch_queue: BatchQueue | None = None
+        """Pipeline parallelism: up to pp batches in flight (`engine/batch_queue.py`); None: one stage."""
+        pp = config.parallel_config.pipeline_parallel_size
+        if pp > 1:
+            from pagedllm import envs
+
+            max_batches = envs.PAGEDLLM_MAX_CONCURRENT_BATCHES or pp
+            self.batch_queue = BatchQueue(self.scheduler, self.executor, max_batches)
         self.lora = None
         if config.lora_config is not None:  # adapters are read off the step loop, see lora/staging.py
             from pagedllm.lora.staging import LoRAStaging
@@ -109,7 +118,11 @@ class EngineCore(EngineCoreControlsMixin):
 
     def _step(self) -> EngineCoreOutputs:
         if self.scheduling_paused:  # controls: sleep(level=0)
+            if self.batch_queue is not None and self.batch_queue.queue:
+                return self.batch_queue.collect_oldest()
             return self.paused_step()
+        if self.batch_queue is not None:
+            return self.batch_queue.step()
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
@@ -146,7 +159,8 @@ class EngineCore(EngineCoreControlsMixin):
 
     def has_unfinished_requests(self) -> bool:
         parked = self.lora is not None and self.lora.has_parked()
-        return self.scheduler.has_unfinished_requests() or self._pending is not None or parked
+        bq = self.batch_queue is not None and bool(self.batch_queue.queue)
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or parked or bq
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -1,8 +1,9 @@
 """One worker process per device on this machine (vLLM's MultiprocExecutor).
 
-The scheduler stays in the engine core's process; each step's `SchedulerOutput` is pickled once and
-published to every worker on one ZMQ PUB socket (`worker_proc.py` has the protocol). Only the output rank
-(the first rank of the last pipeline stage) answers a step. A worker that dies is noticed within
+The scheduler stays in the engine core's process; each step's `SchedulerOutput` is pickled once (in the
+compact form of `wire.py` in steady decoding) and published to every worker on one ZMQ PUB socket
+(`worker_proc.py` has the protocol). Only the output rank (the first rank of the last pipeline stage)
+answers a step. A worker that dies is noticed within
 `POLL_S` by whoever waits for a reply, and by a watcher thread otherwise; either way the error names the
 rank, the remaining workers are killed, and later calls fail at once instead of hanging.
 """
@@ -30,6 +31,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, StepFuture
+from pagedllm.executor.wire import OutputDecoder, SteadyOutput, StepEncoder
 from pagedllm.executor.worker_proc import (
     ERROR,
     EXECUTE,
@@ -85,6 +87,8 @@ class MultiprocExecutor(Executor):
         self.failure: str | None = None
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._results: dict[int, Any] = {}
+        self._step_encoder = StepEncoder()
+        self._output_decoder = OutputDecoder()
         self._next_call = 0
         self._closing = False
         self._lock = threading.Lock()
@@ -228,7 +232,13 @@ class MultiprocExecutor(Executor):
 
     # ---- messages ------------------------------------------------------------------------------
     def _broadcast(self, kind: str, payload: Any, data: bytes | None = None) -> int:
-        self._check_alive("a call")
+        if kind == EXECUTE or kind == EXECUTE_ASYNC:
+            # A step skips the per-process exit-code poll (a waitpid each): a death is caught while its
+            # result is awaited (`_recv_one`) or by the watcher thread, which records `failure`.
+            if self.failure is not None:
+                raise WorkerDiedError(self.failure)
+        else:
+            self._check_alive("a call")
         call_id = self._next_call
         self._next_call += 1
         self.pub.send(data if data is not None else pickle.dumps((kind, call_id, payload), protocol=5))
@@ -240,7 +250,9 @@ class MultiprocExecutor(Executor):
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError(f"no answer from the workers during {during}")
         rank, kind, call_id, payload = pickle.loads(self.pull.recv())
-        if kind == ERROR:
+        if kind == RESULT and isinstance(payload, (SteadyOutput, ModelRunnerOutput)):
+            payload = self._output_decoder.decode(payload)  # (in arrival order: the worker encoded in it)
+        elif kind == ERROR:
             # A collective fails on every rank when one peer dies: name the dead one, not the first to report.
             self._wait_any_exit(PEER_GRACE_S)
             dead = self._dead_worker()
@@ -293,11 +305,11 @@ class MultiprocExecutor(Executor):
         return so
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        call_id = self._broadcast(EXECUTE, self._wire(scheduler_output))
+        call_id = self._broadcast(EXECUTE, self._step_encoder.encode(self._wire(scheduler_output)))
         return self._collect(call_id, 1, "a step")[0]
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
-        call_id = self._broadcast(EXECUTE_ASYNC, self._wire(scheduler_output))
+        call_id = self._broadcast(EXECUTE_ASYNC, self._step_encoder.encode(self._wire(scheduler_output)))
         return StepFuture(lambda: self._collect(call_id, 1, "a step")[0])
 
     # ---- shutdown ------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 Wire protocol (ZMQ, pickled tuples; see `multiproc_executor.py` for the driver's side):
 
-- driver -> every worker, one PUB socket: `(kind, call_id, payload)` serialized once for all ranks.
+- driver -> every worker, one PUB socket: `(kind, call_id, payload)` serialized once for all ranks (a
+  step's `SchedulerOutput`, and the output rank's `ModelRunnerOutput`, in `wire.py`'s compact form when
+  steady).
   `HELLO` (start-up handshake: PUB drops what is sent before a subscriber has joined), `EXECUTE`
   (a `SchedulerOutput`, run now), `EXECUTE_ASYNC` (launched; its result is read once the next message is
-  launched or none is waiting), `RPC` `(method, args, kwargs, reply_rank)`, `SHUTDOWN`.
+  launched or none is waiting; pipeline stages run it like `EXECUTE`), `RPC`
+  `(method, args, kwargs, reply_rank)`, `SHUTDOWN`.
 - every worker -> driver, PUSH to one PULL socket: `(rank, kind, call_id, payload)`: `READY`, `HELLO`,
   `RESULT` (a step's `ModelRunnerOutput` from the output rank only; an RPC's result from every rank, or
   from `reply_rank` alone), `ERROR` (a formatted traceback; the driver raises it naming the rank).
@@ -31,6 +34,7 @@ import torch
 import zmq
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.wire import OutputEncoder, StepDecoder
 from pagedllm.logger import init_logger
 from pagedllm.utils import exit_when_parent_dies
 
@@ -69,6 +73,8 @@ class WorkerProc:
     ) -> None:
         self.rank = rank
         self.output_rank = output_rank
+        self.step_decoder = StepDecoder()
+        self.output_encoder = OutputEncoder()
         self.ctx = zmq.Context(io_threads=1)
         self.reply = self.ctx.socket(zmq.PUSH)
         self.reply.setsockopt(zmq.SNDHWM, 0)
@@ -80,6 +86,9 @@ class WorkerProc:
         self.sub.connect(broadcast_addr)
         pc = config.parallel_config
         pc.rank = rank
+        self.run_in_order = pc.pipeline_parallel_size > 1
+        """Pipeline stages run each launched step to its end before the next: the overlap is across stages
+        (the engine core's batch queue), and the last stage's result goes back as soon as it is ready."""
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # the engine core's first device (data parallelism offsets it) + rank; Ray shows one device
             base = torch.device(config.device).index or 0
@@ -113,16 +122,18 @@ class WorkerProc:
                 self._finish(*pending.popleft())
                 continue
             kind, call_id, payload = pickle.loads(self.sub.recv(copy=False).buffer)
+            if kind == EXECUTE_ASYNC or kind == EXECUTE:  # (in message order: the driver encoded in it)
+                payload = self.step_decoder.decode(payload)
             try:
-                if kind == EXECUTE_ASYNC:
+                if kind == EXECUTE_ASYNC and not self.run_in_order:
                     pending.append((call_id, worker.execute_model_async(payload)))
                     continue
                 while pending:  # anything else runs after the launched steps are read, in order
                     self._finish(*pending.popleft())
-                if kind == EXECUTE:
+                if kind == EXECUTE or kind == EXECUTE_ASYNC:
                     out = worker.execute_model(payload)
                     if self.rank == self.output_rank:
-                        self.send(RESULT, call_id, out)
+                        self.send(RESULT, call_id, self.output_encoder.encode(out))
                 elif kind == RPC:
                     method, args, kwargs, reply_rank = payload
                     try:
@@ -160,7 +171,7 @@ class WorkerProc:
             self.send(ERROR, call_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             return
         if self.rank == self.output_rank:
-            self.send(RESULT, call_id, out)
+            self.send(RESULT, call_id, self.output_encoder.encode(out))
 
     def close(self) -> None:
         from pagedllm.distributed.parallel_state import destroy_distributed

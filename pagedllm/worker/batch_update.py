@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -54,6 +54,27 @@ class BatchUpdater:
         self._update_cached(so)
         return list(so.finished_req_ids), added
 
+    def _learn_tokens(self, c: CachedRequestData) -> None:
+        """Append the output tokens of `c.new_token_ids` this worker has not seen to the requests' states
+        and (for those keeping their rows) batch rows. The last stage, which sampled them, has them all."""
+        batch, rows_of = self.batch, self.batch.req_id_to_row
+        for rid, computed, resumed, toks in zip(
+            c.req_ids, c.num_computed_tokens, c.resumed_from_preemption, c.new_token_ids
+        ):
+            st = self.requests[rid]
+            known = st.num_tokens
+            start = max(computed, len(st.prompt_token_ids))
+            if start + len(toks) <= known:
+                continue
+            if start > known:
+                raise RuntimeError(f"request {rid}: tokens from position {start} sent, {known} known on this stage")
+            extra = toks[known - start :]
+            st.output_token_ids.extend(extra)
+            if not resumed:  # (a resumed request's row is rebuilt from its state)
+                row = rows_of[rid]
+                batch.token_ids[row, known : known + len(extra)] = extra
+                batch.num_tokens[row] = known + len(extra)
+
     def _update_cached(self, so: SchedulerOutput) -> None:
         c = so.scheduled_cached_reqs
         if not c.req_ids:
@@ -61,6 +82,8 @@ class BatchUpdater:
         batch = self.batch
         rows_of = batch.req_id_to_row
         req_ids, num_computed, resumed_flags = c.req_ids, c.num_computed_tokens, c.resumed_from_preemption
+        if c.new_token_ids:  # pipeline parallelism: a stage before the last learns the sampled tokens
+            self._learn_tokens(c)
         if any(resumed_flags):
             for rid, resumed, new_ids, n in zip(req_ids, resumed_flags, c.new_block_ids, num_computed):
                 if resumed:

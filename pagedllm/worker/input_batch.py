@@ -3,6 +3,7 @@ scheduler's diffs (new requests, appended blocks, finished/preempted ids) instea
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,11 @@ class InputBatch:
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
-        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._free_rows = list(range(max_num_reqs))
+        """A min-heap: a request takes the lowest free row, whatever order rows were freed in. The ranks of
+        a tensor- or pipeline-parallel group then put the same requests in the same rows (the flattened
+        token order, hence the activations exchanged, follow the rows), although each iterates the step's
+        `finished_req_ids` set in its own (per-process hash) order."""
         self.version = 0
         """Bumped whenever a request enters or leaves a row: per-row data derived from the batch (the
         model runner's cached row order and per-row lists) stays valid while it is unchanged."""
@@ -76,7 +81,7 @@ class InputBatch:
     def add_request(self, st: CachedRequestState) -> int:
         if st.req_id in self.req_id_to_row:
             self.remove_request(st.req_id)
-        row = self._free_rows.pop()
+        row = heapq.heappop(self._free_rows)
         self.version += 1
         self.req_ids[row] = st.req_id
         self.req_id_to_row[st.req_id] = row
@@ -113,7 +118,7 @@ class InputBatch:
             self.penalty_slot[row] = -1
         self.req_ids[row] = None
         self.states[row] = None
-        self._free_rows.append(row)
+        heapq.heappush(self._free_rows, row)
         return st
 
     def append_block_ids(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:

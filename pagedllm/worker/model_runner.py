@@ -262,7 +262,7 @@ class ModelRunner:
         )
         mm_step = self.mm.prepare(so, x, self.requests) if self.mm is not None else None
         hidden = self._forward(x, patch, mm_step)
-        if hidden is None:  # a pipeline stage before the last: the last stage's sampled ids come back
+        if hidden is None:  # a pipeline stage before the last: it learns the sampled ids from the next steps
             return self.pp.follow_step(x, batch, self.in_flight)
         prompt_lp_done = self.prompt_logprobs.gather(
             model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden
@@ -284,8 +284,6 @@ class ModelRunner:
             md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids
-            if self.pp is not None:  # the earlier stages append these ids too
-                self.pp.share_sampled(sampled_gpu, len(sample_idx))
             if out.failed_rows:
                 step.failed = {x.req_ids[sample_idx[r]]: msg for r, msg in out.failed_rows.items()}
             if ahead:

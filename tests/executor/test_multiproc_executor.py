@@ -48,6 +48,15 @@ def test_tp1_mp_backend_matches_inprocess(checkpoints: dict[str, str], reference
     assert_same_outputs(references["llama"], got)
 
 
+def test_tp1_mp_backend_async_scheduling_matches_inprocess(
+    checkpoints: dict[str, str], references: dict[str, list]
+) -> None:
+    """The GPU's default path (async scheduling: step N+1 launched before N is read) through the worker
+    process, with the compact steady-decode messages (`executor/wire.py`) in both directions."""
+    got = run_engine(checkpoints["llama"], tiny_prompts(), distributed_executor_backend="mp", async_scheduling=True)
+    assert_same_outputs(references["llama"], got)
+
+
 def test_default_executor_is_in_process(checkpoints: dict[str, str]) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.executor import get_executor_class
