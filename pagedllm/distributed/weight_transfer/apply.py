@@ -116,7 +116,11 @@ def apply_weight_update(
         touched.add(id(params["model.embed_tokens.weight"]))
     packable = [(m, rel) for m, rel in _packable_modules(model) if id(m.weight) in touched]
     # Repacked in the dtype they were packed in (bf16 GEMMs of a float32 encoder: pooling/cpu_mixed.py).
-    packed_dtypes = {id(m): m.packed_weight.dtype for m, _ in packable if getattr(m, "packed_weight", None) is not None}
+    packed_dtypes: dict[int, torch.dtype] = {
+        id(m): m.packed_weight.dtype  # type: ignore[union-attr,misc]
+        for m, _ in packable
+        if getattr(m, "packed_weight", None) is not None
+    }
     for m, _ in packable:
         if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0:  # type: ignore[operator]
             unpack_weight(m)
