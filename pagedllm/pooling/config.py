@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 ENCODER_ARCHS = (
     "BertModel",
     "BertForSequenceClassification",
@@ -104,6 +106,8 @@ class PoolingSetup:
     tasks: tuple[str, ...]
     encoder_only: bool
     max_seq_length: int | None
+    bf16_gemms: bool = False
+    """CPU, encoder-only: float32 weights with bf16 GEMMs (`pooling/cpu_mixed.py`)."""
 
 
 def resolve_pooling(
@@ -173,6 +177,10 @@ def apply_pooling(args: Any, mc: Any, max_batched: int) -> dict[str, Any]:
         mc.hf_config.architectures = [a.replace("ForSequenceClassification", "ForCausalLM") for a in archs]
     out: dict[str, Any] = {"enable_prefix_caching": False, "async_scheduling": False}
     if setup.encoder_only:
+        from pagedllm.pooling import cpu_mixed
+
+        if cpu_mixed.choose(args.dtype, mc.hf_config, args.resolved_device()):
+            mc.dtype, setup.bf16_gemms = torch.float32, True
         if getattr(mc.hf_config, "sep_token_id", None) is None and not mc.skip_tokenizer_init:
             mc.hf_config.sep_token_id = _sep_token_id(mc.tokenizer if mc.tokenizer != mc.model else mc.model_dir)
         batched = max(max_batched if args.max_num_batched_tokens else 16384, mc.max_model_len)

@@ -43,6 +43,14 @@ class PoolingModelRunner(ModelRunner):
         setup = self.model_config.pooling
         self.pooler = Pooler(self.model, setup.pooler_config)
 
+    def pack_cpu_weights(self) -> int:
+        """A float32 encoder may get bf16 GEMMs first (`pooling/cpu_mixed.py`); the rest packs as usual."""
+        from pagedllm.pooling import cpu_mixed
+
+        setup = self.model_config.pooling
+        n = cpu_mixed.pack_bf16_gemms(self.model) if setup is not None and setup.bf16_gemms else 0
+        return n + super().pack_cpu_weights()
+
     # ---- set-up: an encoder has no KV cache ----------------------------------------------------------
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         if self.encoder_only:  # one token-accounting group (no memory behind it)

@@ -102,10 +102,8 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.config.load_config.load_format, self.device)
         self.model.eval()
         if self.device.type == "cpu":
-            from pagedllm.model_executor.model_loader.cpu_packing import pack_cpu_weights
-
             with torch.no_grad():
-                n_packed = pack_cpu_weights(self.model)
+                n_packed = self.pack_cpu_weights()
             if n_packed:
                 logger.info("Packed %d linear weights for oneDNN", n_packed)
         self.attn_layers = {m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)}
@@ -134,6 +132,12 @@ class ModelRunner:
             from pagedllm.spec_decode.runner import SpecDecodeRunner
 
             self.spec = SpecDecodeRunner(self.config.speculative_config, self)
+
+    def pack_cpu_weights(self) -> int:
+        """CPU: prepack the linear weights for oneDNN (`model_loader/cpu_packing.py`); returns how many."""
+        from pagedllm.model_executor.model_loader.cpu_packing import pack_cpu_weights
+
+        return pack_cpu_weights(self.model)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         from pagedllm.attention.kv_quant import resolve_kv_cache_dtype

@@ -115,6 +115,12 @@ def apply_weight_update(
     if getattr(model, "tie_word_embeddings", False) and "model.embed_tokens.weight" in touched_names:
         touched.add(id(params["model.embed_tokens.weight"]))
     packable = [(m, rel) for m, rel in _packable_modules(model) if id(m.weight) in touched]
+    # Repacked in the dtype they were packed in (bf16 GEMMs of a float32 encoder: pooling/cpu_mixed.py).
+    packed_dtypes: dict[int, torch.dtype] = {
+        id(m): m.packed_weight.dtype  # type: ignore[union-attr,misc]
+        for m, _ in packable
+        if getattr(m, "packed_weight", None) is not None
+    }
     for m, _ in packable:
         if getattr(m, "packed_weight", None) is not None and m.weight.numel() == 0:  # type: ignore[operator]
             unpack_weight(m)
@@ -127,5 +133,5 @@ def apply_weight_update(
         for m, release in packable:
             if m.weight.device.type == "cpu":
                 m.packed_weight = None  # type: ignore[assignment]
-                pack_module(m, release=release)
+                pack_module(m, release=release, dtype=packed_dtypes.get(id(m)))
     return len(touched)

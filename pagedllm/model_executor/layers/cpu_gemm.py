@@ -54,13 +54,19 @@ def packed_linear(
     gelu: str | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias with W packed by `pack_module`; `gelu` ("none" = erf, "tanh") fuses GELU into the GEMM's
-    epilogue (oneDNN post-op: one pass over the output fewer)."""
+    epilogue (oneDNN post-op: one pass over the output fewer). A weight packed in another dtype than `x`'s
+    (bf16 weights of a float32 model, `pooling/cpu_mixed.py`) gets `x` cast to it, and the result is cast back:
+    callers that want the GEMM's dtype pass `x` in it."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*lead, out_features)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if x2.dtype != packed.dtype:
+        return (
+            packed_linear(x2.to(packed.dtype), packed, bias, out_features, gelu).to(x.dtype).view(*lead, out_features)
+        )
     if batch_invariant.enabled():
         return batch_invariant.tiled_rows(
             x2, lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, bias, "none", [], "")
@@ -72,14 +78,15 @@ def packed_linear(
     return y.view(*lead, out_features)
 
 
-def pack_module(module: nn.Module, release: bool) -> bool:
+def pack_module(module: nn.Module, release: bool, dtype: torch.dtype | None = None) -> bool:
     """Give `module` (with a 2-D `weight`) a `packed_weight` the forward will use. `release` drops the
-    plain weight's storage (it is no longer read; keeps memory at one copy of the weights)."""
+    plain weight's storage (it is no longer read; keeps memory at one copy of the weights). `dtype`: pack a
+    copy cast to it (the GEMM then runs in it, `packed_linear`); default the weight's own."""
     weight = getattr(module, "weight", None)
-    if weight is None or not can_pack(weight):
+    if weight is None or not can_pack(weight) or (dtype is not None and not pack_supported(dtype)):
         return False
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype or weight.dtype))
     except RuntimeError as e:  # a oneDNN build without this path: stay on F.linear
         logger.info("CPU weight packing unavailable (%s)", e)
         return False

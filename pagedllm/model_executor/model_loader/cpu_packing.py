@@ -12,10 +12,13 @@ from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead
 
 def pack_cpu_weights(model: nn.Module) -> int:
     """Pack every unquantized linear layer and the LM head of a CPU model; returns how many were packed.
-    Tied LM heads keep the embedding's plain weight (the embedding lookup reads it)."""
+    Tied LM heads keep the embedding's plain weight (the embedding lookup reads it); layers packed already
+    are left as they are."""
     embeddings = {id(m.weight) for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding"}
     n = 0
     for module in model.modules():
+        if getattr(module, "packed_weight", None) is not None:  # packed already (e.g. `pooling/cpu_mixed.py`)
+            continue
         if isinstance(module, LinearBase) and isinstance(
             getattr(module, "quant_method", None), UnquantizedLinearMethod
         ):

@@ -29,13 +29,16 @@ ATTN_CHUNK_SEQS = 32
 @dataclass
 class AttnChunk:
     """Sequences [first token `t0`, `t1`) of the packed step, padded to `max_len` for attention:
-    `pad_index` [t1 - t0] each token's row in the chunk's [n * max_len] layout, `key_mask` [n, 1, 1, L]."""
+    `pad_index` [t1 - t0] each token's row in the chunk's [n * max_len] layout, `gather` [n * max_len] the
+    packed row each padded row reads (padding rows read the chunk's first token: finite, masked as keys, their
+    query outputs dropped), `key_mask` [n, 1, 1, L]. The last two are None when the lengths are equal."""
 
     t0: int
     t1: int
     num_seqs: int
     max_len: int
-    pad_index: torch.Tensor
+    pad_index: torch.Tensor | None
+    gather: torch.Tensor | None
     key_mask: torch.Tensor | None
 
 
@@ -47,6 +50,10 @@ class EncoderBatch:
     seq_lens: torch.Tensor
     chunks: list[AttnChunk]
 
+    @property
+    def num_tokens(self) -> int:
+        return self.chunks[-1].t1 if self.chunks else 0
+
     @staticmethod
     def build(seq_lens: list[int], device: torch.device) -> EncoderBatch:
         lens = torch.tensor(seq_lens, dtype=torch.long)
@@ -56,12 +63,17 @@ class EncoderBatch:
             cl = lens[i : i + ATTN_CHUNK_SEQS]
             max_len = int(cl.max())
             n, total = len(cl), int(cl.sum())
-            starts = torch.arange(n, dtype=torch.long) * max_len
-            pad_index = torch.repeat_interleave(starts, cl) + _ranges(cl)
-            key_mask = None
-            if int(cl.min()) != max_len:
-                key_mask = (torch.arange(max_len)[None, :] < cl[:, None])[:, None, None, :].to(device)
-            chunks.append(AttnChunk(t0, t0 + total, n, max_len, pad_index.to(device), key_mask))
+            if int(cl.min()) == max_len:
+                chunks.append(AttnChunk(t0, t0 + total, n, max_len, None, None, None))
+            else:
+                starts = torch.arange(n, dtype=torch.long) * max_len
+                pad_index = torch.repeat_interleave(starts, cl) + _ranges(cl)
+                gather = torch.full((n * max_len,), t0, dtype=torch.long)
+                gather[pad_index] = torch.arange(t0, t0 + total, dtype=torch.long)
+                key_mask = (torch.arange(max_len)[None, :] < cl[:, None])[:, None, None, :]
+                chunks.append(
+                    AttnChunk(t0, t0 + total, n, max_len, pad_index.to(device), gather.to(device), key_mask.to(device))
+                )
             t0 += total
         return EncoderBatch(lens, chunks)
 
@@ -81,21 +93,32 @@ class BertSelfAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=True, prefix=f"{prefix}.qkv_proj")
         self.out_proj = ReplicatedLinear(hidden, hidden, bias=True, prefix=f"{prefix}.out_proj")
         self.out_norm = nn.LayerNorm(hidden, eps=float(config.layer_norm_eps))
+        """Applied by `BertLayer` (after the residual add): a checkpoint's `attention.output.LayerNorm`."""
 
-    def forward(self, x: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
-        hidden, h, d = x.shape[1], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        outs = []
-        for c in eb.chunks:
-            part = qkv[c.t0 : c.t1]
-            if c.key_mask is not None:  # padded keys are masked; zeros keep their (unused) values finite
-                part = part.new_zeros(c.num_seqs * c.max_len, 3 * hidden).index_copy_(0, c.pad_index, part)
-            q, k, v = part.view(c.num_seqs, c.max_len, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.key_mask).transpose(1, 2)
-            o = o.reshape(c.num_seqs * c.max_len, hidden)
-            outs.append(o.index_select(0, c.pad_index) if c.key_mask is not None else o)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.out_norm(x + self.out_proj(out))
+    def forward(self, x: torch.Tensor, eb: EncoderBatch, gemm_dtype: torch.dtype) -> torch.Tensor:
+        """Self-attention of `x` [T, hidden] (packed): the output projection's result, in `gemm_dtype`, without
+        the residual (the caller adds it). The projections take their input in `gemm_dtype`; attention itself
+        (scores, softmax) runs in `x`'s dtype."""
+        qkv = self.qkv_proj(x.to(gemm_dtype))
+        if len(eb.chunks) == 1 and eb.chunks[0].key_mask is None:
+            out = self._attend(qkv, eb.chunks[0], x.dtype)
+        else:
+            out = x.new_empty(x.shape)
+            for c in eb.chunks:
+                o = self._attend(qkv, c, x.dtype)
+                if c.pad_index is not None:  # back to packed rows, straight into the output
+                    torch.index_select(o, 0, c.pad_index, out=out[c.t0 : c.t1])
+                else:
+                    out[c.t0 : c.t1] = o
+        return self.out_proj(out.to(gemm_dtype))
+
+    def _attend(self, qkv: torch.Tensor, c: AttnChunk, dtype: torch.dtype) -> torch.Tensor:
+        """One chunk's attention in `dtype`: [num_seqs * max_len, hidden] (its padded rows included)."""
+        h, d = self.num_heads, self.head_dim
+        part = qkv[c.t0 : c.t1] if c.gather is None else qkv.index_select(0, c.gather)
+        q, k, v = part.to(dtype).view(c.num_seqs, c.max_len, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.key_mask)
+        return o.transpose(1, 2).reshape(c.num_seqs * c.max_len, h * d)
 
 
 class BertLayer(nn.Module):
@@ -112,13 +135,17 @@ class BertLayer(nn.Module):
         self.approximate = "tanh" if act in ("gelu_new", "gelu_pytorch_tanh") else "none"
         self.relu = act == "relu"
 
-    def forward(self, x: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
-        x = self.attention(x, eb)
+    def forward(self, x: torch.Tensor, eb: EncoderBatch, gemm_dtype: torch.dtype) -> torch.Tensor:
+        """`x` [T, hidden] is the residual stream; the linear layers take it cast to `gemm_dtype` (a no-op
+        unless mixed precision is on, `pooling/cpu_mixed.py`) and their outputs stay in that dtype up to
+        the residual add, which promotes back to the stream's dtype."""
+        x = self.attention.out_norm(x + self.attention(x, eb, gemm_dtype))
+        xg = x.to(gemm_dtype)
         packed = getattr(self.fc1, "packed_weight", None)
         if packed is not None and not self.relu and not batch_invariant.enabled():  # CPU: GELU in the GEMM
-            y = packed_linear(x, packed, self.fc1.bias, int(self.fc1.packed_out_features), gelu=self.approximate)
+            y = packed_linear(xg, packed, self.fc1.bias, int(self.fc1.packed_out_features), gelu=self.approximate)
         else:
-            y = self.fc1(x)
+            y = self.fc1(xg)
             y = F.relu(y) if self.relu else F.gelu(y, approximate=self.approximate)
         return self.norm(x + self.fc2(y))
 
@@ -141,6 +168,8 @@ class BertEncoderModel(nn.Module):
         self.multi_type = config.type_vocab_size > 1
         self.position_offset = 0
         """Added to the 0-based positions: RoBERTa's position ids start after its padding index."""
+        self.gemm_dtype: torch.dtype | None = None
+        """The linear layers' input dtype when it differs from the residual stream's (`pooling/cpu_mixed.py`)."""
 
     def token_types(self, input_ids: torch.Tensor, eb: EncoderBatch) -> torch.Tensor:
         if not self.multi_type or self.sep_token_id is None:
@@ -161,8 +190,9 @@ class BertEncoderModel(nn.Module):
             + self.token_type_embeddings(self.token_types(input_ids, eb))
         )
         x = self.emb_norm(x)
+        gemm_dtype = self.gemm_dtype or x.dtype
         for layer in self.layers:
-            x = layer(x, eb)
+            x = layer(x, eb, gemm_dtype)
         return x
 
 
