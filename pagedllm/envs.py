@@ -126,8 +126,13 @@ def __dir__() -> list[str]:
 
 
 def set_openmp_defaults() -> None:
-    """Before torch loads OpenMP: threads that wait at a barrier sleep instead of spinning, unless the
-    user set `OMP_WAIT_POLICY`. With another busy process on the machine, spinning threads burn the time
-    slices of the thread they wait for: a 64-token request on 2 cores took 36-65 s instead of 3.7 s
-    (benchmarks/NOTES.md, "Busy neighbour"). libgomp reads the variable once, when it is loaded."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """Before torch loads OpenMP: threads that reach a barrier spin only briefly (`GOMP_SPINCOUNT=2000`, about a
+    microsecond or two) and then sleep, unless the user set `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`. libgomp's
+    default (300k spins) lets a busy neighbour's time slices be burnt by spinning waiters (a 64-token request
+    on 2 cores: 9-65 s instead of 3-4 s); sleeping at once (`OMP_WAIT_POLICY=PASSIVE`, session 10's choice)
+    pays a futex wake-up at every barrier: on a quiet machine a 64-token request took 1.8-2.2 s against
+    1.05-1.15 s with 2,000 spins, and batched throughput ~10 % less. 2,000 spins cost 1.2-1.4x PASSIVE under
+    the busy neighbour (benchmarks/NOTES.md, "OpenMP barriers, session 13"). libgomp reads these once, when
+    it is loaded."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "2000")
