@@ -10,7 +10,6 @@ splits an image across steps, and the model runner gives the attention a per-tok
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -96,20 +95,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         n = max(1, num_tokens // int(self.config.mm_tokens_per_image))
         return [{"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size)} for _ in range(n)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-        text: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            name = rename_checkpoint_tensor(name)
-            if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-                name = "vision_tower.vision_model." + name[len("vision_tower.") :]  # (transformers 5.x saves)
-            if name.startswith("language_model."):
-                text.append((name[len("language_model.") :], tensor))
-            elif name in own:
-                with torch.no_grad():
-                    own[name].copy_(tensor.to(own[name].dtype))
-                loaded.add(name)
-            # else: the SigLIP pooling head (`vision_tower.vision_model.head.*`), unused
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+    def checkpoint_name(self, name: str) -> str:
+        name = rename_checkpoint_tensor(name)
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = "vision_tower.vision_model." + name[len("vision_tower.") :]  # (transformers 5.x saves)
+        return name

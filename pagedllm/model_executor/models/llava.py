@@ -5,7 +5,6 @@ feature strategy), and the decoder reads the projected patch features at those p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -107,18 +106,5 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         n = max(1, num_tokens // per_image)
         return [{"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size)} for _ in range(n)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-        text: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            name = rename_checkpoint_tensor(name)
-            if name.startswith("language_model."):
-                text.append((name[len("language_model.") :], tensor))
-            elif name in own:
-                with torch.no_grad():
-                    own[name].copy_(tensor.to(own[name].dtype))
-                loaded.add(name)
-            # else: a layer beyond the deepest feature layer, or the tower's unused head
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+    def checkpoint_name(self, name: str) -> str:
+        return rename_checkpoint_tensor(name)

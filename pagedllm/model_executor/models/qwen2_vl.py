@@ -6,7 +6,6 @@ The model runner gets a request's positions from `get_mrope_positions` (prompt) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -151,23 +150,11 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         cur += prompt_len - i
         return pos, cur - prompt_len
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-        text: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            for old, new in _PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
-            if name.startswith("language_model."):
-                text.append((name[len("language_model.") :], tensor))
-            elif name in own:
-                with torch.no_grad():
-                    own[name].copy_(tensor.to(own[name].dtype))
-                loaded.add(name)
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+    def checkpoint_name(self, name: str) -> str:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (the HF name)

@@ -3,6 +3,7 @@ embedding, the forward (with the image rows merged into `inputs_embeds`) and the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -23,3 +24,24 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this module names it (the subclass maps its families' layouts)."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """`language_model.*` goes to the text model's own loader; the tower's and projector's tensors are
+        copied by name; anything else (layers past the feature layer, a tower's unused pooling head) is skipped."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+        text: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            name = self.checkpoint_name(name)
+            if name.startswith("language_model."):
+                text.append((name[len("language_model.") :], tensor))
+            elif name in own:
+                with torch.no_grad():
+                    own[name].copy_(tensor.to(own[name].dtype))
+                loaded.add(name)
+        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
+        return loaded
