@@ -18,17 +18,11 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers.quantization import int4_ops, w8a8_ops
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 GROUP = 128
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench_cudagraph(lambda: b.copy_(a), rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def time_ms(fn) -> float:  # noqa: ANN001
@@ -123,7 +117,7 @@ def main() -> None:
     p.add_argument("--only", choices=["int4", "fp8"], default=None)
     p.add_argument("--out", default="gemv_tune.json")
     args = p.parse_args()
-    bw = copy_bandwidth()
+    bw = floors.copy_bandwidth_gbps() * 1e9  # the floor every bench command uses
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result: dict = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9}
     ws = {s: torch.randn(n, k, device="cuda").to(torch.bfloat16) for s, (n, k) in SHAPES.items()}
