@@ -79,6 +79,29 @@ class GGUFWeight:
     def type_name(self) -> str:
         return PACKED_TYPES[self.qtype]
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class GGUFTritonWeight(GGUFWeight):
+    """A packed weight re-laid for the Triton kernels (`gguf_triton.prepare`, run once at load on the GPU):
+    `data` is the low quant bits as int32 words in element order (4-bit types: nibble j of word w is element
+    8w + j; Q8_0: byte j of word w is element 4w + j), `hi` the Q5_K (1 bit) / Q6_K (2 bits) high bits, `d`
+    and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
+    (Q6_K: int8) sub-block scales and mins. Same information and about the same bytes as the file's blocks."""
+
+    hi: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    dm: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.hi, self.d, self.dm, self.sc, self.mn) if t is not None)
+
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32/bfloat16 (K % 32 == 0) -> (int16 [M, K], scales [M, K/32], scale*sum [M, K/32])."""
@@ -99,7 +122,12 @@ def gguf_matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype)."""
+    """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype).
+    Parts prepared for the GPU (`GGUFTritonWeight`) run the Triton kernels of `gguf_triton`."""
+    if parts and isinstance(parts[0], GGUFTritonWeight):
+        from pagedllm.model_executor.layers.quantization.gguf_triton import gguf_matmul_triton
+
+        return gguf_matmul_triton(x, parts, bias, out_dtype)
     lib = _lib()
     assert lib is not None
     lead = x.shape[:-1]
@@ -146,7 +174,8 @@ def dequantize(w: GGUFWeight) -> torch.Tensor:
 
 class GGUFLinearMethod(LinearMethodBase):
     """Linear layer whose weight is GGUF blocks kept packed (installed by the GGUF loader after the layer
-    was built: the dense placeholder weight is dropped)."""
+    was built: the dense placeholder weight is dropped): the C kernels on the CPU, the Triton kernels for
+    parts prepared for the GPU (`GGUFTritonWeight`)."""
 
     def __init__(self, parts: list[GGUFWeight]) -> None:
         self.parts = parts
@@ -159,7 +188,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     @property
     def nbytes(self) -> int:
-        return sum(p.data.numel() for p in self.parts)
+        return sum(p.nbytes for p in self.parts)
 
 
 def install(layer: LinearBase, parts: list[GGUFWeight]) -> None:

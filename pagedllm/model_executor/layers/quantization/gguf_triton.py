@@ -1,0 +1,234 @@
+"""GGUF weights kept packed on the GPU: the load-time re-layout and the launchers of the Triton kernels
+(`gguf_triton_kernels`): a split-K GEMV for decode (M <= `GEMV_MAX_M`) that streams every packed byte once,
+and a dequant-GEMM (tensor cores) for prefill.
+
+`prepare` turns a file's blocks ([rows, row_bytes] uint8, `gguf.GGUFWeight`) into a `GGUFTritonWeight`:
+the quants in element order as int32 words (so a program's tile of a row is one contiguous run, loaded
+with wide loads, and a quant's position is arithmetic on its index), the high bits of Q5_K / Q6_K in their
+own planes, and the scale fields in separate tensors with the K-quants' 6-bit scales and mins decoded to
+bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead of 144, Q5_K 180
+instead of 176; the others equal). `dequantize` (torch, any device) is the layout-independent reference
+of the same decoding, checked against the `gguf` package's in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.model_executor.layers.quantization.gguf import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
+from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from pagedllm.triton_utils import HAS_TRITON, require_triton
+
+if HAS_TRITON:
+    import triton
+
+    from pagedllm.model_executor.layers.quantization import gguf_triton_kernels as kern
+
+GEMV_MAX_M = 8
+_ROW_CHUNK = 4096  # rows unpacked at a time by `prepare` (bounds its temporaries on the LM head)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float16 (little-endian, as the file stores them)."""
+    return b.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins [..., 12] -> (sc, mn) [..., 8] uint8 (ggml's
+    get_scale_min_k4)."""
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def _unpack(qtype: int, raw: torch.Tensor, cols: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A file's blocks [rows, row_bytes] uint8 -> (u [rows, cols] uint8 quants in element order, Q8_0's as
+    stored (two's complement), the others unsigned; the scale fields, per row)."""
+    qk, nb = _BLOCK[qtype]
+    rows = raw.shape[0]
+    b = raw.reshape(rows, cols // qk, nb)
+    f: dict[str, torch.Tensor] = {}
+    if qtype in (Q4_0, Q4_1):
+        f["d"] = _f16(b[..., 0:2])
+        if qtype == Q4_1:
+            f["dm"] = _f16(b[..., 2:4])
+        qs = b[..., nb - 16 :]
+        u = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # byte i: element i (low), i + 16 (high)
+    elif qtype == Q8_0:
+        f["d"] = _f16(b[..., 0:2])
+        u = b[..., 2:]
+    elif qtype in (Q4_K, Q5_K):
+        f["d"], f["dm"] = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        f["sc"], f["mn"] = _k_scales(b[..., 4:16])
+        qs = b[..., nb - 128 :].reshape(rows, -1, 4, 1, 32)  # 4 chunks of 64: low nibbles, then high
+        u = torch.cat([qs & 0xF, qs >> 4], dim=3)
+        if qtype == Q5_K:
+            qh = b[..., 16:48].reshape(rows, -1, 1, 1, 32)
+            shift = torch.arange(8, device=raw.device, dtype=torch.uint8).view(1, 1, 4, 2, 1)
+            u = u | (((qh >> shift) & 1) << 4)
+    elif qtype == Q6_K:
+        ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64)
+        ql = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(rows, -1, 2, 4, 32)
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        shift = torch.arange(0, 8, 2, device=raw.device, dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        u = ql | (((qh >> shift) & 3) << 4)
+        f["sc"] = b[..., 192:208].contiguous().view(torch.int8)
+        f["d"] = _f16(b[..., 208:210])
+    else:
+        raise ValueError(f"gguf: no Triton kernel for ggml type {qtype}")
+    f = {k: v.reshape(rows, -1) for k, v in f.items()}
+    return u.reshape(rows, cols), f
+
+
+def dequantize(w: GGUFWeight) -> torch.Tensor:
+    """The file's blocks as float32 [rows, cols], on their device (torch ops; the reference the GPU tests
+    and the benchmark check the kernels with)."""
+    u, f = _unpack(w.qtype, w.data, w.cols)
+    rows, cols = w.rows, w.cols
+    if w.qtype == Q8_0:
+        return (u.view(torch.int8).float().view(rows, -1, 32) * f["d"].float()[..., None]).view(rows, cols)
+    if w.qtype == Q6_K:
+        s = f["sc"].float() * f["d"].float().repeat_interleave(16, dim=1)  # per group of 16
+        return ((u.float().view(rows, -1, 16) - 32) * s[..., None]).view(rows, cols)
+    q = u.float().view(rows, -1, 32)
+    if w.qtype in (Q4_0, Q4_1):
+        d = f["d"].float()[..., None]
+        return (d * (q - 8) if w.qtype == Q4_0 else d * q + f["dm"].float()[..., None]).view(rows, cols)
+    d = f["d"].float().repeat_interleave(8, dim=1)
+    dmin = f["dm"].float().repeat_interleave(8, dim=1)
+    s, m = d * f["sc"].float(), dmin * f["mn"].float()
+    return (q * s[..., None] - m[..., None]).view(rows, cols)
+
+
+def _pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, cols] small ints -> int32 [rows, cols * bits / 32]: element 32/bits * w + j of a row is
+    `bits` bits at bit j * bits of word w."""
+    per = 32 // bits
+    rows, cols = u.shape
+    v = u.to(torch.int64).view(rows, cols // per, per)
+    shifts = torch.arange(per, device=u.device, dtype=torch.int64) * bits
+    packed = (v << shifts).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTritonWeight:
+    """The Triton kernels' layout of `w` (see `GGUFTritonWeight`) on `device` (default: w's). Run once at
+    load; the raw bytes are not kept."""
+    device = torch.device(device) if device is not None else w.data.device
+    planes: dict[str, list[torch.Tensor]] = {}
+    for r0 in range(0, w.rows, _ROW_CHUNK):
+        raw = w.data[r0 : r0 + _ROW_CHUNK].to(device)
+        u, f = _unpack(w.qtype, raw, w.cols)
+        if w.qtype == Q8_0:
+            f["lo"] = u.contiguous().view(torch.int32)
+        else:
+            f["lo"] = _pack_bits(u & 0xF, 4)
+            if w.qtype == Q5_K:
+                f["hi"] = _pack_bits(u >> 4, 1)
+            elif w.qtype == Q6_K:
+                f["hi"] = _pack_bits(u >> 4, 2)
+        for k, v in f.items():
+            planes.setdefault(k, []).append(v.contiguous())
+    t = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in planes.items()}
+    return GGUFTritonWeight(
+        w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"), mn=t.get("mn")
+    )
+
+
+def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernels' weight pointers (absent planes replaced by `lo`) and row strides."""
+    lo = w.data
+    hi, d, dm, sc, mn = (t if t is not None else lo for t in (w.hi, w.d, w.dm, w.sc, w.mn))
+    return [lo, hi, d, dm, sc, mn], [lo.stride(0), hi.stride(0), d.stride(0), sc.stride(0)]
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def gemv_config(qtype: int, m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BN, BK, num_warps, num_stages) of the decode GEMV. Not tuned on a GPU yet: BK = 256 weights makes
+    every row's slice of a step 128 contiguous bytes for the 4-bit types (256 for Q8_0) and holds a whole
+    K-quant super-block; 32 rows x 32 words is a [32, 32] tile for 4 warps (8 words a thread)."""
+    return 32, 256, 4, 4
+
+
+def gguf_gemv_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor, num_sms: int = 132) -> torch.Tensor:
+    """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place."""
+    require_triton()
+    m, k = x.shape
+    n = w.rows
+    epw = 4 if w.qtype == Q8_0 else 8
+    bn, bk, nw, ns = gemv_config(w.qtype, m, n, k)
+    n_blocks = triton.cdiv(n, bn)
+    split = max(1, min(8 * num_sms // max(1, m * n_blocks), k // (bk * 2)))
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    from pagedllm.model_executor.layers.quantization.int4_ops import _split_counters
+
+    cnt = _split_counters(x.device, max(m * n_blocks, 1 << 16))
+    ptrs, strides = _args(w)
+    kern._gguf_gemv_kernel[(m, n_blocks, split)](
+        x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split,
+        QT=w.qtype, EPW=epw, BN=bn, BK=bk, num_warps=nw, num_stages=ns,
+    )  # fmt: skip
+    return out
+
+
+def gguf_gemm_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] (a view with unit column stride) = x [M, K] @ dequant(w).T with tensor cores."""
+    require_triton()
+    m, k = x.shape
+    n = w.rows
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = 64, 64 if k % 64 == 0 else 32
+    ptrs, strides = _args(w)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    kern._gguf_gemm_kernel[grid](
+        x, *ptrs, out, m, n, k, x.stride(0), out.stride(0), *strides, QT=w.qtype, EPW=4 if w.qtype == Q8_0 else 8,
+        BM=bm, BN=bn, BK=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def gguf_matmul_triton(
+    x: torch.Tensor, parts: Sequence[GGUFWeight], bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype): each
+    part writes its columns of one output (the GEMV for M <= 8 rows, else the dequant-GEMM). CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1 (the tests). No host synchronization: graph-capturable."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = sum(p.rows for p in parts)
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        x2 = x2.float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m:
+        if not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise RuntimeError("gguf: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+        sms = _num_sms(x2.device.index or 0) if x2.is_cuda else 4
+        start = 0
+        for p in parts:
+            if not isinstance(p, GGUFTritonWeight):
+                raise TypeError("gguf: parts for the Triton kernels must come from gguf_triton.prepare")
+            if p.cols != k or p.qtype not in PACKED_TYPES:
+                raise ValueError(f"gguf: a {p.type_name} weight with {p.cols} columns cannot take {k} inputs")
+            dst = out[:, start : start + p.rows]
+            if m <= GEMV_MAX_M:
+                gguf_gemv_triton(x2, p, dst, sms)
+            else:
+                gguf_gemm_triton(x2, p, dst)
+            start += p.rows
+    if bias is not None:
+        out += bias.to(out.dtype)
+    return out.view(*lead, n)
