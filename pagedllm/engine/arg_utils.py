@@ -74,7 +74,7 @@ class EngineArgs:
             "Quantization method of the weights (vLLM's names; default: the checkpoint's quantization_config): "
             "'fp8' (online: e4m3 weights with per-channel scales, per-token activations; or a vLLM fp8 "
             "checkpoint), 'compressed-tensors' (FP8/INT8 W8A8), 'awq', 'gptq' (int4), 'gguf' (GGUF blocks kept "
-            "packed, the default for a .gguf model on the CPU)."
+            "packed, the default for a .gguf model: C kernels on the CPU, Triton on CUDA)."
         ),
     )
     gguf_dequantize: bool = field(

@@ -1,4 +1,5 @@
-"""Loading a GGUF checkpoint with its linear weights kept packed (`quantization="gguf"`, the CPU default).
+"""Loading a GGUF checkpoint with its linear weights kept packed (`quantization="gguf"`, the default: the C
+kernels on the CPU, the Triton kernels of `quantization.gguf_triton` on CUDA).
 
 Every linear layer (q/k/v, o, gate/up, down, the LM head) whose source tensors all have a type the C
 kernels take (`quantization.gguf.PACKED_TYPES`) gets the file's blocks as its weight; the sub-weights of a
@@ -78,9 +79,11 @@ def _packable(tensor: Any) -> bool:
     return len(tensor.shape) == 2 and qtype in gguf_q.PACKED_TYPES and int(tensor.shape[0]) % qk == 0
 
 
-def load_gguf_packed(model: nn.Module, path: str, hf_config: Any) -> set[str]:
+def load_gguf_packed(model: nn.Module, path: str, hf_config: Any, device: torch.device | str = "cpu") -> set[str]:
     """Loads the GGUF checkpoint at `path` into `model`, packed where the kernels allow; returns the names
-    of the parameters loaded (as `model.load_weights` does)."""
+    of the parameters loaded (as `model.load_weights` does). On CUDA the packed weights are re-laid for
+    the Triton kernels (`gguf_triton.prepare`) as they go to the device."""
+    on_gpu = torch.device(device).type == "cuda"
     modules = dict(model.named_modules())
     entries = list(_hf_tensors(path, hf_config))
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) or not any(
@@ -102,12 +105,16 @@ def load_gguf_packed(model: nn.Module, path: str, hf_config: Any) -> set[str]:
     for name in sorted(packed_layers):
         src = sorted(sources[name], key=lambda s: s[0])
         parts = _stack([_packed(t, heads) for _, _, t, heads in src])
-        nbytes += sum(p.data.numel() for p in parts)
+        if on_gpu:
+            from pagedllm.model_executor.layers.quantization.gguf_triton import prepare
+
+            parts = [prepare(p, device) for p in parts]
+        nbytes += sum(p.nbytes for p in parts)
         layer = modules[name]
         if name == "lm_head":
             layer.gguf_weight = parts  # compute_logits multiplies with these
             if not tied:
-                layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)  # not read any more
+                layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)  # not read
                 loaded.add("lm_head.weight")
         else:
             gguf_q.install(layer, parts)
@@ -130,7 +137,7 @@ def load_gguf_packed(model: nn.Module, path: str, hf_config: Any) -> set[str]:
         len(packed_layers),
         ", ".join(kinds),
         nbytes / 1e6,
-        gguf_q.isa_name(),
+        "Triton" if on_gpu else gguf_q.isa_name(),
         len(sources) - len(packed_layers),
     )
     return loaded

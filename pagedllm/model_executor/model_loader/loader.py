@@ -120,7 +120,8 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
     """Whether the GGUF weights stay packed: `quantization="gguf"` (the default for a .gguf model unless
-    `gguf_dequantize`) on the CPU with the C kernels built; otherwise they are dequantized to `dtype`."""
+    `gguf_dequantize`) on the CPU with the C kernels built, or on CUDA with Triton (`gguf_triton`);
+    otherwise they are dequantized to `dtype`."""
     if getattr(model_config, "quantization", None) != "gguf":
         return False
     from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
@@ -131,8 +132,20 @@ def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
             "gguf: packed weights are not sharded; dequantizing to %s for tensor parallelism", model_config.dtype
         )
         return False
-    if torch.device(device).type != "cpu":
-        logger.info("gguf: packed kernels are CPU-only for now; dequantizing the weights to %s", model_config.dtype)
+    dev = torch.device(device).type
+    if dev == "cuda":
+        from pagedllm.model_executor.layers import batch_invariant
+        from pagedllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            logger.warning("gguf: Triton is not installed; dequantizing the weights to %s", model_config.dtype)
+            return False
+        if batch_invariant.enabled():  # the GEMV / GEMM split by batch size is not batch-invariant
+            logger.info("gguf: batch_invariant; dequantizing the weights to %s", model_config.dtype)
+            return False
+        return True
+    if dev != "cpu":
+        logger.info("gguf: no packed kernels for %s; dequantizing the weights to %s", dev, model_config.dtype)
         return False
     if not kernels_available():
         logger.warning("gguf: the C kernels are unavailable; dequantizing the weights to %s", model_config.dtype)
@@ -166,7 +179,7 @@ def load_model(model_config: ModelConfig, load_format: str, device: torch.device
             from pagedllm.model_executor.model_loader.gguf_packed import load_gguf_packed
 
             assert model_config.gguf_file is not None
-            loaded = load_gguf_packed(model, model_config.gguf_file, model_config.hf_config)
+            loaded = load_gguf_packed(model, model_config.gguf_file, model_config.hf_config, device)
             check_all_loaded(model, loaded)
         else:
             weights = split_kv_scales(model, get_weights_iterator(model_config, fmt))  # k/v cache scales

@@ -1,0 +1,78 @@
+"""Issue 20 (GPU part) on the CPU: the GGUF Triton kernels (`quantization.gguf_triton`) run under the Triton
+interpreter against the `gguf` package's dequantization times a float64 matmul, every type, the decode GEMV
+(M <= 8, split-K included) and the prefill dequant-GEMM (M > 8), odd N, mixed-type parts with a bias,
+float16 activations, and the layer dispatch. The interpreter runs in a subprocess
+(`gguf_triton_check.py`): TRITON_INTERPRET must be set before triton is imported and must not leak into
+the other test modules of this process. The re-layout's torch reference (`gguf_triton.dequantize`) is
+checked here directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagedllm.model_executor.layers.quantization import gguf as gq
+from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+from tests.model_executor.gguf_triton_check import CASES, TOL, TOL_FP16, TYPES, random_blocks, reference
+
+pytest.importorskip("triton")
+
+CHECK = Path(__file__).with_name("gguf_triton_check.py")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, float]:
+    """Every case's relative error, from one interpreter subprocess."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_gguf_reference(interpreted: dict[str, float], case: str) -> None:
+    tol = TOL_FP16 if case == "fp16-gemm" else TOL
+    assert case in interpreted
+    assert interpreted[case] <= tol, f"{case}: relative error {interpreted[case]:.3g} > {tol}"
+
+
+def test_interpreter_does_not_leak() -> None:
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_matches_gguf(name: str) -> None:
+    """The re-layout's decoding (torch) equals the gguf package's exactly (both are float32 products of
+    the same float16 fields and integers)."""
+    rng = np.random.default_rng(len(name))
+    qtype = GGMLQuantizationType[name]
+    qk = GGML_QUANT_SIZES[qtype][0]
+    cols = 3 * qk
+    raw = random_blocks(name, 7, cols, rng)
+    w = gq.GGUFWeight(int(qtype), torch.from_numpy(raw), 7, cols)
+    np.testing.assert_allclose(gt.dequantize(w).double().numpy(), reference(name, raw, cols), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_prepared_layout(name: str) -> None:
+    """The planes' shapes and bytes: the file's bytes, but for the K-quants' 6-bit scales decoded to one
+    byte each (4 more bytes per 256 weights)."""
+    rng = np.random.default_rng(1)
+    qtype = GGMLQuantizationType[name]
+    qk, nbytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = 5, 2 * max(qk, 256)
+    raw = random_blocks(name, rows, cols, rng)
+    p = gt.prepare(gq.GGUFWeight(int(qtype), torch.from_numpy(raw), rows, cols))
+    assert isinstance(p, gq.GGUFTritonWeight) and p.data.dtype == torch.int32
+    assert p.data.shape == (rows, cols // (4 if name == "Q8_0" else 8))
+    extra = 4 * cols // 256 * rows if name in ("Q4_K", "Q5_K") else 0
+    assert p.nbytes == raw.size + extra
