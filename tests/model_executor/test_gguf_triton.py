@@ -32,7 +32,11 @@ CHECK = Path(__file__).with_name("gguf_triton_check.py")
 def interpreted() -> dict[str, float]:
     """Every case's relative error, from one interpreter subprocess."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +19,14 @@ from torch import nn
 
 from pagedllm import csrc
 from pagedllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from pagedllm.model_executor.layers.quantization.gguf_blocks import (  # noqa: F401  (re-exported)
+    _BLOCK,
+    PACKED_TYPES,
+    GGUFTritonWeight,
+    GGUFWeight,
+    row_bytes,
+)
 
-# ggml type ids (gguf.GGMLQuantizationType) the kernels take: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
-PACKED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
 
@@ -57,50 +60,6 @@ def set_isa(level: int) -> int:
 def isa_name() -> str:
     lib = _lib()
     return "none" if lib is None else _ISA_NAMES[int(lib.gguf_set_isa(-1))]
-
-
-def row_bytes(qtype: int, cols: int) -> int:
-    qk, nbytes = _BLOCK[qtype]
-    if cols % qk:
-        raise ValueError(f"{PACKED_TYPES[qtype]} rows must have a multiple of {qk} elements, got {cols}")
-    return cols // qk * nbytes
-
-
-@dataclass
-class GGUFWeight:
-    """One packed weight: `data` is [rows, row_bytes(qtype, cols)] uint8, the GGUF file's blocks."""
-
-    qtype: int
-    data: torch.Tensor
-    rows: int
-    cols: int
-
-    @property
-    def type_name(self) -> str:
-        return PACKED_TYPES[self.qtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
-
-@dataclass
-class GGUFTritonWeight(GGUFWeight):
-    """A packed weight re-laid for the Triton kernels (`gguf_triton.prepare`, run once at load on the GPU):
-    `data` is the low quant bits as int32 words in element order (4-bit types: nibble j of word w is element
-    8w + j; Q8_0: byte j of word w is element 4w + j), `hi` the Q5_K (1 bit) / Q6_K (2 bits) high bits, `d`
-    and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
-    (Q6_K: int8) sub-block scales and mins. Same information and about the same bytes as the file's blocks."""
-
-    hi: torch.Tensor | None = None
-    d: torch.Tensor | None = None
-    dm: torch.Tensor | None = None
-    sc: torch.Tensor | None = None
-    mn: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.hi, self.d, self.dm, self.sc, self.mn) if t is not None)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.model_executor.layers.quantization.gguf import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
+from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 

@@ -140,7 +140,9 @@ if HAS_TRITON:
         for k0 in range(0, K, BK):
             kk = k0 + offs_k
             k_ok = kk < K
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(
+                a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
             e = kk[:, None]
             mask = k_ok[:, None] & n_ok[None, :]
             wd = tl.load(lo_ptr + r * stride_lo + e // EPW, mask=mask, other=0)

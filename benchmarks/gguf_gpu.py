@@ -1,0 +1,177 @@
+"""Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
+
+    PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K]
+
+1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
+   head) per type, random packed weights made on the GPU: each checked against the dequantized float32
+   product (`gguf_triton.dequantize`, itself checked against the `gguf` package in the tests), then timed
+   inside a CUDA graph (`triton.testing.do_bench_cudagraph`) against its packed-bytes floor.
+2. W3 (../shared/workloads/README.md: batch 1, 128 prompt tokens, 256 output tokens, greedy; ms per token =
+   (median wall of a 256-token request - median wall of a 1-token request) / 255) on a Llama-3.1-8B-shaped
+   engine (benchmarks/workloads/llama-3.1-8b, dummy bf16 weights, decode CUDA graphs): first bf16 as loaded
+   (the same-run baseline), then every linear layer and the LM head swapped for random packed weights of
+   each type (the dense weights dropped) and the decode graphs captured again. Floor = bytes a decode step
+   reads (packed weights + the remaining parameters but the input embedding) / the copy bandwidth measured
+   in this run (`pagedllm.benchmarks.floors`). The target is <= 1.4x.
+
+No 8B GGUF file is written: the packed bytes are random (quants uniform, float16 scales small and finite),
+which changes no timing (every byte is read either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from pagedllm.benchmarks import floors
+from pagedllm.model_executor.layers.quantization import gguf as gq
+from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+
+MODEL = "benchmarks/workloads/llama-3.1-8b"
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # (N, K)  # fmt: skip
+TYPE_IDS = {v: k for k, v in gq.PACKED_TYPES.items()}
+# Offsets of the float16 fields in each block (random bytes there could be inf / NaN).
+_F16 = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_packed(name: str, n: int, k: int, gen: torch.Generator) -> gq.GGUFWeight:
+    """[n, k] random blocks of type `name` on the GPU: random quant bytes, float16 fields in +-0.02."""
+    qtype = TYPE_IDS[name]
+    qk, nbytes = gq._BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, k // qk, nbytes), dtype=torch.uint8, device="cuda", generator=gen)
+    for off in _F16[name]:
+        f = ((torch.rand(n, k // qk, device="cuda", generator=gen) - 0.5) * 0.04).half()
+        raw[:, :, off : off + 2] = f.view(torch.uint8).view(n, k // qk, 2)
+    return gq.GGUFWeight(qtype, raw.view(n, -1), n, k)
+
+
+def gemv_bench(name: str, bw: float) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: dict[str, Any] = {}
+    for shape, (n, k) in SHAPES.items():
+        raw = random_packed(name, n, k, gen)
+        w = gt.prepare(raw)
+        x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+        ref = x.float() @ gt.dequantize(raw).t()
+        out = gq.gguf_matmul(x, [w])
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err <= 2e-2:
+            raise AssertionError(f"{name} {shape}: relative error {err:.3g}")
+        del ref, raw
+        ms = do_bench_cudagraph(lambda x=x, w=w: gq.gguf_matmul(x, [w]), rep=50)
+        floor_ms = w.nbytes / bw * 1e3
+        rows[shape] = dict(ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, bytes=w.nbytes, rel_err=err)
+        print(
+            f"{name} {shape:8s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:8.1f} us  {ms / floor_ms:.2f}x  err {err:.1e}"
+        )
+        del w
+    layer = [s for s in SHAPES if s != "lm_head"]
+    ms = sum(rows[s]["ms"] for s in layer)
+    fl = sum(rows[s]["floor_ms"] for s in layer)
+    rows["layer_sum"] = dict(ms=ms, floor_ms=fl, x_floor=ms / fl)
+    print(f"{name} layer (qkv+o+gate_up+down): {ms * 1e3:.1f} us = {ms / fl:.2f}x its floor")
+    torch.cuda.empty_cache()
+    return rows
+
+
+def w3(llm: Any, reps: int) -> float:
+    """W3's ms per output token (benchmarks/workloads, pagedllm bench latency's method)."""
+    from pagedllm import SamplingParams, TokensPrompt
+
+    rng = random.Random(3)
+    prompt = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(128)])]
+
+    def run(n: int) -> float:
+        llm.reset_prefix_cache()
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate(prompt, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    for _ in range(2):
+        run(256)
+    full = statistics.median(run(256) for _ in range(reps))
+    one = statistics.median(run(1) for _ in range(reps))
+    return (full - one) / 255 * 1e3
+
+
+def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
+    """Every linear layer and the LM head get random packed `name` weights (dense weights dropped);
+    returns the packed bytes."""
+    from pagedllm.model_executor.layers.linear import LinearBase
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, LinearBase):
+            qm = mod.quant_method
+            n, k = (
+                (sum(p.rows for p in qm.parts), qm.parts[0].cols)
+                if isinstance(qm, gq.GGUFLinearMethod)
+                else tuple(mod.weight.shape)
+            )
+            qm = None
+            gq.install(mod, [])  # drops the old weights before the new ones are made
+            w = gt.prepare(random_packed(name, n, k, gen))
+            gq.install(mod, [w])
+            total += w.nbytes
+    head = model.lm_head  # type: ignore[union-attr]
+    parts = getattr(head, "gguf_weight", None)
+    n, k = (parts[0].rows, parts[0].cols) if parts else tuple(head.weight.shape)
+    head.gguf_weight = None
+    head.weight.data = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
+    torch.cuda.empty_cache()
+    w = gt.prepare(random_packed(name, n, k, gen))
+    head.gguf_weight = [w]
+    torch.cuda.empty_cache()
+    return total + w.nbytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True)
+    p.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K"], choices=list(TYPE_IDS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--skip-w3", action="store_true")
+    args = p.parse_args()
+    bw = floors.copy_bandwidth_gbps() * 1e9
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "gemv": {}, "w3": {}}
+    print(f"{result['device']}: copy {bw / 1e9:.0f} GB/s")
+    for name in args.types:
+        result["gemv"][name] = gemv_bench(name, bw)
+    if not args.skip_w3:
+        from pagedllm import LLM
+
+        llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
+                  max_num_seqs=4, kv_cache_memory_bytes=2 << 30)  # fmt: skip
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        model = runner.model
+        dense_bytes = floors.weight_read_bytes(model)
+        ms = w3(llm, args.reps)
+        fl = dense_bytes / bw * 1e3
+        result["w3"]["bf16"] = dict(ms_per_token=ms, bytes_per_token=dense_bytes, floor_ms=fl, x_floor=ms / fl)
+        print(f"W3 bf16: {ms:.3f} ms/token, floor {fl:.3f} ms, {ms / fl:.2f}x")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for name in args.types:
+            runner.cuda_graphs = None
+            torch.cuda.empty_cache()
+            packed = swap_to_gguf(model, name, gen)
+            runner.capture_cuda_graphs()  # the old graphs ran the dense weights
+            nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
+            ms = w3(llm, args.reps)
+            fl = nbytes / bw * 1e3
+            result["w3"][name] = dict(ms_per_token=ms, bytes_per_token=nbytes, floor_ms=fl, x_floor=ms / fl)
+            print(f"W3 {name}: {ms:.3f} ms/token, floor {fl:.3f} ms ({nbytes / 1e9:.2f} GB), {ms / fl:.2f}x")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

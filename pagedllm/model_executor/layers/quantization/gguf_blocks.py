@@ -1,0 +1,60 @@
+"""GGUF block formats and the packed-weight containers shared by the CPU kernels (`gguf`) and the GPU's
+Triton kernels (`gguf_triton`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ggml type ids (gguf.GGMLQuantizationType) the kernels take: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+PACKED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    qk, nbytes = _BLOCK[qtype]
+    if cols % qk:
+        raise ValueError(f"{PACKED_TYPES[qtype]} rows must have a multiple of {qk} elements, got {cols}")
+    return cols // qk * nbytes
+
+
+@dataclass
+class GGUFWeight:
+    """One packed weight: `data` is [rows, row_bytes(qtype, cols)] uint8, the GGUF file's blocks."""
+
+    qtype: int
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def type_name(self) -> str:
+        return PACKED_TYPES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class GGUFTritonWeight(GGUFWeight):
+    """A packed weight re-laid for the Triton kernels (`gguf_triton.prepare`, run once at load on the GPU):
+    `data` is the low quant bits as int32 words in element order (4-bit types: nibble j of word w is element
+    8w + j; Q8_0: byte j of word w is element 4w + j), `hi` the Q5_K (1 bit) / Q6_K (2 bits) high bits, `d`
+    and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
+    (Q6_K: int8) sub-block scales and mins. Same information and about the same bytes as the file's blocks."""
+
+    hi: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    dm: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.data, self.hi, self.d, self.dm, self.sc, self.mn)
+            if t is not None
+        )
