@@ -74,7 +74,8 @@ class EngineArgs:
             "Quantization method of the weights (vLLM's names; default: the checkpoint's quantization_config): "
             "'fp8' (online: e4m3 weights with per-channel scales, per-token activations; or a vLLM fp8 "
             "checkpoint), 'compressed-tensors' (FP8/INT8 W8A8), 'awq', 'gptq' (int4), 'gguf' (GGUF blocks kept "
-            "packed, the default for a .gguf model: C kernels on the CPU, Triton on CUDA)."
+            "packed, the default for a .gguf model on the CPU: C kernels; on CUDA with "
+            "PAGEDLLM_GGUF_CUDA_PACKED=1: Triton)."
         ),
     )
     gguf_dequantize: bool = field(

@@ -98,7 +98,9 @@ def test_decode_gemv_in_cuda_graph(name: str) -> None:
         torch.testing.assert_close(out, gq.gguf_matmul(x, [w]), rtol=0, atol=0)  # the eager call: same bits
 
 
-def test_engine_packed_on_cuda_matches_dequantized(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> None:
+def test_engine_packed_on_cuda_matches_dequantized(
+    smollm2_path: str, smollm2_prompt_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Greedy tokens of the packed engine (decode CUDA graphs, Triton kernels) equal the dequantized one's
     (float32 both: only the summation order differs) on 5 prompts x 24 tokens."""
     from pagedllm import LLM, SamplingParams, TokensPrompt
@@ -107,6 +109,7 @@ def test_engine_packed_on_cuda_matches_dequantized(smollm2_path: str, smollm2_pr
     prompts = [TokensPrompt(prompt_token_ids=p) for p in smollm2_prompt_ids[:5]]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    monkeypatch.setenv("PAGEDLLM_GGUF_CUDA_PACKED", "1")  # opt-in until verified on a GPU
     packed = LLM(smollm2_path, **kw)
     runner = packed.llm_engine.engine_core.engine_core.executor.worker.model_runner
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]

@@ -80,3 +80,18 @@ def test_prepared_layout(name: str) -> None:
     assert p.data.shape == (rows, cols // (4 if name == "Q8_0" else 8))
     extra = 4 * cols // 256 * rows if name in ("Q4_K", "Q5_K") else 0
     assert p.nbytes == raw.size + extra
+
+
+def test_cuda_packing_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a .gguf model is dequantized at load unless PAGEDLLM_GGUF_CUDA_PACKED=1 (the Triton kernels
+    have not run on a GPU yet); the CPU keeps its packed default either way."""
+    from types import SimpleNamespace
+
+    from pagedllm.model_executor.model_loader.loader import _gguf_packed
+
+    cfg = SimpleNamespace(quantization="gguf", dtype="float32")
+    monkeypatch.delenv("PAGEDLLM_GGUF_CUDA_PACKED", raising=False)
+    assert not _gguf_packed(cfg, "cuda")  # type: ignore[arg-type]
+    monkeypatch.setenv("PAGEDLLM_GGUF_CUDA_PACKED", "1")
+    assert _gguf_packed(cfg, "cuda")  # type: ignore[arg-type]
+    assert _gguf_packed(cfg, "cpu")  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention.kv_scales import split_kv_scales
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.quantization.base import (
@@ -137,6 +138,12 @@ def _gguf_packed(model_config: ModelConfig, device: torch.device | str) -> bool:
         from pagedllm.model_executor.layers import batch_invariant
         from pagedllm.triton_utils import HAS_TRITON
 
+        if not envs.PAGEDLLM_GGUF_CUDA_PACKED:
+            logger.info(
+                "gguf: dequantizing the weights to %s on CUDA (PAGEDLLM_GGUF_CUDA_PACKED=1 keeps them packed)",
+                model_config.dtype,
+            )
+            return False
         if not HAS_TRITON:
             logger.warning("gguf: Triton is not installed; dequantizing the weights to %s", model_config.dtype)
             return False
