@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_KERNELS: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
+    PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -73,6 +74,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # GGUF weights packed on CUDA (Triton kernels): off until they have run on a GPU (verified only under
     # Triton's interpreter so far); off = dequantized at load, as before.
     "PAGEDLLM_GGUF_CUDA_PACKED": _flag("PAGEDLLM_GGUF_CUDA_PACKED", "0"),
+    # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
+    "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

@@ -1,12 +1,12 @@
 """C kernels for the CPU path, built on first use and loaded with ctypes.
 
 `paged_attn.c` (decode attention over the paged KV cache, cache writes), `layers.c` (fused residual +
-RMSNorm, rotary embedding) and `activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls
-with packed GGUF weights). Each file is compiled with the system C compiler (about a
-second each) into one shared library in a cache directory keyed by the sources, the compiler and the
-CPU: no torch headers, no build step at install time. Where there is no compiler, or
-`PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path (the
-reference the kernels are tested against).
+RMSNorm, rotary embedding) and `activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls with packed GGUF
+weights), `decode_stack.c` (a Llama decode step's layers, calling the others). Each file is compiled with
+the system C compiler (about a second each) into one shared library in a cache directory keyed by the
+sources, the compiler and the CPU: no torch headers, no build step at install time. Where there is no
+compiler, or `PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path
+(the reference the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ _SOURCES = {
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
     "gguf_mm.c": ["-fno-math-errno"],
+    "decode_stack.c": [],
 }
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
 

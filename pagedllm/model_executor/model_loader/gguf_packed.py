@@ -140,6 +140,10 @@ def load_gguf_packed(model: nn.Module, path: str, hf_config: Any, device: torch.
         "Triton" if on_gpu else gguf_q.isa_name(),
         len(sources) - len(packed_layers),
     )
+    if not on_gpu and isinstance(getattr(model, "model", None), nn.Module):
+        from pagedllm.model_executor.layers.quantization.gguf_decode_stack import maybe_attach
+
+        maybe_attach(model.model)  # type: ignore[arg-type]
     return loaded
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 from pagedllm.transformers_utils.config import get_rope_params, get_sliding_window
+
+if TYPE_CHECKING:
+    from pagedllm.model_executor.layers.quantization.gguf_decode_stack import DecodeStack
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +220,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    decode_stack: DecodeStack | None = None
+    """Set by the GGUF loader where it applies (`quantization/gguf_decode_stack.py`)."""
 
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
@@ -267,8 +272,12 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = torch.zeros(input_ids.shape[0], self.config.hidden_size, device=input_ids.device)
             residual = torch.zeros_like(hidden_states)
-        for layer in self.stage_layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        stack = self.decode_stack
+        if stack is not None and residual is None and (out := stack.run(positions, hidden_states)) is not None:
+            hidden_states, residual = out  # every layer in one C call (CPU decode, packed GGUF weights)
+        else:
+            for layer in self.stage_layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_stage:
             assert residual is not None
             return hidden_states, residual

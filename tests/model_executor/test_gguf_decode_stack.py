@@ -1,0 +1,110 @@
+"""The GGUF decode stack (`quantization/gguf_decode_stack.py`, `csrc/decode_stack.c`): a packed SmolLM2's
+decode steps run every layer in one C call, and the result is bit-identical to the Python layers (the same
+kernels in the same order); steps and models it does not take fall back to the Python layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.layers.quantization import gguf as gq
+from pagedllm.model_executor.layers.quantization.gguf_decode_stack import DecodeStack
+
+pytestmark = pytest.mark.skipif(not gq.kernels_available(), reason="no C compiler: GGUF kernels not built")
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "What is 2+2?",
+    "List three colors of the rainbow, then explain why the sky is blue in one long sentence.",
+    "Hi",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path: str) -> LLM:
+    # Small steps: the long prompt is prefilled in chunks while the others already decode (mixed steps).
+    return LLM(
+        smollm2_path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=16
+    )
+
+
+def inner_model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model
+
+
+@pytest.fixture
+def counted(llm: LLM) -> Iterator[dict[str, int]]:
+    """Counts the stack's decode steps (run returned outputs) and its refusals (returned None)."""
+    stack = inner_model(llm).decode_stack
+    assert isinstance(stack, DecodeStack)
+    counts = {"ran": 0, "declined": 0}
+    real = stack.run
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = real(*args)
+        counts["ran" if out is not None else "declined"] += 1
+        return out
+
+    stack.run = run  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        del stack.run
+
+
+def generate(llm: LLM, n: int = 24) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+    llm.reset_prefix_cache()  # every run prefills the same way (a cached prefix takes another attention path)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+        for o in outs
+    ]
+
+
+def python_layers(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    model = inner_model(llm)
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        return generate(llm)
+    finally:
+        model.decode_stack = stack
+
+
+def test_bit_identical_to_the_python_layers(llm: LLM, counted: dict[str, int]) -> None:
+    ours = generate(llm)
+    assert counted["ran"] >= 20, counted  # the pure-decode steps
+    assert counted["declined"] >= 3, counted  # steps still prefilling the long prompt in chunks
+    assert ours == python_layers(llm)  # tokens and top-3 logprobs, exactly
+
+
+def test_rebuilds_after_a_cache_or_weight_change_and_declines_hooks(llm: LLM, counted: dict[str, int]) -> None:
+    ref = python_layers(llm)
+    stack = inner_model(llm).decode_stack
+    assert isinstance(stack, DecodeStack)
+    stack._held = []  # as if a cache or weight had been replaced: the pointer table is read again
+    assert generate(llm) == ref and counted["ran"] > 0
+    # A forward hook (how LoRA adds its deltas) on any linear: the stack steps aside.
+    linear = inner_model(llm).layers[3].mlp.down_proj
+    handle = linear.register_forward_hook(lambda m, a, out: out)
+    try:
+        counted["ran"] = counted["declined"] = 0
+        assert generate(llm) == ref
+        assert counted["ran"] == 0 and counted["declined"] > 0
+    finally:
+        handle.remove()
+
+
+def test_not_attached_where_it_does_not_apply(llm: LLM, smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert inner_model(smollm2_llm).decode_stack is None  # dense (dequantized) weights: the Python layers
+    model = inner_model(llm)
+    assert isinstance(DecodeStack.build(model), DecodeStack)
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")
+    assert DecodeStack.build(model) is None
+    monkeypatch.delenv("PAGEDLLM_CPU_DECODE_STACK")
+    qkv = model.layers[0].self_attn.qkv_proj
+    monkeypatch.setattr(qkv, "bias", torch.nn.Parameter(torch.zeros(qkv.output_size_per_partition)))
+    assert DecodeStack.build(model) is None  # a projection bias (Qwen2's): not a layer the stack runs
