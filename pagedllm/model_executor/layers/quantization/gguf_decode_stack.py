@@ -79,7 +79,7 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _packed_parts(linear: nn.Module) -> list[GGUFWeight] | None:
+def _packed_parts(linear: Any) -> list[GGUFWeight] | None:
     """The linear's packed CPU weights, or None if it is not a bias-free GGUF linear the stack can run."""
     method = getattr(linear, "quant_method", None)
     if not isinstance(method, GGUFLinearMethod) or getattr(linear, "bias", None) is not None:
@@ -103,7 +103,7 @@ def _glinear(parts: list[GGUFWeight]) -> GLinear:
 class DecodeStack:
     """The decoder layers of one `LlamaModel` as a C call (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], lib: ctypes.CDLL) -> None:
+    def __init__(self, model: Any, layers: list[Any], lib: ctypes.CDLL) -> None:
         self.layers = layers
         self.lib = lib
         a0 = layers[0].self_attn
@@ -125,13 +125,13 @@ class DecodeStack:
         self._scratch: tuple[int, GScratch, list[torch.Tensor]] | None = None
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeStack | None:
+    def build(cls, model: Any) -> DecodeStack | None:
         """A stack for `model` (a `LlamaModel`) if every layer is one it runs, else None."""
         from pagedllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
         if not envs.PAGEDLLM_CPU_DECODE_STACK or batch_invariant.enabled():
             return None
-        layers = list(model.layers)
+        layers: list[Any] = list(model.layers)
         if not layers or len(getattr(model, "stage_layers", [])) != len(layers):
             return None  # pipeline stages keep the Python path
         for layer in layers:
@@ -247,7 +247,7 @@ class DecodeStack:
         return hidden, residual
 
 
-def maybe_attach(model: nn.Module) -> None:
+def maybe_attach(model: Any) -> None:
     """Gives a `LlamaModel` loaded with packed GGUF weights on the CPU its decode stack, where it applies."""
     if cpu_ops._load() is None:
         return
