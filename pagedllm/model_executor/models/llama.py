@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,9 +34,6 @@ from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 from pagedllm.transformers_utils.config import get_rope_params, get_sliding_window
-
-if TYPE_CHECKING:
-    from pagedllm.model_executor.layers.quantization.gguf_decode_stack import DecodeStack
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +217,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    decode_stack: DecodeStack | None = None
-    """Set by the GGUF loader where it applies (`quantization/gguf_decode_stack.py`)."""
+    decode_stack: Any = None
+    """A `quantization.gguf_decode_stack.DecodeStack`, set by the GGUF loader where it applies."""
 
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()

@@ -19,7 +19,6 @@ import ctypes
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm import csrc, envs
 from pagedllm.forward_context import get_attn_metadata
