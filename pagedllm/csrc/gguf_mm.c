@@ -5,7 +5,8 @@
  * llama.cpp quantizes activations per block, but to 16 bits: its 8-bit Q8 activations moved SmolLM2's layer
  * outputs by up to 2.6% and its greedy outputs at 17 of 20 prompts, see benchmarks/NOTES.md): each block
  * product is an integer dot (AVX-512 VNNI `vpdpwssd`, or AVX2 `vpmaddwd`), scaled once per block. Scalar C is the portable fallback and the
- * reference the SIMD paths are tested against (`gguf_set_isa`).
+ * reference the SIMD paths are tested against (`gguf_set_isa`). K-quant blocks are unpacked by the portable code and
+ * dotted with AVX2 (`rows_kquant_avx2`).
  *
  * Formats (ggml's block layouts; `value` = dequantized weight):
  *   Q4_0 (32, 18 B): f16 d, 16 B nibbles (low = elements 0..15, high = 16..31); value = d * (q - 8)
@@ -86,7 +87,7 @@ DEFINE_QUANT(f32, float, LOAD_F32)
 DEFINE_QUANT(bf16, uint16_t, bf16_to_f32)
 
 /* ---- portable path: unpack a block to int8 + per-16 scales + per-32 offsets, then integer dots ---- */
-/* value[i] = sc[i / 16] * q[i] - mn[i / 32] */
+/* value[i] = sc[i / 16] * q[i] - mn[i / 32]; a K-quant block with q == NULL gives its scales only */
 static void scale_min_k4(int j, const uint8_t* s, int* sc, int* mn) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -129,7 +130,7 @@ static void unpack_block(int type, const uint8_t* b, int8_t* q, float* sc, float
                 int s0, m0, s1, m1;
                 scale_min_k4(2 * j, scales, &s0, &m0);
                 scale_min_k4(2 * j + 1, scales, &s1, &m1);
-                for (int l = 0; l < 32; l++) {
+                for (int l = 0; q != NULL && l < 32; l++) { /* q == NULL: the scales only */
                     int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
                     if (type == T_Q5_K) {
                         lo += (qh[l] >> (2 * j)) & 1 ? 16 : 0;
@@ -150,7 +151,7 @@ static void unpack_block(int type, const uint8_t* b, int8_t* q, float* sc, float
             const uint8_t* qh = b + 128;
             const int8_t* scales = (const int8_t*)(b + 192);
             const float d = fp16_to_f32(rd16(b + 208));
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; q != NULL && h < 2; h++) {
                 for (int l = 0; l < 32; l++) {
                     const uint8_t a = ql[64 * h + l], c = ql[64 * h + l + 32], hb = qh[32 * h + l];
                     q[128 * h + l] = (int8_t)(((a & 0xF) | ((hb & 3) << 4)) - 32);
@@ -267,6 +268,83 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
 
 DEFINE_ROWS_SIMD(avx2, "avx2,fma,f16c", DOT_AVX2)
 DEFINE_ROWS_SIMD(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", DOT_VNNI)
+
+/* A K-quant block's 256 quants as int16, 16 per register, in element order (`unpack_block`'s q, widened). */
+__attribute__((target("avx2"))) static inline void kquant_quants_avx2(int type, const uint8_t* b, __m256i* wq) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256i v[8]; /* 32 int8 quants each */
+    if (type == T_Q6_K) {
+        const __m256i m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+            const __m256i c = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+            const __m256i hi2[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb, _mm256_srli_epi16(hb, 2)};
+            const __m256i lo4[4] = {a, c, _mm256_srli_epi16(a, 4), _mm256_srli_epi16(c, 4)};
+            for (int i = 0; i < 4; i++)
+                v[4 * h + i] = _mm256_sub_epi8(
+                    _mm256_or_si256(_mm256_and_si256(lo4[i], m4), _mm256_and_si256(hi2[i], m30)), k32);
+        }
+    } else { /* Q4_K / Q5_K: 32 bytes of nibbles per 64 elements (low nibbles first); Q5_K's fifth bits */
+        const uint8_t* qs = b + (type == T_Q4_K ? 16 : 48);
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16)), k16 = _mm256_set1_epi8(16);
+        for (int j = 0; j < 4; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+            v[2 * j] = _mm256_and_si256(x, m4);
+            v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            if (type == T_Q5_K) {
+                for (int t = 0; t < 2; t++) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * j + t)));
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                    v[2 * j + t] = _mm256_add_epi8(v[2 * j + t], _mm256_and_si256(set, k16));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        wq[2 * i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v[i]));
+        wq[2 * i + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v[i], 1));
+    }
+}
+
+/* K-quants (256-element blocks): each block's scales come from `unpack_block` (portable), its quants are
+ * widened to int16 in registers (`kquant_quants_avx2`), then every activation row takes its integer dots with `vpmaddwd`, 32 elements per
+ * sub-block, scaled per 16 (Q6_K) or per 32 (Q4_K / Q5_K, whose two halves share a scale). */
+__attribute__((target("avx2,fma,f16c"))) static void rows_kquant_avx2(int type, const uint8_t* w, int64_t K,
+                                                                    const int16_t* xq, const float* xd,
+                                                                    const float* xs, int64_t xstride,
+                                                                    int64_t bstride, int nm, float* out) {
+    const int bb = block_bytes(type), per16 = type == T_Q6_K;
+    const int64_t nblk = K / 256;
+    __m256 acc[ROWS_MAX];
+    float off[ROWS_MAX] = {0};
+    for (int m = 0; m < ROWS_MAX; m++) acc[m] = _mm256_setzero_ps();
+    float sc[16], mn[8];
+    for (int64_t b = 0; b < nblk; b++) {
+        unpack_block(type, w + b * bb, NULL, sc, mn);
+        __m256i wq[16];
+        kquant_quants_avx2(type, w + b * bb, wq);
+        for (int m = 0; m < nm; m++) {
+            const int16_t* y = xq + m * xstride + b * 256;
+            const float* yd = xd + m * bstride + b * 8;
+            const float* ys = xs + m * bstride + b * 8;
+            for (int j = 0; j < 8; j++) {
+                const __m256i p0 = _mm256_madd_epi16(wq[2 * j], _mm256_loadu_si256((const __m256i*)(y + 32 * j)));
+                const __m256i p1 =
+                    _mm256_madd_epi16(wq[2 * j + 1], _mm256_loadu_si256((const __m256i*)(y + 32 * j + 16)));
+                if (per16) {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(yd[j] * sc[2 * j]), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(yd[j] * sc[2 * j + 1]), acc[m]);
+                } else {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                             _mm256_set1_ps(yd[j] * sc[2 * j]), acc[m]);
+                }
+                off[m] -= mn[j] * ys[j];
+            }
+        }
+    }
+    for (int m = 0; m < nm; m++) out[m] = hsum_avx2(acc[m]) + off[m];
+}
 #endif
 
 /* ---- ISA selection (tests force each level) ----------------------------------------------------- */
@@ -300,7 +378,7 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
     const int bb = block_bytes(type);
     if (bb == 0 || K % block_elems(type) != 0) return -1;
     if (g_isa < 0) gguf_set_isa(-1);
-    const int simd = g_isa > 0 && block_elems(type) == 32;
+    const int simd = g_isa > 0 && block_elems(type) == 32, kquant_simd = g_isa > 0 && block_elems(type) == 256;
     const int64_t row_bytes = K / block_elems(type) * bb, nbx = K / 32;
     const int64_t chunk = 16, nchunks = (N + chunk - 1) / chunk;
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
@@ -320,6 +398,8 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
                     rows_vnni(type, wr, K, y, yd, ys, K, nbx, nm, r);
                 else if (simd)
                     rows_avx2(type, wr, K, y, yd, ys, K, nbx, nm, r);
+                else if (kquant_simd)
+                    rows_kquant_avx2(type, wr, K, y, yd, ys, K, nbx, nm, r);
                 else
 #endif
                     rows_generic(type, wr, K, y, yd, ys, K, nbx, nm, r);
