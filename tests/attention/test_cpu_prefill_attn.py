@@ -108,3 +108,57 @@ def test_strided_query_and_one_thread() -> None:
     cpu_prefill_attn.prefill(q, k_cache, v_cache, chunks, out, 0.125, None, num_threads=1)
     ref = _reference(query, k_cache, v_cache, chunks[0], 0.125, None)
     torch.testing.assert_close(out[chunks[0].q_start : chunks[0].q_end].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_backend_prefill_through_kernel_matches_sdpa_path(dtype: torch.dtype, window: int | None) -> None:
+    """`TorchNativeAttentionImpl.forward` with a fresh prompt, a chunk over a cached prefix and a decode in one
+    step: the C prefill kernel against the backend's SDPA path (the kernel switched off), same cache."""
+    from pagedllm.attention.backends.abstract import AttentionType
+    from pagedllm.attention.backends.torch_native import PrefillSpan, TorchNativeAttentionImpl, TorchNativeMetadata
+
+    heads, kvh, hd, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(2, 40, bs, kvh, hd, generator=g).to(dtype)  # positions < context_len: "cached"
+    # (context_len, new tokens) per request; the last one decodes.
+    reqs = [(0, 37), (50, 20), (30, 1)]
+    perm = torch.randperm(40, generator=g)
+    tables, slots, row, b = [], [], 0, 0
+    spans = []
+    for ctx, n in reqs:
+        nb = -(-(ctx + n) // bs)
+        blocks = perm[b : b + nb].to(torch.int32)
+        b += nb
+        pos = torch.arange(ctx, ctx + n)
+        slots.append(blocks[pos // bs].long() * bs + pos % bs)
+        if n > 1:
+            spans.append(PrefillSpan(row, row + n, ctx, ctx + n, blocks))
+        tables.append(blocks)
+        row += n
+    query = torch.randn(row, heads, hd, generator=g).to(dtype)
+    key = torch.randn(row, kvh, hd, generator=g).to(dtype)
+    value = torch.randn(row, kvh, hd, generator=g).to(dtype)
+    md = TorchNativeMetadata(
+        slot_mapping=torch.cat(slots),
+        num_actual_tokens=row,
+        causal=True,
+        decode_token_idx=torch.tensor([row - 1]),
+        decode_block_table=tables[2][None],
+        decode_seq_lens=torch.tensor([31], dtype=torch.int32),
+        prefills=spans,
+        spans=[],
+        num_reqs=3,
+    )
+    outs = []
+    for use_kernel in (True, False):
+        impl = TorchNativeAttentionImpl(heads, hd, hd**-0.5, kvh, window, AttentionType.DECODER)
+        if not use_kernel:
+            impl._use_c_prefill = False  # decided once, at the first forward: the SDPA path
+        out = torch.zeros_like(query)
+        impl.forward(query, key, value, kv_cache.clone(), md, out)
+        assert impl._use_c_prefill is use_kernel
+        outs.append(out)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
