@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     PAGEDLLM_LOGGING_LEVEL: str
     PAGEDLLM_CACHE_DIR: str
     PAGEDLLM_CPU_KERNELS: bool
+    PAGEDLLM_CPU_PREFILL_ATTN: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
@@ -69,6 +70,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # CPU C kernels (paged attention, norms, activations); 0: the pure-PyTorch reference paths.
     "PAGEDLLM_CPU_KERNELS": _flag("PAGEDLLM_CPU_KERNELS"),
+    # The blocked C prefill attention on the CPU (csrc/prefill_attn.c); 0: per-request SDPA as before.
+    "PAGEDLLM_CPU_PREFILL_ATTN": _flag("PAGEDLLM_CPU_PREFILL_ATTN"),
     # Linear weights packed once for oneDNN on the CPU.
     "PAGEDLLM_CPU_PACKED_GEMM": _flag("PAGEDLLM_CPU_PACKED_GEMM"),
     # GGUF weights packed on CUDA (Triton kernels): off until they have run on a GPU (verified only under

@@ -1,12 +1,13 @@
 """C kernels for the CPU path, built on first use and loaded with ctypes.
 
-`paged_attn.c` (decode attention over the paged KV cache, cache writes), `layers.c` (fused residual +
-RMSNorm, rotary embedding) and `activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls with packed GGUF
-weights), `decode_stack.c` (a Llama decode step's layers, calling the others). Each file is compiled with
-the system C compiler (about a second each) into one shared library in a cache directory keyed by the
-sources, the compiler and the CPU: no torch headers, no build step at install time. Where there is no
-compiler, or `PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path
-(the reference the kernels are tested against).
+`paged_attn.c` (decode attention over the paged KV cache, cache writes), `prefill_attn.c` (blocked causal
+prefill attention over the paged cache), `layers.c` (fused residual + RMSNorm, rotary embedding) and
+`activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls with packed GGUF weights), `decode_stack.c` (a Llama
+decode step's layers, calling the others). Each file is compiled with the system C compiler (about a
+second each) into one shared library in a cache directory keyed by the sources, the compiler and the CPU:
+no torch headers, no build step at install time. Where there is no compiler, or `PAGEDLLM_CPU_KERNELS=0`,
+`load()` returns None and every caller keeps its pure-PyTorch path (the reference the kernels are tested
+against).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _DIR = Path(__file__).parent
 # must not contract a*b - c*d into FMAs, so that the rotary embedding rounds exactly like PyTorch's.
 _SOURCES = {
     "paged_attn.c": ["-ffast-math"],
+    "prefill_attn.c": ["-ffast-math"],
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
     "gguf_mm.c": ["-fno-math-errno"],

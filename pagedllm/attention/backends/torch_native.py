@@ -4,7 +4,9 @@ KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
 Decode requests (one query token) run through the C kernel of `ops/cpu_paged_attn` on the CPU (reads the
 paged cache in place), else as one batched gather + matmul in PyTorch (the reference path, and the one
 used on other devices or without a C compiler); prefill chunks (which may attend to a cached prefix) run
-one request at a time through scaled_dot_product_attention.
+through the blocked C kernel of `ops/cpu_prefill_attn` (K/V read from the cache in place), or, where it does
+not apply (FP8 cache, soft-capping, multimodal key limits, no C compiler), one request at a time through
+scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pagedllm.attention.backends.abstract import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from pagedllm.attention.ops import cpu_paged_attn
+from pagedllm.attention.ops import cpu_paged_attn, cpu_prefill_attn
 from pagedllm.model_executor.layers import batch_invariant
 
 
@@ -150,6 +152,7 @@ def batch_invariant_prefill(
 
 class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     _use_c_kernels: bool | None = None  # decided at the first forward, from the cache's dtype and device
+    _use_c_prefill: bool | None = None  # likewise, for the C prefill kernel
 
     def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
         if self._use_c_kernels is None:
@@ -158,6 +161,10 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
                 and kv_cache.device.type == "cpu"
                 and kv_cache[0].is_contiguous()
                 and cpu_paged_attn.supports(kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size)
+            )
+        if self._use_c_prefill is None:
+            self._use_c_prefill = self._use_c_kernels and cpu_prefill_attn.supports(
+                kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size
             )
         return self._use_c_kernels
 
@@ -194,7 +201,17 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         if bi and attn_metadata.prefills:
             # One kernel, one reduction order for every query token (see layers/batch_invariant.py).
             batch_invariant_prefill(query, k_cache, v_cache, attn_metadata.prefills, output, self)
-        for p in attn_metadata.prefills if not bi else ():
+        c_prefill = (
+            not bi
+            and limit is None
+            and bool(attn_metadata.prefills)
+            and bool(self._use_c_prefill)
+            and cpu_prefill_attn.can_run(query, output, k_cache)
+        )
+        if c_prefill:  # every chunk in one call, fresh prompts and cached prefixes alike
+            prefills = attn_metadata.prefills
+            cpu_prefill_attn.prefill(query, k_cache, v_cache, prefills, output, self.scale, self.sliding_window)
+        for p in attn_metadata.prefills if not (bi or c_prefill) else ():
             q = query[p.q_start : p.q_end]
             if p.context_len == 0 and self.sliding_window is None and not fp8 and limit is None:
                 # Whole prompt in this chunk: causal attention over the fresh K/V, no gather needed (an
