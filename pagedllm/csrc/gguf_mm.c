@@ -235,7 +235,7 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
                                                            int64_t bstride, int nm, float* out) {         \
         const int bb = block_bytes(type);                                                                 \
         const int64_t nblk = K / 32;                                                                      \
-        const __m128i m4 = _mm_set1_epi8(0xF);                                                            \
+        const __m256i m4 = _mm256_set1_epi16(0xF);                                                        \
         __m256 acc[ROWS_MAX][2];                                                                          \
         float off[ROWS_MAX] = {0};                                                                        \
         for (int m = 0; m < ROWS_MAX; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();                   \
@@ -249,9 +249,11 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
                 w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));                   \
                 o = 0.0f;                                                                                 \
             } else {                                                                                      \
-                const __m128i v = _mm_loadu_si128((const __m128i*)(blk + (type == T_Q4_0 ? 2 : 4)));      \
-                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));                                          \
-                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4));                       \
+                /* byte i = element i (low nibble) | element 16 + i (high): widened once, then split */   \
+                const __m256i v = _mm256_cvtepu8_epi16(                                                   \
+                    _mm_loadu_si128((const __m128i*)(blk + (type == T_Q4_0 ? 2 : 4))));                   \
+                w0 = _mm256_and_si256(v, m4);                                                             \
+                w1 = _mm256_srli_epi16(v, 4);                                                             \
                 o = type == T_Q4_0 ? -8.0f * d : _cvtsh_ss(rd16(blk + 2));                                \
             }                                                                                             \
             for (int m = 0; m < nm; m++) {                                                                \
