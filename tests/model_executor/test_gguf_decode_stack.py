@@ -11,6 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers.quantization import gguf as gq
+from pagedllm.model_executor.layers.quantization.gguf_blocks import GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_decode_stack import DecodeStack
 
 pytestmark = pytest.mark.skipif(not gq.kernels_available(), reason="no C compiler: GGUF kernels not built")
@@ -85,8 +86,17 @@ def test_rebuilds_after_a_cache_or_weight_change_and_declines_hooks(llm: LLM, co
     ref = python_layers(llm)
     stack = inner_model(llm).decode_stack
     assert isinstance(stack, DecodeStack)
-    stack._held = []  # as if a cache or weight had been replaced: the pointer table is read again
+    stack._held = []  # as if a cache had been replaced: the pointer table is read again
     assert generate(llm) == ref and counted["ran"] > 0
+    # A weight replaced by a copy (as a weight update would): the table must point at the new bytes.
+    method = inner_model(llm).layers[5].mlp.down_proj.quant_method
+    old = method.parts[0]
+    method.parts[0] = GGUFWeight(old.qtype, old.data.clone(), old.rows, old.cols)
+    try:
+        assert generate(llm) == ref
+        assert any(t is method.parts[0].data for t in stack._held)
+    finally:
+        method.parts[0] = old
     # A forward hook (how LoRA adds its deltas) on any linear: the stack steps aside.
     linear = inner_model(llm).layers[3].mlp.down_proj
     handle = linear.register_forward_hook(lambda m, a, out: out)

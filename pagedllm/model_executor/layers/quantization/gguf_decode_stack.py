@@ -158,7 +158,9 @@ class DecodeStack:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.attn.kv_cache]
-            held += [m.quant_method for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                held.append(m.quant_method)
+                held += [p.data for p in getattr(m.quant_method, "parts", ())]  # the bytes the table points at
             held += [m._forward_hooks or None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         held.append(self.layers[0].self_attn.rotary_emb.cos_sin_cache)
         return held
