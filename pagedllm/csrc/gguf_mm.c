@@ -221,7 +221,18 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
 #define DOT_VNNI(w0, w1, y0, y1) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), (w0), (y0)), (w1), (y1))
 #define DOT_AVX2(w0, w1, y0, y1) _mm256_add_epi32(_mm256_madd_epi16((w0), (y0)), _mm256_madd_epi16((w1), (y1)))
 
-/* Q4_0/Q4_1: nibbles 0..15 (Q4_0's -8 folds into the per-block offset, -8 d * xs); Q8_0: int8. */
+/* Q4_0/Q4_1: nibbles 0..15 (Q4_0's -8 folds into the per-block offset, -8 d * xs); Q8_0: int8.
+ * `rows_body_*` is instantiated for each (type, rows) pair by `rows_*` (ROWS_SWITCH), so that the block's
+ * type is no branch and the per-row accumulators live in registers (a runtime row count kept them in
+ * memory). */
+#define ROWS_CALL(F, T, N) F(T, w, K, xq, xd, xs, xstride, bstride, N, out)
+#define ROWS_SWITCH(F, T)                   \
+    switch (nm) {                           \
+        case 1: ROWS_CALL(F, T, 1); break;  \
+        case 2: ROWS_CALL(F, T, 2); break;  \
+        case 3: ROWS_CALL(F, T, 3); break;  \
+        default: ROWS_CALL(F, T, 4); break; \
+    }
 #define DEFINE_ROWS_SIMD(ISA, TARGET, DOT)                                                               \
     __attribute__((target(TARGET))) static inline float hsum_##ISA(__m256 v) {                            \
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                  \
@@ -229,16 +240,15 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
         s = _mm_add_ss(s, _mm_movehdup_ps(s));                                                            \
         return _mm_cvtss_f32(s);                                                                          \
     }                                                                                                     \
-    __attribute__((target(TARGET))) static void rows_##ISA(int type, const uint8_t* w, int64_t K,         \
-                                                           const int16_t* xq, const float* xd,            \
-                                                           const float* xs, int64_t xstride,              \
-                                                           int64_t bstride, int nm, float* out) {         \
+    __attribute__((target(TARGET), always_inline)) static inline void rows_body_##ISA(                    \
+        const int type, const uint8_t* w, int64_t K, const int16_t* xq, const float* xd, const float* xs, \
+        int64_t xstride, int64_t bstride, const int nm, float* out) {                                     \
         const int bb = block_bytes(type);                                                                 \
         const int64_t nblk = K / 32;                                                                      \
         const __m256i m4 = _mm256_set1_epi16(0xF);                                                        \
-        __m256 acc[ROWS_MAX][2];                                                                          \
+        __m256 acc[ROWS_MAX];                                                                             \
         float off[ROWS_MAX] = {0};                                                                        \
-        for (int m = 0; m < ROWS_MAX; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();                   \
+        for (int m = 0; m < ROWS_MAX; m++) acc[m] = _mm256_setzero_ps();                                  \
         for (int64_t b = 0; b < nblk; b++) {                                                              \
             const uint8_t* blk = w + b * bb;                                                              \
             const float d = _cvtsh_ss(rd16(blk));                                                         \
@@ -261,11 +271,23 @@ static void rows_generic(int type, const uint8_t* w, int64_t K, const int16_t* x
                 const __m256i y0 = _mm256_loadu_si256((const __m256i*)y);                                 \
                 const __m256i y1 = _mm256_loadu_si256((const __m256i*)(y + 16));                          \
                 const __m256 p = _mm256_cvtepi32_ps(DOT(w0, w1, y0, y1));                                 \
-                acc[m][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[m * bstride + b]), acc[m][b & 1]); \
+                acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[m * bstride + b]), acc[m]);             \
                 off[m] += o * xs[m * bstride + b];                                                        \
             }                                                                                             \
         }                                                                                                 \
-        for (int m = 0; m < nm; m++) out[m] = hsum_##ISA(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];   \
+        for (int m = 0; m < nm; m++) out[m] = hsum_##ISA(acc[m]) + off[m];                                \
+    }                                                                                                     \
+    __attribute__((target(TARGET))) static void rows_##ISA(int type, const uint8_t* w, int64_t K,         \
+                                                           const int16_t* xq, const float* xd,            \
+                                                           const float* xs, int64_t xstride,              \
+                                                           int64_t bstride, int nm, float* out) {         \
+        if (type == T_Q4_0) {                                                                             \
+            ROWS_SWITCH(rows_body_##ISA, T_Q4_0)                                                          \
+        } else if (type == T_Q4_1) {                                                                      \
+            ROWS_SWITCH(rows_body_##ISA, T_Q4_1)                                                          \
+        } else {                                                                                          \
+            ROWS_SWITCH(rows_body_##ISA, T_Q8_0)                                                          \
+        }                                                                                                 \
     }
 
 DEFINE_ROWS_SIMD(avx2, "avx2,fma,f16c", DOT_AVX2)
