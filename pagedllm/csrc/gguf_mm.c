@@ -334,10 +334,9 @@ __attribute__((target("avx2"))) static inline void kquant_quants_avx2(int type, 
 /* K-quants (256-element blocks): each block's scales come from `unpack_block` (portable), its quants are
  * widened to int16 in registers (`kquant_quants_avx2`), then every activation row takes its integer dots with `vpmaddwd`, 32 elements per
  * sub-block, scaled per 16 (Q6_K) or per 32 (Q4_K / Q5_K, whose two halves share a scale). */
-__attribute__((target("avx2,fma,f16c"))) static void rows_kquant_avx2(int type, const uint8_t* w, int64_t K,
-                                                                    const int16_t* xq, const float* xd,
-                                                                    const float* xs, int64_t xstride,
-                                                                    int64_t bstride, int nm, float* out) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void rows_kquant_body(
+    const int type, const uint8_t* w, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t xstride,
+    int64_t bstride, const int nm, float* out) {
     const int bb = block_bytes(type), per16 = type == T_Q6_K;
     const int64_t nblk = K / 256;
     __m256 acc[ROWS_MAX];
@@ -368,6 +367,19 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_kquant_avx2(int type, 
         }
     }
     for (int m = 0; m < nm; m++) out[m] = hsum_avx2(acc[m]) + off[m];
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void rows_kquant_avx2(int type, const uint8_t* w, int64_t K,
+                                                                    const int16_t* xq, const float* xd,
+                                                                    const float* xs, int64_t xstride,
+                                                                    int64_t bstride, int nm, float* out) {
+    if (type == T_Q4_K) {
+        ROWS_SWITCH(rows_kquant_body, T_Q4_K)
+    } else if (type == T_Q5_K) {
+        ROWS_SWITCH(rows_kquant_body, T_Q5_K)
+    } else {
+        ROWS_SWITCH(rows_kquant_body, T_Q6_K)
+    }
 }
 #endif
 
