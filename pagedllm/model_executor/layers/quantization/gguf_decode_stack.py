@@ -27,6 +27,7 @@ from pagedllm.model_executor.layers.quantization.gguf import GGUFLinearMethod
 from pagedllm.model_executor.layers.quantization.gguf_blocks import GGUFWeight
 
 MAX_PARTS = 4
+_LINEARS = ("qkv", "o", "gate_up", "down")  # GLayer's fields, in the layer's order
 
 
 class GLinear(ctypes.Structure):
@@ -185,15 +186,11 @@ class DecodeStack:
             g = table[i]
             g.in_norm = layer.input_layernorm.weight.data_ptr()
             g.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            for field, m in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj)):
+            for field, m in zip(_LINEARS, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 parts = _packed_parts(m)
                 if parts is None:
                     return False
                 setattr(g, field, _glinear(parts))
-            parts = _packed_parts(mlp.down_proj)
-            if parts is None:
-                return False
-            g.down = _glinear(parts)
             g.k_cache, g.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
             self.dims.block_size = kv.shape[2]
         self.dims.cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin_cache.data_ptr()
