@@ -25,6 +25,8 @@ _PP_SIZE = 1
 _TP_GROUP: Any = None
 """The torch.distributed group of this rank's tensor-parallel peers (None: one process, no collectives)."""
 _PP_GROUP: Any = None
+_FAST_ALL_REDUCE: Any = None
+"""The one-shot symmetric-memory all-reduce for small tensors (`symm_allreduce`), or None: NCCL only."""
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -61,12 +63,22 @@ def set_tensor_parallel_state(rank: int, world_size: int) -> Iterator[None]:
 
 
 def init_distributed(
-    rank: int, tp_size: int, pp_size: int, init_method: str, backend: str, timeout_s: float = 600.0
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float = 600.0,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups."""
+    """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups. With NCCL and
+    `dtype` (the model's), small all-reduces of that dtype take the one-shot symmetric-memory path unless
+    PAGEDLLM_TP_ALLREDUCE=nccl."""
+    import os
+
     import torch.distributed as dist
 
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _PP_GROUP
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _PP_GROUP, _FAST_ALL_REDUCE
     world = tp_size * pp_size
     if world == 1:  # one worker in its own process: no collective ever runs
         return
@@ -86,15 +98,19 @@ def init_distributed(
             _PP_GROUP = group
     _TP_RANK, _TP_SIZE = rank % tp_size, tp_size
     _PP_RANK, _PP_SIZE = rank // tp_size, pp_size
+    if backend == "nccl" and tp_size > 1 and dtype is not None and os.environ.get("PAGEDLLM_TP_ALLREDUCE") == "symm":
+        from pagedllm.distributed.symm_allreduce import try_create
+
+        _FAST_ALL_REDUCE = try_create(_TP_GROUP, torch.device("cuda", torch.cuda.current_device()), dtype, tp_size)
 
 
 def destroy_distributed() -> None:
     import torch.distributed as dist
 
-    global _TP_GROUP, _PP_GROUP
+    global _TP_GROUP, _PP_GROUP, _FAST_ALL_REDUCE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_GROUP = _PP_GROUP = None
+    _TP_GROUP = _PP_GROUP = _FAST_ALL_REDUCE = None
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +119,9 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _TP_GROUP is None:
         raise RuntimeError("tensor parallelism needs init_distributed (the multi-process executor)")
+    fast = _FAST_ALL_REDUCE
+    if fast is not None and fast.eligible(x):
+        return fast(x)
     import torch.distributed as dist
 
     dist.all_reduce(x, group=_TP_GROUP)

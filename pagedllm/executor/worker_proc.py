@@ -99,7 +99,12 @@ class WorkerProc:
 
         try:
             init_distributed(
-                rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, dist_init_method, "nccl" if on_gpu else "gloo"
+                rank,
+                pc.tensor_parallel_size,
+                pc.pipeline_parallel_size,
+                dist_init_method,
+                "nccl" if on_gpu else "gloo",
+                dtype=config.model_config.dtype,
             )
             self.worker = Worker(config, logits_processors)
             self.worker.load_model()

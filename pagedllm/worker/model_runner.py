@@ -209,9 +209,8 @@ class ModelRunner:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend that supports them."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.attn_layers:
             return
-        if self.pp is not None or self.config.parallel_config.tensor_parallel_size > 1:
-            # Fallback: torch.distributed's collectives are not captured into graphs here yet.
-            logger.info("CUDA graphs off: tensor / pipeline parallelism runs eagerly for now")
+        if self.pp is not None:  # a stage's graph would have to carry the intermediate tensors in and out
+            logger.info("CUDA graphs off: pipeline parallelism runs eagerly for now")
             return
         if not self.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: attention backend %s cannot be captured", self.backend.name)

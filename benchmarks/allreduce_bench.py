@@ -1,0 +1,146 @@
+"""All-reduce cost per decode step on this machine's GPUs (issue 25), and the one-GPU ceilings for the floors.
+
+One process per GPU (NCCL). For each activation size [rows, hidden] in bf16 it captures `per_step`
+all-reduces in one CUDA graph (a Llama-3.1-8B decode step makes 2 per layer x 32 layers = 64) and times the
+replays: NCCL (`torch.distributed.all_reduce`) and the one-shot symmetric-memory path
+(`pagedllm/distributed/symm_allreduce.py`), which is also checked against NCCL on random data. Rank 0 also
+measures the device-to-device copy bandwidth and the bf16 matmul rate of its GPU (the floors' denominators).
+
+    python3 benchmarks/allreduce_bench.py --world 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+ROWS = (1, 8, 64, 256, 1024, 8192)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _graph_time(fn: Any, per_step: int, iters: int) -> float:
+    """Mean seconds of one call of `fn`, from CUDA-graph replays of `per_step` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_step):
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (iters * per_step)
+
+
+def _ceilings() -> dict[str, float]:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy = 2 * x.numel() * 10 / (time.perf_counter() - t0)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    mm = 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+    return {"copy_GBps": copy / 1e9, "bf16_matmul_TFLOPs": mm / 1e12}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
+    import torch.distributed as dist
+
+    from pagedllm.distributed.symm_allreduce import try_create
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", rank)
+    fast = try_create(group, dev, torch.bfloat16, world)
+    rows_out: list[dict[str, Any]] = []
+    for rows in ROWS:
+        x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device=dev)
+        row: dict[str, Any] = {"rows": rows, "bytes": x.numel() * 2}
+        nccl_t = _graph_time(lambda x=x: dist.all_reduce(x, group=group), args.per_step, args.iters)
+        row["nccl_us"] = nccl_t * 1e6
+        if fast is not None and fast.eligible(x):
+            ref = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device=dev) * (rank + 1)
+            want = ref.clone()
+            dist.all_reduce(want, group=group)
+            got = fast(ref.clone())
+            row["symm_max_abs_diff"] = float((got.float() - want.float()).abs().max())
+            row["symm_us"] = _graph_time(lambda x=x: fast(x), args.per_step, args.iters) * 1e6
+        rows_out.append(row)
+        dist.barrier(group=group)
+    result: dict[str, Any] = {"world": world, "hidden": args.hidden, "per_step": args.per_step, "sizes": rows_out}
+    if rank == 0:
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result.update(_ceilings())
+        q.put(result)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--per-step", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    result = q.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    print(f"{result['gpu']} x{args.world}: copy {result['copy_GBps']:.0f} GB/s, "
+          f"bf16 matmul {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s")  # fmt: skip
+    for r in result["sizes"]:
+        symm = f"{r['symm_us']:.1f} us (max diff {r['symm_max_abs_diff']:.3g})" if "symm_us" in r else "-"
+        size = f"[{r['rows']:5d}, {args.hidden}] {r['bytes'] / 1024:8.0f} KiB"
+        step_ms = r["nccl_us"] * args.per_step / 1000
+        print(f"{size}: NCCL {r['nccl_us']:.1f} us, one-shot {symm}; x{args.per_step} per step: NCCL {step_ms:.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

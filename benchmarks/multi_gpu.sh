@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 25 on a multi-GPU device machine (nvidia-h200-x2 / -x4): every run of the issue, by step name.
+#   bash benchmarks/multi_gpu.sh part1 STEPS...   (carry .gguf/part1 and .whl: copies the GGUF's first part)
+#   bash benchmarks/multi_gpu.sh run STEPS...     (carry .gguf/part2, .whl and .whl_serve; within 30 s of part1)
+# STEPS (default: ar tests W3 W2 S2):
+#   ar     NCCL vs one-shot all-reduce per decode step, copy bandwidth and matmul rate (allreduce_bench.py)
+#   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
+#   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
+#   W3     W3 at tp=1, tp=2 (NCCL), tp=2 (one-shot all-reduce), tp=4 where 4 GPUs
+#   W2     W2 at tp=1, tp=2, pp=2, tp=4 where 4 GPUs
+#   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2
+# Results under $OUT/<step>_<layout>/; a summary last.
+set -uo pipefail
+OUT=${OUT:-/tmp/pagedllm_multi_gpu}
+mkdir -p "$OUT"
+stage=${1:-run}
+shift || true
+steps=${*:-ar tests W3 W2 S2}
+if [ "$stage" = part1 ]; then
+    cp .gguf/part1/* /tmp/ || exit 1
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (the machine's rule)
+. "$(dirname "$0")/device_wheels.sh" && install_wheels
+export PYTHONPATH=.:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+ngpu=$(nvidia-smi -L | wc -l)
+summary="$OUT/summary_multi.txt"
+echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, stage $stage: $steps" >> "$summary"
+if [ "$stage" = run ] && [ -f /tmp/smol.part00 ] && [ -d .gguf/part2 ]; then
+    cat /tmp/smol.part00 .gguf/part2/smol.part01 > /tmp/smollm2.gguf
+    if [ "$(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1)" = "$(cat .gguf/part2/sha256)" ]; then
+        export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf
+    else
+        echo "GGUF sha256 mismatch" >> "$summary"
+    fi
+fi
+e2e() {  # name, extra engine flags, workloads (gpu_e2e.sh), into $OUT/name
+    local name=$1 extra=$2
+    shift 2
+    OUT="$OUT/$name" E2E_CORRECTNESS=0 E2E_EXTRA="$extra" timeout 500 bash benchmarks/gpu_e2e.sh run "$@" > "$OUT/$name.log" 2>&1
+    sed "s/^/$name: /" "$OUT/$name/summary.txt" | grep -v "correctness skipped" | tee -a "$summary"
+}
+for step in $steps; do
+    t0=$SECONDS
+    case $step in
+        ar)
+            for w in 2 4; do
+                [ "$ngpu" -ge $w ] || continue
+                timeout 300 python3 benchmarks/allreduce_bench.py --world $w --json "$OUT/allreduce_x$w.json" 2>&1 \
+                    | grep -v "^INFO" | tail -8 | tee -a "$summary"
+            done ;;
+        tiny|tests)
+            sel=(); [ "$step" = tiny ] && sel=(-k tiny)
+            timeout 560 python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -q -s -p no:cacheprovider "${sel[@]}" \
+                > "$OUT/tests_$step.log" 2>&1
+            echo "tests ($step) rc $?: $(tail -1 "$OUT/tests_$step.log")" | tee -a "$summary"
+            grep -E "^(SmolLM2|llama|qwen3) " "$OUT/tests_$step.log" | cut -c1-240 | tee -a "$summary" ;;
+        W3)
+            e2e W3_tp1 "" W3
+            e2e W3_tp2 "--tensor-parallel-size 2" W3 W3@PAGEDLLM_TP_ALLREDUCE=symm
+            [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 W3@PAGEDLLM_TP_ALLREDUCE=symm ;;
+        W2)
+            e2e W2_tp1 "" W2
+            e2e W2_tp2 "--tensor-parallel-size 2" W2
+            e2e W2_pp2 "--pipeline-parallel-size 2" W2
+            [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
+        S2)
+            for dp in 1 2; do
+                OUT="$OUT/S2_dp$dp" SERVE_ARGS="--data-parallel-size $dp" timeout 400 bash benchmarks/serve_bench.sh S2:inf \
+                    > "$OUT/S2_dp$dp.log" 2>&1
+                grep -E -i "server up|output token throughput|rc " "$OUT/S2_dp$dp/summary.txt" | sed "s/^/S2 dp=$dp: /" \
+                    | tee -a "$summary"
+            done ;;
+    esac
+    echo "($step: $((SECONDS - t0)) s)" >> "$summary"
+done
+echo "==== summary ===="
+cat "$summary"

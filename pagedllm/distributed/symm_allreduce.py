@@ -1,0 +1,82 @@
+"""A low-latency tensor-parallel all-reduce through PyTorch's symmetric memory (CUDA only).
+
+NCCL's all-reduce costs ~10-20 us even for a few kilobytes, and a Llama decode step makes two per layer: at
+batch 1 on two H200s (W3) the 64 all-reduces of Llama-3.1-8B would be ~1 ms against a ~1.8 ms halved
+weight-read floor. In a "one-shot" all-reduce each rank copies its input into a buffer that every peer can
+read over NVLink (allocated once with `torch.distributed._symmetric_memory` and exchanged at start-up), then
+after a barrier on signal pads reads all peers' buffers and sums: one small kernel, no NCCL round trip. It is
+captured by the decode CUDA graphs like any kernel.
+
+Used for contiguous inputs of the model dtype up to `max_bytes` (decode-sized activations); larger ones
+(prefill) go to NCCL, whose ring/tree algorithms use the links' bandwidth better. Anything that fails at
+set-up leaves this off (the caller keeps NCCL). NVLink multicast is never used (`multimem_*` ops are not
+called), so the machines' NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=1 settings are respected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 4 << 20
+"""Inputs up to this size take the one-shot path: 256 decode rows x 4096 hidden x 2 bytes is 2 MiB."""
+
+
+class SymmMemAllReduce:
+    """Sum over the ranks of `group` for small tensors of one dtype, in place."""
+
+    def __init__(
+        self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        self.group_name: str = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed by older PyTorch releases, harmless (or deprecated) in newer ones
+            enable(self.group_name)
+        self.buffer = symm_mem.empty(self.max_numel, device=device, dtype=dtype)
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self._op = torch.ops.symm_mem.one_shot_all_reduce_out
+
+    def eligible(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.is_contiguous() and x.numel() <= self.max_numel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        flat = x.view(-1)
+        staged = self.buffer[:n]
+        staged.copy_(flat)
+        self._op(staged, "sum", self.group_name, flat)
+        return x
+
+
+def try_create(group: Any, device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
+    """The one-shot all-reduce for this TP group, checked once against NCCL; None where it cannot be used."""
+    import torch.distributed as dist
+
+    ar: SymmMemAllReduce | None = None
+    try:
+        ar = SymmMemAllReduce(group, device, dtype)
+        x = torch.arange(1, 1 + 4096, device=device, dtype=torch.float32).to(dtype) * (dist.get_rank(group) + 1)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        got = ar(x.clone())
+        torch.cuda.synchronize(device)
+        if not torch.equal(got, want):
+            raise RuntimeError("one-shot all-reduce disagrees with NCCL on the self-check")
+    except Exception as e:  # an older PyTorch, no peer access, no symmetric-memory support: NCCL only
+        logger.warning("tensor parallel: symmetric-memory all-reduce unavailable (%s); NCCL only", e)
+        ar = None
+    # Every rank must take the same path for every all-reduce: use it only where all ranks have it.
+    ok = torch.tensor([1 if ar is not None else 0], device=device, dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if int(ok.item()) != 1:
+        return None
+    logger.info("tensor parallel: one-shot symmetric-memory all-reduce up to %d elements", ar.max_numel)  # type: ignore[union-attr]
+    return ar
