@@ -7,7 +7,8 @@
 #   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
 #   W3     W3 at tp=1, tp=2 (NCCL), tp=2 (one-shot all-reduce), tp=4 where 4 GPUs
-#   W2     W2 at tp=1, tp=2, pp=2, tp=4 where 4 GPUs
+#   W2     W2 at tp=1, tp=2, pp=2;  W2tp4  W2 at tp=4 (4 GPUs)
+#   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2
 # Results under $OUT/<step>_<layout>/; a summary last.
 set -uo pipefail
@@ -20,7 +21,7 @@ if [ "$stage" = part1 ]; then
     cp .gguf/part1/* /tmp/ || exit 1
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (the machine's rule)
-. "$(dirname "$0")/device_wheels.sh" && install_wheels
+. "$(dirname "$0")/device_wheels.sh" && install_wheels .whl .whl_serve
 export PYTHONPATH=.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 ngpu=$(nvidia-smi -L | wc -l)
@@ -37,7 +38,7 @@ fi
 e2e() {  # name, extra engine flags, workloads (gpu_e2e.sh), into $OUT/name
     local name=$1 extra=$2
     shift 2
-    OUT="$OUT/$name" E2E_CORRECTNESS=0 E2E_EXTRA="$extra" timeout 500 bash benchmarks/gpu_e2e.sh run "$@" > "$OUT/$name.log" 2>&1
+    OUT="$OUT/$name" E2E_CORRECTNESS=0 E2E_EXTRA="$extra" timeout "${STEP_TIMEOUT:-500}" bash benchmarks/gpu_e2e.sh run "$@" > "$OUT/$name.log" 2>&1
     sed "s/^/$name: /" "$OUT/$name/summary.txt" | grep -v "correctness skipped" | tee -a "$summary"
 }
 for step in $steps; do
@@ -50,23 +51,29 @@ for step in $steps; do
                     | grep -v "^INFO" | tail -8 | tee -a "$summary"
             done ;;
         tiny|tests)
-            sel=(); [ "$step" = tiny ] && sel=(-k tiny)
-            timeout 560 python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -q -s -p no:cacheprovider "${sel[@]}" \
+            sel=(-k "${TESTS_K:-}"); [ "$step" = tiny ] && sel=(-k "tiny ${TESTS_K:+and ($TESTS_K)}")
+            timeout "${STEP_TIMEOUT:-560}" python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -q -s -p no:cacheprovider "${sel[@]}" \
                 > "$OUT/tests_$step.log" 2>&1
             echo "tests ($step) rc $?: $(tail -1 "$OUT/tests_$step.log")" | tee -a "$summary"
             grep -E "^(SmolLM2|llama|qwen3) " "$OUT/tests_$step.log" | cut -c1-240 | tee -a "$summary" ;;
         W3)
-            e2e W3_tp1 "" W3
+            [ -z "${SKIP_TP1:-}" ] && e2e W3_tp1 "" W3
             e2e W3_tp2 "--tensor-parallel-size 2" W3 W3@PAGEDLLM_TP_ALLREDUCE=symm
             [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 W3@PAGEDLLM_TP_ALLREDUCE=symm ;;
         W2)
             e2e W2_tp1 "" W2
             e2e W2_tp2 "--tensor-parallel-size 2" W2
-            e2e W2_pp2 "--pipeline-parallel-size 2" W2
-            [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
+            e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
+        W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
+        W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)
+            PAGEDLLM_TP_ALLREDUCE=symm timeout "${STEP_TIMEOUT:-300}" python3 -m pagedllm bench latency \
+                --model benchmarks/workloads/llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 \
+                --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 1024 --tensor-parallel-size 2 \
+                > "$OUT/W3log.log" 2>&1
+            grep -E "tensor parallel|Time per output|Error" "$OUT/W3log.log" | sort | uniq -c | cut -c1-250 | tee -a "$summary" ;;
         S2)
             for dp in 1 2; do
-                OUT="$OUT/S2_dp$dp" SERVE_ARGS="--data-parallel-size $dp" timeout 400 bash benchmarks/serve_bench.sh S2:inf \
+                OUT="$OUT/S2_dp$dp" SERVE_ARGS="--data-parallel-size $dp" timeout "${STEP_TIMEOUT:-400}" bash benchmarks/serve_bench.sh S2:inf \
                     > "$OUT/S2_dp$dp.log" 2>&1
                 grep -E -i "server up|output token throughput|rc " "$OUT/S2_dp$dp/summary.txt" | sed "s/^/S2 dp=$dp: /" \
                     | tee -a "$summary"
