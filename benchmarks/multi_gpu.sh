@@ -79,6 +79,8 @@ for step in $steps; do
                     | tee -a "$summary"
             done ;;
     esac
+    # Whatever a timed-out step left (an engine and its spawned workers) would hold the GPUs' memory.
+    pkill -9 -f "python3 -m pagedllm|multiprocessing.spawn|multiprocessing.resource_tracker" && sleep 3
     echo "($step: $((SECONDS - t0)) s)" >> "$summary"
 done
 echo "==== summary ===="

@@ -109,8 +109,28 @@ def destroy_distributed() -> None:
 
     global _TP_GROUP, _PP_GROUP, _FAST_ALL_REDUCE
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend() == "nccl":
+            _abort_nccl()
+        else:
+            dist.destroy_process_group()
     _TP_GROUP = _PP_GROUP = _FAST_ALL_REDUCE = None
+
+
+def _abort_nccl(timeout_s: float = 10.0) -> None:
+    """Tear NCCL down without waiting for the peers. `destroy_process_group` was seen to block forever in
+    both workers after W2 at tp=2 had finished (H200 x2, collectives captured in CUDA graphs), keeping 130 GiB
+    on each GPU; an abort does not synchronize with the peers, and runs in a daemon thread bounded by
+    `timeout_s` so that shutdown goes on whatever it does."""
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is None:
+        return
+    t = threading.Thread(target=abort, name="nccl-abort", daemon=True)
+    t.start()
+    t.join(timeout_s)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,7 @@ class WorkerProc:
         """Pipeline stages run each launched step to its end before the next: the overlap is across stages
         (the engine core's batch queue), and the last stage's result goes back as soon as it is ready."""
         on_gpu = config.device.startswith("cuda")
+        self.uses_nccl = on_gpu and pc.tensor_parallel_size * pc.pipeline_parallel_size > 1
         if on_gpu:  # the engine core's first device (data parallelism offsets it) + rank; Ray shows one device
             base = torch.device(config.device).index or 0
             config.device = f"cuda:{(base + rank) % max(torch.cuda.device_count(), 1)}"
@@ -226,3 +227,9 @@ def run_worker(
     finally:
         if proc is not None:
             proc.close()
+    if standalone and proc is not None and proc.uses_nccl:
+        # A clean shutdown: skip the interpreter's exit-time destructors, where ProcessGroupNCCL can wait on a
+        # peer that is exiting too (see parallel_state._abort_nccl); the driver frees the GPU with the process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
