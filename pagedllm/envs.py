@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
+    PAGEDLLM_TP_ALLREDUCE: str
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -79,6 +80,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_GGUF_CUDA_PACKED": _flag("PAGEDLLM_GGUF_CUDA_PACKED", "0"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
+    # Tensor-parallel all-reduce on GPUs: "nccl" (default) or "symm", the one-shot all-reduce over PyTorch
+    # symmetric memory for decode-sized tensors (distributed/symm_allreduce.py; NCCL for larger ones).
+    "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "nccl"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

@@ -74,9 +74,9 @@ def init_distributed(
     """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups. With NCCL and
     `dtype` (the model's), small all-reduces of that dtype take the one-shot symmetric-memory path unless
     PAGEDLLM_TP_ALLREDUCE=nccl."""
-    import os
-
     import torch.distributed as dist
+
+    from pagedllm import envs
 
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _PP_GROUP, _FAST_ALL_REDUCE
     world = tp_size * pp_size
@@ -98,7 +98,7 @@ def init_distributed(
             _PP_GROUP = group
     _TP_RANK, _TP_SIZE = rank % tp_size, tp_size
     _PP_RANK, _PP_SIZE = rank // tp_size, pp_size
-    if backend == "nccl" and tp_size > 1 and dtype is not None and os.environ.get("PAGEDLLM_TP_ALLREDUCE") == "symm":
+    if backend == "nccl" and tp_size > 1 and dtype is not None and envs.PAGEDLLM_TP_ALLREDUCE == "symm":
         from pagedllm.distributed.symm_allreduce import try_create
 
         _FAST_ALL_REDUCE = try_create(_TP_GROUP, torch.device("cuda", torch.cuda.current_device()), dtype, tp_size)
