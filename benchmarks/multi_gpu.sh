@@ -8,6 +8,7 @@
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
 #   W3     W3 at tp=1, tp=2 (NCCL), tp=2 (one-shot all-reduce), tp=4 where 4 GPUs
 #   W2     W2 at tp=1, tp=2, pp=2;  W2tp4  W2 at tp=4 (4 GPUs)
+#   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2
 # Results under $OUT/<step>_<layout>/; a summary last.
@@ -64,6 +65,11 @@ for step in $steps; do
             e2e W2_tp1 "" W2
             e2e W2_tp2 "--tensor-parallel-size 2" W2
             e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
+        prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
+            for tp in 2 1; do
+                timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/tp_step_profile.py --tp $tp --json "$OUT/prof_tp$tp.json" \
+                    2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
+            done ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)
             PAGEDLLM_TP_ALLREDUCE=symm timeout "${STEP_TIMEOUT:-300}" python3 -m pagedllm bench latency \
