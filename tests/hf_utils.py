@@ -124,3 +124,19 @@ def hf_from_gguf(path: str, dtype: torch.dtype, device: str = "cpu", **kw: str):
         .to(device)
         .eval()
     )
+
+
+def hf_bf16_kernel_refs(path: str, prompts: list[list[int]], n: int, device: str = "cuda"):  # noqa: ANN201
+    """The brief's bf16 rule needs HF bf16 three ways on the same prompts: its default attention kernel (the
+    reference, and the judge `model`), FlashAttention SDPA, and eager. Returns (model, refs, refs_flash,
+    refs_eager), n greedy tokens each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hf = hf_from_gguf(path, torch.bfloat16, device)
+    refs = [hf_greedy(hf, p, n) for p in prompts]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        refs_flash = [hf_greedy(hf, p, n) for p in prompts]
+    eager = hf_from_gguf(path, torch.bfloat16, device, attn_implementation="eager")
+    refs_eager = [hf_greedy(eager, p, n) for p in prompts]
+    del eager
+    return hf, refs, refs_flash, refs_eager

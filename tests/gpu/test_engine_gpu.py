@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from tests.hf_utils import hf_from_gguf, hf_greedy, hf_logprobs_fp32_head, judge_all  # noqa: E402
+from tests.hf_utils import hf_bf16_kernel_refs, hf_from_gguf, hf_logprobs_fp32_head, judge_all  # noqa: E402
 
 SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
@@ -42,16 +42,8 @@ def test_bf16_gpu_matches_hf_bf16_gpu(smollm2_path: str, smollm2_prompt_ids: lis
     to HF's default fails some prompts by the policy; ours pass when they fail no more prompts than HF bf16
     itself does with only its attention kernel changed (eager, or FlashAttention SDPA, against its default),
     judged in the same run on the same prompts."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     prompts = smollm2_prompt_ids
-    hf = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda")
-    refs = [hf_greedy(hf, p, 48) for p in prompts]
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        refs_flash = [hf_greedy(hf, p, 48) for p in prompts]
-    eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
-    refs_eager = [hf_greedy(eager, p, 48) for p in prompts]
-    del eager
+    hf, refs, refs_flash, refs_eager = hf_bf16_kernel_refs(smollm2_path, prompts, 48)
     llm = LLM(smollm2_path, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.3)
     assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs is not None
     ours = _ours(llm, prompts)

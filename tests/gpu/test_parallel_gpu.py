@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 from tests.executor.parallel_utils import assert_same_outputs, tiny_prompts  # noqa: E402
-from tests.hf_utils import hf_from_gguf, hf_greedy, judge_all  # noqa: E402
+from tests.hf_utils import hf_bf16_kernel_refs, judge_all  # noqa: E402
 from tests.utils_model import make_tiny_hf_model  # noqa: E402
 
 NGPU = torch.cuda.device_count()
@@ -108,16 +108,8 @@ SMOL_SP = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 @pytest.fixture(scope="module")
 def smol_refs(smollm2_path: str, smollm2_prompt_ids: list[list[int]]) -> dict[str, Any]:
     """tp=1 outputs, HF bf16 (the judge), and the bar: HF bf16's failing prompts with another attention kernel."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     prompts = smollm2_prompt_ids
-    hf = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda")
-    refs = [hf_greedy(hf, p, 48) for p in prompts]
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        refs_flash = [hf_greedy(hf, p, 48) for p in prompts]
-    eager = hf_from_gguf(smollm2_path, torch.bfloat16, "cuda", attn_implementation="eager")
-    refs_eager = [hf_greedy(eager, p, 48) for p in prompts]
-    del eager
+    hf, refs, refs_flash, refs_eager = hf_bf16_kernel_refs(smollm2_path, prompts, 48)
     bar = max(
         sum(r.startswith("FAIL") for r in judge_all(hf, prompts, other, refs, torch.bfloat16))
         for other in (refs_flash, refs_eager)
