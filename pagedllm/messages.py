@@ -42,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     """The adapter (the core reads it off the step loop before scheduling the request); lora_id is its id."""
     mm_features: list[MultiModalFeature] | None = None
     """The prompt's images (`pagedllm/multimodal/`), ordered by their placeholder offset."""
+    client_index: int = 0
+    """Which front end (API-server process, `--api-server-count`) sent it: its outputs go back there."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -105,7 +107,8 @@ ADD = b"A"
 ABORT = b"X"
 """front end -> core: a list of request ids."""
 UTILITY = b"U"
-"""front end -> core: `(call_id, method, args)`, one of `UTILITY_METHODS`."""
+"""front end -> core: `(call_id, method, args)` or `(call_id, method, args, client_index)`, one of
+`UTILITY_METHODS`."""
 SHUTDOWN = b"S"
 OUTPUTS = b"O"
 """core -> front end: `EngineCoreOutputs`."""

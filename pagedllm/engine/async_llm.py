@@ -25,7 +25,7 @@ from pagedllm.engine.controls import AsyncLLMControlsMixin
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.llm_engine import load_tokenizer
-from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
+from pagedllm.engine.mp_client import AsyncMPClient, CoreConnection, EngineDeadError
 from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
@@ -58,7 +58,10 @@ class AsyncLLM(AsyncLLMControlsMixin):
         log_stats: bool = True,
         stat_loggers: Sequence[StatLogger] | None = None,
         log_interval_s: float = 10.0,
+        core_connection: CoreConnection | None = None,
     ) -> None:
+        """`core_connection`: use an engine core another process started (one of several API servers)
+        instead of starting one."""
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config)
@@ -83,7 +86,7 @@ class AsyncLLM(AsyncLLMControlsMixin):
 
             self.engine_core: AsyncMPClient = DPAsyncMPClient(config)  # type: ignore[assignment]
         else:
-            self.engine_core = AsyncMPClient(config)
+            self.engine_core = AsyncMPClient(config, connect=core_connection)
         self.engine_core.on_dead = self._fail_all_requests
         self.dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         """Called (on the event loop) once the core process is found dead, after requests were failed."""

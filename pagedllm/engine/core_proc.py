@@ -3,10 +3,14 @@
 Wire protocol (ZMQ, msgspec msgpack), all multipart messages `[type byte, payload]`:
 
 - front end -> core (PUSH -> PULL, `input_addr`): `ADD` an `EngineCoreRequest`, `ABORT` a list of
-  request ids, `UTILITY` `(call_id, method, args)`, `SHUTDOWN`.
+  request ids, `UTILITY` `(call_id, method, args[, client_index])`, `SHUTDOWN`.
 - core -> front end (PUSH -> PULL, `output_addr`): `OUTPUTS` one `EngineCoreOutputs` per step,
   `UTILITY_RESULT` `(call_id, ok, result_or_error)`, `FAILED` a message just before a fatal exit (e.g. a
   dead tensor-parallel worker, named by its rank).
+
+Several front ends (`pagedllm serve --api-server-count N`): one input and one output address per front end.
+The core's PULL socket connects to every input address (fair-queued); each request's outputs go back on the
+output socket of the front end that sent it (`EngineCoreRequest.client_index`), the step's stats to all.
 - core -> front end once at start (PUSH -> PULL, `handshake_addr`): `READY` a dict, or `FAILED` a message.
 
 Why a thread reads the input socket: the step loop must block when there is nothing to do (these machines
@@ -41,6 +45,7 @@ from pagedllm.messages import (
     SHUTDOWN,
     UTILITY,
     UTILITY_RESULT,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
 )
@@ -72,14 +77,23 @@ UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "p
 class EngineCoreProc:
     """Runs an `EngineCore` behind ZMQ sockets; one instance per core process."""
 
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, handshake_addr: str) -> None:
+    def __init__(
+        self, config: EngineConfig, input_addr: str | list[str], output_addr: str | list[str], handshake_addr: str
+    ) -> None:
         self.ctx = zmq.Context(io_threads=1)
-        self.input_addr = input_addr
+        self.input_addrs = [input_addr] if isinstance(input_addr, str) else list(input_addr)
+        output_addrs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
         self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.setsockopt(zmq.LINGER, 2000)
-        self.output_socket.connect(output_addr)
+        self.output_sockets: list[zmq.Socket] = []
+        for addr in output_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(addr)
+            self.output_sockets.append(sock)
+        self.output_socket = self.output_sockets[0]
+        self._client_of: dict[str, int] = {}
+        """request id -> front end, with several front ends."""
         self.encoder = msgspec.msgpack.Encoder()
 
         handshake = self.ctx.socket(zmq.PUSH)
@@ -101,7 +115,8 @@ class EngineCoreProc:
         # the socket is used only by the input thread from then on (handing it over at thread start is safe).
         input_socket = self.ctx.socket(zmq.PULL)
         input_socket.setsockopt(zmq.RCVHWM, 0)
-        input_socket.connect(self.input_addr)
+        for addr in self.input_addrs:
+            input_socket.connect(addr)
         self._input_thread = threading.Thread(
             target=self._read_inputs, args=(input_socket,), name="EngineCoreInput", daemon=True
         )
@@ -167,6 +182,8 @@ class EngineCoreProc:
     def _handle(self, kind: bytes, payload: Any) -> bool:
         """Apply one input message; True on SHUTDOWN."""
         if kind == ADD:
+            if len(self.output_sockets) > 1:
+                self._client_of[payload.request_id] = payload.client_index
             try:
                 self.core.add_request(payload)
             except Exception as e:  # a bad request must not kill the core: finish it as aborted
@@ -174,8 +191,11 @@ class EngineCoreProc:
                 self._send_abort_output(payload.request_id)
         elif kind == ABORT:
             self.core.abort_requests(payload)
+            for rid in payload:
+                self._client_of.pop(rid, None)
         elif kind == UTILITY:
-            call_id, method, args = payload
+            call_id, method, args = payload[:3]
+            client = payload[3] if len(payload) > 3 else 0
             try:
                 if method not in UTILITY_METHODS:
                     raise ValueError(f"unknown utility method {method!r}")
@@ -183,7 +203,7 @@ class EngineCoreProc:
                 encoded = self.encoder.encode((call_id, True, result))  # a result msgpack cannot carry: an error
             except Exception as e:
                 encoded = self.encoder.encode((call_id, False, f"{type(e).__name__}: {e}"))
-            self.output_socket.send_multipart([UTILITY_RESULT, encoded])
+            self.output_sockets[client].send_multipart([UTILITY_RESULT, encoded])
         elif kind == SHUTDOWN:
             return True
         elif kind == WORKER_FAILED:
@@ -191,10 +211,29 @@ class EngineCoreProc:
         return False
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
-        self.output_socket.send_multipart([OUTPUTS, self.encoder.encode(outputs)], copy=False)
+        if len(self.output_sockets) == 1:
+            self.output_socket.send_multipart([OUTPUTS, self.encoder.encode(outputs)], copy=False)
+            return
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        client_of = self._client_of
+        for out in outputs.outputs:
+            rid = out.request_id
+            client = client_of.pop(rid, 0) if out.finish_reason is not None else client_of.get(rid, 0)
+            per_client.setdefault(client, []).append(out)
+        for client, sock in enumerate(self.output_sockets):
+            mine = per_client.get(client)
+            if mine is None and outputs.scheduler_stats is None:
+                continue
+            part = EngineCoreOutputs(
+                outputs=mine or [],
+                scheduler_stats=outputs.scheduler_stats,  # every front end's gauges and counters
+                timestamp=outputs.timestamp,
+                engine_index=outputs.engine_index,
+            )
+            sock.send_multipart([OUTPUTS, self.encoder.encode(part)], copy=False)
 
     def _send_abort_output(self, request_id: str) -> None:
-        from pagedllm.messages import EngineCoreOutput, FinishReason
+        from pagedllm.messages import FinishReason
 
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT)
         self._send(EngineCoreOutputs(outputs=[out], timestamp=time.monotonic()))
@@ -202,7 +241,8 @@ class EngineCoreProc:
     def report_fatal(self, message: str) -> None:
         """`FAILED` on the output socket; a moment for it to arrive before the exit is noticed."""
         try:
-            self.output_socket.send_multipart([FAILED, self.encoder.encode(message)])
+            for sock in self.output_sockets:
+                sock.send_multipart([FAILED, self.encoder.encode(message)])
             time.sleep(0.3)
         except zmq.ZMQError:
             pass
@@ -211,10 +251,13 @@ class EngineCoreProc:
         try:
             self.core.shutdown()
         finally:
-            self.output_socket.close(linger=1000)
+            for sock in self.output_sockets:
+                sock.close(linger=1000)
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, handshake_addr: str) -> None:
+def run_engine_core(
+    config: EngineConfig, input_addr: str | list[str], output_addr: str | list[str], handshake_addr: str
+) -> None:
     """Entry point of the spawned core process."""
     # Ctrl-C reaches the whole process group; the front end shuts us down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -66,7 +66,7 @@ class DPAsyncMPClient:
     @property
     def proc(self) -> Any:
         """The first core process that is no longer alive, else the first one (for liveness checks)."""
-        return next((c.proc for c in self.clients if not c.proc.is_alive()), self.clients[0].proc)
+        return next((c.proc for c in self.clients if not c.is_alive()), self.clients[0].proc)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._queue is not None:
@@ -109,7 +109,7 @@ class DPAsyncMPClient:
     def _on_process_exit(self) -> None:
         """Check every core now (the server's /health does not wait for the sentinel callbacks)."""
         for c in self.clients:
-            if not c.proc.is_alive():
+            if not c.is_alive():
                 c._on_process_exit()
 
     def shutdown(self) -> None:

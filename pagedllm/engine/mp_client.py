@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -97,17 +98,74 @@ class _Resources:
             self.ipc_dir = None
 
 
-class AsyncMPClient:
-    """Starts the core process, waits until it is ready, then sends requests and yields its outputs."""
+@dataclasses.dataclass(frozen=True)
+class CoreConnection:
+    """How a front end reaches an engine core that another process started (`pagedllm serve
+    --api-server-count N`, `entrypoints/openai/multi_server.py`): this front end's index among the N, the
+    addresses it binds (the core connects to them), the core's pid (watched for its death) and READY info."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+    client_index: int
+    input_addr: str
+    output_addr: str
+    core_pid: int
+    ready_info: dict[str, Any]
+
+
+def core_addresses(n: int) -> tuple[str, list[str], list[str], str]:
+    """A fresh IPC directory and, for n front ends, their input and output addresses plus the handshake's."""
+    ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
+    base = f"ipc://{ipc_dir}/{uuid.uuid4().hex[:8]}"
+    return ipc_dir, [f"{base}-in{i}" for i in range(n)], [f"{base}-out{i}" for i in range(n)], base + "-hs"
+
+
+def wait_core_ready(
+    handshake: zmq.Socket, proc: multiprocessing.process.BaseProcess, timeout_s: float
+) -> dict[str, Any]:
+    """The core's READY info from the handshake socket; EngineStartError if it fails, exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    poller = zmq.Poller()
+    poller.register(handshake, zmq.POLLIN)
+    while time.monotonic() < deadline:
+        if poller.poll(200):
+            kind, payload = handshake.recv_multipart()
+            if kind == READY:
+                return msgspec.msgpack.decode(payload)
+            if kind == FAILED:
+                raise EngineStartError(f"The engine core failed to start: {msgspec.msgpack.decode(payload)}")
+        if not proc.is_alive():
+            raise EngineStartError(
+                f"The engine core process exited with code {proc.exitcode} while starting (see its log above)."
+            )
+    raise EngineStartError(f"The engine core did not become ready within {timeout_s:.0f} s")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class AsyncMPClient:
+    """Starts the core process, waits until it is ready, then sends requests and yields its outputs. With
+    `connect`, it starts nothing: it binds the given addresses of a core another process started."""
+
+    def __init__(
+        self, config: EngineConfig, startup_timeout_s: float = 600.0, connect: CoreConnection | None = None
+    ) -> None:
         self.config = config
         self.resources = _Resources()
         self._finalizer = weakref.finalize(self, self.resources)
         atexit.register(self._finalizer)
-        self.resources.ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
-        base = f"ipc://{self.resources.ipc_dir}/{uuid.uuid4().hex[:8]}"
-        input_addr, output_addr, handshake_addr = base + "-in", base + "-out", base + "-hs"
+        self.client_index = connect.client_index if connect is not None else 0
+        if connect is None:
+            self.resources.ipc_dir, inputs, outputs, handshake_addr = core_addresses(1)
+            input_addr, output_addr = inputs[0], outputs[0]
+        else:
+            input_addr, output_addr = connect.input_addr, connect.output_addr
 
         self.sync_ctx = self.resources.sync_ctx = zmq.Context(io_threads=1)
         self.input_socket = self.sync_ctx.socket(zmq.PUSH)
@@ -123,28 +181,33 @@ class AsyncMPClient:
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(output_addr)
-        handshake = self.sync_ctx.socket(zmq.PULL)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(handshake_addr)
-
-        mp_ctx = multiprocessing.get_context("spawn")
-        self.proc = mp_ctx.Process(
-            target=run_engine_core,
-            args=(config, input_addr, output_addr, handshake_addr),
-            name="EngineCore",
-            daemon=False,  # joined explicitly by shutdown(); a daemon could not start TP workers later
-        )
-        self.proc.start()
-        self.resources.proc = self.proc
-        logger.info("Engine core process started (pid %d); waiting for it to load the model", self.proc.pid)
-        try:
-            self.ready_info = self._wait_ready(handshake, startup_timeout_s)
-        except BaseException:
-            self.resources()
-            raise
-        finally:
-            handshake.close(linger=0)
-        self.core_pid: int = self.proc.pid  # type: ignore[assignment]
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._pidfd: int | None = None
+        if connect is not None:
+            self.ready_info: dict[str, Any] = connect.ready_info
+            self.core_pid: int = connect.core_pid
+        else:
+            handshake = self.sync_ctx.socket(zmq.PULL)
+            handshake.setsockopt(zmq.LINGER, 0)
+            handshake.bind(handshake_addr)
+            mp_ctx = multiprocessing.get_context("spawn")
+            self.proc = proc = mp_ctx.Process(
+                target=run_engine_core,
+                args=(config, input_addr, output_addr, handshake_addr),
+                name="EngineCore",
+                daemon=False,  # joined explicitly by shutdown(); a daemon could not start TP workers later
+            )
+            proc.start()
+            self.resources.proc = proc
+            logger.info("Engine core process started (pid %d); waiting for it to load the model", proc.pid)
+            try:
+                self.ready_info = wait_core_ready(handshake, proc, startup_timeout_s)
+            except BaseException:
+                self.resources()
+                raise
+            finally:
+                handshake.close(linger=0)
+            self.core_pid = proc.pid  # type: ignore[assignment]
 
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -157,30 +220,13 @@ class AsyncMPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
-    def _wait_ready(self, handshake: zmq.Socket, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        poller = zmq.Poller()
-        poller.register(handshake, zmq.POLLIN)
-        while time.monotonic() < deadline:
-            if poller.poll(200):
-                kind, payload = handshake.recv_multipart()
-                if kind == READY:
-                    return msgspec.msgpack.decode(payload)
-                if kind == FAILED:
-                    raise EngineStartError(f"The engine core failed to start: {msgspec.msgpack.decode(payload)}")
-            if not self.proc.is_alive():
-                raise EngineStartError(
-                    f"The engine core process exited with code {self.proc.exitcode} while starting (see its log above)."
-                )
-        raise EngineStartError(f"The engine core did not become ready within {timeout_s:.0f} s")
-
     # ---- life cycle in the event loop -----------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Watch the core process from `loop` (call once, from the loop's thread)."""
         if self._loop is not None:
             return
         self._loop = loop
-        sentinel = self.proc.sentinel
+        sentinel = self._sentinel()
         try:
             loop.add_reader(sentinel, self._on_process_exit)
         except NotImplementedError:  # pragma: no cover - loops without add_reader: poll from a thread
@@ -192,20 +238,31 @@ class AsyncMPClient:
                 loop.call_soon_threadsafe(self._on_process_exit)
 
             threading.Thread(target=watch, name="EngineCoreWatch", daemon=True).start()
-        if not self.proc.is_alive():
+        if not self.is_alive():
             self._on_process_exit()
+
+    def _sentinel(self) -> int:
+        """An fd that becomes readable when the core process exits: its multiprocessing sentinel when this
+        client started it, else a pidfd (Linux), which watches a process that is not our child."""
+        if self.proc is not None:
+            return self.proc.sentinel
+        if self._pidfd is None:
+            self._pidfd = os.pidfd_open(self.core_pid)
+        return self._pidfd
 
     def _on_process_exit(self) -> None:
         if self._loop is not None:
             try:
-                self._loop.remove_reader(self.proc.sentinel)
+                self._loop.remove_reader(self._sentinel())
             except Exception:
                 pass
         if self._closed or self.dead:
             return
-        self.proc.join(1.0)  # reap it, so the exit code is known
-        code = self.proc.exitcode
-        logger.error("The engine core process (pid %s) died (exit code %s)", self.proc.pid, code)
+        code: int | str | None = "unknown: not our child"
+        if self.proc is not None:
+            self.proc.join(1.0)  # reap it, so the exit code is known
+            code = self.proc.exitcode
+        logger.error("The engine core process (pid %s) died (exit code %s)", self.core_pid, code)
         self.mark_dead(EngineDeadError(f"The engine core process died unexpectedly (exit code {code})."))
 
     def mark_dead(self, error: EngineDeadError) -> None:
@@ -237,6 +294,8 @@ class AsyncMPClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
+        if self.client_index:
+            request.client_index = self.client_index
         self._send(ADD, self.encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -271,26 +330,35 @@ class AsyncMPClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = fut
         try:
-            self._send(UTILITY, self.encoder.encode((call_id, method, list(args))))
+            call = (
+                (call_id, method, list(args), self.client_index) if self.client_index else (call_id, method, list(args))
+            )
+            self._send(UTILITY, self.encoder.encode(call))
         except BaseException:
             self._pending_calls.pop(call_id, None)
             raise
         return await fut
 
     def is_alive(self) -> bool:
-        return not self.dead and self.proc.is_alive()
+        if self.dead:
+            return False
+        return self.proc.is_alive() if self.proc is not None else _pid_alive(self.core_pid)
 
     def shutdown(self) -> None:
-        """Ask the core to stop, then terminate it if it does not (idempotent)."""
+        """Ask the core to stop, then terminate it if it does not (idempotent). A client that did not start
+        the core only closes its sockets: the process that started the core stops it."""
         if self._closed:
             return
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.remove_reader(self.proc.sentinel)
+                self._loop.remove_reader(self._sentinel())
             except Exception:
                 pass
-        if self.proc.is_alive():
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self.proc is not None and self.proc.is_alive():
             try:
                 self.input_socket.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
             except zmq.ZMQError:

@@ -97,6 +97,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=16 * 1024,
         help="Largest request line plus headers accepted, in bytes (h11's limit; uvicorn's default 16 KiB).",
     )
+    g.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API-server processes sharing the port and one engine core (default 1): more HTTP, tokenization "
+        "and detokenization capacity when the server path, not the model, sets the pace.",
+    )
     g.add_argument("--config", default=None, help="YAML file of flags (keys as the flag names); CLI flags win.")
     EngineArgs.add_cli_args(p, positional_model=True)
     return p
@@ -152,6 +159,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     del args._serve_parser
     if args.config:
         apply_config_file(parser, args, _serve_argv())
+    if args.api_server_count != 1:
+        from pagedllm.entrypoints.openai.multi_server import serve_multi
+
+        return serve_multi(args)
     from pagedllm.entrypoints.openai.api_server import serve_main
 
     return serve_main(args)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import gc
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -20,10 +21,11 @@ from starlette.types import Receive, Scope, Send
 
 import pagedllm
 from pagedllm import envs
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
-from pagedllm.engine.mp_client import EngineDeadError
+from pagedllm.engine.mp_client import CoreConnection, EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, check_parser_args
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
@@ -287,7 +289,7 @@ def build_app(
 
     @app.get("/health", response_class=Response, responses=empty_200)
     async def health() -> Response:
-        if not engine.errored and not engine.engine_core.proc.is_alive():
+        if not engine.errored and not engine.engine_core.is_alive():
             engine.engine_core._on_process_exit()  # do not wait for the sentinel callback's turn
         if engine.errored:
             return JSONResponse(error_body(str(engine.dead_error), 503), status_code=503)
@@ -371,9 +373,13 @@ def build_app(
 
 
 # ---- server ------------------------------------------------------------------------------------
-async def run_server(args: argparse.Namespace) -> int:
+async def run_server(
+    args: argparse.Namespace, core_connection: CoreConnection | None = None, config: EngineConfig | None = None
+) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
-    when the engine core died."""
+    when the engine core died. With `core_connection` (one of `--api-server-count` API servers) the engine
+    core is another process's, and the port is shared with the other API servers (SO_REUSEPORT: the kernel
+    spreads the connections)."""
     engine_args = EngineArgs.from_cli_args(args)
     check_parser_args(getattr(args, "tool_call_parser", None), bool(getattr(args, "enable_auto_tool_choice", False)))
     if args.request_timeout is not None and not args.request_timeout > 0:
@@ -382,13 +388,19 @@ async def run_server(args: argparse.Namespace) -> int:
     api_keys = [args.api_key] if args.api_key else []
     if not api_keys and envs.PAGEDLLM_API_KEY:
         api_keys = [envs.PAGEDLLM_API_KEY]
-    config = engine_args.create_engine_config()
+    if config is None:
+        config = engine_args.create_engine_config()
     served = list(engine_args.served_model_name or []) or [engine_args.model or "SmolLM2-135M-Instruct"]
     prometheus = PrometheusStatLogger(served[0], config.model_config.max_model_len)
     if config.lora_config is not None:
         prometheus.enable_lora_info(config.lora_config.max_loras)
     stat_loggers: list[Any] = [prometheus]
-    engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    engine = AsyncLLM(
+        config,
+        log_stats=not engine_args.disable_log_stats,
+        stat_loggers=stat_loggers,
+        core_connection=core_connection,
+    )
     if config.parallel_config.data_parallel_size > 1:
         prometheus.enable_data_parallel(engine.engine_core)
     app: FastAPI | None = None
@@ -433,13 +445,16 @@ async def run_server(args: argparse.Namespace) -> int:
             loop.call_later(0.5, setattr, server, "should_exit", True)
 
         engine.dead_callbacks.append(on_dead)
+        sockets = None
+        if core_connection is not None:
+            sockets = [socket.create_server((args.host, args.port), reuse_port=True, backlog=2048)]
         logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(served), args.host, args.port)
         # The start-up heap (tokenizer, app, routes, engine client) lives as long as the server: out of the cyclic
         # GC's generations, so the collections that streaming's allocations trigger walk only the requests' own
         # objects (as the engine core does; NOTES "Session 12", the API server's py-spy profile).
         gc.collect()
         gc.freeze()
-        await server.serve()
+        await server.serve(sockets=sockets)
         return 1 if engine.errored else 0
     finally:
         if app is not None and getattr(app.state, "template_sandbox", None) is not None:

@@ -95,20 +95,26 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def server_args(api_server_count: int = 1) -> list[str]:
+    """The module server's flags; PAGEDLLM_TEST_API_SERVERS=2 runs this whole module through two API-server
+    processes (by hand; CI runs a selection of it that way: test_server_multi_api.py)."""
+    n = int(os.environ.get("PAGEDLLM_TEST_API_SERVERS", "0")) or api_server_count
+    return [
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "smollm2",
+        "smol",
+        "--max-request-body-bytes",
+        str(4 << 20),
+        *(["--api-server-count", str(n)] if n != 1 else []),
+        *ENGINE_FLAGS,
+    ]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(
-        [
-            "--api-key",
-            API_KEY,
-            "--served-model-name",
-            "smollm2",
-            "smol",
-            "--max-request-body-bytes",
-            str(4 << 20),
-            *ENGINE_FLAGS,
-        ]
-    )
+    srv = ServerProcess(server_args())
     try:
         srv.wait_ready()
         yield srv

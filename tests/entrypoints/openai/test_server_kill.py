@@ -16,8 +16,11 @@ import httpx  # noqa: E402
 from tests.entrypoints.openai.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
 
 
-def test_engine_core_death() -> None:
-    srv = ServerProcess(["--disable-log-requests", *ENGINE_FLAGS])
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_engine_core_death(api_servers: int) -> None:
+    """With two API servers (`--api-server-count 2`), each fails its own streams and exits, and the
+    supervising process exits non-zero."""
+    srv = ServerProcess(["--disable-log-requests", "--api-server-count", str(api_servers), *ENGINE_FLAGS])
     try:
         srv.wait_ready()
         results: list[list[str]] = []
