@@ -5,6 +5,7 @@
 # machine. JSON per run and a summary under $OUT.
 #   git archive bb48290 | (mkdir -p .carry_before && tar -x -C .carry_before)   # once
 #   bash benchmarks/serve_cpu_ab.sh
+# SIDES="before after api2" adds this tree with `--api-server-count 2` (side api2).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_serve_cpu_ab}
 mkdir -p "$OUT"
@@ -14,10 +15,12 @@ PY=${PY:-$PWD/.venv/bin/python}
 PORT=${PORT:-8023}
 root=$PWD
 for r in $(seq "$RUNS"); do
-    for side in before after; do
+    for side in ${SIDES:-before after}; do
         tree=$root
         [ $side = before ] && tree=$root/$BEFORE
-        (cd "$tree" && PYTHONPATH=. exec "$PY" -m pagedllm serve --port $PORT --disable-log-requests) \
+        extra=()
+        [ $side = api2 ] && extra=(--api-server-count 2)
+        (cd "$tree" && PYTHONPATH=. exec "$PY" -m pagedllm serve --port $PORT --disable-log-requests "${extra[@]}") \
             > "$OUT/server_${side}_$r.log" 2>&1 &
         spid=$!
         t0=$SECONDS
@@ -41,8 +44,10 @@ out = sys.argv[1]
 def vals(side, key):
     return [json.load(open(f))[key] for f in sorted(glob.glob(os.path.join(out, f"{side}_*.json")))]
 for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
-    b, a = vals("before", key), vals("after", key)
-    if b and a:
-        print(f"{key}: before {', '.join(f'{v:.2f}' for v in b)} | after {', '.join(f'{v:.2f}' for v in a)} | "
-              f"after / before (medians) {statistics.median(a) / statistics.median(b):.3f}")
+    b = vals("before", key)
+    for side in ("after", "api2"):
+        a = vals(side, key)
+        if b and a:
+            print(f"{key}: before {', '.join(f'{v:.2f}' for v in b)} | {side} {', '.join(f'{v:.2f}' for v in a)} | "
+                  f"{side} / before (medians) {statistics.median(a) / statistics.median(b):.3f}")
 PY
