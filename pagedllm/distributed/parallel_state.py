@@ -154,6 +154,12 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
         return x
     if _TP_GROUP is None:
         raise RuntimeError("tensor parallelism needs init_distributed (the multi-process executor)")
+    fast = _FAST_ALL_REDUCE
+    if fast is not None and dim in (-1, x.dim() - 1) and x.numel() * x.element_size() * _TP_SIZE <= fast.max_bytes:
+        from pagedllm.distributed.symm_allreduce import gather_last_dim_by_sum
+
+        if x.dtype in fast.buffers:
+            return gather_last_dim_by_sum(x, _TP_RANK, _TP_SIZE, fast)
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]

@@ -7,7 +7,11 @@ read over NVLink (allocated once with `torch.distributed._symmetric_memory` and 
 after a barrier on signal pads reads all peers' buffers and sums: one small kernel, no NCCL round trip. It is
 captured by the decode CUDA graphs like any kernel.
 
-Used for contiguous inputs of the model dtype up to `max_bytes` (decode-sized activations); larger ones
+The LM head's logits gather (float32, [rows, vocab / tp] per rank) goes the same way when it fits: each rank
+writes its part into zeros at its slot and the one-shot sum assembles the whole row (`gather_last_dim_by_sum`),
+instead of an eager NCCL all-gather every step.
+
+Used for contiguous inputs of the model dtype (or float32) up to `max_bytes` (decode-sized); larger ones
 (prefill) go to NCCL, whose ring/tree algorithms use the links' bandwidth better. Anything that fails at
 set-up leaves this off (the caller keeps NCCL). NVLink multicast is never used (`multimem_*` ops are not
 called), so the machines' NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=1 settings are respected.
@@ -16,6 +20,7 @@ called), so the machines' NCCL_NVLS_ENABLE=0 / TORCH_SYMM_MEM_DISABLE_MULTICAST=
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,30 +35,45 @@ class SymmMemAllReduce:
     """Sum over the ranks of `group` for small tensors of one dtype, in place."""
 
     def __init__(
-        self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES
+        self, group: Any, device: torch.device, dtypes: tuple[torch.dtype, ...], max_bytes: int = DEFAULT_MAX_BYTES
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.dtype = dtype
-        self.max_numel = max_bytes // dtype.itemsize
+        self.max_bytes = max_bytes
         self.group_name: str = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed by older PyTorch releases, harmless (or deprecated) in newer ones
             enable(self.group_name)
-        self.buffer = symm_mem.empty(self.max_numel, device=device, dtype=dtype)
-        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        # One buffer per dtype (the model's for the layers' all-reduces, float32 for the logits' gather),
+        # each exchanged with the peers once here: allocation is collective, never done while serving.
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.handles: list[Any] = []
+        for dtype in dict.fromkeys(dtypes):
+            buf = symm_mem.empty(max_bytes // dtype.itemsize, device=device, dtype=dtype)
+            self.handles.append(symm_mem.rendezvous(buf, self.group_name))
+            self.buffers[dtype] = buf
         self._op = torch.ops.symm_mem.one_shot_all_reduce_out
 
     def eligible(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.is_contiguous() and x.numel() <= self.max_numel
+        return x.dtype in self.buffers and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
         flat = x.view(-1)
-        staged = self.buffer[:n]
+        staged = self.buffers[x.dtype][: flat.numel()]
         staged.copy_(flat)
         self._op(staged, "sum", self.group_name, flat)
         return x
+
+
+def gather_last_dim_by_sum(
+    x: torch.Tensor, rank: int, world: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The ranks' `x` concatenated along the last dim, through one all-reduce (sum): each rank writes its
+    part into zeros at its slot, and x + 0 is exact. Lets the small decode-time gather of the LM head's logits
+    take the one-shot all-reduce instead of an eager NCCL all-gather."""
+    out = x.new_zeros(*x.shape[:-1], world, x.shape[-1])
+    out[..., rank, :] = x
+    return all_reduce(out).reshape(*x.shape[:-1], world * x.shape[-1])
 
 
 def try_create(group: Any, device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
@@ -62,7 +82,7 @@ def try_create(group: Any, device: torch.device, dtype: torch.dtype, world_size:
 
     ar: SymmMemAllReduce | None = None
     try:
-        ar = SymmMemAllReduce(group, device, dtype)
+        ar = SymmMemAllReduce(group, device, (dtype, torch.float32))
         x = torch.arange(1, 1 + 4096, device=device, dtype=torch.float32).to(dtype) * (dist.get_rank(group) + 1)
         want = x.clone()
         dist.all_reduce(want, group=group)
@@ -78,5 +98,5 @@ def try_create(group: Any, device: torch.device, dtype: torch.dtype, world_size:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if int(ok.item()) != 1:
         return None
-    logger.info("tensor parallel: one-shot symmetric-memory all-reduce up to %d elements", ar.max_numel)  # type: ignore[union-attr]
+    logger.info("tensor parallel: one-shot symmetric-memory all-reduce up to %d bytes", ar.max_bytes)  # type: ignore[union-attr]
     return ar
