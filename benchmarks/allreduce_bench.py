@@ -53,6 +53,40 @@ def _graph_time(fn: Any, per_step: int, iters: int) -> float:
     return (time.perf_counter() - t0) / (iters * per_step)
 
 
+def _eager_time(fn: Any, n: int) -> float:
+    """Mean seconds of one eager call (host launch cost included), n calls back to back, then a sync."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def _two_shot(group: Any, dev: torch.device, numel: int) -> Any:
+    """PyTorch's two-shot all-reduce (reduce-scatter then all-gather over symmetric memory, no multicast) for
+    the large sizes: a callable doing it in place on x through a staging buffer, or None if unavailable."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(numel, device=dev, dtype=torch.bfloat16)
+        symm_mem.rendezvous(buf, group.group_name)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            staged = buf[: x.numel()]
+            staged.copy_(x.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", group.group_name)
+            x.view(-1).copy_(staged)
+            return x
+
+        return run
+    except Exception as e:
+        print(f"two-shot all-reduce unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def _ceilings() -> dict[str, float]:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -88,12 +122,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", rank)
     fast = try_create(group, dev, torch.bfloat16, world)
+    two_shot = _two_shot(group, dev, max(ROWS) * args.hidden)
     rows_out: list[dict[str, Any]] = []
     for rows in ROWS:
         x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device=dev)
         row: dict[str, Any] = {"rows": rows, "bytes": x.numel() * 2}
         nccl_t = _graph_time(lambda x=x: dist.all_reduce(x, group=group), args.per_step, args.iters)
         row["nccl_us"] = nccl_t * 1e6
+        row["nccl_eager_us"] = _eager_time(lambda x=x: dist.all_reduce(x, group=group), args.per_step) * 1e6
+        if two_shot is not None:
+            row["two_shot_us"] = _graph_time(lambda x=x: two_shot(x), args.per_step, args.iters) * 1e6
         if fast is not None and fast.eligible(x):
             ref = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device=dev) * (rank + 1)
             want = ref.clone()
@@ -136,7 +174,9 @@ def main() -> None:
         symm = f"{r['symm_us']:.1f} us (max diff {r['symm_max_abs_diff']:.3g})" if "symm_us" in r else "-"
         size = f"[{r['rows']:5d}, {args.hidden}] {r['bytes'] / 1024:8.0f} KiB"
         step_ms = r["nccl_us"] * args.per_step / 1000
-        print(f"{size}: NCCL {r['nccl_us']:.1f} us, one-shot {symm}; x{args.per_step} per step: NCCL {step_ms:.3f} ms")
+        two = f"{r['two_shot_us']:.1f} us" if "two_shot_us" in r else "-"
+        print(f"{size}: NCCL {r['nccl_us']:.1f} us (eager {r['nccl_eager_us']:.1f}), one-shot {symm}, two-shot {two}; "
+              f"x{args.per_step} per step: NCCL {step_ms:.3f} ms")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -49,7 +49,7 @@ for step in $steps; do
             for w in 2 4; do
                 [ "$ngpu" -ge $w ] || continue
                 timeout 300 python3 benchmarks/allreduce_bench.py --world $w --json "$OUT/allreduce_x$w.json" 2>&1 \
-                    | grep -v "^INFO" | tail -8 | tee -a "$summary"
+                    | grep -E "unavailable|GB/s|KiB" | tee -a "$summary"
             done ;;
         tiny|tests)
             sel=(-k "${TESTS_K:-}"); [ "$step" = tiny ] && sel=(-k "tiny ${TESTS_K:+and ($TESTS_K)}")
