@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pagedllm.entrypoints.openai.multi_server import serve_multi
 
         return serve_multi(args)
-    from pagedllm.entrypoints.openai.api_server import serve_main
+    from pagedllm.entrypoints.openai.server_main import serve_main
 
     return serve_main(args)
 

@@ -5,7 +5,7 @@ Why: on a small model the GPU step is short and the API server's Python (HTTP, J
 cores; the engine core stays one process, so scheduling, the KV cache and prefix caching stay global.
 
 Layout: this process starts the engine core (`core_proc.run_engine_core`, N input and N output addresses),
-waits for READY, then starts N API servers (`api_server.run_server` with a `CoreConnection`): each binds its
+waits for READY, then starts N API servers (`server_main.run_server` with a `CoreConnection`): each binds its
 own pair of ZMQ addresses and the same TCP port with SO_REUSEPORT, so the kernel spreads the connections over
 them. Each request's outputs go back to the API server that sent it. This process only supervises: when the
 core dies the API servers notice (pidfd), fail their in-flight requests and exit, and this process exits
@@ -45,7 +45,7 @@ def _run_api_server(args: argparse.Namespace, config: EngineConfig, connection: 
     """Entry point of one spawned API-server process."""
     exit_when_parent_dies("APIServerParentWatch")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.server_main import run_server
 
     try:
         code = asyncio.run(run_server(args, connection, config=config))
