@@ -77,7 +77,7 @@ def test_pattern_through_llm(smollm2_path: str, adapter_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: str, adapter_dir: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess(
+    with ServerProcess(
         [
             smollm2_path,
             "--served-model-name",
@@ -97,12 +97,8 @@ def server(smollm2_path: str, adapter_dir: str) -> Iterator[ServerProcess]:
             f'{{"name": "zebra2", "path": "{adapter_dir}", "base_model_name": "smollm2"}}',
         ],
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_pattern_through_openai_client_and_runtime_updates(server: ServerProcess, adapter_dir: str) -> None:

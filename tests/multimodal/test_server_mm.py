@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory, family: str) -> str:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def server(model_dir: str, family: str, media: dict[str, Any]) -> Iterator[ServerProcess]:
-    srv = ServerProcess(
+    with ServerProcess(
         [
             model_dir,
             "--served-model-name",
@@ -77,12 +77,8 @@ def server(model_dir: str, family: str, media: dict[str, Any]) -> Iterator[Serve
             "--max-num-batched-tokens",
             str(FAMILIES[family][1]),
         ]
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

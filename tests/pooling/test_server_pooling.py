@@ -22,12 +22,8 @@ TEXTS = varied_sentences(16, seed=3)
 
 @pytest.fixture(scope="module")
 def server(minilm_dir: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess([minilm_dir, "--served-model-name", "minilm", "--dtype", "float32"])
-    try:
-        srv.wait_ready()
+    with ServerProcess([minilm_dir, "--served-model-name", "minilm", "--dtype", "float32"]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -38,12 +38,8 @@ STRESS_FLAGS = [
 
 @pytest.fixture(scope="package")
 def stress_server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(STRESS_FLAGS)
-    try:
-        srv.wait_ready()
+    with ServerProcess(STRESS_FLAGS) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def auth() -> dict[str, str]:

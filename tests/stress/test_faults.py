@@ -22,12 +22,8 @@ MAX_TOKENS = 8
 def small_kv_server() -> Iterator[ServerProcess]:
     flags = [f for f in STRESS_FLAGS if f != "--trust-request-chat-template"]
     extra = ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--no-enable-prefix-caching", "--max-model-len", "512"]
-    srv = ServerProcess([*flags, *extra])
-    try:
-        srv.wait_ready()
+    with ServerProcess([*flags, *extra]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.slow

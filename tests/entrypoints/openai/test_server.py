@@ -83,6 +83,18 @@ class ServerProcess:
         assert m, "core pid not logged"
         return int(m.group(1))
 
+    def __enter__(self) -> ServerProcess:
+        """Ready to serve (the module fixtures' `with ServerProcess(args) as srv: yield srv`)."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -114,12 +126,8 @@ def server_args(api_server_count: int = 1) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(server_args())
-    try:
-        srv.wait_ready()
+    with ServerProcess(server_args()) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,8 @@ from tests.entrypoints.openai.test_server import (  # noqa: E402, F401  (tests r
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(server_args(api_server_count=2))
-    try:
-        srv.wait_ready()
+    with ServerProcess(server_args(api_server_count=2)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

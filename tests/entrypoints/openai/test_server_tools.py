@@ -51,7 +51,7 @@ needs_structured = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(
+    with ServerProcess(
         [
             "--served-model-name",
             "x",
@@ -65,12 +65,8 @@ def server() -> Iterator[ServerProcess]:
             '{"disable_any_whitespace": true}',
             *ENGINE_FLAGS,
         ]
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,8 @@ from tests.structured_output.cases import ARITH_EBNF, ARITH_LARK, REGEXES, SCHEM
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--structured-outputs-config", '{"disable_any_whitespace": true}', *ENGINE_FLAGS])
-    try:
-        srv.wait_ready()
+    with ServerProcess(["--structured-outputs-config", '{"disable_any_whitespace": true}', *ENGINE_FLAGS]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]

@@ -53,12 +53,8 @@ def metric_value(url: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="session")
 def web_server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--api-key", API_KEY, *SERVER_FLAGS])
-    try:
-        srv.wait_ready()
+    with ServerProcess(["--api-key", API_KEY, *SERVER_FLAGS]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")
