@@ -11,6 +11,7 @@ from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import apply_chat_template, normalize_conversation
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, ChoiceStream, RequestParsing
+from pagedllm.entrypoints.openai.chunk_json import chunk_head, content_chunk_json
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -291,6 +292,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens = len(prompt_ids)
         parsing = self.output_parsing()
         streams: dict[int, ChoiceStream] = {}
+        head = chunk_head("chat.completion.chunk", rid, created, model)
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
             c = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=choices)
@@ -318,6 +320,9 @@ class OpenAIServingChat(OpenAIServing):
                             continue  # nothing to send yet (e.g. a possible start of a tag held back)
                         if cs.tools_called and finish_reason is not None:
                             finish_reason = "tool_calls"
+                    elif lps is None and not continuous:  # the common chunk, built without pydantic
+                        yield sse(content_chunk_json(head, out.index, out.text, finish_reason, out.stop_reason))
+                        continue
                     else:
                         delta = DeltaMessage(content=out.text)
                     yield chunk(

@@ -1,5 +1,5 @@
-"""The streamed completion chunk built without pydantic (`serving_completion.text_chunk_json`) is the same JSON
-value as `CompletionStreamResponse(...).model_dump_json()`, for awkward texts, ids and model names."""
+"""The streamed chunks built without pydantic (`chunk_json.py`) are the same JSON values as the pydantic models'
+`model_dump_json()`, for awkward texts, ids and model names."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import json
 import pytest
 
 pytest.importorskip("fastapi")
-from pagedllm.entrypoints.openai.protocol import CompletionResponseStreamChoice, CompletionStreamResponse  # noqa: E402
-from pagedllm.entrypoints.openai.serving_completion import chunk_head, text_chunk_json  # noqa: E402
+from pagedllm.entrypoints.openai.chunk_json import chunk_head, content_chunk_json, text_chunk_json  # noqa: E402
+from pagedllm.entrypoints.openai.protocol import (  # noqa: E402
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+)
 
 TEXTS = [
     "",
@@ -33,5 +39,17 @@ def test_text_chunk_json_equals_pydantic(text: str, finish: tuple[str | None, in
         model=model,
         choices=[CompletionResponseStreamChoice(index=3, text=text, finish_reason=finish[0], stop_reason=finish[1])],
     ).model_dump_json()
-    got = text_chunk_json(chunk_head(rid, created, model), 3, text, finish[0], finish[1])
+    got = text_chunk_json(chunk_head("text_completion", rid, created, model), 3, text, finish[0], finish[1])
     assert json.loads(got) == json.loads(ref)
+    chat_ref = ChatCompletionStreamResponse(
+        id=rid,
+        created=created,
+        model=model,
+        choices=[
+            ChatCompletionResponseStreamChoice(
+                index=1, delta=DeltaMessage(content=text), finish_reason=finish[0], stop_reason=finish[1]
+            )
+        ],
+    ).model_dump_json()
+    chat = content_chunk_json(chunk_head("chat.completion.chunk", rid, created, model), 1, text, *finish)
+    assert json.loads(chat) == json.loads(chat_ref)
