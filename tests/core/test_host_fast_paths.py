@@ -231,7 +231,9 @@ def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
     return results
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"]
+)  # CI time: slow-marked, run by hand (pytest -m slow)
 def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.worker.sampling_batch import SamplingBatch

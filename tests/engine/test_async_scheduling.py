@@ -34,7 +34,9 @@ def _run(path: str, async_scheduling: bool, **kw: object) -> tuple[list, LLM]:
     return outs, llm
 
 
-@pytest.mark.parametrize("blocks", [None, 40], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(
+    "blocks", [pytest.param(None, marks=pytest.mark.slow), 40], ids=["roomy", "preempting"]
+)  # CI time: slow-marked, run by hand (pytest -m slow)
 def test_async_equals_sync(smollm2_path: str, blocks: int | None) -> None:
     kw = {} if blocks is None else {"num_gpu_blocks_override": blocks}
     sync_outs, _ = _run(smollm2_path, False, **kw)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 
 
@@ -45,6 +47,7 @@ def test_generate_cli_matches_offline(smollm2_llm: LLM) -> None:
     assert out.rstrip("\n") == ref
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_chat_repl(smollm2_llm: LLM) -> None:
     q = "What is the capital of France?"
     out = run_cli(

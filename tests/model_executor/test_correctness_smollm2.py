@@ -40,9 +40,9 @@ SP24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     "name,kwargs",
     [
         ("default", {}),
-        ("chunked_every_prompt", {"max_num_batched_tokens": 3}),
+        pytest.param("chunked_every_prompt", {"max_num_batched_tokens": 3}, marks=pytest.mark.slow),  # CI time
         ("preemption", {"num_gpu_blocks_override": 12, "max_model_len": 128}),
-        ("no_prefix_cache", {"enable_prefix_caching": False}),
+        pytest.param("no_prefix_cache", {"enable_prefix_caching": False}, marks=pytest.mark.slow),  # CI time
     ],
 )
 def test_batch_invariance(name, kwargs, smollm2_path, smollm2_hf_model, smollm2_prompt_ids, smollm2_hf_greedy) -> None:  # noqa: ANN001

@@ -123,6 +123,7 @@ def test_perplexity_within_one_percent(packed_llm: LLM, smollm2_llm: LLM, smollm
     assert abs(packed / dense - 1) < 0.01
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_split_gguf_loads(tmp_path: Path, smollm2_path: str) -> None:
     """A checkpoint split into `-0000i-of-0000N.gguf` files (metadata in the first, tensors spread) loads
     to the same weights as the single file."""

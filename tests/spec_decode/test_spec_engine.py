@@ -44,6 +44,7 @@ def grounded_ids(smollm2_tokenizer, smollm2_prompt_ids) -> list[list[int]]:  # n
     return [smollm2_tokenizer.encode(p) for p in GROUNDED] + smollm2_prompt_ids[:4]
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_ngram_smollm2_greedy_equals_spec_off(smollm2_path: str, grounded_ids, request) -> None:  # noqa: ANN001
     torch.set_num_threads(2)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)

@@ -16,7 +16,8 @@ import httpx  # noqa: E402
 from tests.entrypoints.openai.test_server import ENGINE_FLAGS, ServerProcess  # noqa: E402
 
 
-@pytest.mark.parametrize("api_servers", [1, 2])
+# CI time: the two-API-server case is slow-marked, run by hand (pytest -m slow)
+@pytest.mark.parametrize("api_servers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_engine_core_death(api_servers: int) -> None:
     """With two API servers (`--api-server-count 2`), each fails its own streams and exits, and the
     supervising process exits non-zero."""
