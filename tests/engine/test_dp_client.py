@@ -17,6 +17,7 @@ from tests.utils_model import make_tiny_hf_model  # noqa: E402
 ARGS = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 128, "kv_cache_memory_bytes": 8 << 20}
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_two_cores_match_one_engine(tmp_path) -> None:  # noqa: ANN001
     make_tiny_hf_model("llama", tmp_path)
     prompts = tiny_prompts() * 3

@@ -3,11 +3,13 @@ siblings hit every full block of the first one's prompt) and the 8 outputs diffe
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm import SamplingParams, TokensPrompt
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_n8_shares_prompt_kv(smollm2_llm) -> None:  # noqa: ANN001
     # Random ids: a high-entropy continuation (a repeated text would be copied the same way 8 times).
     g = torch.Generator().manual_seed(0)

@@ -65,6 +65,7 @@ def adapter_dir(smollm2_path: str, smollm2_tokenizer, tmp_path_factory) -> str: 
     return path
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_pattern_through_llm(smollm2_path: str, adapter_dir: str) -> None:
     llm = LLM(smollm2_path, enable_lora=True, max_lora_rank=8, **ENGINE)
     lora = LoRARequest("zebra", 1, adapter_dir)

@@ -107,6 +107,7 @@ def test_pt_format(tmp_path) -> None:  # noqa: ANN001
     torch.testing.assert_close(PagedModelRunner(m).step(ids), ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_gguf_matches_transformers() -> None:
     """SmolLM2 Q4_1 GGUF: our dequantized, un-permuted weights equal transformers' GGUF loading bit for bit,
     and so do the logits (about 25 s)."""

@@ -250,6 +250,7 @@ class Recorder(LogitsProcessor):
         return logits
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_custom_processor_and_mixed_step_end_to_end(smollm2_path, smollm2_prompt_ids) -> None:  # noqa: ANN001
     rec = Recorder()
     llm = LLM(

@@ -137,6 +137,7 @@ def test_bad_constraints_are_value_errors(smollm2_llm: LLM) -> None:
             smollm2_llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
 
 
+@pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_chunked_prefill_preemption_async_equal_plain_run(smollm2_path: str, smollm2_llm: LLM) -> None:
     """Constrained outputs (greedy and seeded) under a 16-token step budget, a KV cache small enough to
     preempt, and async scheduling equal those of the plain engine."""
