@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", rank)
-    fast = try_create(group, dev, torch.bfloat16, world)
+    fast = try_create(group, dev, torch.bfloat16)
     two_shot = _two_shot(group, dev, max(ROWS) * args.hidden)
     rows_out: list[dict[str, Any]] = []
     for rows in ROWS:

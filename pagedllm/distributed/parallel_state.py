@@ -101,7 +101,7 @@ def init_distributed(
     if backend == "nccl" and tp_size > 1 and dtype is not None and envs.PAGEDLLM_TP_ALLREDUCE == "symm":
         from pagedllm.distributed.symm_allreduce import try_create
 
-        _FAST_ALL_REDUCE = try_create(_TP_GROUP, torch.device("cuda", torch.cuda.current_device()), dtype, tp_size)
+        _FAST_ALL_REDUCE = try_create(_TP_GROUP, torch.device("cuda", torch.cuda.current_device()), dtype)
 
 
 def destroy_distributed() -> None:
@@ -155,11 +155,10 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if _TP_GROUP is None:
         raise RuntimeError("tensor parallelism needs init_distributed (the multi-process executor)")
     fast = _FAST_ALL_REDUCE
-    if fast is not None and dim in (-1, x.dim() - 1) and x.numel() * x.element_size() * _TP_SIZE <= fast.max_bytes:
+    if fast is not None and dim in (-1, x.dim() - 1) and fast.fits(x.dtype, x.numel() * x.element_size() * _TP_SIZE):
         from pagedllm.distributed.symm_allreduce import gather_last_dim_by_sum
 
-        if x.dtype in fast.buffers:
-            return gather_last_dim_by_sum(x, _TP_RANK, _TP_SIZE, fast)
+        return gather_last_dim_by_sum(x, _TP_RANK, _TP_SIZE, fast)
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]

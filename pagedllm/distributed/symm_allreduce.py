@@ -54,8 +54,11 @@ class SymmMemAllReduce:
             self.buffers[dtype] = buf
         self._op = torch.ops.symm_mem.one_shot_all_reduce_out
 
+    def fits(self, dtype: torch.dtype, nbytes: int) -> bool:
+        return dtype in self.buffers and nbytes <= self.max_bytes
+
     def eligible(self, x: torch.Tensor) -> bool:
-        return x.dtype in self.buffers and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
+        return x.is_contiguous() and self.fits(x.dtype, x.numel() * x.element_size())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
@@ -76,7 +79,7 @@ def gather_last_dim_by_sum(
     return all_reduce(out).reshape(*x.shape[:-1], world * x.shape[-1])
 
 
-def try_create(group: Any, device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
+def try_create(group: Any, device: torch.device, dtype: torch.dtype) -> SymmMemAllReduce | None:
     """The one-shot all-reduce for this TP group, checked once against NCCL; None where it cannot be used."""
     import torch.distributed as dist
 
