@@ -94,15 +94,12 @@ if HAS_TRITON:
             r_blocks = tl.cdiv(R, BLOCK_N)
             slot = tl.load(slot_ptr)
             if slot >= 0:
-                # Polled with plain L2 loads: an atomic per program (thousands on one address) cost ~6 us
-                # per launch on the H200. The shrink programs stored s before their release increment, and
-                # the loads of s below are issued only after the count is seen, from L2 (volatile).
-                done = tl.load(sync_ptr, volatile=True)
+                done = tl.atomic_add(sync_ptr, 0, sem="acquire")
                 while done < r_blocks:
-                    done = tl.load(sync_ptr, volatile=True)
+                    done = tl.atomic_add(sync_ptr, 0, sem="acquire")
                 rr = tl.arange(0, R_PAD)
                 r_ok = rr < R
-                sv = tl.load(s_ptr + rr, mask=r_ok, other=0.0, volatile=True)
+                sv = tl.load(s_ptr + rr, mask=r_ok, other=0.0, cache_modifier=".cg")
                 bm = tl.load(
                     b2_ptr + slot.to(tl.int64) * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rr[None, :],
                     mask=n_ok[:, None] & r_ok[None, :],
