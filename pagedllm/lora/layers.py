@@ -51,8 +51,6 @@ class TokenLoRAState:
         self.seg_len: torch.Tensor | None = None
         self.split_buffer: torch.Tensor | None = None
         """Triton path, few tokens: one zeroed float32 [layers, T, R] buffer for every layer's split-K shrink."""
-        self.row_sync: torch.Tensor | None = None
-        """CUDA: every layer's batch-1 row-GEMV hand-off counter (`RowGemvLoRA.sync`), zeroed per forward."""
         self.num_layers = 0
         self.max_r = 0
         # PyTorch path: (slot, token indices or None for all tokens) per adapter present.
@@ -91,8 +89,6 @@ class TokenLoRAState:
             from pagedllm.lora.ops import SPLIT_K_MAX_TOKENS
 
             self.split_buffer = None
-            if n == 1 and self.row_sync is not None:
-                self.row_sync.zero_()
             if n <= SPLIT_K_MAX_TOKENS:
                 self.split_buffer = torch.zeros(self.num_layers, n, self.max_r, dtype=torch.float32, device=s.device)
             return
@@ -128,13 +124,11 @@ class LoRALayer:
         self.lora_b = torch.zeros(max_loras, self.out_size, r_all, dtype=dtype, device=dev)
         state.max_r = max(state.max_r, r_all)
         self.fused: RowGemvLoRA | None = None
-        """Batch-1 CUDA decode: the base layer's row GEMV adds the delta itself (`attach_row_gemv`)."""
-
-    def attach_row_gemv(self, base: nn.Module, sync: torch.Tensor) -> None:
-        """Lets the base layer's batch-1 row GEMV compute this layer's delta in its own launch."""
-        out = torch.zeros(1, self.lora_a.shape[1], dtype=torch.float32, device=sync.device)
-        self.fused = RowGemvLoRA(self.lora_a, self.lora_b, self.state.token_slots[:1], out, sync)
-        vars(base)["row_gemv_lora"] = self.fused  # read by UnquantizedLinearMethod.apply
+        """Batch-1 CUDA decode: the base layer's row GEMV computes the shrink too (one launch fewer)."""
+        if state.use_triton and dev.type == "cuda":
+            out = torch.zeros(1, r_all, dtype=torch.float32, device=dev)
+            self.fused = RowGemvLoRA(self.lora_a, state.token_slots[:1], out)
+            vars(base)["row_gemv_lora"] = self.fused  # read by UnquantizedLinearMethod.apply
 
     def check(self, name: str, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """ValueError unless `weights` (slice -> (A, B)) fits this layer."""
@@ -166,12 +160,13 @@ class LoRALayer:
         x = args[0]
         st = self.state
         if st.use_triton:
-            from pagedllm.lora.ops import lora_shrink_expand
+            from pagedllm.lora.ops import lora_expand, lora_shrink_expand
 
             assert st.sorted_idx is not None and st.seg_start is not None and st.seg_len is not None
             f = self.fused
-            if f is not None and f.done:  # the base's row GEMV added the delta
+            if f is not None and f.done:  # the base's row GEMV wrote the shrink into f.out
                 f.done = False
+                lora_expand(f.out, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len)
                 return out
             sb = st.split_buffer[self.index] if st.split_buffer is not None else None
             lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, sb)
@@ -187,7 +182,6 @@ class LoRALayer:
 def wrap_model(model: nn.Module, state: TokenLoRAState, max_loras: int, max_rank: int) -> dict[str, LoRALayer]:
     """Attaches a LoRALayer to every target linear of the model; the layers by module name."""
     layers: dict[str, LoRALayer] = {}
-    bases: list[nn.Module] = []
     for name, module in model.named_modules():
         if name.rpartition(".")[2] not in TARGETS:
             continue
@@ -198,12 +192,7 @@ def wrap_model(model: nn.Module, state: TokenLoRAState, max_loras: int, max_rank
         layer = LoRALayer(module, state, max_loras, max_rank)
         module.register_forward_hook(layer.hook)
         layers[name] = layer
-        bases.append(module)
     if not layers:
         raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA-targetable linear layers")
-    if state.use_triton and state.device.type == "cuda":
-        state.row_sync = torch.zeros(state.num_layers, dtype=torch.int32, device=state.device)
-        for layer, base in zip(layers.values(), bases):
-            layer.attach_row_gemv(base, state.row_sync[layer.index : layer.index + 1])
     model.register_forward_pre_hook(state.prepare)
     return layers

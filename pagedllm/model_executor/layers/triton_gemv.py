@@ -48,29 +48,25 @@ if HAS_TRITON:
         a_ptr,  # HAS_LORA: [slots, R, K] LoRA A of every slot
         slot_ptr,  # HAS_LORA: [1] int32, the row's slot (-1: none)
         s_ptr,  # HAS_LORA: [R] float32 out, x @ A[slot]^T
-        b2_ptr,  # HAS_LORA: [slots, N, R] LoRA B of every slot
-        sync_ptr,  # HAS_LORA: [1] int32, zero at launch: shrink programs done
         N,
         K,
         R,
         stride_wn,
         stride_as,
         stride_ar,
-        stride_bs,
-        stride_bn,
         HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr,
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
         EVEN_A: tl.constexpr,  # R % BLOCK_N == 0 and K % BLOCK_K == 0
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        R_PAD: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         if HAS_LORA:
-            # The shrink's programs (A[slot]'s rows, the weight rows' loop) come first in the grid: programs
-            # are dispatched in pid order, so they run before any weight program waits for them (below).
+            # The LoRA shrink's rows A[slot] come first in the grid, same loop as the weight's rows: programs
+            # start in pid order, and at the grid's end they were a tail the weight's programs did not hide
+            # (+1.5 us per launch on the H200, benchmarks/NOTES.md, LoRA session 16).
             r_blocks = tl.cdiv(R, BLOCK_N)
             if pid < r_blocks:
                 slot = tl.load(slot_ptr)
@@ -81,7 +77,6 @@ if HAS_TRITON:
                 a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + rr[:, None].to(tl.int64) * stride_ar + rk[None, :]
                 s = _rows_dot(a_ptrs, x_ptr, K, r_ok, EVEN_A, BLOCK_N, BLOCK_K)
                 tl.store(s_ptr + rr, s, mask=r_ok)
-                tl.atomic_add(sync_ptr, 1, sem="release")  # s is visible before the count says so
                 return
             pid -= r_blocks
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,39 +85,18 @@ if HAS_TRITON:
         y = _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_LORA:  # the expand, y += B[slot] @ s, once every shrink program has stored its part of s
-            r_blocks = tl.cdiv(R, BLOCK_N)
-            slot = tl.load(slot_ptr)
-            if slot >= 0:
-                done = tl.atomic_add(sync_ptr, 0, sem="acquire")
-                while done < r_blocks:
-                    done = tl.atomic_add(sync_ptr, 0, sem="acquire")
-                rr = tl.arange(0, R_PAD)
-                r_ok = rr < R
-                sv = tl.load(s_ptr + rr, mask=r_ok, other=0.0, cache_modifier=".cg")
-                bm = tl.load(
-                    b2_ptr + slot.to(tl.int64) * stride_bs + rn[:, None].to(tl.int64) * stride_bn + rr[None, :],
-                    mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )
-                y += tl.sum(bm.to(tl.float32) * sv[None, :], axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @dataclass
 class RowGemvLoRA:
-    """A LoRA delta riding on a batch-1 row GEMV (`lora/layers.py` installs one per target linear): the
-    kernel's first programs compute the shrink `out = x @ a[slot]^T` (float32) and count themselves in
-    `sync`; every weight program waits for that count, then adds its rows of `b[slot] @ out` before its
-    store. Shrink and expand get no launch of their own (about 3-5 us each per linear on the H200,
-    benchmarks/NOTES.md, LoRA). `sync` must be zero at launch (the LoRA state zeroes every layer's once
-    per forward); `done` tells the layer's hook that the delta is in."""
+    """A LoRA shrink riding on a batch-1 row GEMV (`lora/layers.py` installs one per target linear): the
+    kernel also computes `out = x @ a[slot]^T` (float32) in extra programs, saving the shrink's own launch;
+    `done` tells the layer's hook that it did."""
 
     a: torch.Tensor  # [slots, R, K]
-    b: torch.Tensor  # [slots, N, R]
     slot: torch.Tensor  # [1] int32 on the device
     out: torch.Tensor  # [1, R] float32
-    sync: torch.Tensor  # [1] int32 on the device
     done: bool = False
 
 
@@ -144,8 +118,8 @@ def row_gemv(
     config: tuple[int, int, int, int] | None = None,
     lora: RowGemvLoRA | None = None,
 ) -> torch.Tensor:
-    """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype; with `lora`, plus the adapter's
-    delta (shrink and expand in the same launch)."""
+    """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype; with `lora`, also its shrink
+    (`lora.out`, in the same launch)."""
     assert HAS_TRITON, "Triton is not installed"
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     n, k = weight.shape
@@ -157,7 +131,6 @@ def row_gemv(
     if lora is not None:
         assert lora.a.shape[2] == k and lora.a.stride(2) == 1 and lora.out.dtype == torch.float32
         r = lora.a.shape[1]
-        assert lora.b.shape[1:] == (n, r) and lora.b.stride(2) == 1 and lora.sync.dtype == torch.int32
     _row_gemv_kernel[(n_blocks + triton.cdiv(r, bn),)](
         x,
         weight,
@@ -166,23 +139,18 @@ def row_gemv(
         lora.a if lora is not None else weight,
         lora.slot if lora is not None else weight,
         lora.out if lora is not None else weight,
-        lora.b if lora is not None else weight,
-        lora.sync if lora is not None else weight,
         n,
         k,
         r,
         weight.stride(0),
         lora.a.stride(0) if lora is not None else 0,
         lora.a.stride(1) if lora is not None else 0,
-        lora.b.stride(0) if lora is not None else 0,
-        lora.b.stride(1) if lora is not None else 0,
         HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None,
         EVEN=n % bn == 0 and k % bk == 0,
         EVEN_A=r % bn == 0 and k % bk == 0,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        R_PAD=next_pow2(max(r, 1)),
         num_warps=nw,
         num_stages=ns,
     )
