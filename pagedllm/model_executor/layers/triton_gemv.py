@@ -51,6 +51,7 @@ if HAS_TRITON:
         N,
         K,
         R,
+        N_BLOCKS,
         stride_wn,
         stride_as,
         stride_ar,
@@ -64,21 +65,16 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         if HAS_LORA:
-            # The LoRA shrink's rows A[slot] come first in the grid, same loop as the weight's rows: programs
-            # start in pid order, and at the grid's end they were a tail the weight's programs did not hide
-            # (+1.5 us per launch on the H200, benchmarks/NOTES.md, LoRA session 16).
-            r_blocks = tl.cdiv(R, BLOCK_N)
-            if pid < r_blocks:
+            if pid >= N_BLOCKS:  # the LoRA shrink's rows: A[slot] after the weight's rows, same loop
                 slot = tl.load(slot_ptr)
                 if slot < 0:
                     return
-                rr = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                rr = (pid - N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
                 r_ok = rr < R
                 a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + rr[:, None].to(tl.int64) * stride_ar + rk[None, :]
                 s = _rows_dot(a_ptrs, x_ptr, K, r_ok, EVEN_A, BLOCK_N, BLOCK_K)
                 tl.store(s_ptr + rr, s, mask=r_ok)
                 return
-            pid -= r_blocks
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -142,6 +138,7 @@ def row_gemv(
         n,
         k,
         r,
+        n_blocks,
         weight.stride(0),
         lora.a.stride(0) if lora is not None else 0,
         lora.a.stride(1) if lora is not None else 0,
