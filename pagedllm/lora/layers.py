@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.lora.ops import SPLIT_K_MAX_TOKENS
 from pagedllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -71,12 +70,27 @@ class TokenLoRAState:
             self.token_slots[:m].copy_(torch.from_numpy(host[:m]), non_blocking=True)
 
     def prepare(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Forward pre-hook of the model: groups the forward's tokens by slot (PyTorch path), or marks the
-        grouping stale (Triton path: `group_on_device` runs at the first layer that needs it)."""
+        """Forward pre-hook of the model: groups the forward's tokens by slot (on the device for the Triton
+        path, so a captured graph recomputes it from `token_slots` at every replay)."""
         n = int(args[0].shape[0])
         self.num_tokens = n
         if self.use_triton:
-            self.sorted_idx = self.seg_start = self.seg_len = self.split_buffer = None
+            nl = self.max_loras
+            s = self.token_slots[:n].long()
+            key = torch.where(s < 0, torch.full_like(s, nl), s)
+            onehot = key[:, None] == torch.arange(nl + 1, device=s.device)[None, :]
+            counts = onehot.sum(0)
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_seg = torch.cumsum(onehot.long(), 0).gather(1, key[:, None]).squeeze(1) - 1
+            dest = starts.gather(0, key) + rank_in_seg
+            sorted_idx = torch.empty(n, dtype=torch.int32, device=s.device)
+            sorted_idx.scatter_(0, dest, torch.arange(n, dtype=torch.int32, device=s.device))
+            self.sorted_idx, self.seg_start, self.seg_len = sorted_idx, starts.int(), counts.int()
+            from pagedllm.lora.ops import SPLIT_K_MAX_TOKENS
+
+            self.split_buffer = None
+            if n <= SPLIT_K_MAX_TOKENS:
+                self.split_buffer = torch.zeros(self.num_layers, n, self.max_r, dtype=torch.float32, device=s.device)
             return
         slots = self.host[:n]
         present = np.unique(slots[slots >= 0])
@@ -84,26 +98,6 @@ class TokenLoRAState:
             self.groups = [(int(present[0]), None)]
         else:
             self.groups = [(int(s), torch.from_numpy(np.nonzero(slots == s)[0]).to(self.device)) for s in present]
-
-    def group_on_device(self) -> None:
-        """Triton path: the forward's tokens grouped by slot, on the device, so a captured graph recomputes it
-        from `token_slots` at every replay. Lazy: a batch-1 forward whose every layer adds its delta in the
-        row GEMV (`RowGemvLoRA`) needs none of it (a dozen small kernels per step saved)."""
-        n = self.num_tokens
-        nl = self.max_loras
-        s = self.token_slots[:n].long()
-        key = torch.where(s < 0, torch.full_like(s, nl), s)
-        onehot = key[:, None] == torch.arange(nl + 1, device=s.device)[None, :]
-        counts = onehot.sum(0)
-        starts = torch.cumsum(counts, 0) - counts
-        rank_in_seg = torch.cumsum(onehot.long(), 0).gather(1, key[:, None]).squeeze(1) - 1
-        dest = starts.gather(0, key) + rank_in_seg
-        sorted_idx = torch.empty(n, dtype=torch.int32, device=s.device)
-        sorted_idx.scatter_(0, dest, torch.arange(n, dtype=torch.int32, device=s.device))
-        self.sorted_idx, self.seg_start, self.seg_len = sorted_idx, starts.int(), counts.int()
-        self.split_buffer = None
-        if n <= SPLIT_K_MAX_TOKENS:
-            self.split_buffer = torch.zeros(self.num_layers, n, self.max_r, dtype=torch.float32, device=s.device)
 
 
 class LoRALayer:
@@ -166,16 +160,14 @@ class LoRALayer:
         x = args[0]
         st = self.state
         if st.use_triton:
-            from pagedllm.lora.ops import lora_expand_row, lora_shrink_expand
+            from pagedllm.lora.ops import lora_expand, lora_shrink_expand
 
+            assert st.sorted_idx is not None and st.seg_start is not None and st.seg_len is not None
             f = self.fused
             if f is not None and f.done:  # the base's row GEMV wrote the shrink into f.out
                 f.done = False
-                lora_expand_row(f.out, self.lora_b, out, f.slot)
+                lora_expand(f.out, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len)
                 return out
-            if st.sorted_idx is None:
-                st.group_on_device()
-            assert st.sorted_idx is not None and st.seg_start is not None and st.seg_len is not None
             sb = st.split_buffer[self.index] if st.split_buffer is not None else None
             lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, sb)
             return out

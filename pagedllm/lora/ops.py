@@ -97,30 +97,6 @@ if HAS_TRITON:
         o = tl.load(optrs, mask=omask)
         tl.store(optrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
 
-    @triton.jit
-    def _expand_row_kernel(
-        s_ptr, b_ptr, out_ptr, slot_ptr,
-        N, R,
-        sbl, sbn,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ):  # fmt: skip
-        slot = tl.load(slot_ptr)
-        if slot < 0:
-            return
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        s = tl.load(s_ptr + offs_r, mask=r_mask, other=0.0)
-        b = tl.load(
-            b_ptr + slot.to(tl.int64) * sbl + offs_n[:, None] * sbn + offs_r[None, :],
-            mask=n_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.sum(b.to(tl.float32) * s[None, :], axis=1)
-        o = tl.load(out_ptr + offs_n, mask=n_mask)
-        tl.store(out_ptr + offs_n, (o.to(tl.float32) + acc).to(o.dtype), mask=n_mask)
-
 
 SPLIT_K_MAX_TOKENS = 1024
 """Up to this many tokens the shrink may split K (few token blocks: decode); the caller then passes a
@@ -189,21 +165,4 @@ def lora_expand(
         n, r,
         buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=out.dtype == torch.float32,
-    )  # fmt: skip
-
-
-def lora_expand_row(s: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -> None:
-    """Batch-1 decode: out[0] += s[0] @ B[slot]^T in place (s: the float32 shrink [1, R]; slot: [1] int32 on
-    the device, -1 for none). One program per output block and no token grouping: the row GEMV's shrink
-    (`RowGemvLoRA`) feeds it."""
-    _, n, r = lora_b.shape
-    assert s.shape == (1, r) and s.is_contiguous() and out.shape == (1, n) and out.is_contiguous()
-    assert lora_b.stride(2) == 1
-    block_r = next_pow2(r)
-    block_n = max(16, 4096 // block_r)  # a [block_n, R] tile of B per program, 8 KB in bf16
-    _expand_row_kernel[(triton.cdiv(n, block_n),)](
-        s, lora_b, out, slot,
-        n, r,
-        lora_b.stride(0), lora_b.stride(1),
-        BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip

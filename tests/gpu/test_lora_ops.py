@@ -38,8 +38,6 @@ def _grouped(slots: np.ndarray, num_slots: int, use_triton: bool) -> TokenLoRASt
     st = TokenLoRAState(num_slots, 512, torch.device(DEVICE), use_triton)
     st.set_token_slots(slots.astype(np.int32))
     st.prepare(torch.nn.Identity(), (torch.zeros(len(slots)),))
-    if use_triton:
-        st.group_on_device()  # as the first layer hook that needs the grouping does
     return st
 
 
@@ -84,7 +82,6 @@ def test_graph_replay_takes_new_slots() -> None:
     def body() -> None:
         out.zero_()
         st.prepare(torch.nn.Identity(), (x,))
-        st.group_on_device()
         lora_shrink_expand(x, a, b, out, st.sorted_idx, st.seg_start, st.seg_len)  # type: ignore[arg-type]
 
     body()
@@ -128,21 +125,3 @@ def test_row_gemv_computes_the_lora_shrink(shape: tuple, slot: int) -> None:
         assert bool((lora.out == 7.0).all())
     else:
         torch.testing.assert_close(lora.out, x.float() @ a[slot].float().T, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("slot", [-1, 0, 2])
-@pytest.mark.parametrize("n, r", [(96, 48), (100, 10), (300, 32)])
-def test_expand_row_adds_the_delta_of_the_slot(n: int, r: int, slot: int) -> None:
-    """Batch-1 decode: out += s @ B[slot]^T from the row GEMV's float32 shrink, with the slot read on the
-    device; slot -1 (a base-model token) leaves out unchanged."""
-    from pagedllm.lora.ops import lora_expand_row
-
-    dtype = torch.float32 if INTERPRET else torch.bfloat16
-    g = torch.Generator(device=DEVICE).manual_seed(n + r + slot)
-    s = torch.randn(1, r, device=DEVICE, generator=g)
-    b = (torch.randn(3, n, r, device=DEVICE, generator=g) * r**-0.5).to(dtype)
-    out = torch.randn(1, n, device=DEVICE, generator=g).to(dtype)
-    ref = out.float() + (s @ b[slot].float().T if slot >= 0 else 0.0)
-    lora_expand_row(s, b, out, torch.tensor([slot], dtype=torch.int32, device=DEVICE))
-    tol = 1e-5 if dtype == torch.float32 else 2 * 2**-8
-    torch.testing.assert_close(out.float(), ref, atol=tol * 4, rtol=tol)
