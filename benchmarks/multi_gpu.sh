@@ -10,7 +10,7 @@
 #   W2     W2 at tp=1, tp=2, pp=2;  W2tp4  W2 at tp=4 (4 GPUs)
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
-#   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2
+#   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
 # Results under $OUT/<step>_<layout>/; a summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_multi_gpu}
@@ -77,12 +77,15 @@ for step in $steps; do
                 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 1024 --tensor-parallel-size 2 \
                 > "$OUT/W3log.log" 2>&1
             grep -E "tensor parallel|Time per output|Error" "$OUT/W3log.log" | sort | uniq -c | cut -c1-250 | tee -a "$summary" ;;
-        S2)
-            for dp in 1 2; do
-                OUT="$OUT/S2_dp$dp" SERVE_ARGS="--data-parallel-size $dp" timeout "${STEP_TIMEOUT:-400}" bash benchmarks/serve_bench.sh S2:inf \
-                    > "$OUT/S2_dp$dp.log" 2>&1
-                grep -E -i "server up|output token throughput|rc " "$OUT/S2_dp$dp/summary.txt" | sed "s/^/S2 dp=$dp: /" \
-                    | tee -a "$summary"
+        S2)  # S2_API: the --api-server-count values to run, each at dp=1 and dp=2
+            for api in ${S2_API:-1}; do
+                for dp in 1 2; do
+                    name=S2_dp${dp}_api$api
+                    OUT="$OUT/$name" SERVE_ARGS="--data-parallel-size $dp --api-server-count $api" \
+                        timeout "${STEP_TIMEOUT:-400}" bash benchmarks/serve_bench.sh S2:inf > "$OUT/$name.log" 2>&1
+                    grep -E -i "server up|output token throughput|P50 TPOT|rc " "$OUT/$name/summary.txt" \
+                        | sed "s/^/S2 dp=$dp api=$api: /" | tee -a "$summary"
+                done
             done ;;
     esac
     # Whatever a timed-out step left (an engine and its spawned workers) would hold the GPUs' memory.

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.mp_client import AsyncMPClient, EngineDeadError
+from pagedllm.engine.mp_client import AsyncMPClient, CoreConnection, EngineDeadError
 from pagedllm.logger import init_logger
 from pagedllm.messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -34,13 +34,17 @@ def core_config(config: EngineConfig, index: int) -> EngineConfig:
 
 
 class DPAsyncMPClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, connect: list[CoreConnection] | None = None) -> None:
+        """`connect`: one connection per core, to cores another process started (one of several API
+        servers, `entrypoints/openai/multi_server.py`); None: start the cores here."""
         n = config.parallel_config.data_parallel_size
+        assert connect is None or len(connect) == n
         self.config = config
         self.clients: list[AsyncMPClient] = []
         try:
             for i in range(n):
-                self.clients.append(AsyncMPClient(core_config(config, i)))
+                conn = connect[i] if connect is not None else None
+                self.clients.append(AsyncMPClient(core_config(config, i), connect=conn))
         except BaseException:
             for c in self.clients:
                 c.shutdown()

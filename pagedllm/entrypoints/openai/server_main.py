@@ -31,12 +31,12 @@ logger = init_logger(__name__)
 
 
 async def run_server(
-    args: argparse.Namespace, core_connection: CoreConnection | None = None, config: EngineConfig | None = None
+    args: argparse.Namespace, core_connection: list[CoreConnection] | None = None, config: EngineConfig | None = None
 ) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
-    when the engine core died. With `core_connection` (one of `--api-server-count` API servers) the engine
-    core is another process's, and the port is shared with the other API servers (SO_REUSEPORT: the kernel
-    spreads the connections)."""
+    when the engine core died. With `core_connection` (one of `--api-server-count` API servers: a connection
+    per data-parallel core) the engine cores are another process's, and the port is shared with the other API
+    servers (SO_REUSEPORT: the kernel spreads the connections)."""
     engine_args = EngineArgs.from_cli_args(args)
     check_parser_args(getattr(args, "tool_call_parser", None), bool(getattr(args, "enable_auto_tool_choice", False)))
     if args.request_timeout is not None and not args.request_timeout > 0:
