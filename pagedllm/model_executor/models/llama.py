@@ -231,6 +231,9 @@ class LlamaModel(nn.Module):
             n, get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
         )
         self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        self.act_dtype = torch.get_default_dtype()
+        """The activations' dtype (the loader builds the model under the model dtype as the default): a later
+        pipeline stage's warm-up forward starts from zeros of it."""
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.is_first_stage or (tied and self.is_last_stage):
             self.embed_tokens = VocabParallelEmbedding(
@@ -267,7 +270,9 @@ class LlamaModel(nn.Module):
         elif self.is_first_stage:
             hidden_states = self.embed_tokens(input_ids)
         else:
-            hidden_states = torch.zeros(input_ids.shape[0], self.config.hidden_size, device=input_ids.device)
+            hidden_states = torch.zeros(
+                input_ids.shape[0], self.config.hidden_size, dtype=self.act_dtype, device=input_ids.device
+            )
             residual = torch.zeros_like(hidden_states)
         stack = self.decode_stack
         if stack is not None and residual is None and (out := stack.run(positions, hidden_states)) is not None:
