@@ -7,7 +7,7 @@
 #   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
 #   W3     W3 at tp=1, tp=2 (NCCL), tp=2 (one-shot all-reduce), tp=4 where 4 GPUs
-#   W2     W2 at tp=1, tp=2, pp=2;  W2tp4  W2 at tp=4 (4 GPUs)
+#   W2     W2 at tp=1, tp=2, pp=2;  W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
@@ -71,6 +71,7 @@ for step in $steps; do
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
             done ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
+        W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)
             PAGEDLLM_TP_ALLREDUCE=symm timeout "${STEP_TIMEOUT:-300}" python3 -m pagedllm bench latency \
                 --model benchmarks/workloads/llama-3.1-8b --load-format dummy --batch-size 1 --input-len 128 \
