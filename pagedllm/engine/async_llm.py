@@ -58,9 +58,9 @@ class AsyncLLM(AsyncLLMControlsMixin):
         log_stats: bool = True,
         stat_loggers: Sequence[StatLogger] | None = None,
         log_interval_s: float = 10.0,
-        core_connection: list[CoreConnection] | None = None,
+        core_connections: list[CoreConnection] | None = None,
     ) -> None:
-        """`core_connection`: use the engine cores (one per data-parallel rank) another process started (one of
+        """`core_connections`: use the engine cores (one per data-parallel rank) another process started (one of
         several API servers) instead of starting them."""
         self.config = config
         self.model_config = config.model_config
@@ -84,9 +84,9 @@ class AsyncLLM(AsyncLLMControlsMixin):
         if config.parallel_config.data_parallel_size > 1:  # N cores behind this front end
             from pagedllm.engine.dp_client import DPAsyncMPClient
 
-            self.engine_core: AsyncMPClient = DPAsyncMPClient(config, core_connection)  # type: ignore[assignment]
+            self.engine_core: AsyncMPClient = DPAsyncMPClient(config, core_connections)  # type: ignore[assignment]
         else:
-            self.engine_core = AsyncMPClient(config, connect=core_connection[0] if core_connection else None)
+            self.engine_core = AsyncMPClient(config, connect=core_connections[0] if core_connections else None)
         self.engine_core.on_dead = self._fail_all_requests
         self.dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         """Called (on the event loop) once the core process is found dead, after requests were failed."""

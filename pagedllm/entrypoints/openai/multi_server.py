@@ -45,14 +45,14 @@ CORE_DEATH_GRACE_S = 5.0
 """After the core died: how long the API servers get to send their error events and exit on their own."""
 
 
-def _run_api_server(args: argparse.Namespace, config: EngineConfig, connection: list[CoreConnection]) -> None:
+def _run_api_server(args: argparse.Namespace, config: EngineConfig, connections: list[CoreConnection]) -> None:
     """Entry point of one spawned API-server process."""
     exit_when_parent_dies("APIServerParentWatch")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from pagedllm.entrypoints.openai.server_main import run_server
 
     try:
-        code = asyncio.run(run_server(args, connection, config=config))
+        code = asyncio.run(run_server(args, connections, config=config))
     except KeyboardInterrupt:
         code = 0
     sys.exit(code)
@@ -83,7 +83,7 @@ def _supervise(cores: list[BaseProcess], servers: list[BaseProcess]) -> int:
     dead = [s for s in servers if not s.is_alive()]
     code = max((s.exitcode or 0) for s in dead)
     if code:
-        logger.error("API server %s exited with code %s; stopping the others and the engine core", dead[0].name, code)
+        logger.error("API server %s exited with code %s; stopping the others and the engine cores", dead[0].name, code)
     _stop(servers, 10.0)
     _stop(cores, 10.0)
     return 1 if code else 0

@@ -1,6 +1,6 @@
 """Running `pagedllm serve`: the engine first (blocks until the model is loaded), then bind and serve: the
 port opens only once the model is loaded, as vLLM. One process here; `multi_server.py` runs several of these
-(`--api-server-count`) in front of one engine core."""
+(`--api-server-count`) in front of the engine core(s)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ logger = init_logger(__name__)
 
 
 async def run_server(
-    args: argparse.Namespace, core_connection: list[CoreConnection] | None = None, config: EngineConfig | None = None
+    args: argparse.Namespace, core_connections: list[CoreConnection] | None = None, config: EngineConfig | None = None
 ) -> int:
     """Start the engine (blocks until the model is loaded), then serve. Returns the exit code: non-zero
-    when the engine core died. With `core_connection` (one of `--api-server-count` API servers: a connection
+    when the engine core died. With `core_connections` (one of `--api-server-count` API servers: a connection
     per data-parallel core) the engine cores are another process's, and the port is shared with the other API
     servers (SO_REUSEPORT: the kernel spreads the connections)."""
     engine_args = EngineArgs.from_cli_args(args)
@@ -56,7 +56,7 @@ async def run_server(
         config,
         log_stats=not engine_args.disable_log_stats,
         stat_loggers=stat_loggers,
-        core_connection=core_connection,
+        core_connections=core_connections,
     )
     if config.parallel_config.data_parallel_size > 1:
         prometheus.enable_data_parallel(engine.engine_core)
@@ -103,7 +103,7 @@ async def run_server(
 
         engine.dead_callbacks.append(on_dead)
         sockets = None
-        if core_connection is not None:
+        if core_connections is not None:
             sockets = [socket.create_server((args.host, args.port), reuse_port=True, backlog=2048)]
         logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(served), args.host, args.port)
         # The start-up heap (tokenizer, app, routes, engine client) lives as long as the server: out of the cyclic
