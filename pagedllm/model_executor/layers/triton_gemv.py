@@ -47,11 +47,10 @@ if HAS_TRITON:
         y_ptr,  # [N] out
         a_ptr,  # HAS_LORA: [slots, R, K] LoRA A of every slot
         slot_ptr,  # HAS_LORA: [1] int32, the row's slot (-1: none)
-        s_ptr,  # HAS_LORA: [R] float32 out, x @ A[slot]^T
+        s_ptr,  # HAS_LORA: [cdiv(K, BLOCK_K), R] float32 out: x @ A[slot]^T, one partial sum per K block
         N,
         K,
         R,
-        N_BLOCKS,
         stride_wn,
         stride_as,
         stride_ar,
@@ -65,16 +64,33 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         if HAS_LORA:
-            if pid >= N_BLOCKS:  # the LoRA shrink's rows: A[slot] after the weight's rows, same loop
+            # The shrink x @ A[slot]^T in the grid's first programs, one [BLOCK_N, BLOCK_K] tile each (partial
+            # sums per K block; the expand adds them up). A decode GEMV's programs all run in one wave, so the
+            # kernel lasts as long as its slowest program: a shrink program streaming whole rows after its
+            # dependent slot load outlasted the weight's programs by that load (+1.5 us per launch on the
+            # H200, benchmarks/NOTES.md, session 16); one tile each, they finish first.
+            k_blocks = tl.cdiv(K, BLOCK_K)
+            a_progs = tl.cdiv(R, BLOCK_N) * k_blocks
+            if pid < a_progs:
                 slot = tl.load(slot_ptr)
                 if slot < 0:
                     return
-                rr = (pid - N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+                rb = pid // k_blocks
+                k0 = (pid % k_blocks) * BLOCK_K
+                rr = rb * BLOCK_N + tl.arange(0, BLOCK_N)
                 r_ok = rr < R
-                a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + rr[:, None].to(tl.int64) * stride_ar + rk[None, :]
-                s = _rows_dot(a_ptrs, x_ptr, K, r_ok, EVEN_A, BLOCK_N, BLOCK_K)
-                tl.store(s_ptr + rr, s, mask=r_ok)
+                a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + rr[:, None].to(tl.int64) * stride_ar + k0 + rk[None, :]
+                if EVEN_A:
+                    a = tl.load(a_ptrs)
+                    x = tl.load(x_ptr + k0 + rk)
+                else:
+                    k_ok = k0 + rk < K
+                    a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                    x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
+                s = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+                tl.store(s_ptr + (pid % k_blocks) * R + rr, s, mask=r_ok)
                 return
+            pid -= a_progs
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -87,12 +103,13 @@ if HAS_TRITON:
 @dataclass
 class RowGemvLoRA:
     """A LoRA shrink riding on a batch-1 row GEMV (`lora/layers.py` installs one per target linear): the
-    kernel also computes `out = x @ a[slot]^T` (float32) in extra programs, saving the shrink's own launch;
+    kernel also computes `x @ a[slot]^T` (float32) in extra programs, saving the shrink's own launch, as
+    partial sums over K blocks (`out.sum(0)` is the shrink; `row_gemv_lora_splits` gives their number);
     `done` tells the layer's hook that it did."""
 
     a: torch.Tensor  # [slots, R, K]
     slot: torch.Tensor  # [1] int32 on the device
-    out: torch.Tensor  # [1, R] float32
+    out: torch.Tensor  # [row_gemv_lora_splits(N, K), R] float32
     done: bool = False
 
 
@@ -104,6 +121,12 @@ def row_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 4096:
         return 2, min(512, next_pow2(k)), 2, 1
     return 4, min(1024, next_pow2(k)), 4, 1
+
+
+def row_gemv_lora_splits(n: int, k: int) -> int:
+    """How many partial sums (rows of `RowGemvLoRA.out`) the row GEMV of an [n, k] weight writes for the
+    LoRA shrink: one per K block of its configuration."""
+    return -(-k // row_gemv_config(n, k)[1])
 
 
 def row_gemv(
@@ -127,7 +150,8 @@ def row_gemv(
     if lora is not None:
         assert lora.a.shape[2] == k and lora.a.stride(2) == 1 and lora.out.dtype == torch.float32
         r = lora.a.shape[1]
-    _row_gemv_kernel[(n_blocks + triton.cdiv(r, bn),)](
+        assert lora.out.shape == (triton.cdiv(k, bk), r) and lora.out.is_contiguous()
+    _row_gemv_kernel[(n_blocks + triton.cdiv(r, bn) * triton.cdiv(k, bk),)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -138,7 +162,6 @@ def row_gemv(
         n,
         k,
         r,
-        n_blocks,
         weight.stride(0),
         lora.a.stride(0) if lora is not None else 0,
         lora.a.stride(1) if lora is not None else 0,
