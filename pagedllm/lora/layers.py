@@ -25,7 +25,7 @@ from pagedllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedllm.model_executor.layers.triton_gemv import RowGemvLoRA, row_gemv_lora_splits
+from pagedllm.model_executor.layers.triton_gemv import RowGemvLoRA
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -126,8 +126,7 @@ class LoRALayer:
         self.fused: RowGemvLoRA | None = None
         """Batch-1 CUDA decode: the base layer's row GEMV computes the shrink too (one launch fewer)."""
         if state.use_triton and dev.type == "cuda":
-            out = torch.zeros(row_gemv_lora_splits(self.out_size, in_size), r_all, dtype=torch.float32, device=dev)
-            self.fused = RowGemvLoRA(self.lora_a, state.token_slots[:1], out)
+            self.fused = RowGemvLoRA.create(self.lora_a, state.token_slots[:1], self.out_size)
             vars(base)["row_gemv_lora"] = self.fused  # read by UnquantizedLinearMethod.apply
 
     def check(self, name: str, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -166,7 +165,7 @@ class LoRALayer:
             f = self.fused
             if f is not None and f.done:  # the base's row GEMV wrote the shrink into f.out
                 f.done = False
-                lora_expand(f.out, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, splits=f.out.shape[0])
+                lora_expand(f.out, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len)
                 return out
             sb = st.split_buffer[self.index] if st.split_buffer is not None else None
             lora_shrink_expand(x, self.lora_a, self.lora_b, out, st.sorted_idx, st.seg_start, st.seg_len, sb)

@@ -67,7 +67,6 @@ if HAS_TRITON:
         N, R,
         sbm, sbl, sbn, sbr, som, son,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-        SPLITS: tl.constexpr,
     ):  # fmt: skip
         slot = tl.program_id(0)
         mb = tl.program_id(1)
@@ -83,10 +82,7 @@ if HAS_TRITON:
         r_mask = offs_r < R
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        s_mask = m_mask[:, None] & r_mask[None, :]
-        s = tl.load(buf_ptr + rows[:, None] * sbm + offs_r[None, :], mask=s_mask, other=0.0)
-        for j in tl.static_range(1, SPLITS):  # one token's partial shrinks (the row GEMV's K blocks), summed
-            s += tl.load(buf_ptr + (rows[:, None] + j) * sbm + offs_r[None, :], mask=s_mask, other=0.0)
+        s = tl.load(buf_ptr + rows[:, None] * sbm + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         b = tl.load(
             b_ptr + slot.to(tl.int64) * sbl + offs_n[None, :] * sbn + offs_r[:, None] * sbr,
             mask=n_mask[None, :] & r_mask[:, None],
@@ -157,13 +153,9 @@ def lora_expand(
     sorted_idx: torch.Tensor,
     seg_start: torch.Tensor,
     seg_len: torch.Tensor,
-    splits: int = 1,
 ) -> None:
-    """out[t] += buf[t] @ B[slot(t)]^T for every token with a slot, in place (buf: the float32 shrink).
-    `splits` > 1: one token, its shrink as that many partial sums (buf's rows, added up here)."""
-    rows, r = buf.shape
-    assert splits == 1 or rows == splits
-    num_tokens = rows // splits
+    """out[t] += buf[t] @ B[slot(t)]^T for every token with a slot, in place (buf: the float32 shrink)."""
+    num_tokens, r = buf.shape
     num_slots, n, _ = lora_b.shape
     block_m = 16 if num_tokens <= 512 else 64
     block_r = max(16, next_pow2(r))
@@ -172,5 +164,5 @@ def lora_expand(
         buf, lora_b, out, sorted_idx, seg_start, seg_len,
         n, r,
         buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=out.dtype == torch.float32, SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=out.dtype == torch.float32,
     )  # fmt: skip

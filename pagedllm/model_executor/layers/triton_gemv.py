@@ -47,7 +47,9 @@ if HAS_TRITON:
         y_ptr,  # [N] out
         a_ptr,  # HAS_LORA: [slots, R, K] LoRA A of every slot
         slot_ptr,  # HAS_LORA: [1] int32, the row's slot (-1: none)
-        s_ptr,  # HAS_LORA: [cdiv(K, BLOCK_K), R] float32 out: x @ A[slot]^T, one partial sum per K block
+        s_ptr,  # HAS_LORA: [R] float32 out, x @ A[slot]^T
+        part_ptr,  # HAS_LORA: [cdiv(K, BLOCK_K), R] float32 scratch, the shrink's partial sums per K block
+        cnt_ptr,  # HAS_LORA: [cdiv(R, BLOCK_N)] int32, zero between launches: partials done per row block
         N,
         K,
         R,
@@ -64,11 +66,11 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         if HAS_LORA:
-            # The shrink x @ A[slot]^T in the grid's first programs, one [BLOCK_N, BLOCK_K] tile each (partial
-            # sums per K block; the expand adds them up). A decode GEMV's programs all run in one wave, so the
-            # kernel lasts as long as its slowest program: a shrink program streaming whole rows after its
-            # dependent slot load outlasted the weight's programs by that load (+1.5 us per launch on the
-            # H200, benchmarks/NOTES.md, session 16); one tile each, they finish first.
+            # The shrink x @ A[slot]^T in the grid's first programs, one [BLOCK_N, BLOCK_K] tile each; the last
+            # program of a row block to finish sums its partials (an atomic counter it resets). A decode GEMV's
+            # programs all run in one wave, so the kernel lasts as long as its slowest program: a shrink
+            # program streaming whole rows after its dependent slot load outlasted the weight's programs by
+            # that load (+1.5 us per launch, benchmarks/NOTES.md, session 16); one tile each, they end first.
             k_blocks = tl.cdiv(K, BLOCK_K)
             a_progs = tl.cdiv(R, BLOCK_N) * k_blocks
             if pid < a_progs:
@@ -88,7 +90,16 @@ if HAS_TRITON:
                     a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                     x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
                 s = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-                tl.store(s_ptr + (pid % k_blocks) * R + rr, s, mask=r_ok)
+                tl.store(part_ptr + (pid % k_blocks) * R + rr, s, mask=r_ok)
+                tl.debug_barrier()  # every thread's partial is written before the counter moves
+                done = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel")
+                tl.debug_barrier()
+                if done == k_blocks - 1:
+                    tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for i in range(0, k_blocks):
+                        tot += tl.load(part_ptr + i * R + rr, mask=r_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(s_ptr + rr, tot, mask=r_ok)
+                    tl.atomic_xchg(cnt_ptr + rb, 0)
                 return
             pid -= a_progs
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,14 +114,28 @@ if HAS_TRITON:
 @dataclass
 class RowGemvLoRA:
     """A LoRA shrink riding on a batch-1 row GEMV (`lora/layers.py` installs one per target linear): the
-    kernel also computes `x @ a[slot]^T` (float32) in extra programs, saving the shrink's own launch, as
-    partial sums over K blocks (`out.sum(0)` is the shrink; `row_gemv_lora_splits` gives their number);
-    `done` tells the layer's hook that it did."""
+    kernel also computes `out = x @ a[slot]^T` (float32) in extra programs, saving the shrink's own launch;
+    `done` tells the layer's hook that it did. `part` and `count` are the kernel's scratch (sized by
+    `create` for the layer's [N, K] weight; `count` stays zero between launches)."""
 
     a: torch.Tensor  # [slots, R, K]
     slot: torch.Tensor  # [1] int32 on the device
-    out: torch.Tensor  # [row_gemv_lora_splits(N, K), R] float32
+    out: torch.Tensor  # [1, R] float32
+    part: torch.Tensor  # [cdiv(K, BLOCK_K), R] float32
+    count: torch.Tensor  # [cdiv(R, BLOCK_N)] int32
     done: bool = False
+
+    @classmethod
+    def create(
+        cls, a: torch.Tensor, slot: torch.Tensor, n: int, config: tuple[int, int, int, int] | None = None
+    ) -> RowGemvLoRA:
+        """For the row GEMV of an [n, a.shape[2]] weight (`config`: the one it will run with)."""
+        r, k = a.shape[1], a.shape[2]
+        bn, bk, _, _ = config or row_gemv_config(n, k)
+        dev = a.device
+        part = torch.zeros(-(-k // bk), r, dtype=torch.float32, device=dev)
+        count = torch.zeros(-(-r // bn), dtype=torch.int32, device=dev)
+        return cls(a, slot, torch.zeros(1, r, dtype=torch.float32, device=dev), part, count)
 
 
 def row_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -121,12 +146,6 @@ def row_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     if n <= 4096:
         return 2, min(512, next_pow2(k)), 2, 1
     return 4, min(1024, next_pow2(k)), 4, 1
-
-
-def row_gemv_lora_splits(n: int, k: int) -> int:
-    """How many partial sums (rows of `RowGemvLoRA.out`) the row GEMV of an [n, k] weight writes for the
-    LoRA shrink: one per K block of its configuration."""
-    return -(-k // row_gemv_config(n, k)[1])
 
 
 def row_gemv(
@@ -150,7 +169,8 @@ def row_gemv(
     if lora is not None:
         assert lora.a.shape[2] == k and lora.a.stride(2) == 1 and lora.out.dtype == torch.float32
         r = lora.a.shape[1]
-        assert lora.out.shape == (triton.cdiv(k, bk), r) and lora.out.is_contiguous()
+        assert lora.out.shape == (1, r) and lora.part.shape == (triton.cdiv(k, bk), r)
+        assert lora.count.shape == (triton.cdiv(r, bn),) and lora.count.dtype == torch.int32
     _row_gemv_kernel[(n_blocks + triton.cdiv(r, bn) * triton.cdiv(k, bk),)](
         x,
         weight,
@@ -159,6 +179,8 @@ def row_gemv(
         lora.a if lora is not None else weight,
         lora.slot if lora is not None else weight,
         lora.out if lora is not None else weight,
+        lora.part if lora is not None else weight,
+        lora.count if lora is not None else weight,
         n,
         k,
         r,
