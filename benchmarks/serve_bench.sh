@@ -5,6 +5,8 @@
 #   bash benchmarks/serve_bench.sh S2:inf,64 S1:inf,16
 # PROFILE=1: py-spy samples the API server and the engine core for PROFILE_S seconds (default 12) during the
 # first run of each model (raw collapsed stacks + a self-time table per process, under $OUT).
+# TRACE=1: the engine core writes PAGEDLLM_STEP_TRACE ($OUT/trace_<w>.jsonl), the client saves every request's times
+# (--save-detailed), and benchmarks/tail_analysis.py splits each rate's TTFTs (tail_<w>_<rate>.txt).
 # SERVE_ARGS: extra `pagedllm serve` flags (e.g. "--api-server-count 2").
 # SERVE_ROOT: serve from another tree (e.g. .carry_before, for a same-lease A/B; the client stays this tree's).
 set -uo pipefail
@@ -22,8 +24,14 @@ for spec in "$@"; do
     rates=${spec#*:}
     model=benchmarks/workloads/serve-$(echo "$w" | tr 'A-Z' 'a-z')
     t0=$SECONDS
-    (cd "${SERVE_ROOT:-.}" && PYTHONPATH=.:$PYTHONPATH exec python3 -m pagedllm serve "$root/$model" --load-format dummy \
-        --dtype bfloat16 --max-model-len 4096 --port $PORT --disable-log-requests "${serve_args[@]}") \
+    trace_env=()
+    detailed=()
+    if [ "${TRACE:-0}" = 1 ]; then
+        trace_env=(env "PAGEDLLM_STEP_TRACE=$OUT/trace_$w.jsonl")
+        detailed=(--save-detailed)
+    fi
+    (cd "${SERVE_ROOT:-.}" && PYTHONPATH=.:$PYTHONPATH exec "${trace_env[@]}" python3 -m pagedllm serve "$root/$model" \
+        --load-format dummy --dtype bfloat16 --max-model-len 4096 --port $PORT --disable-log-requests "${serve_args[@]}") \
         > "$OUT/server_$w.log" 2>&1 &
     spid=$!
     until curl -sf "localhost:$PORT/health" > /dev/null; do
@@ -47,9 +55,15 @@ for spec in "$@"; do
             --random-input-len 512 --random-output-len 128 --random-range-ratio 0 --num-prompts 400 \
             --request-rate "$rate" --seed 0 --ignore-eos --num-warmups 64 \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
-            --save-result "$OUT/${w}_rate_${rate}.json" > "$OUT/bench_${w}_$rate.log" 2>&1
+            --save-result "$OUT/${w}_rate_${rate}.json" "${detailed[@]}" > "$OUT/bench_${w}_$rate.log" 2>&1
         echo "== $w rate $rate (rc $?)" | tee -a "$OUT/summary.txt"
         grep -E -i "output token throughput|TTFT|TPOT|ITL|E2EL" "$OUT/bench_${w}_$rate.log" | head -12 | tee -a "$OUT/summary.txt"
+        if [ "${TRACE:-0}" = 1 ]; then
+            sleep 1  # the core flushes its trace every 512 events: take what is written
+            python3 benchmarks/tail_analysis.py --bench "$OUT/${w}_rate_${rate}.json" --trace "$OUT/trace_$w.jsonl" \
+                > "$OUT/tail_${w}_$rate.txt" 2>&1
+            head -12 "$OUT/tail_${w}_$rate.txt" | tee -a "$OUT/summary.txt"
+        fi
         [ -n "$prof" ] && { timeout 60 tail --pid="$prof" -f /dev/null; }  # the profiler only, not the server
         first=0
     done

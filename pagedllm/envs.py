@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MOE_FUSED_SILU: bool
     PAGEDLLM_MOE_PLACE_BLOCK: int
     PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
+    PAGEDLLM_STEP_TRACE: str | None
     CC: str | None
 
 
@@ -124,6 +125,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # Pipeline parallelism: batches in flight at once (default: pipeline_parallel_size; 1: one at a time).
     "PAGEDLLM_MAX_CONCURRENT_BATCHES": _opt_int("PAGEDLLM_MAX_CONCURRENT_BATCHES"),
+    # A file for the engine core's per-step trace (JSON lines; engine/step_trace.py), for latency-tail analysis.
+    "PAGEDLLM_STEP_TRACE": lambda: os.environ.get("PAGEDLLM_STEP_TRACE"),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

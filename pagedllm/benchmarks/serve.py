@@ -34,6 +34,8 @@ class RequestResult:
     error: str = ""
     start: float = 0.0
     """time.perf_counter() when the request was sent (for the --plot token-rate series)."""
+    sent_at: float = 0.0
+    """time.time() when the request was sent (--save-detailed: lines up with the engine's PAGEDLLM_STEP_TRACE)."""
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -102,6 +104,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Write the results as JSON: to FILE.json, or with no value (vLLM's form) to "
         "--result-dir/--result-filename (default: serve-<rate>qps-<timestamp>.json).",
     )
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="With --save-result: also every request's send time (sent_at, wall clock), ttft, itl, output length "
+        "and error (vLLM's flag; our sent_at lines up with the engine's PAGEDLLM_STEP_TRACE).",
+    )
     p.add_argument("--result-dir", default=".", help="Folder for --save-result without a file name.")
     p.add_argument("--result-filename", default=None, help="File name for --save-result without a file name.")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="Per-request timeout in seconds.")
@@ -144,6 +152,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    res.sent_at = time.time()
     start = res.start = time.perf_counter()
     last = start
     try:
@@ -312,6 +321,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     summary["model"] = model
     if getattr(args, "plot", None):
         summary["series"] = serve_series(list(results), start)
+    if getattr(args, "save_detailed", False):
+        summary.update(
+            sent_at=[r.sent_at for r in results],
+            ttfts=[r.ttft for r in results],
+            itls=[r.itl for r in results],
+            output_lens=[r.output_tokens for r in results],
+            errors_per_request=[r.error for r in results],
+        )
     return summary
 
 

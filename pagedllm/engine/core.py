@@ -8,12 +8,14 @@ from __future__ import annotations
 import gc
 import time
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.engine.controls import EngineCoreControlsMixin
+from pagedllm.engine.step_trace import StepTrace
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
@@ -52,6 +54,10 @@ class EngineCore(EngineCoreControlsMixin):
         kv_config = self.executor.initialize_kv_cache(num_blocks)
         cc.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler_config, kv_config.groups, num_blocks, cc.enable_prefix_caching)
+        self.step_trace: StepTrace | None = None
+        if envs.PAGEDLLM_STEP_TRACE:  # latency-tail analysis, see engine/step_trace.py
+            self.step_trace = StepTrace(envs.PAGEDLLM_STEP_TRACE)
+            self.step_trace.install(self.scheduler)
         # Engine-wide logits processors may read the previous tokens on the host: no scheduling ahead.
         self.async_scheduling = config.scheduler_config.async_scheduling and not logits_processors
         self.scheduler.async_scheduling = self.async_scheduling
@@ -63,8 +69,6 @@ class EngineCore(EngineCoreControlsMixin):
         """Pipeline parallelism: up to pp batches in flight (`engine/batch_queue.py`); None: one stage."""
         pp = config.parallel_config.pipeline_parallel_size
         if pp > 1:
-            from pagedllm import envs
-
             max_batches = envs.PAGEDLLM_MAX_CONCURRENT_BATCHES or pp
             self.batch_queue = BatchQueue(self.scheduler, self.executor, max_batches)
         self.lora = None
@@ -166,6 +170,8 @@ class EngineCore(EngineCoreControlsMixin):
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.step_trace is not None:
+            self.step_trace.flush()
         if self.lora is not None:
             self.lora.shutdown()
         if self.scheduler.structured is not None:

@@ -1,0 +1,89 @@
+"""A per-step trace of the engine core, for finding what a slow request waited behind (latency tails).
+
+With `PAGEDLLM_STEP_TRACE=<file>`, the core appends one JSON line per event (wall-clock `time.time()`, so it lines
+up with a client's send times on the same machine):
+- `{"ev": "add", "t", "id"}`: a request reached the scheduler;
+- `{"ev": "sched", "t", "step", "tokens", "prefill_tokens", "decodes", "new": [ids], "waiting", "running"}`: a
+  step was scheduled (`new`: requests scheduled for the first time; `prefill_tokens`: tokens of rows with more
+  than one scheduled token);
+- `{"ev": "done", "t", "step", "first": [ids]}`: the step's results were read (`first`: requests whose first
+  output token came in this step).
+
+The scheduler's methods are wrapped at start-up, so the core's code has no tracing branches; nothing is wrapped
+without the variable. Lines are buffered and written every `FLUSH_EVERY` events, when the scheduler runs empty,
+and at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+FLUSH_EVERY = 512
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lines: list[str] = []
+        self.step = 0
+        self._step_of: dict[int, int] = {}
+        """id(SchedulerOutput) -> its step number (async scheduling reads results one step later)."""
+        self._started: set[str] = set()
+        open(path, "w").close()
+
+    def _emit(self, **ev: Any) -> None:
+        self.lines.append(json.dumps(ev))
+        if len(self.lines) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.lines:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.lines) + "\n")
+            self.lines.clear()
+
+    def install(self, scheduler: Scheduler) -> None:
+        """Wrap `scheduler`'s add_request, schedule and update_from_output with the trace."""
+        add, schedule, update = scheduler.add_request, scheduler.schedule, scheduler.update_from_output
+
+        def add_request(request: Any) -> None:
+            self._emit(ev="add", t=time.time(), id=request.request_id)
+            add(request)
+
+        def traced_schedule() -> SchedulerOutput:
+            so = schedule()
+            self.step += 1
+            self._step_of[id(so)] = self.step
+            n = so.num_scheduled_tokens
+            prefill = sum(v for v in n.values() if v > 1)
+            self._emit(
+                ev="sched",
+                t=time.time(),
+                step=self.step,
+                tokens=so.total_num_scheduled_tokens,
+                prefill_tokens=prefill,
+                decodes=sum(1 for v in n.values() if v == 1),
+                new=[r.req_id for r in so.scheduled_new_reqs],
+                waiting=len(scheduler.waiting),
+                running=len(scheduler.running),
+            )
+            return so
+
+        def traced_update(so: SchedulerOutput, result: ModelRunnerOutput) -> Any:
+            first = [r for r, toks in zip(result.req_ids, result.sampled_token_ids) if toks and r not in self._started]
+            self._started.update(first)
+            out = update(so, result)
+            self._emit(ev="done", t=time.time(), step=self._step_of.pop(id(so), -1), first=first)
+            if not scheduler.has_unfinished_requests():
+                self.flush()  # idle: a benchmark run has ended
+            return out
+
+        scheduler.add_request = add_request  # type: ignore[method-assign]
+        scheduler.schedule = traced_schedule  # type: ignore[method-assign]
+        scheduler.update_from_output = traced_update  # type: ignore[method-assign]
