@@ -27,6 +27,7 @@ def _pct(v: list[float], p: float) -> float:
 
 def load_trace(path: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     adds, sched, done = [], {}, {}
+    gcs: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:
             ev = json.loads(line)
@@ -36,7 +37,35 @@ def load_trace(path: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any
                 sched[ev["step"]] = ev
             elif ev["ev"] == "done":
                 done[ev["step"]] = ev
+            elif ev["ev"] == "gc":
+                gcs.append(ev)
+    for d in done.values():  # GC pauses between a step's scheduling and its results (gen 2 counted apart)
+        s = sched.get(d["step"])
+        inside = [g for g in gcs if s is not None and s["t"] <= g["t"] <= d["t"]]
+        d["gc_ms"] = sum(g["ms"] for g in inside)
+        d["gc2"] = sum(1 for g in inside if g["gen"] == 2)
     return adds, sched, done
+
+
+def slow_steps(sched: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]) -> None:
+    """Steps of one kind (decode only / with prefill) split at their median + 5 ms: how the slow ones differ
+    (CPU seconds of the core process, GC pauses, batch)."""
+    for kind in ("decode only", "with prefill"):
+        rows = []
+        for k, d in done.items():
+            s = sched.get(k)
+            if s is not None and bool(s["prefill_tokens"]) == (kind == "with prefill"):
+                rows.append(((d["t"] - s["t"]) * 1e3, d.get("cpu", 0.0) * 1e3, d["gc_ms"], d["gc2"], s["decodes"]))
+        if not rows:
+            continue
+        cut = statistics.median(r[0] for r in rows) + 5
+        for name, part in (("fast", [r for r in rows if r[0] < cut]), ("slow", [r for r in rows if r[0] >= cut])):
+            if part:
+                m = [statistics.fmean(r[i] for r in part) for i in range(5)]
+                print(
+                    f"  {kind:12s} {name}: n {len(part):5d}  wall {m[0]:6.2f} ms  cpu {m[1]:6.2f} ms  "
+                    f"gc {m[2]:5.2f} ms ({m[3]:.2f} gen-2)  decodes {m[4]:5.1f}"
+                )
 
 
 def main() -> None:
@@ -88,6 +117,7 @@ def main() -> None:
     for kind, v in dur.items():
         if v:
             print(f"  step interval, {kind}: n {len(v)}  p50 {_pct(v, 50):.2f} ms  p99 {_pct(v, 99):.2f}")
+    slow_steps(sched, done)
     print(f"slowest {args.top} by TTFT (steps from the one in flight at arrival to the request's first):")
     for r in sorted(rows, key=lambda r: -r["ttft"])[: args.top]:
         print(

@@ -6,8 +6,9 @@ up with a client's send times on the same machine):
 - `{"ev": "sched", "t", "step", "tokens", "prefill_tokens", "decodes", "new": [ids], "waiting", "running"}`: a
   step was scheduled (`new`: requests scheduled for the first time; `prefill_tokens`: tokens of rows with more
   than one scheduled token);
-- `{"ev": "done", "t", "step", "first": [ids]}`: the step's results were read (`first`: requests whose first
-  output token came in this step).
+- `{"ev": "done", "t", "step", "first": [ids], "cpu"}`: the step's results were read (`first`: requests whose first
+  output token came in this step; `cpu`: the process's CPU seconds, all threads, since the step was scheduled);
+- `{"ev": "gc", "t", "gen", "ms"}`: a cyclic-GC collection of the core process (its generation and duration).
 
 The scheduler's methods are wrapped at start-up, so the core's code has no tracing branches; nothing is wrapped
 without the variable. Lines are buffered and written every `FLUSH_EVERY` events, when the scheduler runs empty,
@@ -16,6 +17,7 @@ and at shutdown.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,8 @@ class StepTrace:
         self._step_of: dict[int, int] = {}
         """id(SchedulerOutput) -> its step number (async scheduling reads results one step later)."""
         self._started: set[str] = set()
+        self._cpu_at: dict[int, float] = {}
+        self._gc_t0 = 0.0
         open(path, "w").close()
 
     def _emit(self, **ev: Any) -> None:
@@ -48,8 +52,16 @@ class StepTrace:
                 f.write("\n".join(self.lines) + "\n")
             self.lines.clear()
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._gc_t0) * 1e3
+            self.lines.append(json.dumps({"ev": "gc", "t": time.time(), "gen": info["generation"], "ms": ms}))
+
     def install(self, scheduler: Scheduler) -> None:
-        """Wrap `scheduler`'s add_request, schedule and update_from_output with the trace."""
+        """Wrap `scheduler`'s add_request, schedule and update_from_output with the trace; log GC pauses."""
+        gc.callbacks.append(self._on_gc)
         add, schedule, update = scheduler.add_request, scheduler.schedule, scheduler.update_from_output
 
         def add_request(request: Any) -> None:
@@ -60,6 +72,7 @@ class StepTrace:
             so = schedule()
             self.step += 1
             self._step_of[id(so)] = self.step
+            self._cpu_at[self.step] = time.process_time()
             n = so.num_scheduled_tokens
             prefill = sum(v for v in n.values() if v > 1)
             self._emit(
@@ -79,7 +92,9 @@ class StepTrace:
             first = [r for r, toks in zip(result.req_ids, result.sampled_token_ids) if toks and r not in self._started]
             self._started.update(first)
             out = update(so, result)
-            self._emit(ev="done", t=time.time(), step=self._step_of.pop(id(so), -1), first=first)
+            step = self._step_of.pop(id(so), -1)
+            cpu = time.process_time() - self._cpu_at.pop(step, time.process_time())
+            self._emit(ev="done", t=time.time(), step=step, first=first, cpu=round(cpu, 6))
             if not scheduler.has_unfinished_requests():
                 self.flush()  # idle: a benchmark run has ended
             return out
