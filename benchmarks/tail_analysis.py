@@ -49,22 +49,27 @@ def load_trace(path: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any
 
 def slow_steps(sched: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]) -> None:
     """Steps of one kind (decode only / with prefill) split at their median + 5 ms: how the slow ones differ
-    (CPU seconds of the core process, GC pauses, batch)."""
+    (CPU seconds of the core process, host launch time, device span, GC pauses, batch)."""
     for kind in ("decode only", "with prefill"):
         rows = []
         for k, d in done.items():
             s = sched.get(k)
             if s is not None and bool(s["prefill_tokens"]) == (kind == "with prefill"):
-                rows.append(((d["t"] - s["t"]) * 1e3, d.get("cpu", 0.0) * 1e3, d["gc_ms"], d["gc2"], s["decodes"]))
+                rows.append(
+                    (
+                        (d["t"] - s["t"]) * 1e3, d.get("cpu", 0.0) * 1e3, d["gc_ms"], d["gc2"], s["decodes"],
+                        d.get("launch_ms", 0.0), d.get("gpu_ms", 0.0),
+                    )
+                )  # fmt: skip
         if not rows:
             continue
         cut = statistics.median(r[0] for r in rows) + 5
         for name, part in (("fast", [r for r in rows if r[0] < cut]), ("slow", [r for r in rows if r[0] >= cut])):
             if part:
-                m = [statistics.fmean(r[i] for r in part) for i in range(5)]
+                m = [statistics.fmean(r[i] for r in part) for i in range(7)]
                 print(
-                    f"  {kind:12s} {name}: n {len(part):5d}  wall {m[0]:6.2f} ms  cpu {m[1]:6.2f} ms  "
-                    f"gc {m[2]:5.2f} ms ({m[3]:.2f} gen-2)  decodes {m[4]:5.1f}"
+                    f"  {kind:12s} {name}: n {len(part):5d}  wall {m[0]:6.2f} ms  cpu {m[1]:6.2f}  launch {m[5]:6.2f}  "
+                    f"gpu {m[6]:6.2f}  gc {m[2]:5.2f} ms ({m[3]:.2f} gen-2)  decodes {m[4]:5.1f}"
                 )
 
 

@@ -57,7 +57,7 @@ class EngineCore(EngineCoreControlsMixin):
         self.step_trace: StepTrace | None = None
         if envs.PAGEDLLM_STEP_TRACE:  # latency-tail analysis, see engine/step_trace.py
             self.step_trace = StepTrace(envs.PAGEDLLM_STEP_TRACE)
-            self.step_trace.install(self.scheduler)
+            self.step_trace.install(self.scheduler, self.executor)
         # Engine-wide logits processors may read the previous tokens on the host: no scheduling ahead.
         self.async_scheduling = config.scheduler_config.async_scheduling and not logits_processors
         self.scheduler.async_scheduling = self.async_scheduling

@@ -8,7 +8,10 @@ up with a client's send times on the same machine):
   than one scheduled token);
 - `{"ev": "done", "t", "step", "first": [ids], "cpu"}`: the step's results were read (`first`: requests whose first
   output token came in this step; `cpu`: the process's CPU seconds, all threads, since the step was scheduled);
-- `{"ev": "gc", "t", "gen", "ms"}`: a cyclic-GC collection of the core process (its generation and duration).
+- `{"ev": "gc", "t", "gen", "ms"}`: a cyclic-GC collection of the core process (its generation and duration);
+- with a one-process CUDA executor, `done` also has `launch_ms` (host time of the call that launched the step)
+  and `gpu_ms` (CUDA events before and after that call: the device time from the step's first enqueued work to
+  its last, idle gaps included when the host launched slower than the device ran).
 
 The scheduler's methods are wrapped at start-up, so the core's code has no tracing branches; nothing is wrapped
 without the variable. Lines are buffered and written every `FLUSH_EVERY` events, when the scheduler runs empty,
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import Scheduler
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.executor.abstract import Executor
 
 FLUSH_EVERY = 512
 
@@ -39,6 +43,8 @@ class StepTrace:
         self._started: set[str] = set()
         self._cpu_at: dict[int, float] = {}
         self._gc_t0 = 0.0
+        self._launch: dict[int, tuple[float, Any, Any]] = {}
+        """step -> (host ms of its launch call, CUDA events before / after it)."""
         open(path, "w").close()
 
     def _emit(self, **ev: Any) -> None:
@@ -59,9 +65,34 @@ class StepTrace:
             ms = (time.perf_counter() - self._gc_t0) * 1e3
             self.lines.append(json.dumps({"ev": "gc", "t": time.time(), "gen": info["generation"], "ms": ms}))
 
-    def install(self, scheduler: Scheduler) -> None:
-        """Wrap `scheduler`'s add_request, schedule and update_from_output with the trace; log GC pauses."""
+    def _wrap_executor(self, executor: Executor) -> None:
+        import torch
+
+        if not torch.cuda.is_available() or type(executor).__name__ != "UniProcExecutor":
+            return
+        run, run_async = executor.execute_model, executor.execute_model_async
+
+        def timed(fn: Any) -> Any:
+            def call(so: SchedulerOutput) -> Any:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t = time.perf_counter()
+                before.record()
+                out = fn(so)
+                after.record()
+                self._launch[self._step_of.get(id(so), -1)] = ((time.perf_counter() - t) * 1e3, before, after)
+                return out
+
+            return call
+
+        executor.execute_model = timed(run)  # type: ignore[method-assign]
+        executor.execute_model_async = timed(run_async)  # type: ignore[method-assign]
+
+    def install(self, scheduler: Scheduler, executor: Executor | None = None) -> None:
+        """Wrap `scheduler`'s add_request, schedule and update_from_output (and a one-process CUDA `executor`'s
+        launches) with the trace; log GC pauses."""
         gc.callbacks.append(self._on_gc)
+        if executor is not None:
+            self._wrap_executor(executor)
         add, schedule, update = scheduler.add_request, scheduler.schedule, scheduler.update_from_output
 
         def add_request(request: Any) -> None:
@@ -94,11 +125,16 @@ class StepTrace:
             out = update(so, result)
             step = self._step_of.pop(id(so), -1)
             cpu = time.process_time() - self._cpu_at.pop(step, time.process_time())
-            self._emit(ev="done", t=time.time(), step=step, first=first, cpu=round(cpu, 6))
+            extra: dict[str, float] = {}
+            launch = self._launch.pop(step, None)
+            if launch is not None:
+                launch[2].synchronize()  # done already: the step's results were read
+                extra = dict(launch_ms=round(launch[0], 3), gpu_ms=round(launch[1].elapsed_time(launch[2]), 3))
+            self._emit(ev="done", t=time.time(), step=step, first=first, cpu=round(cpu, 6), **extra)
             if not scheduler.has_unfinished_requests():
                 self.flush()  # idle: a benchmark run has ended
             return out
 
-        scheduler.add_request = add_request  # type: ignore[method-assign]
+        scheduler.add_request = add_request  # type: ignore[method-assign,assignment]
         scheduler.schedule = traced_schedule  # type: ignore[method-assign]
-        scheduler.update_from_output = traced_update  # type: ignore[method-assign]
+        scheduler.update_from_output = traced_update  # type: ignore[method-assign,assignment]

@@ -48,6 +48,7 @@ def test_bench_serve_vllm_options(stress_server: ServerProcess, tmp_path: Path) 
             str(tmp_path),
             "--result-filename",
             "r.json",
+            "--save-detailed",
         ]
     )
     assert bench_serve.main(args) == 0
@@ -56,6 +57,10 @@ def test_bench_serve_vllm_options(stress_server: ServerProcess, tmp_path: Path) 
     assert res["total_output_tokens"] == 6 * 4 and res["total_input_tokens"] == 6 * 16
     assert res["p99_ttft_ms"] >= res["p50_ttft_ms"] > 0 and "p99_e2el_ms" in res and "median_ttft_ms" in res
     assert "p99_tpot_ms" not in res and "p50_itl_ms" not in res
+    # --save-detailed: per request, its send time (wall clock), TTFT, gaps and length
+    assert len(res["sent_at"]) == len(res["ttfts"]) == len(res["itls"]) == 6
+    assert res["sent_at"] == sorted(res["sent_at"]) and all(t > 0 for t in res["ttfts"])
+    assert res["output_lens"] == [4] * 6 and all(len(g) == 3 for g in res["itls"])
     bad = p.parse_args(["--percentile-metrics", "ttft,nope"])
     with pytest.raises(ValueError, match="percentile_metrics"):
         bench_serve.main(bad)
