@@ -4,7 +4,8 @@
 # 64 warm-up requests), one server per model, rates in order. Carry .whl and .whl_serve.
 #   bash benchmarks/serve_bench.sh S2:inf,64 S1:inf,16
 # PROFILE=1: py-spy samples the API server and the engine core for PROFILE_S seconds (default 12) during the
-# first run of each model (raw collapsed stacks + a self-time table per process, under $OUT).
+# first run of each model (raw collapsed stacks + a self-time table per process, under $OUT); PYSPY_ARGS adds
+# py-spy flags (e.g. "--idle" to see where a thread blocks).
 # TRACE=1: the engine core writes PAGEDLLM_STEP_TRACE ($OUT/trace_<w>.jsonl), the client saves every request's times
 # (--save-detailed), and benchmarks/tail_analysis.py splits each rate's TTFTs (tail_<w>_<rate>.txt).
 # SERVE_ARGS: extra `pagedllm serve` flags (e.g. "--api-server-count 2").
@@ -46,7 +47,7 @@ for spec in "$@"; do
         if [ "${PROFILE:-0}" = 1 ] && [ $first = 1 ]; then
             (sleep 8
              for pid in $spid $(pgrep -P $spid); do
-                 py-spy record --pid "$pid" --duration "${PROFILE_S:-12}" --rate 200 --format raw \
+                 py-spy record --pid "$pid" --duration "${PROFILE_S:-12}" --rate 200 --format raw ${PYSPY_ARGS:-} \
                      -o "$OUT/pyspy_${w}_$pid.txt" --nonblocking > "$OUT/pyspy_${w}_$pid.log" 2>&1 &
              done; wait) &
             prof=$!

@@ -47,6 +47,12 @@ def load_trace(path: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any
     return adds, sched, done
 
 
+def _alloc_calls(done: dict[int, dict[str, Any]], k: int) -> float:
+    """cudaMalloc + cudaFree calls and retries of the caching allocator since the previous step's results."""
+    now, before = done[k].get("alloc"), done.get(k - 1, {}).get("alloc")
+    return float(sum(now) - sum(before)) if now and before else 0.0
+
+
 def slow_steps(sched: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]) -> None:
     """Steps of one kind (decode only / with prefill) split at their median + 5 ms: how the slow ones differ
     (CPU seconds of the core process, host launch time, device span, GC pauses, batch)."""
@@ -58,7 +64,8 @@ def slow_steps(sched: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]
                 rows.append(
                     (
                         (d["t"] - s["t"]) * 1e3, d.get("cpu", 0.0) * 1e3, d["gc_ms"], d["gc2"], s["decodes"],
-                        d.get("launch_ms", 0.0), d.get("gpu_ms", 0.0),
+                        d.get("launch_ms", 0.0), d.get("gpu_ms", 0.0), d.get("launch_cpu_ms", 0.0),
+                        _alloc_calls(done, k),
                     )
                 )  # fmt: skip
         if not rows:
@@ -66,10 +73,11 @@ def slow_steps(sched: dict[int, dict[str, Any]], done: dict[int, dict[str, Any]]
         cut = statistics.median(r[0] for r in rows) + 5
         for name, part in (("fast", [r for r in rows if r[0] < cut]), ("slow", [r for r in rows if r[0] >= cut])):
             if part:
-                m = [statistics.fmean(r[i] for r in part) for i in range(7)]
+                m = [statistics.fmean(r[i] for r in part) for i in range(9)]
                 print(
-                    f"  {kind:12s} {name}: n {len(part):5d}  wall {m[0]:6.2f} ms  cpu {m[1]:6.2f}  launch {m[5]:6.2f}  "
-                    f"gpu {m[6]:6.2f}  gc {m[2]:5.2f} ms ({m[3]:.2f} gen-2)  decodes {m[4]:5.1f}"
+                    f"  {kind:12s} {name}: n {len(part):5d}  wall {m[0]:6.2f} ms  cpu {m[1]:6.2f}  launch {m[5]:6.2f} "
+                    f"(its cpu {m[7]:6.2f})  gpu {m[6]:6.2f}  gc {m[2]:5.2f} ms ({m[3]:.2f} gen-2)  "
+                    f"allocator calls {m[8]:.2f}  decodes {m[4]:5.1f}"
                 )
 
 

@@ -11,7 +11,9 @@ up with a client's send times on the same machine):
 - `{"ev": "gc", "t", "gen", "ms"}`: a cyclic-GC collection of the core process (its generation and duration);
 - with a one-process CUDA executor, `done` also has `launch_ms` (host time of the call that launched the step)
   and `gpu_ms` (CUDA events before and after that call: the device time from the step's first enqueued work to
-  its last, idle gaps included when the host launched slower than the device ran).
+  its last, idle gaps included when the host launched slower than the device ran), `launch_cpu_ms` (the step
+  loop thread's CPU time in that call: the rest of `launch_ms` it was blocked, e.g. in the driver) and `alloc`
+  (the CUDA caching allocator's cudaMalloc calls, cudaFree calls and retries so far).
 
 The scheduler's methods are wrapped at start-up, so the core's code has no tracing branches; nothing is wrapped
 without the variable. Lines are buffered and written every `FLUSH_EVERY` events, when the scheduler runs empty,
@@ -43,8 +45,8 @@ class StepTrace:
         self._started: set[str] = set()
         self._cpu_at: dict[int, float] = {}
         self._gc_t0 = 0.0
-        self._launch: dict[int, tuple[float, Any, Any]] = {}
-        """step -> (host ms of its launch call, CUDA events before / after it)."""
+        self._launch: dict[int, tuple[float, float, Any, Any]] = {}
+        """step -> (host ms of its launch call, the thread's CPU ms in it, CUDA events before / after it)."""
         open(path, "w").close()
 
     def _emit(self, **ev: Any) -> None:
@@ -75,11 +77,12 @@ class StepTrace:
         def timed(fn: Any) -> Any:
             def call(so: SchedulerOutput) -> Any:
                 before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 before.record()
                 out = fn(so)
                 after.record()
-                self._launch[self._step_of.get(id(so), -1)] = ((time.perf_counter() - t) * 1e3, before, after)
+                wall, cpu = (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
+                self._launch[self._step_of.get(id(so), -1)] = (wall, cpu, before, after)
                 return out
 
             return call
@@ -125,11 +128,18 @@ class StepTrace:
             out = update(so, result)
             step = self._step_of.pop(id(so), -1)
             cpu = time.process_time() - self._cpu_at.pop(step, time.process_time())
-            extra: dict[str, float] = {}
+            extra: dict[str, Any] = {}
             launch = self._launch.pop(step, None)
             if launch is not None:
-                launch[2].synchronize()  # done already: the step's results were read
-                extra = dict(launch_ms=round(launch[0], 3), gpu_ms=round(launch[1].elapsed_time(launch[2]), 3))
+                import torch
+
+                launch[3].synchronize()  # done already: the step's results were read
+                st = torch.cuda.memory_stats()
+                extra = dict(
+                    launch_ms=round(launch[0], 3), launch_cpu_ms=round(launch[1], 3),
+                    gpu_ms=round(launch[2].elapsed_time(launch[3]), 3),
+                    alloc=[st.get("num_device_alloc", 0), st.get("num_device_free", 0), st.get("num_alloc_retries", 0)],
+                )  # fmt: skip
             self._emit(ev="done", t=time.time(), step=step, first=first, cpu=round(cpu, 6), **extra)
             if not scheduler.has_unfinished_requests():
                 self.flush()  # idle: a benchmark run has ended
