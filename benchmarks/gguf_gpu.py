@@ -1,6 +1,6 @@
 """Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
 
-    PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K]
+    PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K] [--sweep]
 
 1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
    head) per type, random packed weights made on the GPU: each checked against the dequantized float32
@@ -13,6 +13,11 @@
    each type (the dense weights dropped) and the decode graphs captured again. Floor = bytes a decode step
    reads (packed weights + the remaining parameters but the input embedding) / the copy bandwidth measured
    in this run (`pagedllm.benchmarks.floors`). The target is <= 1.4x.
+
+3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
+   tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
+   (rep 20 ms); prints every row, the best per (type, shape) and the lines to paste into
+   `gguf_triton.TUNED`; the JSON gets them under "sweep". About 3-4 minutes for the three default types.
 
 No 8B GGUF file is written: the packed bytes are random (quants uniform, float16 scales small and finite),
 which changes no timing (every byte is read either way).
@@ -82,6 +87,62 @@ def gemv_bench(name: str, bw: float) -> dict[str, Any]:
     return rows
 
 
+# Decode-GEMV tiles (BN, BK, warps) by quants per int32 word. Triton lays a [BN, BK / EPW] word tile as
+# 16-byte loads with min(32, BK / EPW / 4) threads across a row, so a thread holds R = BN * BK / EPW / 128 /
+# warps rows: R 4-8 shares x's conversion over more rows (fewer instructions per weight) at more registers.
+_TILES = {
+    8: [(64, 256, 4), (128, 256, 4), (64, 256, 2), (32, 512, 4), (64, 512, 4), (128, 512, 8)],
+    4: [(32, 256, 4), (64, 256, 4), (64, 128, 4), (128, 128, 4), (32, 512, 4), (64, 512, 8)],
+}
+
+
+def sweep_configs(qtype: int, n: int, k: int, sms: int) -> list[gt.GemvConfig]:
+    """At most 24 launches: each tile with split-K 1 and the splits that give ~4, 8 and 16 programs per SM
+    (deduplicated), plus the current default (`gemv_config`)."""
+    out: list[gt.GemvConfig] = []
+    for bn, bk, nw in _TILES[gt.quants_per_word(qtype)]:
+        blocks, steps = -(-n // bn), -(-k // bk)
+        splits = {1} | {max(1, min(steps, -(-per * sms // blocks))) for per in (4, 8, 16)}
+        out += [gt.GemvConfig(bn, bk, nw, 1, s) for s in sorted(splits)]
+    default = gt.gemv_config(qtype, 1, n, k)
+    if default.split == 0:  # as the launcher resolves it
+        bk = max(64, min(default.bk, 1 << (k - 1).bit_length()))
+        default = default._replace(split=gt._auto_split(1, -(-n // default.bn), -(-k // bk), sms))
+    return out[:23] + ([default] if default not in out[:23] else [])
+
+
+def sweep(name: str, bw: float) -> dict[str, Any]:
+    """Time `sweep_configs` for every shape of `name` (M = 1, bf16); the best per shape."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res: dict[str, Any] = {}
+    for shape, (n, k) in SHAPES.items():
+        raw = random_packed(name, n, k, gen)
+        w = gt.prepare(raw)
+        x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+        ref = (x.float() @ gt.dequantize(raw).t()).view(-1)
+        scale = ref.abs().max().item()
+        del raw
+        floor_ms = w.nbytes / bw * 1e3
+        out = torch.empty(1, n, dtype=x.dtype, device="cuda")
+        rows = []
+        for cfg in sweep_configs(w.qtype, n, k, sms):
+            out.zero_()
+            gt.gguf_gemv_triton(x, w, out, sms, cfg)
+            err = ((out.float().view(-1) - ref).abs().max() / scale).item()
+            if not err <= 2e-2:
+                raise AssertionError(f"{name} {shape} {cfg}: relative error {err:.3g}")
+            ms = do_bench_cudagraph(lambda c=cfg, x=x, w=w, o=out: gt.gguf_gemv_triton(x, w, o, sms, c), rep=20)
+            rows.append(dict(config=list(cfg), ms=ms, x_floor=ms / floor_ms, rel_err=err))
+            print(f"{name} {shape:8s} {str(tuple(cfg)):24s} {ms * 1e3:8.1f} us  {ms / floor_ms:5.2f}x  err {err:.1e}")
+        best = min(rows, key=lambda r: r["ms"])
+        res[shape] = dict(n=n, k=k, floor_ms=floor_ms, candidates=rows, best=best)
+        print(f"{name} {shape:8s} BEST {tuple(best['config'])} {best['ms'] * 1e3:.1f} us = {best['x_floor']:.2f}x")
+        del w, ref
+        torch.cuda.empty_cache()
+    return res
+
+
 def w3(llm: Any, reps: int) -> float:
     """W3's ms per output token (benchmarks/workloads, pagedllm bench latency's method)."""
     from pagedllm import SamplingParams, TokensPrompt
@@ -117,12 +178,12 @@ def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int
                 if isinstance(qm, gq.GGUFLinearMethod)
                 else tuple(mod.weight.shape)
             )
-            qm = None
+            del qm
             gq.install(mod, [])  # drops the old weights before the new ones are made
-            w = gt.prepare(random_packed(name, n, k, gen))
+            w: gq.GGUFWeight = gt.prepare(random_packed(name, n, k, gen))
             gq.install(mod, [w])
             total += w.nbytes
-    head = model.lm_head  # type: ignore[union-attr]
+    head: Any = model.lm_head
     parts = getattr(head, "gguf_weight", None)
     n, k = (parts[0].rows, parts[0].cols) if parts else tuple(head.weight.shape)
     head.gguf_weight = None
@@ -140,10 +201,20 @@ def main() -> None:
     p.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K"], choices=list(TYPE_IDS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-w3", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     args = p.parse_args()
     bw = floors.copy_bandwidth_gbps() * 1e9
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "gemv": {}, "w3": {}}
     print(f"{result['device']}: copy {bw / 1e9:.0f} GB/s")
+    if args.sweep:
+        result["sweep"] = {name: sweep(name, bw) for name in args.types}
+        print("# gguf_triton.TUNED entries (best per shape):")
+        for name, shapes in result["sweep"].items():
+            for r in shapes.values():
+                print(f"    ({name!r}, {r['n']}, {r['k']}): GemvConfig{tuple(r['best']['config'])},")
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     for name in args.types:
         result["gemv"][name] = gemv_bench(name, bw)
     if not args.skip_w3:

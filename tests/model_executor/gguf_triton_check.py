@@ -26,6 +26,11 @@ SHAPES_32 = [(1, 33, 3), (3, 257, 2), (1, 40, 32), (2, 19, 33), (17, 33, 3), (20
 SHAPES_256 = [(1, 33, 1), (3, 257, 2), (1, 40, 4), (2, 19, 5), (17, 33, 2), (20, 70, 1)]
 CASES = [f"{t}-{m}x{n}x{kb}" for t in TYPES for m, n, kb in (SHAPES_256 if t.endswith("_K") else SHAPES_32)]
 CASES += ["mixed-parts-2", "mixed-parts-19", "fp16-gemv", "fp16-gemm", "layer-dispatch"]
+# Explicit decode-GEMV launches (BN, BK, warps, stages, split) at M = 5, N = 37 (odd, not a multiple of BN),
+# K = 640 (20 blocks of 32) / 768 (3 super-blocks): K a multiple of BK and split 1 (no masks, direct store),
+# and K not a multiple of BK with split-K (masked last step, partials summed by the last program).
+GEMV_CONFIGS = {"32": [(16, 128, 4, 1, 1), (32, 256, 4, 1, 3)], "256": [(16, 256, 4, 1, 1), (16, 512, 4, 1, 2)]}
+CASES += [f"cfg-{t}-" + "x".join(map(str, c)) for t in TYPES for c in GEMV_CONFIGS["256" if t.endswith("_K") else "32"]]
 TOL = 1e-5  # float32 activations, IEEE dot products (the figures are ~1e-7)
 TOL_FP16 = 2e-3  # float16 activations: the GEMM's dequantized tile is rounded to float16
 
@@ -86,10 +91,19 @@ def run() -> dict[str, float]:
         w, ref = weight(name, n, k)
         x = torch.randn(m, k)
         res[case] = _rel(gq.gguf_matmul(x, [gt.prepare(w)]), x.double() @ ref.T)
+    for case in CASES:
+        if case.startswith("cfg-"):
+            _, name, cfg = case.split("-")
+            k = 768 if name.endswith("_K") else 640
+            w, ref = weight(name, 37, k)
+            x = torch.randn(5, k)
+            out = torch.full((5, 37), float("nan"))
+            gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, gt.GemvConfig(*(int(v) for v in cfg.split("x"))))
+            res[case] = _rel(out, x.double() @ ref.T)
     # Parts of three types writing slices of one output, a bias, float32 logits from float16 activations.
     k = 512
     ws = [weight(t, n, k) for t, n in (("Q4_K", 24), ("Q6_K", 9), ("Q8_0", 40))]
-    parts = [gt.prepare(w) for w, _ in ws]
+    parts: list[gq.GGUFWeight] = [gt.prepare(w) for w, _ in ws]
     ref_w = torch.cat([r for _, r in ws])
     bias = torch.randn(ref_w.shape[0])
     for m in (2, 19):

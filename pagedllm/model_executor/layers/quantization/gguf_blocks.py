@@ -40,8 +40,10 @@ class GGUFWeight:
 @dataclass
 class GGUFTritonWeight(GGUFWeight):
     """A packed weight re-laid for the Triton kernels (`gguf_triton.prepare`, run once at load on the GPU):
-    `data` is the low quant bits as int32 words in element order (4-bit types: nibble j of word w is element
-    8w + j; Q8_0: byte j of word w is element 4w + j), `hi` the Q5_K (1 bit) / Q6_K (2 bits) high bits, `d`
+    `data` is the low quant bits as int32 words, each group's words (G = 32 elements, 16 for Q6_K) in turn
+    and word-major inside the group (nibble j of word w is element 4j + w of its group for the 4-bit types,
+    2j + w for Q6_K, byte j of word w element 8j + w for Q8_0: `gguf_triton._word_major`), `hi` the Q5_K
+    (1 bit) / Q6_K (2 bits) high bits in the same order, `d`
     and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
     (Q6_K: int8) sub-block scales and mins. Same information and about the same bytes as the file's blocks."""
 

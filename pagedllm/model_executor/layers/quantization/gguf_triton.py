@@ -3,12 +3,13 @@
 and a dequant-GEMM (tensor cores) for prefill.
 
 `prepare` turns a file's blocks ([rows, row_bytes] uint8, `gguf.GGUFWeight`) into a `GGUFTritonWeight`:
-the quants in element order as int32 words (so a program's tile of a row is one contiguous run, loaded
-with wide loads, and a quant's position is arithmetic on its index), the high bits of Q5_K / Q6_K in their
-own planes, and the scale fields in separate tensors with the K-quants' 6-bit scales and mins decoded to
-bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead of 144, Q5_K 180
-instead of 176; the others equal). `dequantize` (torch, any device) is the layout-independent reference
-of the same decoding, checked against the `gguf` package's in the tests.
+the quants as int32 words, each row's words contiguous (a program's tile of a row is one run, loaded with
+16-byte loads) and word-major inside each group (quant j of word w is element WPG * j + w of its group, so
+the GEMV's x slices are contiguous too: `gguf_triton_kernels`), the high bits of Q5_K / Q6_K in their own
+planes in the same order, and the scale fields in separate tensors with the K-quants' 6-bit scales and
+mins decoded to bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead of
+144, Q5_K 180 instead of 176; the others equal). `dequantize` (torch, any device) is the layout-independent
+reference of the same decoding, checked against the `gguf` package's in the tests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -115,6 +117,23 @@ def _pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def group_size(qtype: int) -> int:
+    """Elements sharing one (scale, min): 16 for Q6_K, 32 for the others."""
+    return 16 if qtype == Q6_K else 32
+
+
+def quants_per_word(qtype: int) -> int:
+    return 4 if qtype == Q8_0 else 8
+
+
+def _word_major(qtype: int, u: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] quants in element order -> the word-major order of the kernels: inside each group of G,
+    position w * EPW + j (quant j of word w) holds element WPG * j + w (WPG = G / EPW words a group)."""
+    g, epw = group_size(qtype), quants_per_word(qtype)
+    rows, cols = u.shape
+    return u.view(rows, cols // g, epw, g // epw).transpose(-1, -2).reshape(rows, cols)
+
+
 def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTritonWeight:
     """The Triton kernels' layout of `w` (see `GGUFTritonWeight`) on `device` (default: w's). Run once at
     load; the raw bytes are not kept."""
@@ -123,6 +142,7 @@ def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTrit
     for r0 in range(0, w.rows, _ROW_CHUNK):
         raw = w.data[r0 : r0 + _ROW_CHUNK].to(device)
         u, f = _unpack(w.qtype, raw, w.cols)
+        u = _word_major(w.qtype, u)
         if w.qtype == Q8_0:
             f["lo"] = u.contiguous().view(torch.int32)
         else:
@@ -151,23 +171,61 @@ def _num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def gemv_config(qtype: int, m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BN, BK, num_warps, num_stages) of the decode GEMV. Not tuned on a GPU yet: BK = 256 weights makes
-    every row's slice of a step 128 contiguous bytes for the 4-bit types (256 for Q8_0) and holds a whole
-    K-quant super-block; 32 rows x 32 words is a [32, 32] tile for 4 warps (8 words a thread)."""
-    return 32, 256, 4, 4
+class GemvConfig(NamedTuple):
+    """A decode-GEMV launch: rows per program (BN), weights per row per K step (BK, a power of 2 >= 64),
+    warps, num_stages, and the split-K factor (0: `_auto_split`). Stages change nothing today: Triton
+    3.9 does not software-pipeline loads that feed no `tl.dot` (the sm_90a SASS is the same for 1 and 3),
+    so the bytes in flight come from the R 16-byte row loads a thread issues per step and from occupancy
+    (~96 registers a thread at BN 64 / 4 warps: 5 programs an SM)."""
+
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    split: int = 0
 
 
-def gguf_gemv_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor, num_sms: int = 132) -> torch.Tensor:
-    """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place."""
+# Sweep winners (`benchmarks/gguf_gpu.py --sweep`), keyed by (type name, N, K); the decode GEMV of any other
+# shape takes `_DEFAULT`. Empty until the first sweep on the GPU: paste its "best" lines here.
+TUNED: dict[tuple[str, int, int], GemvConfig] = {}
+# 64 rows x 256 weights, 4 warps: Triton lays a [64, 32]-word tile as 16-byte loads, 8 threads across a
+# row's 128 bytes (one 128-byte line per 4 rows a warp) and 4 rows a thread, so each x slice and group sum
+# a thread computes serves 4 rows; 8 KB a step in flight per program (4-bit types).
+_DEFAULT = GemvConfig(64, 256, 4, 1, 0)
+PROGRAMS_PER_SM = 8  # `_auto_split`'s target of programs per SM (a few resident, the rest a second wave)
+# The float exponent field of 2^23 (0x4B000000), passed to the GEMV as an argument: a register operand
+# lets each quant's mask-and-or be one LOP3 with the mask as its immediate; as a constant, ptxas spent a MOV
+# per two quants rematerializing one of the two immediates.
+_EXP0 = 150 << 23
+
+
+def gemv_config(qtype: int, m: int, n: int, k: int) -> GemvConfig:
+    """The decode GEMV's launch for an [n, k] weight of `qtype` and m activation rows: the single place
+    holding the chosen defaults (`TUNED`, else `_DEFAULT`)."""
+    return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT)
+
+
+def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
+    """Split K until about PROGRAMS_PER_SM programs per SM exist (enough loads in flight to cover the
+    memory latency), never below one K step per program."""
+    return max(1, min(k_steps, triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, m * n_blocks))))
+
+
+def gguf_gemv_triton(
+    x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor, num_sms: int = 132, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place;
+    `config` overrides `gemv_config` (the sweep)."""
     require_triton()
     m, k = x.shape
     n = w.rows
-    epw = 4 if w.qtype == Q8_0 else 8
-    bn, bk, nw, ns = gemv_config(w.qtype, m, n, k)
+    g, epw = group_size(w.qtype), quants_per_word(w.qtype)
+    bn, bk, nw, ns, split = config or gemv_config(w.qtype, m, n, k)
+    bk = max(64, min(bk, triton.next_power_of_2(k)))
     n_blocks = triton.cdiv(n, bn)
-    split = max(1, min(8 * num_sms // max(1, m * n_blocks), k // (bk * 2)))
-    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    steps = triton.cdiv(k, bk)
+    split = min(split, steps) if split > 0 else _auto_split(m, n_blocks, steps, num_sms)
+    k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     from pagedllm.model_executor.layers.quantization.int4_ops import _split_counters
@@ -175,8 +233,8 @@ def gguf_gemv_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor, nu
     cnt = _split_counters(x.device, max(m * n_blocks, 1 << 16))
     ptrs, strides = _args(w)
     kern._gguf_gemv_kernel[(m, n_blocks, split)](
-        x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split,
-        QT=w.qtype, EPW=epw, BN=bn, BK=bk, num_warps=nw, num_stages=ns,
+        x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split, _EXP0,
+        QT=w.qtype, EPW=epw, G=g, BN=bn, BK=bk, EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns,
     )  # fmt: skip
     return out
 
@@ -191,8 +249,9 @@ def gguf_gemm_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor) ->
     ptrs, strides = _args(w)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     kern._gguf_gemm_kernel[grid](
-        x, *ptrs, out, m, n, k, x.stride(0), out.stride(0), *strides, QT=w.qtype, EPW=4 if w.qtype == Q8_0 else 8,
-        BM=bm, BN=bn, BK=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
+        x, *ptrs, out, m, n, k, x.stride(0), out.stride(0), *strides, QT=w.qtype, EPW=quants_per_word(w.qtype),
+        G=group_size(w.qtype), BM=bm, BN=bn, BK=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
 

@@ -1,16 +1,31 @@
 """Triton kernels for GGUF weights in the layout of `gguf_triton.prepare` (see `gguf.GGUFTritonWeight`).
 
-Every type is read as value = s * u + m with u an unsigned integer quant and (s, m) constant over a group:
-    Q4_0  u = q (0..15)         s = d                  m = -8 d                     group 32
-    Q4_1  u = q                 s = d                  m = min                      group 32
-    Q8_0  u = q + 128 (0..255)  s = d                  m = -128 d                   group 32
-    Q4_K  u = q                 s = d * sc[j]          m = -dmin * mn[j]            group 32 (d, dmin per 256)
-    Q5_K  u = q (0..31)         as Q4_K                                             group 32
-    Q6_K  u = q (0..63)         s = d * sc[j] (int8)   m = -32 s                    group 16 (d per 256)
-so the decode GEMV computes, per packed int32 word (8 nibbles, or 4 bytes for Q8_0, all in one group),
-s * sum_j x_j u_j + m * sum_j x_j: one FMA per weight. A quant becomes a float by the exponent trick
-(`u | 0x4B000000` is the float 2^23 + u, exact), as `int4_ops` does: Hopper's int-to-float conversion runs
-at 1/8 of the FMA rate and would bound the kernel below the memory floor.
+Every type is read as value = s * (u - c) + m with u an unsigned integer quant and (s, m) constant over a
+group of G elements:
+    Q4_0  u = q (0..15)         c = 8     s = d                  m = 0                  G 32
+    Q4_1  u = q                 c = 0     s = d                  m = min                G 32
+    Q8_0  u = q + 128 (0..255)  c = 128   s = d                  m = 0                  G 32
+    Q4_K  u = q                 c = 0     s = d * sc[j]          m = -dmin * mn[j]      G 32 (d, dmin per 256)
+    Q5_K  u = q (0..31)         as Q4_K                                                 G 32
+    Q6_K  u = q (0..63)         c = 32    s = d * sc[j] (int8)   m = 0                  G 16 (d per 256)
+
+Layout: inside each group the quants are stored transposed, "word-major": with WPG = G / EPW int32 words
+per group (EPW quants a word), quant j of word w is element WPG * j + w of the group. So the j-th quants
+of a run of words belong to consecutive elements, and the GEMV loads each x_j slice it needs as one
+contiguous (vectorized) run instead of EPW strided gathers, while a word still lies in one group.
+
+Decode GEMV cost model (why it is written as it is). At the packed-bytes floor a 4-bit GEMV must turn
+~7e12 weights/s into products on an H200, about 30 per SM per clock, and an SM issues 4 warp instructions a
+clock (integer ops at half the FMA rate): every instruction per weight counts. A quant is made a float by
+the exponent trick without shifting it down: the nibble (byte for Q8_0) stays in place at bit P < 20 of
+the word (the upper half of a word is shifted down by 12 once per word), `(word & mask) | E` is the float
+2^(23 - P) + u exactly, and one subtraction of the constant 2^(23 - P) + c leaves u - c. So a weight costs
+one LOP3 (E comes in as the argument EXP0 so that it sits in a register and the mask is the immediate),
+one FADD and one FFMA; int-to-float conversion (1/4 to 1/8 of the FMA rate) and a shift per quant are
+gone. Scales are applied once per group after summing its words in registers (a thread's 16-byte load
+holds whole groups); the x slices and their group sums are shared by the rows a thread holds. Checked on
+the SASS (compiled for sm_90a on a CPU): the 4-bit loop is ~4.0-4.5 instructions per weight (BN 64-128,
+BK 256), ~3.1 of them the three above, the rest x's bf16 conversion and the per-group work.
 """
 
 from __future__ import annotations
@@ -28,6 +43,142 @@ if HAS_TRITON:
     def _u2f(bits):
         """int32 0 <= bits < 2^23 -> float32, exactly, without an int-to-float conversion."""
         return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _quant(words, hi16, hb, exp0, J: tl.constexpr, QT: tl.constexpr):
+        """Quant J of every word as float32 u - c (see the module docstring). `hi16` is words >> 12,
+        `hb` the Q5_K / Q6_K high bits of the word (bit / bit pair J)."""
+        if QT == 13 or QT == 14:
+            u = (words >> (4 * J)) & 0xF
+            if QT == 13:
+                u = u | (((hb >> J) & 1) << 4)
+            else:
+                u = u | (((hb >> (2 * J)) & 3) << 4)
+            C6: tl.constexpr = 8388608 + (32 if QT == 14 else 0)
+            return (u | 0x4B000000).to(tl.float32, bitcast=True) - C6
+        else:
+            BITS: tl.constexpr = 8 if QT == 8 else 4
+            PER: tl.constexpr = 16 // BITS  # quants in the low half of a word
+            # Bit position of the quant: in place in the low half, from `hi16` (words >> 12: never a
+            # field at bit 0, which the compiler would turn into a shift and a bit-field extract per use)
+            P: tl.constexpr = BITS * J if J < PER else BITS * J - 12
+            OFF: tl.constexpr = 128 if QT == 8 else (8 if QT == 2 else 0)
+            MASK: tl.constexpr = ((1 << BITS) - 1) << P
+            C: tl.constexpr = (1 << (23 - P)) + OFF
+            exp = exp0 - (P << 23)  # exponent field of 2^(23 - P): the float 2^(23 - P) + u
+            if J < PER:
+                bits = (words & MASK) | exp
+            else:
+                bits = (hi16 & MASK) | exp
+            return bits.to(tl.float32, bitcast=True) - C
+
+    @triton.jit
+    def _gguf_gemv_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr, cnt_ptr,
+                          M, N, K, stride_xm, stride_om, stride_lo, stride_hi, stride_d, stride_sc, K_SPLIT, SPLIT,
+                          EXP0, QT: tl.constexpr, EPW: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+        """out[m, n-block] = x[m] @ dequant(W[n-block, k-slice]).T, split-K over programs.
+
+        A program streams [BN, BK / EPW] tiles of int32 words (each row's words contiguous, 16-byte loads;
+        rows past N are clamped to N - 1, so no load is masked when K is a multiple of BK), takes the EPW
+        quants of every word in turn (`static_range`) into a [BN, words] float32 tile t of sum_j x_j (u_j - c),
+        sums each group's words (a reshape [BN, groups, WPG] and an in-register sum) and applies the
+        group's s (and m times the group's sum of x) once per group. Split-K partials are summed in split
+        order by the last program of the column block (an atomic counter it resets for the next launch or
+        CUDA-graph replay), as `int4_ops._int4_gemv_kernel` does."""
+        W: tl.constexpr = BK // EPW
+        WPG: tl.constexpr = G // EPW
+        GS: tl.constexpr = BK // G
+        HAS_MIN: tl.constexpr = QT == 3 or QT == 12 or QT == 13
+        m_row = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+        offs_w = tl.arange(0, W)
+        offs_g = tl.arange(0, GS)
+        xo = (offs_w // WPG) * G + offs_w % WPG  # element of quant 0 of each word, from the step's start
+        k_begin = split * K_SPLIT
+        k_end = tl.minimum(k_begin + K_SPLIT, K)
+        x_row = x_ptr + m_row * stride_xm
+        lo_rows = lo_ptr + r * stride_lo + offs_w[None, :]
+        d_rows = d_ptr + r * stride_d
+        acc = tl.zeros([BN, GS], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BK):
+            kw = tl.multiple_of(k0 // EPW, W)  # K_SPLIT is a multiple of BK: 16-byte aligned row runs
+            if EVEN_K:
+                w_ok = offs_w >= 0
+                words = tl.load(lo_rows + kw, eviction_policy="evict_first")
+            else:
+                w_ok = k0 + xo < k_end  # whole groups: K is a multiple of G
+                words = tl.load(lo_rows + kw, mask=w_ok[None, :], other=0, eviction_policy="evict_first")
+            hi16 = words
+            hb = words
+            if QT == 13:  # Q5_K: 8 high bits a word, from the [K / 32] plane of 32-bit words
+                hb = tl.load(hi_ptr + r * stride_hi + ((kw + offs_w) // 4)[None, :], mask=w_ok[None, :], other=0)
+                hb = hb >> ((offs_w % 4) * 8)[None, :]
+            elif QT == 14:  # Q6_K: 8 2-bit pairs a word, from the [K / 16] plane
+                hb = tl.load(hi_ptr + r * stride_hi + ((kw + offs_w) // 2)[None, :], mask=w_ok[None, :], other=0)
+                hb = hb >> ((offs_w % 2) * 16)[None, :]
+            elif QT == 8:
+                words = words ^ -2139062144  # 0x80808080: every byte becomes u = q + 128
+                hi16 = words >> 12
+            else:
+                hi16 = words >> 12
+            t = tl.zeros([BN, W], dtype=tl.float32)
+            xw = tl.zeros([W], dtype=tl.float32)
+            kx = tl.multiple_of(k0, BK)
+            for j in tl.static_range(EPW):
+                if EVEN_K:
+                    xj = tl.load(x_row + kx + xo + j * WPG).to(tl.float32)
+                else:
+                    xj = tl.load(x_row + kx + xo + j * WPG, mask=w_ok, other=0.0).to(tl.float32)
+                t += _quant(words, hi16, hb, EXP0, j, QT) * xj[None, :]
+                if HAS_MIN:
+                    xw += xj
+            tg = tl.sum(tl.reshape(t, [BN, GS, WPG]), axis=2)  # [BN, GS]: each group's sum_j x_j (u_j - c)
+            g = k0 // G + offs_g
+            if EVEN_K:
+                g_ok = (g >= 0)[None, :]
+            else:
+                g_ok = (g * G < k_end)[None, :]
+            if QT == 12 or QT == 13 or QT == 14:
+                big = tl.load(d_rows + (g // (256 // G))[None, :], mask=g_ok, other=0.0).to(tl.float32)
+                sc = tl.load(sc_ptr + r * stride_sc + g[None, :], mask=g_ok, other=0)
+                if QT == 14:
+                    s = big * sc.to(tl.float32)
+                else:
+                    s = big * _u2f(sc.to(tl.int32))
+            else:
+                s = tl.load(d_rows + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
+            if HAS_MIN:
+                # Each group's sum of x (Triton loads x again for it, in a layout of its own: cheaper
+                # than the alternatives tried, which moved x through shared memory).
+                xg = tl.sum(tl.reshape(xw, [GS, WPG]), axis=1)[None, :]
+                if QT == 3:
+                    mt = tl.load(dm_ptr + r * stride_d + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
+                else:
+                    dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=g_ok, other=0.0).to(tl.float32)
+                    mn = tl.load(mn_ptr + r * stride_sc + g[None, :], mask=g_ok, other=0)
+                    mt = -dmin * _u2f(mn.to(tl.int32))
+                acc += tg * s + mt * xg
+            else:
+                acc += tg * s
+        res = tl.sum(acc, axis=1)
+        if SPLIT == 1:
+            tl.store(out_ptr + m_row * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(part_ptr + (split * M + m_row) * N + offs_n, res, mask=n_ok)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            done = tl.atomic_add(cnt_ptr + pid_n * M + m_row, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if done == SPLIT - 1:
+                tot = tl.zeros([BN], dtype=tl.float32)
+                for i in range(0, SPLIT):
+                    tot += tl.load(part_ptr + (i * M + m_row) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m_row * stride_om + offs_n, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(cnt_ptr + pid_n * M + m_row, 0)
 
     @triton.jit
     def _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT: tl.constexpr):
@@ -55,79 +206,13 @@ if HAS_TRITON:
         return s, m
 
     @triton.jit
-    def _gguf_gemv_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr, cnt_ptr,
-                          M, N, K, stride_xm, stride_om, stride_lo, stride_hi, stride_d, stride_sc, K_SPLIT, SPLIT,
-                          QT: tl.constexpr, EPW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """out[m, n-block] = x[m] @ dequant(W[n-block, k-slice]).T, split-K over programs.
-
-        A program streams a [BN, BK / EPW] tile of int32 words per step (each row's words contiguous), takes
-        the EPW quants of every word in turn (`static_range`) into a [BN, words] float32 tile t of
-        sum_j x_j u_j, and applies the groups' (s, m) once per word. Split-K partials are summed in
-        split order by the last program of the column block (an atomic counter it resets for the next
-        launch or CUDA-graph replay), as `int4_ops._int4_gemv_kernel` does."""
-        W: tl.constexpr = BK // EPW
-        m_row = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        split = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
-        r = offs_n.to(tl.int64)[:, None]
-        offs_w = tl.arange(0, W)
-        k_begin = split * K_SPLIT
-        k_end = tl.minimum(k_begin + K_SPLIT, K)
-        x_row = x_ptr + m_row * stride_xm
-        acc = tl.zeros([BN, W], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BK):
-            e0 = k0 + offs_w * EPW  # first element of each word
-            w_ok = e0 < k_end
-            mask = n_ok[:, None] & w_ok[None, :]
-            words = tl.load(lo_ptr + r * stride_lo + (e0 // EPW)[None, :], mask=mask, other=0,
-                            eviction_policy="evict_first")  # fmt: skip
-            s, mt = _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e0[None, :], stride_d, stride_sc, mask, QT)
-            if QT == 13:  # Q5_K: the word's 8 high bits, from the [K / 32] plane of 32-bit words
-                hb = tl.load(hi_ptr + r * stride_hi + (e0 // 32)[None, :], mask=mask, other=0)
-                hb = hb >> (e0 % 32)[None, :]
-            elif QT == 14:  # Q6_K: the word's 8 2-bit pairs, from the [K / 16] plane
-                hb = tl.load(hi_ptr + r * stride_hi + (e0 // 16)[None, :], mask=mask, other=0)
-                hb = hb >> (2 * (e0 % 16))[None, :]
-            elif QT == 8:
-                words = words ^ -2139062144  # 0x80808080: every byte becomes u = q + 128
-            t = tl.zeros([BN, W], dtype=tl.float32)
-            xs = tl.zeros([W], dtype=tl.float32)
-            for j in tl.static_range(EPW):
-                if QT == 8:
-                    u = (words >> (8 * j)) & 0xFF
-                else:
-                    u = (words >> (4 * j)) & 0xF
-                    if QT == 13:
-                        u = u | (((hb >> j) & 1) << 4)
-                    elif QT == 14:
-                        u = u | (((hb >> (2 * j)) & 3) << 4)
-                xj = tl.load(x_row + e0 + j, mask=w_ok, other=0.0).to(tl.float32)
-                t += _u2f(u) * xj[None, :]
-                xs += xj
-            acc += t * s + mt * xs[None, :]
-        res = tl.sum(acc, axis=1)
-        if SPLIT == 1:
-            tl.store(out_ptr + m_row * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
-        else:
-            tl.store(part_ptr + (split * M + m_row) * N + offs_n, res, mask=n_ok)
-            tl.debug_barrier()  # every thread's partial is written before the counter moves
-            done = tl.atomic_add(cnt_ptr + pid_n * M + m_row, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if done == SPLIT - 1:
-                tot = tl.zeros([BN], dtype=tl.float32)
-                for i in range(0, SPLIT):
-                    tot += tl.load(part_ptr + (i * M + m_row) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + m_row * stride_om + offs_n, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
-                tl.atomic_xchg(cnt_ptr + pid_n * M + m_row, 0)
-
-    @triton.jit
     def _gguf_gemm_kernel(a_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, c_ptr, M, N, K, stride_am, stride_cm,
                           stride_lo, stride_hi, stride_d, stride_sc, QT: tl.constexpr, EPW: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                          G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PREC: tl.constexpr):  # fmt: skip
         """c = a @ dequant(W).T with tensor cores: each [BK, BN] weight tile is dequantized in registers
         to a's dtype (its words gathered per element; they are reread from L1) and fed to `tl.dot`."""
+        WPG: tl.constexpr = G // EPW
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -144,18 +229,20 @@ if HAS_TRITON:
                 a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
             )
             e = kk[:, None]
+            # The word-major position of element e: word (e // G) * WPG + e % WPG, quant (e % G) // WPG.
+            p = (e // G) * G + (e % WPG) * EPW + (e % G) // WPG
             mask = k_ok[:, None] & n_ok[None, :]
-            wd = tl.load(lo_ptr + r * stride_lo + e // EPW, mask=mask, other=0)
+            wd = tl.load(lo_ptr + r * stride_lo + p // EPW, mask=mask, other=0)
             if QT == 8:
-                u = ((wd >> ((e % 4) * 8)) & 0xFF) ^ 0x80
+                u = ((wd >> ((p % 4) * 8)) & 0xFF) ^ 0x80
             else:
-                u = (wd >> ((e % 8) * 4)) & 0xF
+                u = (wd >> ((p % 8) * 4)) & 0xF
                 if QT == 13:
-                    h = tl.load(hi_ptr + r * stride_hi + e // 32, mask=mask, other=0)
-                    u = u | (((h >> (e % 32)) & 1) << 4)
+                    h = tl.load(hi_ptr + r * stride_hi + p // 32, mask=mask, other=0)
+                    u = u | (((h >> (p % 32)) & 1) << 4)
                 elif QT == 14:
-                    h = tl.load(hi_ptr + r * stride_hi + e // 16, mask=mask, other=0)
-                    u = u | (((h >> ((e % 16) * 2)) & 3) << 4)
+                    h = tl.load(hi_ptr + r * stride_hi + p // 16, mask=mask, other=0)
+                    u = u | (((h >> ((p % 16) * 2)) & 3) << 4)
             s, mt = _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT)
             w = _u2f(u) * s + mt
             acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
