@@ -187,7 +187,25 @@ class GemvConfig(NamedTuple):
 
 # Sweep winners (`benchmarks/gguf_gpu.py --sweep`), keyed by (type name, N, K); the decode GEMV of any other
 # shape takes `_DEFAULT`. Empty until the first sweep on the GPU: paste its "best" lines here.
-TUNED: dict[tuple[str, int, int], GemvConfig] = {}
+TUNED: dict[tuple[str, int, int], GemvConfig] = {
+    # `benchmarks/gguf_gpu.py --sweep` on an H100 (session 17, results/h100_s17/gguf_sweep.json): Llama-3.1-8B
+    # shapes (N, K), M = 1, bf16 activations; (BN, BK, warps, stages, split).
+    ("Q4_1", 6144, 4096): GemvConfig(64, 512, 4, 1, 6),
+    ("Q4_1", 4096, 4096): GemvConfig(64, 256, 4, 1, 9),
+    ("Q4_1", 28672, 4096): GemvConfig(64, 256, 4, 1, 5),
+    ("Q4_1", 4096, 14336): GemvConfig(64, 256, 4, 1, 9),
+    ("Q4_1", 128256, 4096): GemvConfig(64, 256, 4, 1, 1),
+    ("Q8_0", 6144, 4096): GemvConfig(64, 256, 4, 1, 6),
+    ("Q8_0", 4096, 4096): GemvConfig(64, 256, 4, 1, 9),
+    ("Q8_0", 28672, 4096): GemvConfig(32, 256, 4, 1, 1),
+    ("Q8_0", 4096, 14336): GemvConfig(32, 512, 4, 1, 5),
+    ("Q8_0", 128256, 4096): GemvConfig(32, 256, 4, 1, 1),
+    ("Q4_K", 6144, 4096): GemvConfig(64, 256, 4, 1, 11),
+    ("Q4_K", 4096, 4096): GemvConfig(64, 256, 2, 1, 9),
+    ("Q4_K", 28672, 4096): GemvConfig(64, 256, 4, 1, 2),
+    ("Q4_K", 4096, 14336): GemvConfig(64, 256, 2, 1, 9),
+    ("Q4_K", 128256, 4096): GemvConfig(64, 256, 2, 1, 1),
+}
 # 64 rows x 256 weights, 4 warps: Triton lays a [64, 32]-word tile as 16-byte loads, 8 threads across a
 # row's 128 bytes (one 128-byte line per 4 rows a warp) and 4 rows a thread, so each x slice and group sum
 # a thread computes serves 4 rows; 8 KB a step in flight per program (4-bit types).
