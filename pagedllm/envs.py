@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MOE_PLACE_BLOCK: int
     PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
     PAGEDLLM_STEP_TRACE: str | None
+    PAGEDLLM_PIECEWISE_MAX_TOKENS: int
     CC: str | None
 
 
@@ -127,6 +128,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_MAX_CONCURRENT_BATCHES": _opt_int("PAGEDLLM_MAX_CONCURRENT_BATCHES"),
     # A file for the engine core's per-step trace (JSON lines; engine/step_trace.py), for latency-tail analysis.
     "PAGEDLLM_STEP_TRACE": lambda: os.environ.get("PAGEDLLM_STEP_TRACE"),
+    # Largest padded token count of the piecewise CUDA graphs of prefill / mixed steps (0: none; piecewise_graph.py).
+    "PAGEDLLM_PIECEWISE_MAX_TOKENS": lambda: int(os.environ.get("PAGEDLLM_PIECEWISE_MAX_TOKENS", "2048")),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

@@ -25,3 +25,23 @@ def get_attn_metadata(layer_name: str) -> Any:
     if _attn_metadata is None:
         raise RuntimeError("attention called outside set_forward_context")
     return _attn_metadata[layer_name]
+
+
+_split_hook: Any = None
+"""Piecewise CUDA-graph capture (worker/piecewise_graph.py): while set, every attention layer hands its q/k/v
+to this callable instead of attending (`hook(layer, q, k, v, rotary) -> output`)."""
+
+
+@contextmanager
+def set_split_hook(hook: Any) -> Iterator[None]:
+    global _split_hook
+    prev = _split_hook
+    _split_hook = hook
+    try:
+        yield
+    finally:
+        _split_hook = prev
+
+
+def get_split_hook() -> Any:
+    return _split_hook

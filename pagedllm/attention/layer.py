@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionType, RotaryArgs
 from pagedllm.attention.selector import get_attn_backend
-from pagedllm.forward_context import get_attn_metadata
+from pagedllm.forward_context import get_attn_metadata, get_split_hook
 
 
 class Attention(nn.Module):
@@ -55,6 +55,15 @@ class Attention(nn.Module):
         With `rotary`, q and k (row views whose heads are packed) are rotated in place first -- by the
         backend together with its cache write where it can (`impl.fuses_rotary`), else here.
         """
+        hook = get_split_hook()
+        if hook is not None:  # a piecewise CUDA-graph capture ends its segment here
+            return hook(self, q, k, v, rotary)
+        return self.attend(q, k, v, rotary, q.new_empty(q.shape))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs | None, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` into `out` ([T, num_heads*head_size]): the part a piecewise CUDA graph runs eagerly."""
         t = q.shape[0]
         if rotary is not None and not self.impl.fuses_rotary:
             from pagedllm.attention.ops.triton_rope_cache import apply_rotary_
@@ -64,6 +73,6 @@ class Attention(nn.Module):
         q3 = q.view(t, self.num_heads, self.head_size)
         k3 = k.view(t, self.num_kv_heads, self.head_size)
         v3 = v.view(t, self.num_kv_heads, self.head_size)
-        out = torch.empty_like(q3)
-        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out, rotary)
-        return out.view(t, self.num_heads * self.head_size)
+        out3 = out.view(t, self.num_heads, self.head_size)
+        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out3, rotary)
+        return out

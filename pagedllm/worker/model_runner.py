@@ -28,6 +28,7 @@ from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer, tables
 from pagedllm.worker.batch_update import BatchUpdater
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner, capture_piecewise
 from pagedllm.worker.prompt_logprobs import PromptLogprobs
 from pagedllm.worker.sampling_batch import SamplingBatch
 from pagedllm.worker.step_inputs import StepInputBuilder, StepInputs
@@ -69,6 +70,8 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.verify_graphs: CudaGraphRunner | None = None
         """Speculative decoding: graphs of k + 1 query rows per request for the verification steps."""
+        self.piecewise: PiecewiseGraphRunner | None = None
+        """Prefill and mixed steps of up to PAGEDLLM_PIECEWISE_MAX_TOKENS tokens (worker/piecewise_graph.py)."""
         self.copier = AsyncCopier()
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         self.in_flight = InFlightTokens(self._arange)
@@ -228,6 +231,9 @@ class ModelRunner:
                 query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
             )  # fmt: skip
             self.verify_graphs.capture()
+        # Prefill / mixed steps (LoRA, speculative and multimodal steps take the eager path's inputs).
+        if self.lora is None and self.spec is None and self.mm is None and self.model_config.runner_type == "generate":
+            self.piecewise = capture_piecewise(self.model, self.max_num_tokens, self.device, self.cuda_graphs.pool)
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -342,12 +348,15 @@ class ModelRunner:
         ):
             return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables)
         dev = self.device
+        key_limit = mm_step.key_limit if mm_step is not None else None
+        commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev, key_limit=key_limit)
+        pw = self.piecewise
+        if pw is not None and graph_ok and pw.can_run(x.num_tokens):
+            return pw.run(x.input_ids, pos_host, patch, metadata_by_layer(self.builders, groups, commons))
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
         if patch is not None:
             input_ids[patch[0]] = patch[1]
         positions = torch.from_numpy(pos_host).to(dev, non_blocking=True)
-        key_limit = mm_step.key_limit if mm_step is not None else None
-        commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev, key_limit=key_limit)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
             if self.pp is not None:
                 return self.pp.forward(model, input_ids, positions)
