@@ -1,5 +1,5 @@
 """Piecewise CUDA graphs (worker/piecewise_graph.py) for prefill and mixed steps, on tiny random float32
-checkpoints: with a 48-token budget every prompt is chunked and most steps mix a prefill chunk with decodes, all
+checkpoints: with a 64-token budget every longer prompt is chunked and most steps mix a prefill chunk with decodes, all
 replayed through the graphs (padded to 64 tokens, attention eager in between); greedy tokens equal HF
 transformers' by the numerical-comparison policy, with one and two KV-cache groups and with Qwen3's q/k norm
 fused into the RoPE pass. PAGEDLLM_PIECEWISE_MAX_TOKENS=0 turns them off."""
@@ -30,13 +30,13 @@ def test_piecewise_prefill_matches_hf(variant: str, tmp_path) -> None:  # noqa: 
     refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
     llm = LLM(
         str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=256,
-        kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48,
+        kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
     )  # fmt: skip
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     assert runner.piecewise is not None and runner.piecewise.sizes == [64]
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
-    assert runner.piecewise.num_runs >= 10  # the chunked prefills went through the graphs
+    assert runner.piecewise.num_runs >= 5  # the chunked prefills went through the graphs
     for p, o, r in zip(prompts, outs, refs):
         compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
 
