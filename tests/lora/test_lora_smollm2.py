@@ -102,6 +102,7 @@ def server(smollm2_path: str, adapter_dir: str) -> Iterator[ServerProcess]:
         yield srv
 
 
+@pytest.mark.slow  # CI time (the adapter's training takes 1.5-4 min on 2 cores): run by hand (pytest -m slow)
 def test_pattern_through_openai_client_and_runtime_updates(server: ServerProcess, adapter_dir: str) -> None:
     import httpx
 
