@@ -231,9 +231,7 @@ class ModelRunner:
                 query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
             )  # fmt: skip
             self.verify_graphs.capture()
-        # Prefill / mixed steps (LoRA, speculative and multimodal steps take the eager path's inputs).
-        if self.lora is None and self.spec is None and self.mm is None and self.model_config.runner_type == "generate":
-            self.piecewise = capture_piecewise(self.model, self.max_num_tokens, self.device, self.cuda_graphs.pool)
+        self.piecewise = capture_piecewise(self)  # prefill and mixed steps, where they apply
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -54,17 +54,33 @@ def plain_dense_model(model: torch.nn.Module) -> bool:
     return not any("moe" in n or "expert" in n for n in names)
 
 
-def capture_piecewise(
-    model: torch.nn.Module, max_num_tokens: int, device: torch.device, pool: Any
-) -> PiecewiseGraphRunner | None:
-    """The model's piecewise graphs up to min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_tokens) tokens, captured
-    into `pool` (the decode graphs'), or None where they do not apply."""
-    max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_tokens)
-    if max_tokens < 64 or not plain_dense_model(model):
+def capture_piecewise(runner: Any) -> PiecewiseGraphRunner | None:
+    """A `ModelRunner`'s (typed Any: its module imports this one) piecewise graphs up to
+    min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) tokens, in the decode graphs' pool; None where they
+    do not apply: LoRA, speculative and multimodal steps take the eager path's inputs, pooling models, MoE models,
+    and tensor parallelism (not yet measured)."""
+    max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, runner.max_num_tokens)
+    if (
+        max_tokens < 64
+        or runner.cuda_graphs is None
+        or runner.lora is not None
+        or runner.spec is not None
+        or runner.mm is not None
+        or runner.config.parallel_config.tensor_parallel_size > 1
+        or runner.model_config.runner_type != "generate"
+        or not plain_dense_model(runner.model)
+    ):
         return None
-    runner = PiecewiseGraphRunner(model, piecewise_sizes(max_tokens), device, pool)
-    runner.capture()
-    return runner
+    pw = PiecewiseGraphRunner(runner.model, piecewise_sizes(max_tokens), runner.device, runner.cuda_graphs.pool)
+    try:
+        pw.capture()
+    except Exception as e:  # a model whose forward cannot be captured still serves, eagerly
+        torch.cuda.synchronize(runner.device)
+        logger.warning(
+            "Piecewise CUDA graphs off: capture failed (%s: %s); prefill steps run eagerly", type(e).__name__, e
+        )
+        return None
+    return pw
 
 
 @dataclass
