@@ -88,8 +88,8 @@ class _Segments:
     """One padded size: graphs[i] runs up to attention call i, the last graph to the model's output."""
 
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
-    calls: list[tuple[Any, tuple[int, int, int, torch.dtype], Any]] = field(default_factory=list)
-    """(attention layer, its static buffers' key, its RotaryArgs) per call, in order."""
+    calls: list[tuple[Any, tuple[torch.Tensor, ...], Any]] = field(default_factory=list)
+    """(attention layer, its q / k / v / output static buffers cut to this size, its RotaryArgs) per call."""
     out: torch.Tensor | None = None
 
 
@@ -131,7 +131,7 @@ class PiecewiseGraphRunner:
             seg.graphs[-1].capture_end()
             if self.pool is None:
                 self.pool = seg.graphs[-1].pool()
-            seg.calls.append((layer, key, rotary))
+            seg.calls.append((layer, tuple(b[:t] for b in bufs), rotary))
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
             seg.graphs.append(graph)
@@ -198,10 +198,9 @@ class PiecewiseGraphRunner:
                 self.input_ids[patch[0]] = patch[1]
         seg = self.segments[size]
         with set_forward_context(attn_metadata):
-            for graph, (layer, key, rotary) in zip(seg.graphs, seg.calls):
+            for graph, (layer, (q, k, v, out), rotary) in zip(seg.graphs, seg.calls):
                 graph.replay()
-                q, k, v, out = self._bufs[key]
-                layer.attend(q[:size], k[:size], v[:size], rotary, out[:size])
+                layer.attend(q, k, v, rotary, out)
             seg.graphs[-1].replay()
         self.num_runs += 1
         assert seg.out is not None
