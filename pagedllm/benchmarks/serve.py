@@ -107,8 +107,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--save-detailed",
         action="store_true",
-        help="With --save-result: also every request's send time (sent_at, wall clock), ttft, itl, output length "
-        "and error (vLLM's flag; our sent_at lines up with the engine's PAGEDLLM_STEP_TRACE).",
+        help="With --save-result: also every request's input and output length, ttft, itl and error (vLLM's flag "
+        "and fields) and its send time (sent_at, wall clock: lines up with the engine's PAGEDLLM_STEP_TRACE).",
     )
     p.add_argument("--result-dir", default=".", help="Folder for --save-result without a file name.")
     p.add_argument("--result-filename", default=None, help="File name for --save-result without a file name.")
@@ -322,12 +322,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "plot", None):
         summary["series"] = serve_series(list(results), start)
     if getattr(args, "save_detailed", False):
-        summary.update(
-            sent_at=[r.sent_at for r in results],
+        summary.update(  # vLLM's per-request fields (`errors` becomes one entry per request), and our sent_at
+            input_lens=[r.prompt_len for r in results],
+            output_lens=[r.output_tokens for r in results],
             ttfts=[r.ttft for r in results],
             itls=[r.itl for r in results],
-            output_lens=[r.output_tokens for r in results],
-            errors_per_request=[r.error for r in results],
+            errors=[r.error for r in results],
+            sent_at=[r.sent_at for r in results],
         )
     return summary
 
@@ -369,7 +370,8 @@ def main(args: argparse.Namespace) -> int:
             json.dump(summary, f, indent=2)
         print(f"Results saved to {path}")
     if summary["completed"] == 0:
-        print("error: no request succeeded: " + "; ".join(summary.get("errors", [])), file=sys.stderr)
+        errors = [e for e in summary.get("errors", []) if e][:10]
+        print("error: no request succeeded: " + "; ".join(errors), file=sys.stderr)
         return 1
     return 0
 

@@ -61,6 +61,7 @@ def test_bench_serve_vllm_options(stress_server: ServerProcess, tmp_path: Path) 
     assert len(res["sent_at"]) == len(res["ttfts"]) == len(res["itls"]) == 6
     assert res["sent_at"] == sorted(res["sent_at"]) and all(t > 0 for t in res["ttfts"])
     assert res["output_lens"] == [4] * 6 and all(len(g) == 3 for g in res["itls"])
+    assert res["input_lens"] == [16] * 6 and res["errors"] == [""] * 6
     bad = p.parse_args(["--percentile-metrics", "ttft,nope"])
     with pytest.raises(ValueError, match="percentile_metrics"):
         bench_serve.main(bad)
