@@ -232,7 +232,9 @@ def _generate(llm, prompts: list[list[int]]) -> list:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(
-    "async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"]
+    "async_scheduling",
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
+    ids=["sync", "async"],
 )  # CI time: slow-marked, run by hand (pytest -m slow)
 def test_model_runner_caches_match_rebuild(async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.worker.model_runner import ModelRunner

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+pytestmark = pytest.mark.slow  # CI time (~90 s, a second server start): run by hand (pytest -m slow)
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
