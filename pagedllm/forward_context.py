@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 _attn_metadata: dict[str, Any] | None = None
 
+_split_hook: Any = None
+"""Piecewise CUDA-graph capture (worker/piecewise_graph.py): while set, every attention layer hands its q/k/v
+to this callable instead of attending (`hook(layer, q, k, v, rotary) -> output`)."""
+
 
 @contextmanager
-def set_forward_context(attn_metadata: dict[str, Any] | None) -> Iterator[None]:
-    """attn_metadata maps an attention layer's name to its backend metadata for this step."""
-    global _attn_metadata
-    prev = _attn_metadata
-    _attn_metadata = attn_metadata
+def _setting(name: str, value: Any) -> Iterator[None]:
+    """This module's global `name` set to `value` for the block, then restored (blocks nest)."""
+    state = globals()
+    prev = state[name]
+    state[name] = value
     try:
         yield
     finally:
-        _attn_metadata = prev
+        state[name] = prev
+
+
+def set_forward_context(attn_metadata: dict[str, Any] | None) -> AbstractContextManager[None]:
+    """attn_metadata maps an attention layer's name to its backend metadata for this step."""
+    return _setting("_attn_metadata", attn_metadata)
 
 
 def get_attn_metadata(layer_name: str) -> Any:
@@ -27,20 +36,8 @@ def get_attn_metadata(layer_name: str) -> Any:
     return _attn_metadata[layer_name]
 
 
-_split_hook: Any = None
-"""Piecewise CUDA-graph capture (worker/piecewise_graph.py): while set, every attention layer hands its q/k/v
-to this callable instead of attending (`hook(layer, q, k, v, rotary) -> output`)."""
-
-
-@contextmanager
-def set_split_hook(hook: Any) -> Iterator[None]:
-    global _split_hook
-    prev = _split_hook
-    _split_hook = hook
-    try:
-        yield
-    finally:
-        _split_hook = prev
+def set_split_hook(hook: Any) -> AbstractContextManager[None]:
+    return _setting("_split_hook", hook)
 
 
 def get_split_hook() -> Any:

@@ -22,6 +22,15 @@ Patch = tuple[torch.Tensor | slice, torch.Tensor]
 """(token indices, sampled ids on the device): input ids the host does not know yet."""
 
 
+def apply_patch(input_ids: torch.Tensor, patch: Patch) -> None:
+    """Write the in-flight ids of `patch` into `input_ids` on the device (a contiguous run by one copy)."""
+    rows, ids = patch
+    if isinstance(rows, slice):
+        input_ids[rows].copy_(ids)
+    else:
+        input_ids[rows] = ids
+
+
 class AsyncCopier:
     """Device-to-host copies of sampled ids, each followed by an event on the copy's stream. Two events
     are used alternately (creating an event and looking up the current stream took ~13 us a step on the

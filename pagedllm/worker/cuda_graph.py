@@ -21,7 +21,7 @@ import torch
 from pagedllm.attention.backends.abstract import CommonAttentionMetadata
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
-from pagedllm.worker.async_output import Patch
+from pagedllm.worker.async_output import Patch, apply_patch
 from pagedllm.worker.attn_inputs import metadata_by_layer
 
 logger = init_logger(__name__)
@@ -157,10 +157,7 @@ class CudaGraphRunner:
         # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
         self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
         if patch is not None:
-            if isinstance(patch[0], slice):
-                self.input_ids[patch[0]].copy_(patch[1])
-            else:
-                self.input_ids[patch[0]] = patch[1]
+            apply_patch(self.input_ids, patch)
         self._upload_tables(block_tables, n)
         graph, out, _ = self.graphs[size]
         graph.replay()

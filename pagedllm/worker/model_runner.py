@@ -23,7 +23,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.structured_output.apply import apply_grammar_bitmask
 from pagedllm.utils import cdiv
 from pagedllm.worker import warmup
-from pagedllm.worker.async_output import AsyncCopier, InFlightTokens, Patch, PendingStep
+from pagedllm.worker.async_output import AsyncCopier, InFlightTokens, Patch, PendingStep, apply_patch
 from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer, tables_and_slots
 from pagedllm.worker.batch_update import BatchUpdater
 from pagedllm.worker.cuda_graph import CudaGraphRunner
@@ -353,7 +353,7 @@ class ModelRunner:
             return pw.run(x.input_ids, pos_host, patch, metadata_by_layer(self.builders, groups, commons))
         input_ids = torch.from_numpy(x.input_ids).to(dev, non_blocking=True)
         if patch is not None:
-            input_ids[patch[0]] = patch[1]
+            apply_patch(input_ids, patch)
         positions = torch.from_numpy(pos_host).to(dev, non_blocking=True)
         with set_forward_context(metadata_by_layer(self.builders, groups, commons)):
             if self.pp is not None:

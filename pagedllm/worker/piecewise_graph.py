@@ -30,13 +30,9 @@ import torch
 from pagedllm import envs
 from pagedllm.forward_context import set_forward_context, set_split_hook
 from pagedllm.logger import init_logger
-from pagedllm.worker.async_output import Patch
+from pagedllm.worker.async_output import Patch, apply_patch
 
 logger = init_logger(__name__)
-
-DEFAULT_MAX_TOKENS = 2048
-"""Largest padded step (PAGEDLLM_PIECEWISE_MAX_TOKENS overrides; 0 turns piecewise graphs off). Bigger steps are
-device-bound anyway (a 2,048-token prefill of an 8B model is ~50 ms of GEMMs) and run eagerly."""
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
@@ -56,7 +52,8 @@ def plain_dense_model(model: torch.nn.Module) -> bool:
 
 def capture_piecewise(runner: Any) -> PiecewiseGraphRunner | None:
     """A `ModelRunner`'s (typed Any: its module imports this one) piecewise graphs up to
-    min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) tokens, in the decode graphs' pool; None where they
+    min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) tokens (default 2,048: bigger steps are device-bound
+    anyway, a 2,048-token prefill of an 8B model being ~50 ms of GEMMs), in the decode graphs' pool; None where they
     do not apply: LoRA, speculative and multimodal steps take the eager path's inputs, pooling models, MoE models,
     and tensor parallelism (not yet measured)."""
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, runner.max_num_tokens)
@@ -192,10 +189,7 @@ class PiecewiseGraphRunner:
         # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
         self._header.copy_(torch.from_numpy(host), non_blocking=True)
         if patch is not None:
-            if isinstance(patch[0], slice):
-                self.input_ids[patch[0]].copy_(patch[1])
-            else:
-                self.input_ids[patch[0]] = patch[1]
+            apply_patch(self.input_ids, patch)
         seg = self.segments[size]
         with set_forward_context(attn_metadata):
             for graph, (layer, (q, k, v, out), rotary) in zip(seg.graphs, seg.calls):

@@ -185,11 +185,10 @@ class GemvConfig(NamedTuple):
     split: int = 0
 
 
-# Sweep winners (`benchmarks/gguf_gpu.py --sweep`), keyed by (type name, N, K); the decode GEMV of any other
-# shape takes `_DEFAULT`. Empty until the first sweep on the GPU: paste its "best" lines here.
+# Sweep winners (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by (type name, N, K); any other
+# shape takes `_DEFAULT`. From an H100 (session 17, results/h100_s17/gguf_sweep.json): Llama-3.1-8B shapes,
+# M = 1, bf16 activations; (BN, BK, warps, stages, split).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
-    # `benchmarks/gguf_gpu.py --sweep` on an H100 (session 17, results/h100_s17/gguf_sweep.json): Llama-3.1-8B
-    # shapes (N, K), M = 1, bf16 activations; (BN, BK, warps, stages, split).
     ("Q4_1", 6144, 4096): GemvConfig(64, 512, 4, 1, 6),
     ("Q4_1", 4096, 4096): GemvConfig(64, 256, 4, 1, 9),
     ("Q4_1", 28672, 4096): GemvConfig(64, 256, 4, 1, 5),
