@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
     PAGEDLLM_STEP_TRACE: str | None
     PAGEDLLM_PIECEWISE_MAX_TOKENS: int
+    PAGEDLLM_MIXED_GRAPHS: str
     CC: str | None
 
 
@@ -130,6 +131,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_STEP_TRACE": lambda: os.environ.get("PAGEDLLM_STEP_TRACE"),
     # Largest padded token count of the piecewise CUDA graphs of prefill / mixed steps (0: none; piecewise_graph.py).
     "PAGEDLLM_PIECEWISE_MAX_TOKENS": lambda: int(os.environ.get("PAGEDLLM_PIECEWISE_MAX_TOKENS", "2048")),
+    # How those steps are captured: "full" (one graph per step, attention included; worker/mixed_graph.py) or
+    # "piecewise" (attention eager between the graphs; worker/piecewise_graph.py).
+    "PAGEDLLM_MIXED_GRAPHS": lambda: os.environ.get("PAGEDLLM_MIXED_GRAPHS", "full"),
     # The C compiler for the CPU kernels.
     "CC": lambda: os.environ.get("CC"),
 }

@@ -28,7 +28,8 @@ from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer, tables
 from pagedllm.worker.batch_update import BatchUpdater
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner, capture_piecewise
+from pagedllm.worker.mixed_graph import MixedGraphRunner, capture_mixed_step_graphs
+from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner
 from pagedllm.worker.prompt_logprobs import PromptLogprobs
 from pagedllm.worker.sampling_batch import SamplingBatch
 from pagedllm.worker.step_inputs import StepInputBuilder, StepInputs
@@ -70,8 +71,10 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.verify_graphs: CudaGraphRunner | None = None
         """Speculative decoding: graphs of k + 1 query rows per request for the verification steps."""
+        self.mixed_graphs: MixedGraphRunner | None = None
+        """Prefill and mixed steps up to PAGEDLLM_PIECEWISE_MAX_TOKENS tokens, a graph each (worker/mixed_graph.py)."""
         self.piecewise: PiecewiseGraphRunner | None = None
-        """Prefill and mixed steps of up to PAGEDLLM_PIECEWISE_MAX_TOKENS tokens (worker/piecewise_graph.py)."""
+        """The same steps where whole-step graphs are off or failed to capture (worker/piecewise_graph.py)."""
         self.copier = AsyncCopier()
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         self.in_flight = InFlightTokens(self._arange)
@@ -231,7 +234,7 @@ class ModelRunner:
                 query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
             )  # fmt: skip
             self.verify_graphs.capture()
-        self.piecewise = capture_piecewise(self)  # prefill and mixed steps, where they apply
+        self.mixed_graphs, self.piecewise = capture_mixed_step_graphs(self)  # prefill and mixed steps, where they apply
 
     # ---- one step ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -345,6 +348,9 @@ class ModelRunner:
             and vg.can_run_padded(x.cu, x.seq_lens)
         ):
             return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables)
+        mg = self.mixed_graphs
+        if mg is not None and graph_ok and mg.can_run(x.num_tokens):
+            return mg.run(x.input_ids, pos_host, x.cu, x.seq_lens, slots, tables, patch)
         dev = self.device
         key_limit = mm_step.key_limit if mm_step is not None else None
         commons = build_commons(x.cu, x.seq_lens, x.computed, tables, slots, x.max_query_len, dev, key_limit=key_limit)

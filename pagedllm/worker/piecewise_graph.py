@@ -50,10 +50,10 @@ def plain_dense_model(model: torch.nn.Module) -> bool:
     return not any("moe" in n or "expert" in n for n in names)
 
 
-def capture_piecewise(runner: Any) -> PiecewiseGraphRunner | None:
-    """A `ModelRunner`'s (typed Any: its module imports this one) piecewise graphs up to
-    min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) tokens (default 2,048: bigger steps are device-bound
-    anyway, a 2,048-token prefill of an 8B model being ~50 ms of GEMMs), in the decode graphs' pool; None where they
+def mixed_graph_max_tokens(runner: Any) -> int:
+    """The largest padded token count of a `ModelRunner`'s (typed Any: its module imports this one) graphs for
+    prefill and mixed steps: min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) (default 2,048: bigger
+    steps are device-bound anyway, a 2,048-token prefill of an 8B model being ~50 ms of GEMMs), or 0 where they
     do not apply: LoRA, speculative and multimodal steps take the eager path's inputs, pooling models, MoE models,
     and tensor parallelism (not yet measured)."""
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, runner.max_num_tokens)
@@ -67,7 +67,13 @@ def capture_piecewise(runner: Any) -> PiecewiseGraphRunner | None:
         or runner.model_config.runner_type != "generate"
         or not plain_dense_model(runner.model)
     ):
-        return None
+        return 0
+    return max_tokens
+
+
+def capture_piecewise(runner: Any, max_tokens: int) -> PiecewiseGraphRunner | None:
+    """A `ModelRunner`'s piecewise graphs up to `max_tokens` tokens, in the decode graphs' pool; None if the
+    capture fails (the steps then run eagerly)."""
     pw = PiecewiseGraphRunner(runner.model, piecewise_sizes(max_tokens), runner.device, runner.cuda_graphs.pool)
     try:
         pw.capture()

@@ -139,7 +139,7 @@ class WorkerSleeper:
     # ---- both ------------------------------------------------------------------------------------------
     def sleep(self, level: int) -> int:
         runner = self.runner
-        runner.cuda_graphs = runner.piecewise = None  # they point at the storages released below
+        runner.cuda_graphs = runner.piecewise = runner.mixed_graphs = None  # they point at the storages released below
         freed = self.sleep_weights(level) + self.sleep_kv_cache()
         _release_device_cache(runner.device)
         logger.info("Sleep level %d: released %.2f GiB of %s memory", level, freed / 2**30, runner.device.type)

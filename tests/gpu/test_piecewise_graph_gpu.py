@@ -1,8 +1,9 @@
-"""Piecewise CUDA graphs (worker/piecewise_graph.py) for prefill and mixed steps, on tiny random float32
-checkpoints: with a 64-token budget every longer prompt is chunked and most steps mix a prefill chunk with decodes, all
-replayed through the graphs (padded to 64 tokens, attention eager in between); greedy tokens equal HF
-transformers' by the numerical-comparison policy, with one and two KV-cache groups and with Qwen3's q/k norm
-fused into the RoPE pass. PAGEDLLM_PIECEWISE_MAX_TOKENS=0 turns them off."""
+"""CUDA graphs for prefill and mixed steps, whole-step (worker/mixed_graph.py, the default) and piecewise
+(worker/piecewise_graph.py, PAGEDLLM_MIXED_GRAPHS=piecewise), on tiny random float32 checkpoints: with a
+64-token budget every longer prompt is chunked and most steps mix a prefill chunk with decodes, all replayed
+through the graphs (padded to 64 tokens and, whole-step, to 64 requests); greedy tokens equal HF transformers' by
+the numerical-comparison policy, with one and two KV-cache groups and with Qwen3's q/k norm fused into the RoPE
+pass. PAGEDLLM_PIECEWISE_MAX_TOKENS=0 turns both off."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
 from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
 
 
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2_sliding", "qwen3"])
-def test_piecewise_prefill_matches_hf(variant: str, tmp_path) -> None:  # noqa: ANN001
+def test_piecewise_prefill_matches_hf(variant: str, mode: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", mode)
     hf = make_tiny_hf_model(variant, tmp_path).to("cuda")
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 90))] for _ in range(12)]
@@ -33,10 +36,12 @@ def test_piecewise_prefill_matches_hf(variant: str, tmp_path) -> None:  # noqa: 
         kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
     )  # fmt: skip
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-    assert runner.piecewise is not None and runner.piecewise.sizes == [64]
+    graphs = runner.mixed_graphs if mode == "full" else runner.piecewise
+    other = runner.piecewise if mode == "full" else runner.mixed_graphs
+    assert graphs is not None and graphs.sizes == [64] and other is None
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
-    assert runner.piecewise.num_runs >= 5  # the chunked prefills went through the graphs
+    assert graphs.num_runs >= 5  # the chunked prefills went through the graphs
     for p, o, r in zip(prompts, outs, refs):
         compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
 
@@ -48,4 +53,4 @@ def test_piecewise_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # no
     args["kv_cache_memory_bytes"] = 1 << 23
     llm = LLM(str(tmp_path), **args)
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-    assert runner.piecewise is None and runner.cuda_graphs is not None
+    assert runner.piecewise is None and runner.mixed_graphs is None and runner.cuda_graphs is not None
