@@ -68,7 +68,7 @@ def main() -> None:
         engine.step()
         torch.cuda.synchronize()
     res["prefill_step"] = split(prof, 1)
-    res["prefill_tokens"] = int(sum(r.num_computed_tokens for r in core.scheduler.running))
+    res["tokens_computed_after_two_steps"] = int(sum(r.num_computed_tokens for r in core.scheduler.running))
     print("prefill step, kernels by device time:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
