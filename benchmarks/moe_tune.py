@@ -43,6 +43,15 @@ def candidates() -> list[configs.Config]:
         out.append(configs._cfg(bm, bn, bk, 8 if bm >= 64 else 1, warps, stages))
     # Prefill-sized tiles (timed only where experts get >= 2 rows on average).
     out += [configs._cfg(128, 128, 64, 8, 8, 3), configs._cfg(128, 64, 64, 8, 4, 3)]
+    out += [
+        configs._cfg(128, 128, 64, 8, 8, 4),
+        configs._cfg(128, 64, 64, 8, 4, 4),
+        configs._cfg(128, 64, 128, 8, 8, 3),
+        configs._cfg(256, 64, 64, 8, 8, 3),
+        configs._cfg(128, 128, 32, 8, 8, 4),
+        configs._cfg(128, 128, 32, 8, 4, 4),
+        configs._cfg(64, 128, 64, 8, 4, 3),
+    ]
     return out
 
 
@@ -90,7 +99,7 @@ def main() -> None:
         best_dn: dict[int, tuple[float, configs.Config]] = {}
         for c in cands:
             bm = c["BLOCK_M"]
-            if bm > 16 and t * k / e < 2:
+            if (bm > 16 and t * k / e < 2) or (bm < 64 and t >= 4096):  # (big batches: prefill tiles only)
                 continue
             try:
                 tu, td = gemms(c, c)

@@ -89,6 +89,18 @@ def test_empty_experts_and_zero_tokens() -> None:
     assert empty.shape == (0, 64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("t", "k", "h"), [(1, 8, 2048), (37, 4, 96), (5, 2, 1500)])
+def test_moe_sum_matches_torch(t: int, k: int, h: int, dtype: torch.dtype) -> None:
+    """The sum over k: float32 sums (order may differ from torch's: float32 to 1e-6, bf16 within one ulp)."""
+    x = torch.randn(t, k, h, device=DEVICE).to(dtype)
+    out = triton_moe.moe_sum(x)
+    ref = x.float().sum(dim=1)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert ((out.float() - ref).abs() <= tol * ref.abs().clamp_min(1.0)).all()
+
+
 def test_align_block_size_layout() -> None:
     ids = torch.tensor([[3, 1], [3, 0], [1, 3]], device=DEVICE)
     sorted_ids, expert_ids, num_post = triton_moe.moe_align_block_size(ids, 4, 5)
