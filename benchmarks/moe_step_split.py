@@ -22,7 +22,18 @@ from pagedllm.benchmarks.workloads import get_workload
 # Kernel-name fragments per category, first match wins. "reduce_kernel" is the MoE's sum over the k
 # experts (W6 has no other reduction kernel in a step but the sampler's, which is small).
 CATEGORIES = (
-    ("moe", ("_grouped_gemm", "_topk_softmax", "_count_experts", "_place_pairs", "_silu_and_mul", "reduce_kernel", "_moe_sum")),
+    (
+        "moe",
+        (
+            "_grouped_gemm",
+            "_topk_softmax",
+            "_count_experts",
+            "_place_pairs",
+            "_silu_and_mul",
+            "reduce_kernel",
+            "_moe_sum",
+        ),
+    ),
     ("attention", ("_paged_attn", "_rope", "cache")),
     ("dense_gemm", ("nvjet", "gemm", "cutlass", "xmma", "_gemv")),
 )
