@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,6 +190,19 @@ class CatchAllMiddleware:
             await send_json(send, 500, error_body(f"Internal server error: {type(e).__name__}: {e}", 500))
 
 
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on a client connection. asyncio sets it only on sockets made with proto IPPROTO_TCP, and the
+    listening socket that several API-server processes share (`socket.create_server(reuse_port=True)`) has proto
+    0: its connections kept Nagle's algorithm, which held a stream's first small SSE chunks until the client's
+    delayed ACK (~40 ms; the S1 / S2 TTFT tail with --api-server-count 2, benchmarks/NOTES.md session 18)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the connection is already gone
+            pass
+
+
 class TimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, plus: a connection whose request head (request line and headers) is not
     complete `header_timeout_s` after its first byte (or after the connection opened) is closed. The
@@ -198,6 +212,7 @@ class TimeoutH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
+        set_nodelay(transport)
         super().connection_made(transport)
         self._arm_head_timer()
 
