@@ -123,6 +123,11 @@ class StepLoopTimers:
             return real_chain(mgr, so, StepFuture(waited))
 
         so_mgr.chain = chain  # type: ignore[method-assign]
+        try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
+            from pagedllm.structured_output.overlap import StepJobs
+        except ImportError:
+            return
+        StepJobs.sampled = timed("intake", StepJobs.sampled)  # type: ignore[method-assign]
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.total)
@@ -319,28 +324,42 @@ def main() -> None:
     timers = StepLoopTimers()
     timers.install()
     runs: dict[str, list[float]] = {}
-    parts: dict[str, list[float]] = {p: [] for p in StepLoopTimers.PARTS}
+    parts: dict[str, dict[str, list[float]]] = {"": {}, "inline_": {}}
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
+    # structured: as the engine runs (async scheduling: the matchers' intake and the fill on a worker thread);
+    # structured_inline: the worker off, both on the step loop (the engine's path before session 18).
+    cases = [("plain", plain, True), ("structured", constrained, True)]
+    if hasattr(manager, "step_worker"):
+        cases.append(("structured_inline", constrained, False))
+    cases.append(("plain_again", plain, True))
     for _ in range(args.repeats):
-        for name, sp in (("plain", plain), ("structured", constrained), ("plain_again", plain)):
+        for name, sp, worker in cases:
+            if hasattr(manager, "step_worker"):
+                manager.step_worker = worker
             times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
             runs.setdefault(f"step_ms_{name}", []).append(statistics.median(times) * 1e3)
             runs.setdefault(f"step_cpu_ms_{name}", []).append(cpu / args.steps * 1e3)
             res[f"min_batch_{name}"] = min(min_batch, res.get(f"min_batch_{name}", min_batch))
-            if name == "structured":
+            if name.startswith("structured"):
                 for p, v in used.items():
-                    parts[p].append(v / args.steps * 1e3)
+                    parts["inline_" if name.endswith("inline") else ""].setdefault(p, []).append(v / args.steps * 1e3)
     for key, vals in runs.items():  # per repeat: the median step; over repeats: median (and min)
         res[key] = statistics.median(vals)
         if args.repeats > 1:
             res[key.replace("_ms_", "_ms_min_", 1)] = min(vals)
             res[key + "_runs"] = [round(v, 3) for v in vals]
-    for p, vals in parts.items():
-        res[f"so_{p}_ms_per_step"] = statistics.median(vals)
-    res["so_total_ms_per_step"] = sum(res[f"so_{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
+    for prefix, by_part in parts.items():
+        if not by_part:
+            continue
+        for p, vals in by_part.items():
+            res[f"so_{prefix}{p}_ms_per_step"] = statistics.median(vals)
+        res[f"so_{prefix}total_ms_per_step"] = sum(res[f"so_{prefix}{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
     base = (res["step_ms_plain"] + res["step_ms_plain_again"]) / 2
-    res["structured_overhead_pct"] = (res["step_ms_structured"] / base - 1) * 100
     base_cpu = (res["step_cpu_ms_plain"] + res["step_cpu_ms_plain_again"]) / 2
-    res["structured_cpu_overhead_pct"] = (res["step_cpu_ms_structured"] / base_cpu - 1) * 100
+    for name in ("structured", "structured_inline"):
+        if f"step_ms_{name}" in res:
+            res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
+            res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100
 
     # 3. First-token latency on an idle engine: a plain request, a new schema (compiled on arrival), a cached one.
     if args.quick:

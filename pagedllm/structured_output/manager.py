@@ -18,6 +18,7 @@ With a reasoning parser, a request's grammar applies only once `parser.is_reason
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, gram
 from pagedllm.structured_output.config import StructuredOutputsConfig
 from pagedllm.structured_output.matchers import GrammarBitmask, feed_batch
 from pagedllm.structured_output.matchers import RequestGrammar as _RequestGrammar
+from pagedllm.structured_output.overlap import StepJobs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -76,6 +78,10 @@ class StructuredOutputManager:
         """xgrammar's batch fill (threads), made with the first bitmask: no xgrammar import before then."""
         self.pin_masks = pin_masks
         self.fill_threads = fill_threads
+        self._jobs = StepJobs(self.states, fill_threads)
+        """Async scheduling: the previous step's intake and this step's fill on a worker thread."""
+        self.step_worker = True
+        """Whether async steps use that worker (off: both run inline on the step loop, in `chain`)."""
 
     # ---- compile -------------------------------------------------------------------------------------
     def _get_backend(self) -> XgrammarBackend:
@@ -170,7 +176,10 @@ class StructuredOutputManager:
 
                 self._batch = xgr.BatchGrammarMatcher(self.fill_threads or "auto")
             valid = self._backend.valid_vocab if self._backend is not None else None
-            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks, states)
+            bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks, states)
+            if self.step_worker:
+                bitmask.on_sampled = functools.partial(self._jobs.sampled, ids)
+            so.grammar_bitmask = bitmask
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
         """Advance the request's matcher with its new tokens (already in `req.output_token_ids`; those after
@@ -180,6 +189,8 @@ class StructuredOutputManager:
         if st is None or st.matcher is None:
             return False
         n_out = len(req.output_token_ids)
+        if st.num_seen < n_out and self._jobs.pending is not None:
+            self._jobs.publish()  # its tokens are due: the worker's intake of them (no step was chained)
         if st.num_seen >= n_out:  # async scheduling: `pre_accept` took them all
             if st.error is not None:
                 raise GrammarRejectedError(st.error)
@@ -198,6 +209,7 @@ class StructuredOutputManager:
                 st.reasoning_ended = True  # the tokens that ended the reasoning are not the grammar's
                 self._active[req.request_id] = st
             return False
+        self._jobs.quiesce()
         self._feed(st, fresh)
         if st.error is not None:
             raise GrammarRejectedError(st.error)
@@ -231,6 +243,8 @@ class StructuredOutputManager:
         if not isinstance(bitmask, GrammarBitmask):
             return previous
         cache: list[ModelRunnerOutput] = []
+        if self._jobs.chain(bitmask):  # N's tokens are being taken on the worker, and N+1's fill follows
+            return previous
 
         def once() -> ModelRunnerOutput:
             if not cache:
@@ -238,6 +252,7 @@ class StructuredOutputManager:
             return cache[0]
 
         def take_tokens() -> None:
+            self._jobs.quiesce()
             r = once()
             self.pre_accept(r.req_ids, r.sampled_token_ids, r.failed)
 
@@ -290,6 +305,7 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self._jobs.shutdown()
 
 
 def _finished_stopped() -> Any:

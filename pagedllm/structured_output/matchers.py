@@ -65,23 +65,38 @@ class GrammarBitmask:
         self._mask: np.ndarray | None = None
         self.before_fill: Callable[[], None] | None = None
         """Async scheduling: takes the previous step's tokens into the matchers first (see `chain`)."""
+        self.future: cf.Future[tuple[torch.Tensor, list[int]]] | None = None
+        """Async scheduling with the worker (`overlap.StepJobs`): the fill running there."""
+        self.on_sampled: Callable[..., None] | None = None
+        """Set by the manager: the runner reports this step's sampled ids here (`overlap.StepJobs.sampled`)."""
 
-    def _fill(self) -> tuple[torch.Tensor, list[int]]:
+    def fill_after(self, job: Any, batch: xgr.BatchGrammarMatcher) -> tuple[torch.Tensor, list[int]]:
+        """(Worker) the fill once the previous step's intake `job` has run: rows it terminated are unconstrained."""
+        ended = {id(job.picked[i][0]) for i in job.terminated}
+        return self._fill(ended, batch)
+
+    def _fill(
+        self, ended: set[int] | None = None, batch: xgr.BatchGrammarMatcher | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        batch = batch or self._batch
         import torch
 
         matchers = self.matchers
         n, words = len(matchers), -(-self.valid_vocab // 32)
         mask = torch.full((n, words), -1, dtype=torch.int32, pin_memory=self._pin)  # all tokens allowed
         if self._states is not None:
-            rows = [i for i, st in enumerate(self._states) if not st.terminated]
+            if ended:
+                rows = [i for i, st in enumerate(self._states) if not st.terminated and id(st) not in ended]
+            else:
+                rows = [i for i, st in enumerate(self._states) if not st.terminated]
         else:
             rows = [i for i, m in enumerate(matchers) if not m.is_terminated()]
         if len(rows) == n:
-            self._batch.batch_fill_next_token_bitmask(matchers, mask)
+            batch.batch_fill_next_token_bitmask(matchers, mask)
         elif len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
         elif rows:
-            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
         return mask, rows
 
     def narrow(self) -> tuple[torch.Tensor, list[int]]:
@@ -89,7 +104,7 @@ class GrammarBitmask:
         if self._narrow is None:
             if self.before_fill is not None:
                 self.before_fill()
-            self._narrow = self._fill()
+            self._narrow = self.future.result() if self.future is not None else self._fill()
         return self._narrow
 
     def result(self) -> np.ndarray:
@@ -115,12 +130,24 @@ class GrammarBitmask:
 def feed_batch(states: list[RequestGrammar], tokens: list[int]) -> None:
     """One token into each state's matcher in one xgrammar call, with `_feed`'s outcome per state: a rejected
     token -> `st.error`; a stop token accepted -> `st.terminated` (the only way a matcher terminates)."""
-    rejected = _batch_accept([st.matcher for st in states], tokens)  # type: ignore[misc]
+    rejected, terminated = batch_outcome(states, tokens)
     for i in rejected:
         states[i].error = f"structured_outputs: token {tokens[i]} is not allowed by the grammar"
-    for st, tok in zip(states, tokens):
-        if tok in st.stop_ids and st.error is None and st.matcher.is_terminated():  # type: ignore[union-attr]
-            st.terminated = True
+    for i in terminated:
+        states[i].terminated = True
+
+
+def batch_outcome(states: list[RequestGrammar], tokens: list[int]) -> tuple[list[int], list[int]]:
+    """One token into each state's matcher in one xgrammar call, the states left as they are: (positions whose
+    token was rejected, positions whose matcher terminated)."""
+    rejected = _batch_accept([st.matcher for st in states], tokens)  # type: ignore[misc]
+    bad = set(rejected)
+    terminated = [
+        i
+        for i, (st, tok) in enumerate(zip(states, tokens))
+        if tok in st.stop_ids and i not in bad and st.matcher.is_terminated()  # type: ignore[union-attr]
+    ]
+    return rejected, terminated
 
 
 def _batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[int]:

@@ -140,3 +140,60 @@ def test_cpu_apply(open_frac: float, vocab: int, pad: int) -> None:
         assert wrong.nonzero().tolist() == [[4, 0]]  # the row after the all-allowed one, its id 0
     elif vocab % 32 == 0:
         assert not wrong.any()
+
+
+def test_worker_intake_and_fill_equal_inline(env: tuple) -> None:
+    """Async scheduling with the worker thread (`overlap.StepJobs`): step N's sampled ids reported by the runner,
+    step N+1 chained, its mask asked for. The request states (published only at the mask) and the mask equal
+    the inline path's (`pre_accept` then the fill); a request terminated by N's token gets an unconstrained row,
+    a rejected one its error, and nothing is published before N+1's mask is asked for."""
+    from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
+    from pagedllm.executor.abstract import StepFuture
+
+    tok, be = env
+    digits = be.compile(StructuredOutputsParams(regex="[0-9]{1,3}"))
+    yes = be.compile(StructuredOutputsParams(choice=["yes"]))
+    one = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    seven, x, eos = one("7")[0], one("x")[0], tok.eos_token_id
+    plan = {"a": (digits, [], seven), "b": (digits, [], x), "c": (yes, one("yes"), eos), "d": (digits, [seven], seven)}
+    req_ids = ["plain", *plan]  # the runner's rows; "plain" has no grammar
+    sampled = torch.tensor([x] + [t for _, _, t in plan.values()])
+
+    class Req:
+        def __init__(self, rid: str) -> None:
+            self.request_id, self.num_computed_tokens, self.num_tokens = rid, 5, 5
+
+    out: dict[str, tuple] = {}
+    for mode in ("worker", "inline"):
+        mgr = StructuredOutputManager(StructuredOutputsConfig(), lambda: be, len(tok), fill_threads=1)
+        mgr._backend = be
+        for rid, (g, prefix, _) in plan.items():
+            st = _state(be, g, prefix)
+            mgr.states[rid] = mgr._active[rid] = st
+        reqs = {rid: Req(rid) for rid in req_ids}
+        # Step N: its rows, its sampler "launched".
+        so_n = SchedulerOutput([], CachedRequestData(), {r: 1 for r in req_ids}, len(req_ids))
+        mgr.prepare(so_n, reqs)
+        bm_n = so_n.grammar_bitmask
+        assert isinstance(bm_n, GrammarBitmask) and bm_n.on_sampled is not None
+        bm_n.narrow()
+        if mode == "worker":
+            bm_n.on_sampled(req_ids, np.arange(len(req_ids)), sampled, None, None)
+        # Step N+1, scheduled before N's tokens are read.
+        so_n1 = SchedulerOutput([], CachedRequestData(), {r: 1 for r in req_ids}, len(req_ids))
+        mgr.prepare(so_n1, reqs)
+
+        def result() -> object:
+            from pagedllm.core.scheduler_output import ModelRunnerOutput
+
+            return ModelRunnerOutput(req_ids, [[int(t)] for t in sampled], None, {}, {})
+
+        mgr.chain(so_n1, StepFuture(result))  # type: ignore[arg-type]
+        assert not any(st.num_seen or st.error or st.terminated for st in mgr.states.values())  # nothing yet
+        mask, rows = so_n1.grammar_bitmask.narrow()  # type: ignore[union-attr]
+        out[mode] = (mask.clone(), rows, {r: (s.num_seen, s.error, s.terminated) for r, s in mgr.states.items()})
+        mgr.shutdown()
+    assert torch.equal(out["worker"][0], out["inline"][0]) and out["worker"][1:] == out["inline"][1:]
+    states = out["worker"][2]
+    assert states["b"][1] and states["c"][2] and not states["a"][1] and not states["d"][2]
+    assert out["worker"][1] == [0, 1, 3]  # "c" terminated by N's token: its row left unconstrained
