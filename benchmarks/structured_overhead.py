@@ -8,6 +8,13 @@ model shape (a config directory); the tokenizer is the built-in SmolLM2's unless
 
 Decode steps are timed only while all N requests are decoding (prefill done, none finished): the schema's
 strings have a minimum length so no grammar can end within the timed steps.
+
+Besides each step's wall time, the step loop's own CPU time (`time.thread_time`, `step_cpu_ms_*`) and the
+structured code's time on the step loop (`so_*_ms_per_step`: row bookkeeping, token intake, bitmask fill, mask
+apply, the scheduler's per-request advance) are reported: on a CPU the forward dominates the step, so the
+end-to-end difference hides a ~1 ms cost that these isolate. `--tiny` shrinks the model to one narrow layer, so
+the step is mostly host work (as the GPU's batch-64 decode step is); `--quick` skips compile and first-token
+timings.
 """
 
 from __future__ import annotations
@@ -51,8 +58,86 @@ def fresh_schema() -> dict[str, Any]:
     }
 
 
-def time_decode(llm: Any, prompts: list[list[int]], sp: Any, steps: int) -> tuple[list[float], int]:
-    """Per-step wall times (s) of `steps` decode steps with every request running; the smallest batch seen."""
+TINY = {
+    "num_hidden_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+}
+"""--tiny: one narrow layer (any shape's vocabulary is kept), so a step is mostly the engine's host work."""
+
+
+class StepLoopTimers:
+    """Time spent in the structured-output code on the step loop's thread, by part (seconds, summed).
+
+    Parts do not nest: `intake` (the previous step's tokens into the matchers, async scheduling) and the wait
+    for that step's result are taken out of `fill`, and the whole fill out of `apply`."""
+
+    PARTS = ("prepare", "intake", "fill", "apply", "advance")
+
+    def __init__(self) -> None:
+        self.total = dict.fromkeys(self.PARTS, 0.0)
+        self._inner = 0.0
+        self._wait = 0.0
+
+    def install(self) -> None:
+        import pagedllm.worker.model_runner as mr
+        from pagedllm.structured_output.manager import GrammarBitmask, StructuredOutputManager
+
+        def timed(part: str, fn: Any, exclude_inner: bool = False, report_inner: bool = False) -> Any:
+            def wrapper(*a: Any, **k: Any) -> Any:
+                inner0, wait0 = self._inner, self._wait
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    dt = time.perf_counter() - t
+                    nested = self._inner - inner0
+                    self.total[part] += dt - (nested if exclude_inner else 0.0)
+                    if part == "fill":  # the wait for the previous step is no structured cost
+                        self.total[part] -= self._wait - wait0
+                    self._inner = inner0 + (dt if report_inner else nested)
+
+            return wrapper
+
+        so_mgr, gb = StructuredOutputManager, GrammarBitmask
+        so_mgr.prepare = timed("prepare", so_mgr.prepare)  # type: ignore[method-assign]
+        so_mgr.advance = timed("advance", so_mgr.advance)  # type: ignore[method-assign]
+        so_mgr.pre_accept = timed("intake", so_mgr.pre_accept, report_inner=True)  # type: ignore[method-assign]
+        gb.narrow = timed("fill", gb.narrow, exclude_inner=True, report_inner=True)  # type: ignore[method-assign]
+        mr.apply_grammar_bitmask = timed("apply", mr.apply_grammar_bitmask, exclude_inner=True)  # type: ignore[attr-defined]
+        real_chain = so_mgr.chain
+
+        def chain(mgr: Any, so: Any, previous: Any) -> Any:
+            from pagedllm.executor.abstract import StepFuture
+
+            def waited() -> Any:
+                t = time.perf_counter()
+                try:
+                    return previous.result()
+                finally:
+                    self._wait += time.perf_counter() - t
+
+            return real_chain(mgr, so, StepFuture(waited))
+
+        so_mgr.chain = chain  # type: ignore[method-assign]
+        try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
+            from pagedllm.structured_output.overlap import StepJobs
+        except ImportError:
+            return
+        StepJobs.sampled = timed("intake", StepJobs.sampled)  # type: ignore[method-assign]
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.total)
+
+
+def time_decode(
+    llm: Any, prompts: list[list[int]], sp: Any, steps: int, timers: StepLoopTimers | None = None
+) -> tuple[list[float], int, float, dict[str, float]]:
+    """Per-step wall times (s) of `steps` decode steps with every request running; the smallest batch seen;
+    the step loop's CPU time over them (s); the structured code's time on the step loop over them (s)."""
     from pagedllm import TokensPrompt
 
     engine = llm.llm_engine
@@ -68,15 +153,19 @@ def time_decode(llm: Any, prompts: list[list[int]], sp: Any, steps: int) -> tupl
     for _ in range(3):
         engine.step()
     times, min_batch = [], len(ids)
+    before = timers.snapshot() if timers is not None else {}
+    cpu = time.thread_time()
     for _ in range(steps):
         min_batch = min(min_batch, len(sched.running))
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    cpu = time.thread_time() - cpu
+    parts = {k: v - before[k] for k, v in timers.snapshot().items()} if timers is not None else {}
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return times, min_batch
+    return times, min_batch, cpu, parts
 
 
 def first_token_latency(llm: Any, prompt: list[int], make_sp: Any, trials: int) -> float:
@@ -106,7 +195,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--tiny", action="store_true", help="one narrow layer: the step is mostly host work")
+    ap.add_argument("--quick", action="store_true", help="skip the compile and first-token timings")
+    ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
+    if args.tiny:
+        args.hf_overrides = {**TINY, **(args.hf_overrides or {})}
 
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
     from pagedllm.structured_output.backend import XgrammarBackend
@@ -135,16 +229,17 @@ def main() -> None:
     t = time.perf_counter()
     backend = XgrammarBackend(tok, vocab, [tok.eos_token_id], StructuredOutputsConfig())
     res["tokenizer_info_ms"] = (time.perf_counter() - t) * 1e3
-    compile_ms = []
-    for _ in range(args.trials):
-        so = StructuredOutputsParams(json=fresh_schema())
+    if not args.quick:
+        compile_ms = []
+        for _ in range(args.trials):
+            so = StructuredOutputsParams(json=fresh_schema())
+            t = time.perf_counter()
+            backend.compile(so)
+            compile_ms.append((time.perf_counter() - t) * 1e3)
+        res["compile_ms_median"] = statistics.median(compile_ms)
         t = time.perf_counter()
-        backend.compile(so)
-        compile_ms.append((time.perf_counter() - t) * 1e3)
-    res["compile_ms_median"] = statistics.median(compile_ms)
-    t = time.perf_counter()
-    backend.compile(StructuredOutputsParams(json=decode_schema(256)))
-    res["compile_decode_schema_ms"] = (time.perf_counter() - t) * 1e3
+        backend.compile(StructuredOutputsParams(json=decode_schema(256)))
+        res["compile_decode_schema_ms"] = (time.perf_counter() - t) * 1e3
 
     # 1b. The per-step host fill (xgrammar batch fill) and the device apply alone, N rows inside a JSON string.
     import torch
@@ -188,6 +283,36 @@ def main() -> None:
         res[f"fill_ms_threads_{threads}"] = statistics.median(ts) * 1e3
     res["apply_ms_median"] = statistics.median(applies) * 1e3
 
+    # 1c. The matchers' token intake (one sampled token each, inside a JSON string): a Python loop of
+    # accept_token + is_terminated (before session 18) against the manager's `pre_accept` (async scheduling).
+    from pagedllm.structured_output.manager import StructuredOutputManager, _RequestGrammar
+
+    word = tok.encode(" the", add_special_tokens=False)[0]
+    mgr = StructuredOutputManager(StructuredOutputsConfig(), lambda: backend, vocab)
+    loop_m = [xgr.GrammarMatcher(compiled) for _ in range(args.num_reqs)]
+    for rid, m in zip(rids, loop_m):
+        for t_id in prefix:
+            m.accept_token(t_id)
+        st = _RequestGrammar(None, True)  # type: ignore[arg-type]
+        st.matcher = xgr.GrammarMatcher(compiled)
+        for t_id in prefix:
+            st.matcher.accept_token(t_id)
+        mgr.states[rid] = st
+    loop_t, mgr_t = [], []
+    for _ in range(20):
+        t = time.perf_counter()
+        for m in loop_m:
+            if not m.accept_token(word) or m.is_terminated():
+                raise RuntimeError("intake benchmark: token rejected")
+        loop_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        mgr.pre_accept(rids, [[word]] * args.num_reqs, {})
+        mgr_t.append(time.perf_counter() - t)
+    assert not any(st.error or st.terminated for st in mgr.states.values())
+    res["intake_ms_loop_median"] = statistics.median(loop_t) * 1e3
+    res["intake_ms_manager_median"] = statistics.median(mgr_t) * 1e3
+    mgr.shutdown()
+
     # 2. Decode step time: N free requests vs N constrained by one JSON schema (compiled once, shared).
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, min(vocab, 40000), args.prompt_len).tolist() for _ in range(args.num_reqs)]
@@ -196,14 +321,50 @@ def main() -> None:
     so = StructuredOutputsParams(json=decode_schema(4 * max_tokens))
     constrained = plain.clone(structured_outputs=so)
     time_decode(llm, prompts[:8], plain, 5)  # warm-up
-    for name, sp in (("plain", plain), ("structured", constrained), ("plain_again", plain)):
-        times, min_batch = time_decode(llm, prompts, sp, args.steps)
-        res[f"step_ms_{name}"] = statistics.median(times) * 1e3
-        res[f"min_batch_{name}"] = min_batch
+    timers = StepLoopTimers()
+    timers.install()
+    runs: dict[str, list[float]] = {}
+    parts: dict[str, dict[str, list[float]]] = {"": {}, "inline_": {}}
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
+    # structured: as the engine runs (async scheduling: the matchers' intake and the fill on a worker thread);
+    # structured_inline: the worker off, both on the step loop (the engine's path before session 18).
+    cases = [("plain", plain, True), ("structured", constrained, True)]
+    if hasattr(manager, "step_worker"):
+        cases.append(("structured_inline", constrained, False))
+    cases.append(("plain_again", plain, True))
+    for _ in range(args.repeats):
+        for name, sp, worker in cases:
+            if hasattr(manager, "step_worker"):
+                manager.step_worker = worker
+            times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
+            runs.setdefault(f"step_ms_{name}", []).append(statistics.median(times) * 1e3)
+            runs.setdefault(f"step_cpu_ms_{name}", []).append(cpu / args.steps * 1e3)
+            res[f"min_batch_{name}"] = min(min_batch, res.get(f"min_batch_{name}", min_batch))
+            if name.startswith("structured"):
+                for p, v in used.items():
+                    parts["inline_" if name.endswith("inline") else ""].setdefault(p, []).append(v / args.steps * 1e3)
+    for key, vals in runs.items():  # per repeat: the median step; over repeats: median (and min)
+        res[key] = statistics.median(vals)
+        if args.repeats > 1:
+            res[key.replace("_ms_", "_ms_min_", 1)] = min(vals)
+            res[key + "_runs"] = [round(v, 3) for v in vals]
+    for prefix, by_part in parts.items():
+        if not by_part:
+            continue
+        for p, vals in by_part.items():
+            res[f"so_{prefix}{p}_ms_per_step"] = statistics.median(vals)
+        res[f"so_{prefix}total_ms_per_step"] = sum(res[f"so_{prefix}{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
     base = (res["step_ms_plain"] + res["step_ms_plain_again"]) / 2
-    res["structured_overhead_pct"] = (res["step_ms_structured"] / base - 1) * 100
+    base_cpu = (res["step_cpu_ms_plain"] + res["step_cpu_ms_plain_again"]) / 2
+    for name in ("structured", "structured_inline"):
+        if f"step_ms_{name}" in res:
+            res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
+            res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100
 
     # 3. First-token latency on an idle engine: a plain request, a new schema (compiled on arrival), a cached one.
+    if args.quick:
+        _report(res, args.json)
+        return
     p = prompts[0]
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     cached = StructuredOutputsParams(json=fresh_schema())
@@ -217,10 +378,14 @@ def main() -> None:
     res["ttft_ms_cached_schema"] = (
         first_token_latency(llm, p, lambda: one.clone(structured_outputs=cached), args.trials) * 1e3
     )
+    _report(res, args.json)
+
+
+def _report(res: dict[str, Any], path: str | None) -> None:
     for k, v in res.items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
 

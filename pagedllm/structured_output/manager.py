@@ -18,20 +18,21 @@ With a reasoning parser, a request's grammar applies only once `parser.is_reason
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.logger import init_logger
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
+from pagedllm.structured_output.matchers import GrammarBitmask, feed_batch
+from pagedllm.structured_output.matchers import RequestGrammar as _RequestGrammar
+from pagedllm.structured_output.overlap import StepJobs
 
 if TYPE_CHECKING:
-    import torch
     import xgrammar as xgr
 
     from pagedllm.core.request import Request
@@ -46,88 +47,6 @@ CACHE_SIZE = 256
 
 class GrammarRejectedError(ValueError):
     """A sampled token the request's grammar does not accept (the mask should make this impossible)."""
-
-
-class _RequestGrammar:
-    __slots__ = ("future", "matcher", "reasoning_ended", "terminated", "num_seen", "error")
-
-    def __init__(self, future: cf.Future[xgr.CompiledGrammar], reasoning_ended: bool) -> None:
-        self.future = future
-        self.matcher: xgr.GrammarMatcher | None = None
-        self.reasoning_ended = reasoning_ended
-        self.terminated = False
-        self.num_seen = 0
-        """Output tokens already taken (async scheduling takes a step's tokens before the scheduler sees them)."""
-        self.error: str | None = None
-
-
-class GrammarBitmask:
-    """The allowed-token bitmask of one step's structured requests (row i: matchers[i]), filled on the
-    host on first `narrow()` / `result()` (the runner asks after launching the forward) with xgrammar's batch
-    fill, which spreads the rows over `fill_threads` threads.
-
-    The fill covers only the tokenizer's ids (`valid_vocab`); the model's padded ids past them are never
-    allowed in a constrained row, allowed in an unconstrained one (a grammar that terminated with the previous
-    step's token: its request stops and this row's token is dropped)."""
-
-    def __init__(
-        self,
-        matchers: list[xgr.GrammarMatcher],
-        vocab_size: int,
-        batch: xgr.BatchGrammarMatcher,
-        valid_vocab: int | None = None,
-        pin: bool = False,
-    ) -> None:
-        self.matchers = matchers
-        self.vocab_size = vocab_size
-        self.valid_vocab = valid_vocab or vocab_size
-        """The matchers' vocabulary (`XgrammarBackend.valid_vocab`): model ids past it are never allowed."""
-        self._batch = batch
-        self._pin = pin
-        """Fill into pinned memory (a CUDA runner uploads it without a staging copy)."""
-        self._narrow: tuple[torch.Tensor, list[int]] | None = None
-        self._mask: np.ndarray | None = None
-        self.before_fill: Callable[[], None] | None = None
-        """Async scheduling: takes the previous step's tokens into the matchers first (see `chain`)."""
-
-    def _fill(self) -> tuple[torch.Tensor, list[int]]:
-        if self.before_fill is not None:
-            self.before_fill()
-        import torch
-
-        n, words = len(self.matchers), -(-self.valid_vocab // 32)
-        mask = torch.full((n, words), -1, dtype=torch.int32, pin_memory=self._pin)  # all tokens allowed
-        rows = [i for i, m in enumerate(self.matchers) if not m.is_terminated()]
-        if len(rows) == 1:
-            self.matchers[rows[0]].fill_next_token_bitmask(mask, rows[0])
-        elif rows:
-            self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in rows], mask, rows)
-        return mask, rows
-
-    def narrow(self) -> tuple[torch.Tensor, list[int]]:
-        """(the mask over the tokenizer's ids, int32 [rows, ceil(valid_vocab / 32)]; the constrained rows)."""
-        if self._narrow is None:
-            self._narrow = self._fill()
-        return self._narrow
-
-    def result(self) -> np.ndarray:
-        """The mask over the model's whole vocabulary (int32 [rows, ceil(vocab_size / 32)])."""
-        if self._mask is None:
-            mask, rows = self.narrow()
-            narrow = mask.numpy()
-            wide_w = -(-self.vocab_size // 32)
-            if wide_w == narrow.shape[1]:
-                self._mask = narrow
-            else:
-                full = np.full((narrow.shape[0], wide_w), -1, dtype=np.int32)
-                full[:, : narrow.shape[1]] = narrow
-                if rows:
-                    tv = self.valid_vocab
-                    full[rows, narrow.shape[1] :] = 0
-                    if tv % 32:
-                        full[rows, narrow.shape[1] - 1] &= np.int32((1 << (tv % 32)) - 1)
-                self._mask = full
-        return self._mask
 
 
 class StructuredOutputManager:
@@ -152,10 +71,17 @@ class StructuredOutputManager:
         self._cache: OrderedDict[GrammarKey, cf.Future[xgr.CompiledGrammar]] = OrderedDict()
         self.states: dict[str, _RequestGrammar] = {}
         """Structured requests (every one the scheduler holds) -> their grammar state."""
+        self._active: dict[str, _RequestGrammar] = {}
+        """The states whose grammar constrains the next token (matcher ready, reasoning over), terminated ones
+        until `prepare` drops them: `prepare` scans these, not every state."""
         self._batch: xgr.BatchGrammarMatcher | None = None
         """xgrammar's batch fill (threads), made with the first bitmask: no xgrammar import before then."""
         self.pin_masks = pin_masks
         self.fill_threads = fill_threads
+        self._jobs = StepJobs(self.states, fill_threads)
+        """Async scheduling: the previous step's intake and this step's fill on a worker thread."""
+        self.step_worker = True
+        """Whether async steps use that worker (off: both run inline on the step loop, in `chain`)."""
 
     # ---- compile -------------------------------------------------------------------------------------
     def _get_backend(self) -> XgrammarBackend:
@@ -194,6 +120,9 @@ class StructuredOutputManager:
         if err is not None:
             return f"structured_outputs: the grammar failed to compile: {err}"
         st.matcher = XgrammarBackend.matcher(st.future.result())
+        st.stop_ids = frozenset(st.matcher.stop_token_ids)
+        if st.reasoning_ended:
+            self._active[req.request_id] = st
         # A request resumed with outputs (none today: grammars compile before the first schedule) replays them.
         if req.output_token_ids:
             self.accept(req, req.output_token_ids)
@@ -223,15 +152,23 @@ class StructuredOutputManager:
         """Rows for the scheduled structured requests that sample this step (not partial prefills)."""
         ids: dict[str, int] = {}
         matchers: list[xgr.GrammarMatcher] = []
+        states: list[_RequestGrammar] = []
         scheduled = so.num_scheduled_tokens
-        for rid, st in self.states.items():
-            if st.matcher is None or not st.reasoning_ended or st.terminated or rid not in scheduled:
+        done: list[str] = []
+        for rid, st in self._active.items():
+            if st.terminated:
+                done.append(rid)
+                continue
+            if rid not in scheduled:
                 continue
             req = requests.get(rid)
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue
             ids[rid] = len(matchers)
-            matchers.append(st.matcher)
+            matchers.append(st.matcher)  # type: ignore[arg-type]  # active states have one
+            states.append(st)
+        for rid in done:
+            del self._active[rid]
         if matchers:
             so.structured_output_request_ids = ids
             if self._batch is None:
@@ -239,7 +176,10 @@ class StructuredOutputManager:
 
                 self._batch = xgr.BatchGrammarMatcher(self.fill_threads or "auto")
             valid = self._backend.valid_vocab if self._backend is not None else None
-            so.grammar_bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks)
+            bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks, states)
+            if self.step_worker:
+                bitmask.on_sampled = functools.partial(self._jobs.sampled, ids)
+            so.grammar_bitmask = bitmask
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
         """Advance the request's matcher with its new tokens (already in `req.output_token_ids`; those after
@@ -249,6 +189,12 @@ class StructuredOutputManager:
         if st is None or st.matcher is None:
             return False
         n_out = len(req.output_token_ids)
+        if st.num_seen < n_out and self._jobs.pending is not None:
+            self._jobs.publish()  # its tokens are due: the worker's intake of them (no step was chained)
+        if st.num_seen >= n_out:  # async scheduling: `pre_accept` took them all
+            if st.error is not None:
+                raise GrammarRejectedError(st.error)
+            return st.terminated
         skip = st.num_seen - (n_out - len(new_tokens))
         fresh = new_tokens[skip:] if skip > 0 else new_tokens
         st.num_seen = max(st.num_seen, n_out)
@@ -261,7 +207,9 @@ class StructuredOutputManager:
         if not st.reasoning_ended:
             if self._reasoning().is_reasoning_end(req.output_token_ids):
                 st.reasoning_ended = True  # the tokens that ended the reasoning are not the grammar's
+                self._active[req.request_id] = st
             return False
+        self._jobs.quiesce()
         self._feed(st, fresh)
         if st.error is not None:
             raise GrammarRejectedError(st.error)
@@ -295,6 +243,8 @@ class StructuredOutputManager:
         if not isinstance(bitmask, GrammarBitmask):
             return previous
         cache: list[ModelRunnerOutput] = []
+        if self._jobs.chain(bitmask):  # N's tokens are being taken on the worker, and N+1's fill follows
+            return previous
 
         def once() -> ModelRunnerOutput:
             if not cache:
@@ -302,6 +252,7 @@ class StructuredOutputManager:
             return cache[0]
 
         def take_tokens() -> None:
+            self._jobs.quiesce()
             r = once()
             self.pre_accept(r.req_ids, r.sampled_token_ids, r.failed)
 
@@ -309,24 +260,34 @@ class StructuredOutputManager:
         return StepFuture(once)
 
     def pre_accept(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], failed: dict[str, str]) -> None:
-        """A step's sampled tokens into their matchers, before the scheduler sees them (async scheduling)."""
+        """A step's sampled tokens into their matchers, before the scheduler sees them (async scheduling).
+        Requests with one new token (every decode) go to xgrammar in one call (`_feed_batch`)."""
+        states = self.states
+        batch_states: list[_RequestGrammar] = []
+        batch_tokens: list[int] = []
         for rid, tokens in zip(req_ids, sampled):
-            st = self.states.get(rid)
-            if st is None or not tokens or st.matcher is None or rid in failed:
+            st = states.get(rid)
+            if st is None or not tokens or st.matcher is None or (failed and rid in failed):
                 continue
             if not st.reasoning_ended or st.terminated or st.error is not None:
                 continue
             st.num_seen += len(tokens)
-            self._feed(st, tokens)
+            if len(tokens) == 1:
+                batch_states.append(st)
+                batch_tokens.append(tokens[0])
+            else:
+                self._feed(st, tokens)
+        if len(batch_states) > 1:
+            feed_batch(batch_states, batch_tokens)
+        elif batch_states:
+            self._feed(batch_states[0], batch_tokens)
 
     def advance(self, req: Request, new_tokens: Sequence[int], rejected: dict[str, str]) -> bool:
         """Scheduler hook after new tokens joined the request: True (the request FINISHED_STOPPED) once its
         grammar has terminated; a rejected token goes to `rejected` (the scheduler fails the request)."""
-        from pagedllm.core.request import RequestStatus
-
         try:
             if self.accept(req, new_tokens):
-                req.status = RequestStatus.FINISHED_STOPPED
+                req.status = _finished_stopped()
                 return True
         except GrammarRejectedError as e:
             rejected[req.request_id] = str(e)
@@ -340,6 +301,21 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self._active.pop(request_id, None)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self._jobs.shutdown()
+
+
+def _finished_stopped() -> Any:
+    """RequestStatus.FINISHED_STOPPED (imported on first use: the scheduler imports this module)."""
+    global _FINISHED_STOPPED
+    if _FINISHED_STOPPED is None:
+        from pagedllm.core.request import RequestStatus
+
+        _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+    return _FINISHED_STOPPED
+
+
+_FINISHED_STOPPED: Any = None

@@ -298,6 +298,9 @@ class ModelRunner:
                 step.failed = {x.req_ids[sample_idx[r]]: msg for r, msg in out.failed_rows.items()}
             if ahead:
                 step.sampled_host, step.logprobs, step.event = self.copier.copy(sampled_gpu, out.logprobs_tensors)
+                on_sampled = getattr(so.grammar_bitmask, "on_sampled", None)
+                if on_sampled is not None:  # structured outputs: the next step's intake starts on its worker
+                    on_sampled(x.req_ids, sample_idx, step.sampled_host, step.event, step.failed)
             else:
                 step.sampled_host, step.logprobs = sampled_gpu, out.logprobs_tensors
             step.logprob_rows = md.logprob_rows_host if md.logprob_rows is not None else None
