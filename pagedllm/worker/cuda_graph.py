@@ -27,6 +27,27 @@ from pagedllm.worker.attn_inputs import metadata_by_layer
 logger = init_logger(__name__)
 
 
+def capture_forward(
+    model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, md: dict[str, Any], pool: Any
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One warm-up forward (compiles this shape's kernels) and the capture of the same forward in `pool`
+    (None: a new pool; the caller keeps `graph.pool()` for the next, smaller, captures)."""
+    with set_forward_context(md):
+        model(ids, pos)
+    torch.cuda.synchronize(ids.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), set_forward_context(md):
+        out = model(ids, pos)
+    return graph, out
+
+
+def upload_block_tables(dst: list[torch.Tensor], block_tables: list[np.ndarray], n: int) -> None:
+    """Each group's block-table rows of the step's n requests into its persistent table (a strided slice:
+    PyTorch stages through a contiguous device temporary itself)."""
+    for table, bt in zip(dst, block_tables):
+        table[:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
+
+
 def capture_sizes(max_num_seqs: int, cap: int = 512) -> list[int]:
     top = min(max_num_seqs, cap)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
@@ -110,13 +131,7 @@ class CudaGraphRunner:
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             md = self._metadata(size)
             t = size * self.q
-            with set_forward_context(md):
-                self.model(self.input_ids[:t], self.positions[:t])  # warm-up (autotune, compile)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                with set_forward_context(md):
-                    out = self.model(self.input_ids[:t], self.positions[:t])
+            graph, out = capture_forward(self.model, self.input_ids[:t], self.positions[:t], md, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = (graph, out, md)
@@ -158,16 +173,10 @@ class CudaGraphRunner:
         self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
         if patch is not None:
             apply_patch(self.input_ids, patch)
-        self._upload_tables(block_tables, n)
+        upload_block_tables(self.block_tables, block_tables, n)
         graph, out, _ = self.graphs[size]
         graph.replay()
         return out[:n]
-
-    def _upload_tables(self, block_tables: list[np.ndarray], n: int) -> None:
-        for g in range(len(self.groups)):
-            bt = block_tables[g]
-            # Into a strided slice: PyTorch stages through a contiguous device temporary itself.
-            self.block_tables[g][:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
 
     def can_run_padded(self, cu: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether a step of requests with cu-delimited query rows fits these graphs (q > 1): few enough
@@ -208,7 +217,7 @@ class CudaGraphRunner:
             sm[:t] = -1
             sm[dest] = slots[g]
         self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
-        self._upload_tables(block_tables, n)
+        upload_block_tables(self.block_tables, block_tables, n)
         # Before the replay: an upload from pageable memory waits for the stream, i.e. for the graph.
         rows = torch.from_numpy(dest).to(self.device, non_blocking=True)
         graph, out, _ = self.graphs[size]

@@ -28,11 +28,11 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.backends.abstract import CommonAttentionMetadata
-from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
 from pagedllm.utils import cdiv
 from pagedllm.worker.async_output import Patch, apply_patch
 from pagedllm.worker.attn_inputs import metadata_by_layer
+from pagedllm.worker.cuda_graph import capture_forward, upload_block_tables
 from pagedllm.worker.piecewise_graph import (
     PiecewiseGraphRunner,
     capture_piecewise,
@@ -134,13 +134,7 @@ class MixedGraphRunner:
         torch.cuda.synchronize(self.device)
         for size in reversed(self.sizes):  # largest first: the smaller sizes reuse its pool memory
             md = self._metadata(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
-            with set_forward_context(md):
-                self.model(ids, pos)  # warm-up: compiles this size's kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), set_forward_context(md):
-                out = self.model(ids, pos)
+            graph, out = capture_forward(self.model, self.input_ids[:size], self.positions[:size], md, self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = (graph, out)
@@ -188,8 +182,7 @@ class MixedGraphRunner:
         self._header.copy_(torch.from_numpy(self._host), non_blocking=True)
         if patch is not None:
             apply_patch(self.input_ids, patch)
-        for g, bt in enumerate(block_tables):
-            self.block_tables[g][:nr, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
+        upload_block_tables(self.block_tables, block_tables, nr)
         graph, out = self.graphs[size]
         graph.replay()
         self.num_runs += 1
