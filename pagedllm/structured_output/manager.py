@@ -287,7 +287,9 @@ class StructuredOutputManager:
         grammar has terminated; a rejected token goes to `rejected` (the scheduler fails the request)."""
         try:
             if self.accept(req, new_tokens):
-                req.status = _finished_stopped()
+                from pagedllm.core.request import RequestStatus  # (here: the scheduler imports this module)
+
+                req.status = RequestStatus.FINISHED_STOPPED
                 return True
         except GrammarRejectedError as e:
             rejected[req.request_id] = str(e)
@@ -306,16 +308,3 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._jobs.shutdown()
-
-
-def _finished_stopped() -> Any:
-    """RequestStatus.FINISHED_STOPPED (imported on first use: the scheduler imports this module)."""
-    global _FINISHED_STOPPED
-    if _FINISHED_STOPPED is None:
-        from pagedllm.core.request import RequestStatus
-
-        _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
-    return _FINISHED_STOPPED
-
-
-_FINISHED_STOPPED: Any = None

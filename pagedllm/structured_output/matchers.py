@@ -128,9 +128,13 @@ class GrammarBitmask:
 
 
 def feed_batch(states: list[RequestGrammar], tokens: list[int]) -> None:
-    """One token into each state's matcher in one xgrammar call, with `_feed`'s outcome per state: a rejected
-    token -> `st.error`; a stop token accepted -> `st.terminated` (the only way a matcher terminates)."""
-    rejected, terminated = batch_outcome(states, tokens)
+    """One token into each state's matcher in one xgrammar call, with `_feed`'s outcome per state."""
+    record_outcome(states, tokens, *batch_outcome(states, tokens))
+
+
+def record_outcome(states: list[RequestGrammar], tokens: list[int], rejected: list[int], terminated: list[int]) -> None:
+    """`batch_outcome`'s result into the states, as `_feed` leaves them: a rejected token -> `st.error`; a stop
+    token accepted -> `st.terminated` (the only way a matcher terminates)."""
     for i in rejected:
         states[i].error = f"structured_outputs: token {tokens[i]} is not allowed by the grammar"
     for i in terminated:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedllm.structured_output.matchers import GrammarBitmask, RequestGrammar, batch_outcome
+from pagedllm.structured_output.matchers import GrammarBitmask, RequestGrammar, batch_outcome, record_outcome
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +48,10 @@ class _Intake:
         """(Step loop) the outcome into the request states, as `pre_accept` would have left them."""
         assert self.future is not None
         self.future.result()
-        picked, tokens = self.picked, self.tokens
-        for st, _ in picked:
+        states = [st for st, _ in self.picked]
+        for st in states:
             st.num_seen += 1
-        for i in self.rejected:
-            picked[i][0].error = f"structured_outputs: token {tokens[i]} is not allowed by the grammar"
-        for i in self.terminated:
-            picked[i][0].terminated = True
+        record_outcome(states, self.tokens, self.rejected, self.terminated)
 
 
 class StepJobs:

@@ -41,11 +41,45 @@ def capture_forward(
     return graph, out
 
 
-def upload_block_tables(dst: list[torch.Tensor], block_tables: list[np.ndarray], n: int) -> None:
-    """Each group's block-table rows of the step's n requests into its persistent table (a strided slice:
-    PyTorch stages through a contiguous device temporary itself)."""
-    for table, bt in zip(dst, block_tables):
-        table[:n, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
+def fill_token_rows(
+    ids_host: np.ndarray,
+    pos_host: np.ndarray,
+    slots_host: list[np.ndarray],
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slots: list[np.ndarray],
+    size: int,
+) -> None:
+    """A step's token rows into a graph's host mirror, padded to `size` rows of token 0 at position 0 whose slot
+    is -1 (nothing is written to the KV cache); rows past `size` are not read by that graph."""
+    n = len(input_ids)
+    ids_host[:n] = input_ids  # ids still in flight are patched in on the device, after the upload
+    ids_host[n:size] = 0
+    pos_host[:n] = positions
+    pos_host[n:size] = 0
+    for sm, sl in zip(slots_host, slots, strict=True):
+        sm[:n] = sl
+        sm[n:size] = -1
+
+
+def upload_inputs(
+    header: torch.Tensor,
+    host: np.ndarray,
+    input_ids: torch.Tensor,
+    patch: Patch | None,
+    tables: list[torch.Tensor],
+    block_tables: list[np.ndarray],
+    num_reqs: int,
+) -> None:
+    """A graph's inputs to the device: its host mirror in one copy (from pageable memory: the mirror may be
+    rewritten as soon as copy_ returns), the ids still in flight patched into `input_ids`, and each group's
+    block-table rows of the step's requests into its persistent table (a strided slice: PyTorch stages through a
+    contiguous device temporary itself)."""
+    header.copy_(torch.from_numpy(host), non_blocking=True)
+    if patch is not None:
+        apply_patch(input_ids, patch)
+    for table, bt in zip(tables, block_tables):
+        table[:num_reqs, : bt.shape[1]].copy_(torch.from_numpy(bt), non_blocking=True)
 
 
 def capture_sizes(max_num_seqs: int, cap: int = 512) -> list[int]:
@@ -160,20 +194,10 @@ class CudaGraphRunner:
         indices, ids on the device) overrides input ids not known on the host yet (async scheduling)."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        # Padded rows [n, size): seq_len 0 and slot -1; rows past `size` are not read by this graph.
-        self._ids_host[:n] = input_ids  # ids still in flight are patched in below, after the upload
-        self._pos_host[:n] = positions
-        seq = self._seq_host
-        seq[:n] = seq_lens
-        seq[n:size] = 0
-        for g, sm in enumerate(self._slots_host):
-            sm[:n] = slots[g]
-            sm[n:size] = -1
-        # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
-        self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
-        if patch is not None:
-            apply_patch(self.input_ids, patch)
-        upload_block_tables(self.block_tables, block_tables, n)
+        fill_token_rows(self._ids_host, self._pos_host, self._slots_host, input_ids, positions, slots, size)
+        self._seq_host[:n] = seq_lens
+        self._seq_host[n:size] = 0  # padded requests: seq_len 0 (the attention yields zeros)
+        upload_inputs(self._header, self._header_host, self.input_ids, patch, self.block_tables, block_tables, n)
         graph, out, _ = self.graphs[size]
         graph.replay()
         return out[:n]
@@ -216,8 +240,7 @@ class CudaGraphRunner:
         for g, sm in enumerate(self._slots_host):
             sm[:t] = -1
             sm[dest] = slots[g]
-        self._header.copy_(torch.from_numpy(self._header_host), non_blocking=True)
-        upload_block_tables(self.block_tables, block_tables, n)
+        upload_inputs(self._header, self._header_host, self.input_ids, None, self.block_tables, block_tables, n)
         # Before the replay: an upload from pageable memory waits for the stream, i.e. for the graph.
         rows = torch.from_numpy(dest).to(self.device, non_blocking=True)
         graph, out, _ = self.graphs[size]

@@ -30,9 +30,9 @@ from pagedllm import envs
 from pagedllm.attention.backends.abstract import CommonAttentionMetadata
 from pagedllm.logger import init_logger
 from pagedllm.utils import cdiv
-from pagedllm.worker.async_output import Patch, apply_patch
+from pagedllm.worker.async_output import Patch
 from pagedllm.worker.attn_inputs import metadata_by_layer
-from pagedllm.worker.cuda_graph import capture_forward, upload_block_tables
+from pagedllm.worker.cuda_graph import capture_forward, fill_token_rows, upload_inputs
 from pagedllm.worker.piecewise_graph import (
     PiecewiseGraphRunner,
     capture_piecewise,
@@ -167,22 +167,12 @@ class MixedGraphRunner:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         r = self.num_padded_reqs(size)
         assert nr <= r, "a step has at least one token per request"
-        self._ids_host[:n] = input_ids
-        self._ids_host[n:size] = 0
-        self._pos_host[:n] = positions
-        self._pos_host[n:size] = 0
-        for g, sm in enumerate(self._slots_host):
-            sm[:n] = slots[g]
-            sm[n:size] = -1
+        fill_token_rows(self._ids_host, self._pos_host, self._slots_host, input_ids, positions, slots, size)
         self._seq_host[:nr] = seq_lens
         self._seq_host[nr:r] = 0
         self._qsl_host[: nr + 1] = cu
         self._qsl_host[nr + 1 : r + 1] = n  # padded requests: empty, after the last real token
-        # One upload (from pageable memory: the host mirror may be rewritten as soon as copy_ returns).
-        self._header.copy_(torch.from_numpy(self._host), non_blocking=True)
-        if patch is not None:
-            apply_patch(self.input_ids, patch)
-        upload_block_tables(self.block_tables, block_tables, nr)
+        upload_inputs(self._header, self._host, self.input_ids, patch, self.block_tables, block_tables, nr)
         graph, out = self.graphs[size]
         graph.replay()
         self.num_runs += 1

@@ -212,9 +212,6 @@ if HAS_TRITON:
         c_ptrs = c_ptr + offs_tok.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & (offs_cn[None, :] < N))
 
-
-if HAS_TRITON:
-
     @triton.jit
     def _moe_sum_kernel(x_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
         """out[t] = sum over k of x[t, k] ([T, k, H] -> [T, H]), accumulated in float32."""
