@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,18 +28,36 @@ from pagedllm.worker.attn_inputs import metadata_by_layer
 logger = init_logger(__name__)
 
 
-def capture_forward(
-    model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, md: dict[str, Any], pool: Any
-) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """One warm-up forward (compiles this shape's kernels) and the capture of the same forward in `pool`
-    (None: a new pool; the caller keeps `graph.pool()` for the next, smaller, captures)."""
-    with set_forward_context(md):
-        model(ids, pos)
+GraphEntry = tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]
+"""A captured size: its graph, its output buffer and the metadata it was captured with."""
+
+
+def capture_ladder(
+    model: torch.nn.Module,
+    sizes: list[int],
+    rows: Callable[[int], int],
+    metadata: Callable[[int], dict[str, Any]],
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    pool: Any,
+) -> tuple[dict[int, GraphEntry], Any]:
+    """One graph per size over the persistent `ids` / `pos` (its first `rows(size)` rows), each after a warm-up
+    forward that compiles that shape's kernels; largest first, so the smaller sizes reuse its memory in `pool`
+    (None: a new pool). Returns the graphs and the pool."""
+    graphs: dict[int, GraphEntry] = {}
+    for size in reversed(sizes):
+        md, t = metadata(size), rows(size)
+        with set_forward_context(md):
+            model(ids[:t], pos[:t])
+        torch.cuda.synchronize(ids.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), set_forward_context(md):
+            out = model(ids[:t], pos[:t])
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = (graph, out, md)
     torch.cuda.synchronize(ids.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), set_forward_context(md):
-        out = model(ids, pos)
-    return graph, out
+    return graphs, pool
 
 
 def fill_token_rows(
@@ -128,7 +147,7 @@ class CudaGraphRunner:
         self._seq_host = host[ct * (2 + n_groups) :].view(np.int32)[:cap]
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device) * query_len
         self.block_tables = [torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]] = {}
+        self.graphs: dict[int, GraphEntry] = {}
         self.pool: Any = pool
         self.num_padded_runs = 0
         """Replays of the q-row graphs (`run_padded`), for tests and stats."""
@@ -162,14 +181,10 @@ class CudaGraphRunner:
         for s in self.slots:
             s.fill_(-1)
         torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
-            md = self._metadata(size)
-            t = size * self.q
-            graph, out = capture_forward(self.model, self.input_ids[:t], self.positions[:t], md, self.pool)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, out, md)
-        torch.cuda.synchronize(self.device)
+        q = self.q
+        self.graphs, self.pool = capture_ladder(
+            self.model, self.sizes, lambda size: size * q, self._metadata, self.input_ids, self.positions, self.pool
+        )
         logger.info(
             "Captured CUDA graphs for %d batch sizes (1..%d) of %d query token(s) per request in %.2f s",
             len(self.sizes),

@@ -32,7 +32,7 @@ from pagedllm.logger import init_logger
 from pagedllm.utils import cdiv
 from pagedllm.worker.async_output import Patch
 from pagedllm.worker.attn_inputs import metadata_by_layer
-from pagedllm.worker.cuda_graph import capture_forward, fill_token_rows, upload_inputs
+from pagedllm.worker.cuda_graph import GraphEntry, capture_ladder, fill_token_rows, upload_inputs
 from pagedllm.worker.piecewise_graph import (
     PiecewiseGraphRunner,
     capture_piecewise,
@@ -92,7 +92,7 @@ class MixedGraphRunner:
         self.seq_lens, self._seq_host = ints[:rcap], ints_host[:rcap]
         self.qsl, self._qsl_host = ints[rcap : 2 * rcap + 1], ints_host[rcap : 2 * rcap + 1]
         self.block_tables = [torch.zeros(rcap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, GraphEntry] = {}
         self.num_runs = 0
         """Steps replayed through these graphs (tests and stats)."""
 
@@ -132,13 +132,9 @@ class MixedGraphRunner:
         for s in self.slots:
             s.fill_(-1)
         torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):  # largest first: the smaller sizes reuse its pool memory
-            md = self._metadata(size)
-            graph, out = capture_forward(self.model, self.input_ids[:size], self.positions[:size], md, self.pool)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, out)
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.pool = capture_ladder(
+            self.model, self.sizes, lambda size: size, self._metadata, self.input_ids, self.positions, self.pool
+        )
         logger.info(
             "Captured whole-step CUDA graphs for %d token counts (%d..%d) of prefill and mixed steps in %.2f s",
             len(self.sizes),
@@ -173,7 +169,7 @@ class MixedGraphRunner:
         self._qsl_host[: nr + 1] = cu
         self._qsl_host[nr + 1 : r + 1] = n  # padded requests: empty, after the last real token
         upload_inputs(self._header, self._host, self.input_ids, patch, self.block_tables, block_tables, nr)
-        graph, out = self.graphs[size]
+        graph, out, _ = self.graphs[size]
         graph.replay()
         self.num_runs += 1
         return out[:n]
