@@ -56,7 +56,7 @@ for stage in "$@"; do
             tok=()
             if [ -f /tmp/smollm2.gguf ]; then export PAGEDLLM_DEFAULT_MODEL=/tmp/smollm2.gguf; else tok=(--tokenizer .smol_tok); fi
             run structured 300 python3 benchmarks/structured_overhead.py --model benchmarks/workloads/qwen3-0.6b \
-                --device cuda "${tok[@]}" --json "$OUT/structured.json" ;;
+                --device cuda "${tok[@]}" --json "$OUT/structured.json" ${STRUCT_ARGS:-} ;;
         tests)
             read -r -a files <<< "${GPU_TESTS:-tests/gpu}"
             run tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark "${files[@]}"

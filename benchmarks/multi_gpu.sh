@@ -66,8 +66,11 @@ for step in $steps; do
             e2e W2_tp2 "--tensor-parallel-size 2" W2
             e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
-            for tp in 2 1; do
-                timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/tp_step_profile.py --tp $tp --json "$OUT/prof_tp$tp.json" \
+            for tp in 2 2symm 1; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
+                ar_env=""; [ "$tp" = 2symm ] && ar_env=symm
+                echo "-- prof tp=$tp" >> "$summary"
+                PAGEDLLM_TP_ALLREDUCE=${ar_env:-${PAGEDLLM_TP_ALLREDUCE:-}} timeout "${STEP_TIMEOUT:-300}" \
+                    python3 benchmarks/tp_step_profile.py --tp "${tp%symm}" --json "$OUT/prof_tp$tp.json" \
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
             done ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;

@@ -20,10 +20,13 @@ timings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -134,7 +137,7 @@ class StepLoopTimers:
 
 
 def time_decode(
-    llm: Any, prompts: list[list[int]], sp: Any, steps: int, timers: StepLoopTimers | None = None
+    llm: Any, prompts: list[list[int]], sp: Any, steps: int, timers: StepLoopTimers | None = None, around: Any = None
 ) -> tuple[list[float], int, float, dict[str, float]]:
     """Per-step wall times (s) of `steps` decode steps with every request running; the smallest batch seen;
     the step loop's CPU time over them (s); the structured code's time on the step loop over them (s)."""
@@ -155,11 +158,12 @@ def time_decode(
     times, min_batch = [], len(ids)
     before = timers.snapshot() if timers is not None else {}
     cpu = time.thread_time()
-    for _ in range(steps):
-        min_batch = min(min_batch, len(sched.running))
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+    with around if around is not None else contextlib.nullcontext():  # (a profiler: the timed steps only)
+        for _ in range(steps):
+            min_batch = min(min_batch, len(sched.running))
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
     cpu = time.thread_time() - cpu
     parts = {k: v - before[k] for k, v in timers.snapshot().items()} if timers is not None else {}
     engine.abort_request(ids)
@@ -193,6 +197,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps per case (CUDA)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--tiny", action="store_true", help="one narrow layer: the step is mostly host work")
@@ -236,7 +241,11 @@ def main() -> None:
             t = time.perf_counter()
             backend.compile(so)
             compile_ms.append((time.perf_counter() - t) * 1e3)
-        res["compile_ms_median"] = statistics.median(compile_ms)
+        # The first is cold; the later ones reuse xgrammar's cached masks of the rules they share with it
+        # (PAGEDLLM_XGRAMMAR_CACHE_MB=0: every compile is cold).
+        res["compile_ms_first"] = compile_ms[0]
+        res["compile_ms_median"] = statistics.median(compile_ms[1:] or compile_ms)
+        res["compile_ms_trials"] = [round(v, 2) for v in compile_ms]
         t = time.perf_counter()
         backend.compile(StructuredOutputsParams(json=decode_schema(256)))
         res["compile_decode_schema_ms"] = (time.perf_counter() - t) * 1e3
@@ -328,19 +337,27 @@ def main() -> None:
     manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
     # structured: as the engine runs (async scheduling: the matchers' intake and the fill on a worker thread);
     # structured_inline: the worker off, both on the step loop (the engine's path before session 18).
-    cases = [("plain", plain, True), ("structured", constrained, True)]
+    # structured_nodefer: the sampling launched right after the forward (waiting there for the mask's fill)
+    # instead of after the engine read the previous step (PAGEDLLM_GRAMMAR_DEFER=0).
+    cases: list[tuple[str, Any, bool, dict[str, str]]] = [
+        ("plain", plain, True, {}),
+        ("structured", constrained, True, {}),
+    ]
     if hasattr(manager, "step_worker"):
-        cases.append(("structured_inline", constrained, False))
-    cases.append(("plain_again", plain, True))
+        cases.append(("structured_inline", constrained, False, {}))
+    if args.async_scheduling or (args.async_scheduling is None and on_gpu):
+        cases.append(("structured_nodefer", constrained, True, {"PAGEDLLM_GRAMMAR_DEFER": "0"}))
+    cases.append(("plain_again", plain, True, {}))
     for _ in range(args.repeats):
-        for name, sp, worker in cases:
+        for name, sp, worker, env in cases:
             if hasattr(manager, "step_worker"):
                 manager.step_worker = worker
-            times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
+            with _env(**env):
+                times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
             runs.setdefault(f"step_ms_{name}", []).append(statistics.median(times) * 1e3)
             runs.setdefault(f"step_cpu_ms_{name}", []).append(cpu / args.steps * 1e3)
             res[f"min_batch_{name}"] = min(min_batch, res.get(f"min_batch_{name}", min_batch))
-            if name.startswith("structured"):
+            if name in ("structured", "structured_inline"):
                 for p, v in used.items():
                     parts["inline_" if name.endswith("inline") else ""].setdefault(p, []).append(v / args.steps * 1e3)
     for key, vals in runs.items():  # per repeat: the median step; over repeats: median (and min)
@@ -356,10 +373,31 @@ def main() -> None:
         res[f"so_{prefix}total_ms_per_step"] = sum(res[f"so_{prefix}{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
     base = (res["step_ms_plain"] + res["step_ms_plain_again"]) / 2
     base_cpu = (res["step_cpu_ms_plain"] + res["step_cpu_ms_plain_again"]) / 2
-    for name in ("structured", "structured_inline"):
+    for name in ("structured", "structured_inline", "structured_nodefer"):
         if f"step_ms_{name}" in res:
             res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
             res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100
+
+    # 2b. Where the step's time goes on the device (--profile N): N decode steps of each case under the torch
+    # profiler; the GPU's busy share of the window (near 100 %: the device is the bottleneck, so host work is
+    # hidden; lower: the step waits for the host) and the top kernels.
+    if args.profile and on_gpu:
+        import tempfile
+
+        from tp_step_profile import summarize
+
+        for name, sp, _, env in cases[:2] + [c for c in cases if c[0] == "structured_nodefer"]:
+            path = os.path.join(tempfile.mkdtemp(prefix="so_prof_"), f"{name}.json")
+            with _env(**env):
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                time_decode(llm, prompts, sp, args.profile, around=prof)
+            prof.export_chrome_trace(path)
+            r = summarize(path, top=8)
+            res[f"profile_{name}"] = r
+            print(f"profile {name}: span {r['span_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms "
+                  f"({r['gpu_busy_ms'] / r['span_ms']:.0%})")  # fmt: skip
+            for kname, ms in r["top_kernels_ms"]:
+                print(f"    {ms:9.2f} ms  {kname}")
 
     # 3. First-token latency on an idle engine: a plain request, a new schema (compiled on arrival), a cached one.
     if args.quick:
@@ -369,16 +407,34 @@ def main() -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     cached = StructuredOutputsParams(json=fresh_schema())
     res["ttft_ms_plain"] = first_token_latency(llm, p, lambda: one, args.trials) * 1e3
-    res["ttft_ms_new_schema"] = (
-        first_token_latency(
-            llm, p, lambda: one.clone(structured_outputs=StructuredOutputsParams(json=fresh_schema())), args.trials
-        )
-        * 1e3
-    )
+
+    def fresh() -> Any:
+        return one.clone(structured_outputs=StructuredOutputsParams(json=fresh_schema()))
+
+    # The first pays a cold compile of the fresh schema's rules; the later ones reuse them (xgrammar's cache).
+    new_schema = [first_token_latency(llm, p, fresh, 1) * 1e3 for _ in range(args.trials)]
+    res["ttft_ms_new_schema"] = statistics.median(new_schema[1:] or new_schema)
+    res["ttft_ms_new_schema_first"] = new_schema[0]
+    res["ttft_ms_new_schema_trials"] = [round(v, 2) for v in new_schema]
     res["ttft_ms_cached_schema"] = (
         first_token_latency(llm, p, lambda: one.clone(structured_outputs=cached), args.trials) * 1e3
     )
     _report(res, args.json)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Environment variables set for the block (the engine reads these knobs at each step)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _report(res: dict[str, Any], path: str | None) -> None:

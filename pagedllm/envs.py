@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
+    PAGEDLLM_GRAMMAR_DEFER: bool
+    PAGEDLLM_XGRAMMAR_CACHE_MB: int
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
@@ -94,6 +96,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CPU_THREADS": _opt_int("PAGEDLLM_CPU_THREADS"),
     # Threads of xgrammar's per-step bitmask fill (structured outputs); unset: structured_output.engine's choice.
     "PAGEDLLM_GRAMMAR_FILL_THREADS": _opt_int("PAGEDLLM_GRAMMAR_FILL_THREADS"),
+    # Async scheduling, in-process executor: a structured step's sampling waits until the engine has read the
+    # previous step's results (model_runner.complete_launch), so the mask's fill overlaps them. "0": inline.
+    "PAGEDLLM_GRAMMAR_DEFER": _flag("PAGEDLLM_GRAMMAR_DEFER"),
+    # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
+    # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
+    "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),
     # One-pass Gumbel-max sampling on CUDA (sample/triton_sample.py).
     "PAGEDLLM_ONE_PASS_SAMPLING": _flag("PAGEDLLM_ONE_PASS_SAMPLING"),
     # Float32 logits straight from the 16-bit LM-head GEMM on CUDA.

@@ -142,6 +142,8 @@ class EngineCore(EngineCoreControlsMixin):
         requests need their previous token on the host run synchronously."""
         sched_ = self.scheduler
         pending = self._pending
+        if pending is not None:  # its sampling, if its grammar mask's fill ran while the last results were read
+            pending[1].complete_launch()
         if pending is None:
             if not sched_.has_unfinished_requests():
                 return EngineCoreOutputs(scheduler_stats=sched_.make_stats(), timestamp=time.monotonic())

@@ -12,13 +12,19 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class StepFuture:
-    """A launched step's result: `result()` waits for it (once)."""
+    """A launched step's result: `result()` waits for it (once). `complete_launch()`: launch what the step
+    left for later (its sampling, when a grammar mask's fill was still running; a no-op otherwise)."""
 
-    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+    def __init__(self, wait: Callable[[], ModelRunnerOutput], complete: Callable[[], None] | None = None) -> None:
         self._wait = wait
+        self._complete = complete
 
     def result(self) -> ModelRunnerOutput:
         return self._wait()
+
+    def complete_launch(self) -> None:
+        if self._complete is not None:
+            self._complete()
 
 
 class Executor(ABC):

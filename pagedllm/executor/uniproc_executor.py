@@ -31,9 +31,10 @@ class UniProcExecutor(Executor):
     def collective_rpc(
         self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
+        self.worker.complete_launch()  # a deferred sampling goes first: the method may change the batch
         return [run_worker_method(self.worker, method, args, kwargs)]
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         worker = self.worker
-        step = worker.execute_model_async(scheduler_output)
-        return StepFuture(lambda: worker.finish_step(step))
+        step = worker.execute_model_async(scheduler_output, defer_grammar=True)
+        return StepFuture(lambda: worker.finish_step(step), worker.complete_launch)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedllm import envs
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.config import StructuredOutputsConfig
 
@@ -136,8 +137,14 @@ class XgrammarBackend:
             tokenizer, vocab_size=self.valid_vocab, stop_token_ids=list(stop_token_ids)
         )
         # A grammar's per-state token masks are computed in parallel: a new schema's first token waits for it.
+        # xgrammar's cache (besides the manager's, by request key) keeps the token masks of the rules a grammar
+        # is built from: a new JSON schema whose fields are strings, numbers, arrays, ... like an earlier one's
+        # compiles in a few ms instead of a pass over the whole vocabulary (~55 ms on a GPU host, 300 ms here).
         threads = min(8, os.cpu_count() or 1)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
+        cache_mb = envs.PAGEDLLM_XGRAMMAR_CACHE_MB
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=threads, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
+        )
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, _, compact, no_extra, max_ws = grammar_key(params, self.config)

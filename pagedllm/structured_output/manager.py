@@ -252,6 +252,8 @@ class StructuredOutputManager:
             return cache[0]
 
         def take_tokens() -> None:
+            if cache:  # the scheduler read N's result first (the runner deferred N+1's sampling): it fed them
+                return
             self._jobs.quiesce()
             r = once()
             self.pre_accept(r.req_ids, r.sampled_token_ids, r.failed)

@@ -6,11 +6,13 @@ metadata) and hands the sampled ids back synchronously or in flight (`async_outp
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionBackend, AttentionMetadataBuilder
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
@@ -78,6 +80,9 @@ class ModelRunner:
         self.copier = AsyncCopier()
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         self.in_flight = InFlightTokens(self._arange)
+        self._deferred: tuple[PendingStep, Callable[[], None]] | None = None
+        """A launched step whose sampling waits for `complete_launch` (structured outputs, see `_launch`)."""
+        self.num_deferred_samplings = 0
         # Set by initialize_kv_cache (they need the KV-cache groups).
         self.input_batch: InputBatch | None = None
         self.updater: BatchUpdater | None = None
@@ -254,13 +259,27 @@ class ModelRunner:
         return self.finish_step(self._launch(so, ahead=False))
 
     @torch.inference_mode()
-    def execute_model_async(self, so: SchedulerOutput) -> PendingStep:
+    def execute_model_async(self, so: SchedulerOutput, defer_grammar: bool = False) -> PendingStep:
         """Launch the step and return without waiting for the device: the sampled ids come back through a
         non-blocking copy that `finish_step` waits for. Decodes whose last token is still in flight (sampled
-        by the previous launched step) take it on the device from that step."""
-        return self._launch(so, ahead=True)
+        by the previous launched step) take it on the device from that step.
 
-    def _launch(self, so: SchedulerOutput, ahead: bool) -> PendingStep:
+        `defer_grammar` (the in-process executor, whose engine calls `complete_launch`): a step with a grammar
+        bitmask launches its forward only; its mask, sampler and copy wait for `complete_launch` (or the next
+        launch, or its `finish_step`), so the mask's host fill (which needs the previous step's tokens) runs
+        while the engine reads the previous step's results instead of holding up the step loop."""
+        defer = defer_grammar and so.grammar_bitmask is not None and envs.PAGEDLLM_GRAMMAR_DEFER
+        return self._launch(so, ahead=True, defer=defer)
+
+    @torch.inference_mode()
+    def complete_launch(self) -> None:
+        """Launch the sampling a step deferred (a no-op when none is)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred[1]()
+
+    def _launch(self, so: SchedulerOutput, ahead: bool, defer: bool = False) -> PendingStep:
+        self.complete_launch()  # before the batch's rows change below
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return PendingStep([], np.zeros(0, dtype=np.int64))
@@ -282,16 +301,33 @@ class ModelRunner:
         # decode whose input token is still in flight samples too).
         sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
         step = PendingStep(x.req_ids, sample_idx, prompt_logprobs_done=prompt_lp_done)
-        sampled_gpu = None
+        logits = md = None
         if len(sample_idx):
             if len(sample_idx) == x.num_tokens:  # every token samples (all decodes): its hidden rows in order
                 logits = model.compute_logits(hidden[: x.num_tokens])
             else:
                 logits_idx = torch.from_numpy(x.cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
                 logits = model.compute_logits(hidden[logits_idx])
+            md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
+        # The per-request states' num_computed_tokens is refreshed from the scheduler's diff each step (and on
+        # resume), so only the batch row needs it here: no per-request loop on the hot path.
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        if defer and md is not None:
+            self._deferred = (step, lambda: self._sample(step, so, x, logits, md, ahead))
+            self.num_deferred_samplings += 1
+        else:
+            self._sample(step, so, x, logits, md, ahead)
+        return step
+
+    def _sample(self, step: PendingStep, so: SchedulerOutput, x: StepInputs, logits: Any, md: Any, ahead: bool) -> None:
+        """The launched step's sampling (with its grammar mask), the sampled ids' copy to the host, and what
+        the next launched step takes from this one on the device."""
+        batch, sampling, sample_idx = self.input_batch, self.sampling, step.sample_idx
+        assert batch is not None and sampling is not None
+        sampled_gpu = None
+        if md is not None:
             if so.grammar_bitmask is not None:  # structured outputs: the host fill overlaps the forward
                 apply_grammar_bitmask(logits, so, x.req_ids, sample_idx)
-            md = sampling.build(x.rows[sample_idx], x.seq_lens[sample_idx])
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids
             if out.failed_rows:
@@ -308,15 +344,11 @@ class ModelRunner:
             if rc is not None and rc.version == batch.version:  # the rows the metadata was just built for
                 step.sample_rows, step.sample_outputs, step.batch_version = rc.rows, rc.out_ids, rc.version
                 step.any_penalty = rc.any_penalty
-        # The per-request states' num_computed_tokens is refreshed from the scheduler's diff each step (and on
-        # resume), so only the batch row needs it here: no per-request loop on the hot path.
-        batch.num_computed_tokens[x.rows] = x.seq_lens
         if ahead:  # what the next launched step needs if it runs before this one's result is read
             all_sample = len(sample_idx) == x.num_reqs
             self.in_flight.set(x.req_ids if all_sample else [x.req_ids[i] for i in sample_idx.tolist()], sampled_gpu)
         else:
             self.in_flight.clear()
-        return step
 
     def _forward(self, x: StepInputs, patch: Patch | None, mm_step: Any = None) -> torch.Tensor | None:
         """The model over the step's tokens: a CUDA-graph replay for pure decodes that fit, else eagerly.
@@ -375,6 +407,8 @@ class ModelRunner:
         """Host bookkeeping of a launched step once its sampled ids are on the host: the tokens join their
         requests' states and batch rows. Rows may have been reused by a step launched meanwhile: unless the
         batch is unchanged since the launch (then by row, NOTES H3/H11), it goes by request id."""
+        if self._deferred is not None and self._deferred[0] is step:
+            self.complete_launch()
         num_reqs = len(step.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         if step.sampled_host is None:

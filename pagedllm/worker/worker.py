@@ -93,8 +93,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        return self.model_runner.execute_model_async(scheduler_output)
+    def execute_model_async(self, scheduler_output: SchedulerOutput, defer_grammar: bool = False) -> PendingStep:
+        return self.model_runner.execute_model_async(scheduler_output, defer_grammar)
+
+    def complete_launch(self) -> None:
+        self.model_runner.complete_launch()
 
     def finish_step(self, step: PendingStep) -> ModelRunnerOutput:
         return self.model_runner.finish_step(step)

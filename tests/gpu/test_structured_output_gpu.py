@@ -57,9 +57,48 @@ def test_async_engine_valid_and_equal_to_sync(smollm2_path: str) -> None:
         )
         outs[async_on] = llm.generate(ps, sps, use_tqdm=False)
         if async_on:
-            assert llm.llm_engine.engine_core.engine_core.num_steps_ahead > 20
+            core = llm.llm_engine.engine_core.engine_core
+            assert core.num_steps_ahead > 20
+            assert core.executor.worker.model_runner.num_deferred_samplings > 20
         del llm
         torch.cuda.empty_cache()
     for out, schema in zip(outs[True], SCHEMAS.values()):
         check_json(out.outputs[0].text, schema)
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+
+
+def test_async_deferred_sampling_dummy_model() -> None:
+    """Without the real checkpoint: SmolLM2's shape with dummy weights and its tokenizer (`.smol_tok`, a
+    save_pretrained copy, or PAGEDLLM_SMOL_TOKENIZER), 8 JSON requests. With async scheduling each
+    constrained step's sampling is launched after the engine read the previous step (deferred), and the
+    greedy tokens equal those of a synchronous engine, whose sampling follows the forward directly."""
+    import os
+
+    tok = os.environ.get("PAGEDLLM_SMOL_TOKENIZER", ".smol_tok")
+    if not os.path.isdir(tok):
+        pytest.skip(f"no SmolLM2 tokenizer directory at {tok}")
+    schema = SCHEMAS["person"]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+    ] * 6 + [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)] * 2
+    ps = [[100 + i, 200 + 3 * i, 300 + 7 * i] for i in range(8)]
+    outs = {}
+    for async_on in (True, False):
+        llm = LLM(
+            "benchmarks/workloads/smollm2-135m",
+            tokenizer=tok,
+            load_format="dummy",
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory_bytes=1 << 30,
+            async_scheduling=async_on,
+        )
+        from pagedllm import TokensPrompt
+
+        outs[async_on] = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps, use_tqdm=False)
+        if async_on:
+            assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.num_deferred_samplings > 10
+        del llm
+        torch.cuda.empty_cache()
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+    assert all(len(o.outputs[0].token_ids) > 3 for o in outs[True])

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("xgrammar")
 import lark  # noqa: E402
 
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt  # noqa: E402
 from pagedllm.reasoning import ReasoningParser, register_reasoning_parser  # noqa: E402
 from pagedllm.structured_output.backend import XgrammarBackend  # noqa: E402
 from tests.structured_output.cases import (  # noqa: E402
@@ -163,6 +163,8 @@ def test_chunked_prefill_preemption_async_equal_plain_run(smollm2_path: str, smo
     core = llm.llm_engine.engine_core.engine_core
     assert core.scheduler.num_preemptions > 0
     assert core.num_steps_ahead > 20  # constrained steps were scheduled ahead too
+    # ... and their sampling waited for the engine to read the previous step (model_runner.complete_launch)
+    assert core.executor.worker.model_runner.num_deferred_samplings > 10
     assert not core.scheduler.structured.states  # every matcher dropped with its request
 
 
@@ -231,3 +233,43 @@ def test_finished_grammar_finishes_the_request(smollm2_llm: LLM) -> None:
     out = smollm2_llm.generate(["Pick one:"], sp, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in ("alpha", "beta")
     assert len(out.token_ids) < 50
+
+
+def test_async_intake_paths_equal_sync(smollm2_path: str) -> None:
+    """Async scheduling defers a constrained step's sampling until the engine has read the previous step
+    (`ModelRunner.complete_launch`), so the scheduler may feed step N's tokens to the matchers before N+1's
+    mask is filled. With the intake on its worker thread and inline, the tokens go in once: greedy outputs of a
+    tiny dummy model (SmolLM2's vocabulary) equal the synchronous engine's, none fails."""
+    schema = SCHEMAS["person"]
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    prompts_ = [TokensPrompt(prompt_token_ids=[100 + i, 200, 300 + i]) for i in range(4)]
+    tiny = {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+    }
+    got = {}
+    for name, async_on, worker in (("sync", False, True), ("worker", True, True), ("inline", True, False)):
+        llm = LLM(
+            "benchmarks/workloads/smollm2-135m",
+            tokenizer=smollm2_path,
+            load_format="dummy",
+            dtype="float32",
+            hf_overrides=tiny,
+            max_model_len=256,
+            kv_cache_memory_bytes=64 << 20,
+            async_scheduling=async_on,
+        )
+        core = llm.llm_engine.engine_core.engine_core
+        core.scheduler.structured.step_worker = worker
+        outs = llm.generate(prompts_, sp, use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4, [o.outputs[0].stop_reason for o in outs]
+        got[name] = [o.outputs[0].token_ids for o in outs]
+        if async_on:
+            assert core.executor.worker.model_runner.num_deferred_samplings > 10
+    assert got["worker"] == got["sync"] and got["inline"] == got["sync"]
