@@ -394,6 +394,8 @@ def main() -> None:
             prof.export_chrome_trace(path)
             r = summarize(path, top=8)
             res[f"profile_{name}"] = r
+            if not r.get("kernels", 1):
+                continue
             print(f"profile {name}: span {r['span_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms "
                   f"({r['gpu_busy_ms'] / r['span_ms']:.0%})")  # fmt: skip
             for kname, ms in r["top_kernels_ms"]:
