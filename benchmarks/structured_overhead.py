@@ -172,6 +172,63 @@ def time_decode(
     return times, min_batch, cpu, parts
 
 
+HOST_RANGES = {
+    "pagedllm.engine.llm_engine:LLMEngine.step": "step",
+    "pagedllm.engine.core:EngineCore.step": "core_step",
+    "pagedllm.engine.output_processor:OutputProcessor.process_outputs": "outputs",
+    "pagedllm.core.scheduler:Scheduler.schedule": "schedule",
+    "pagedllm.core.scheduler:Scheduler.update_from_output": "update",
+    "pagedllm.worker.model_runner:ModelRunner._launch": "launch",
+    "pagedllm.worker.model_runner:ModelRunner.complete_launch": "flush",
+    "pagedllm.worker.model_runner:ModelRunner._sample": "sample",
+    "pagedllm.worker.model_runner:ModelRunner.finish_step": "finish_step",
+    "pagedllm.sample.sampler:Sampler.forward": "sampler",
+    "pagedllm.structured_output.matchers:GrammarBitmask.narrow": "narrow",
+    "xgrammar:apply_token_bitmask_inplace": "xgr_apply",
+    "pagedllm.worker.model_runner:apply_grammar_bitmask": "apply",
+}
+"""Functions timed by --profile-host (module:qualname -> range name)."""
+
+
+def host_profile(llm: Any, prompts: list[list[int]], sp: Any, steps: int) -> dict[str, float]:
+    """Mean host ms per decode step in each of HOST_RANGES (nested ranges overlap; "step" is the whole)."""
+    import importlib
+    import tempfile
+
+    import torch
+
+    patched = []
+    for target, label in HOST_RANGES.items():
+        mod_name, qual = target.split(":")
+        owner: Any = importlib.import_module(mod_name)
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+
+        def wrapped(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
+            with torch.profiler.record_function(_label):
+                return _fn(*a, **k)
+
+        setattr(owner, attr, wrapped)
+        patched.append((owner, attr, fn))
+    path = os.path.join(tempfile.mkdtemp(prefix="so_host_"), "host.json")
+    try:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        time_decode(llm, prompts, sp, steps, around=prof)
+        prof.export_chrome_trace(path)
+    finally:
+        for owner, attr, fn in patched:
+            setattr(owner, attr, fn)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    totals = dict.fromkeys(HOST_RANGES.values(), 0.0)
+    for e in events:
+        if e.get("name") in totals and "dur" in e:
+            totals[e["name"]] += e["dur"]
+    return {k: v / 1e3 / steps for k, v in totals.items()}
+
+
 def first_token_latency(llm: Any, prompt: list[int], make_sp: Any, trials: int) -> float:
     from pagedllm import TokensPrompt
 
@@ -197,7 +254,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--switch-interval-us", type=float, default=None, help="sys.setswitchinterval (GIL), us")
     ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps per case (CUDA)")
+    ap.add_argument("--profile-host", type=int, default=0, help="host time by function over this many steps")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--tiny", action="store_true", help="one narrow layer: the step is mostly host work")
@@ -206,6 +265,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         args.hf_overrides = {**TINY, **(args.hf_overrides or {})}
+    if args.switch_interval_us:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
 
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
     from pagedllm.structured_output.backend import XgrammarBackend
@@ -370,6 +433,7 @@ def main() -> None:
             continue
         for p, vals in by_part.items():
             res[f"so_{prefix}{p}_ms_per_step"] = statistics.median(vals)
+            res[f"so_{prefix}{p}_ms_per_step_runs"] = [round(v, 3) for v in vals]
         res[f"so_{prefix}total_ms_per_step"] = sum(res[f"so_{prefix}{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
     base = (res["step_ms_plain"] + res["step_ms_plain_again"]) / 2
     base_cpu = (res["step_cpu_ms_plain"] + res["step_cpu_ms_plain_again"]) / 2
@@ -400,6 +464,14 @@ def main() -> None:
                   f"({r['gpu_busy_ms'] / r['span_ms']:.0%})")  # fmt: skip
             for kname, ms in r["top_kernels_ms"]:
                 print(f"    {ms:9.2f} ms  {kname}")
+
+    # 2c. The step loop's host time by function (--profile-host N): N decode steps per case under the torch
+    # profiler (CPU), the engine's functions wrapped in record_function ranges; mean ms per step of each.
+    if args.profile_host:
+        for name, sp, _, env in cases[:2]:
+            with _env(**env):
+                res[f"host_{name}"] = host_profile(llm, prompts, sp, args.profile_host)
+            print(f"host {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in res[f"host_{name}"].items()))
 
     # 3. First-token latency on an idle engine: a plain request, a new schema (compiled on arrival), a cached one.
     if args.quick:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_GRAMMAR_DEFER: bool
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
+    PAGEDLLM_GIL_SWITCH_INTERVAL_US: float
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
@@ -102,6 +103,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
     # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
     "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),
+    # Python's GIL switch interval (us) once structured outputs are used (the step loop shares the GIL with the
+    # grammar worker thread); 0: Python's default (5 ms) is kept.
+    "PAGEDLLM_GIL_SWITCH_INTERVAL_US": lambda: float(os.environ.get("PAGEDLLM_GIL_SWITCH_INTERVAL_US", "100")),
     # One-pass Gumbel-max sampling on CUDA (sample/triton_sample.py).
     "PAGEDLLM_ONE_PASS_SAMPLING": _flag("PAGEDLLM_ONE_PASS_SAMPLING"),
     # Float32 logits straight from the 16-bit LM-head GEMM on CUDA.

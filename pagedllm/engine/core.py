@@ -142,7 +142,7 @@ class EngineCore(EngineCoreControlsMixin):
         requests need their previous token on the host run synchronously."""
         sched_ = self.scheduler
         pending = self._pending
-        if pending is not None:  # its sampling, if its grammar mask's fill ran while the last results were read
+        if pending is not None:  # (launched at the end of the last step already, unless that step raised)
             pending[1].complete_launch()
         if pending is None:
             if not sched_.has_unfinished_requests():
@@ -161,7 +161,10 @@ class EngineCore(EngineCoreControlsMixin):
             self.num_steps_ahead += 1
         so, handle = pending
         self._pending = nxt
-        return sched_.update_from_output(so, handle.result())
+        out = sched_.update_from_output(so, handle.result())
+        if nxt is not None:  # its sampling, deferred while N+1's mask was filled: before the outputs go out
+            nxt[1].complete_launch()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         parked = self.lora is not None and self.lora.has_parked()

@@ -8,6 +8,11 @@ import numpy as np
 import torch
 
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.triton_utils import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
 
 def apply_grammar_bitmask(
@@ -34,11 +39,14 @@ def apply_grammar_bitmask(
         return
     mask_rows = [rows_of_logits[j] for j in logit_rows] if len(logit_rows) < len(rows_of_logits) else rows_of_logits
     n = logits.shape[0]
+    vocab = min(logits.shape[-1], valid)
+    if logits.is_cuda and HAS_TRITON:
+        _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained)
+        return
     if mask_rows != logit_rows or mask.shape[0] != n:
         full = torch.full((n, mask.shape[1]), -1, dtype=torch.int32)  # all bits set: rows without a grammar
         full[logit_rows] = mask[mask_rows]
         mask = full.pin_memory() if logits.is_cuda else full
-    vocab = min(logits.shape[-1], valid)
     if logits.is_cuda:
         # From pinned memory (the fill allocates it so on a CUDA engine): a pageable copy would first wait for
         # the stream, i.e. for the forward in flight.
@@ -53,6 +61,73 @@ def apply_grammar_bitmask(
             logits[:, vocab:] = float("-inf")
         elif pad_rows:
             logits[pad_rows, vocab:] = float("-inf")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _grammar_mask_kernel(
+        logits_ptr,
+        mask_ptr,
+        rows_ptr,
+        logits_stride,
+        mask_stride,
+        valid,
+        vocab,
+        HAS_ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Program (k, b): columns [b * BLOCK, (b + 1) * BLOCK) of the logits row of mask row k (rows_ptr[k], or k):
+        -inf where mask row k has a 0 bit, and at every column from `valid` (the tokenizer's ids) on."""
+        k = tl.program_id(0)
+        row = tl.load(rows_ptr + k).to(tl.int64) if HAS_ROWS else k.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        words = tl.load(mask_ptr + k * mask_stride + cols // 32, mask=cols < valid, other=0)
+        closed = ((words >> (cols % 32)) & 1) == 0
+        tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=closed & (cols < vocab))
+
+
+def _apply_cuda(
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    valid: int,
+    logit_rows: list[int],
+    mask_rows: list[int],
+    constrained: set[int] | None,
+) -> None:
+    """One launch for the whole mask, the model's padded ids included, over the constrained rows only (a row
+    whose grammar terminated is left as is). Cheaper on the host than xgrammar's apply plus a separate fill of
+    the padded ids: the step loop is host-bound with structured requests (NOTES, session 19)."""
+    if constrained is not None and len(constrained) < len(mask_rows):
+        kept = [(j, r) for j, r in zip(logit_rows, mask_rows) if r in constrained]
+        logit_rows, mask_rows = [j for j, _ in kept], [r for _, r in kept]
+    m = len(mask_rows)
+    if not m:
+        return
+    in_order = mask_rows == logit_rows and logit_rows[-1] == m - 1  # rows 0..m-1 of both, in order
+    rows = None
+    if not in_order:
+        mask = mask[mask_rows].pin_memory()
+        rows = torch.tensor(logit_rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
+    # From pinned memory (the fill allocates it so on a CUDA engine): a pageable copy would first wait for the
+    # stream, i.e. for the forward in flight.
+    mask = mask.to(logits.device, non_blocking=True)
+    vocab = logits.shape[-1]
+    _grammar_mask_kernel[(m, triton.cdiv(vocab, _BLOCK))](
+        logits,
+        mask,
+        rows if rows is not None else mask,
+        logits.stride(0),
+        mask.stride(0),
+        valid,
+        vocab,
+        HAS_ROWS=rows is not None,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
+
+
+_BLOCK = 2048
 
 
 def _apply_cpu(logits: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:

@@ -35,6 +35,49 @@ def test_apply_matches_cpu(dtype: torch.dtype) -> None:
     assert torch.isinf(logits[0]).any() and not torch.isinf(logits[1]).any()
 
 
+class _Source:
+    """A filled step mask as `GrammarBitmask.narrow()` gives it: the tokenizer's ids only, and the rows still
+    constrained (the others' grammars terminated: all bits set, left alone)."""
+
+    def __init__(self, mask: torch.Tensor, rows: list[int], valid_vocab: int) -> None:
+        self.mask, self.rows, self.valid_vocab = mask, rows, valid_vocab
+
+    def narrow(self) -> tuple[torch.Tensor, list[int]]:
+        return self.mask, self.rows
+
+
+@pytest.mark.parametrize("order", ["in_order", "mapped"])
+def test_apply_padded_vocab_and_terminated_rows(order: str) -> None:
+    """The one-launch CUDA apply against a reference built here: tokenizer ids by the mask's bits, the model's
+    padded ids (past the tokenizer's) -inf in constrained rows only; rows without a grammar or whose grammar
+    terminated untouched."""
+    rng = np.random.default_rng(1)
+    n, valid, vocab = 6, 1000, 1100  # a partial last word (1000 % 32 = 8) and 100 padded ids
+    words = (valid + 31) // 32
+    mask = torch.from_numpy(rng.integers(-(2**31), 2**31 - 1, size=(4, words), dtype=np.int64).astype(np.int32))
+    if order == "in_order":  # logits rows 0..3 are mask rows 0..3, all constrained (+ 2 free rows)
+        rows, ids = [0, 1, 2, 3], {f"r{i}": i for i in range(4)}
+    else:  # mask rows in another order, among free rows; row 2's grammar terminated (all allowed, not in `rows`)
+        mask[2] = -1
+        rows, ids = [0, 1, 3], {"r5": 0, "r1": 1, "r3": 2, "r0": 3}
+    so = SchedulerOutput(
+        [], CachedRequestData(), {}, 0, structured_output_request_ids=ids, grammar_bitmask=_Source(mask, rows, valid)
+    )
+    rids = [f"r{i}" for i in range(n)]
+    logits = torch.randn(n, vocab)
+    ref = logits.clone()
+    bits = ((mask.numpy()[:, :, None] >> np.arange(32)) & 1).reshape(4, -1)[:, :valid] == 1
+    for j, rid in enumerate(rids):
+        r = ids.get(rid)
+        if r is None or r not in rows:
+            continue
+        ref[j, :valid][torch.from_numpy(~bits[r])] = float("-inf")
+        ref[j, valid:] = float("-inf")
+    gpu = logits.cuda()
+    apply_grammar_bitmask(gpu, so, rids, np.arange(n))
+    assert torch.equal(gpu.cpu(), ref)
+
+
 def test_async_engine_valid_and_equal_to_sync(smollm2_path: str) -> None:
     sps = [
         SamplingParams(
