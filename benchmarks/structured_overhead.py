@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--cases", default=None, help="comma-separated decode cases to run (default: all)")
+    ap.add_argument("--pyspy", default=None, help="py-spy raw samples (all threads, idle too) of the decode runs")
     ap.add_argument("--switch-interval-us", type=float, default=None, help="sys.setswitchinterval (GIL), us")
     ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps per case (CUDA)")
     ap.add_argument("--profile-host", type=int, default=0, help="host time by function over this many steps")
@@ -411,6 +413,11 @@ def main() -> None:
     if args.async_scheduling or (args.async_scheduling is None and on_gpu):
         cases.append(("structured_nodefer", constrained, True, {"PAGEDLLM_GRAMMAR_DEFER": "0"}))
     cases.append(("plain_again", plain, True, {}))
+    if args.cases:
+        keep = set(args.cases.split(","))
+        cases = [c for c in cases if c[0] in keep]
+    spy = _pyspy(args.pyspy) if args.pyspy else contextlib.nullcontext()
+    spy.__enter__()
     for _ in range(args.repeats):
         for name, sp, worker, env in cases:
             if hasattr(manager, "step_worker"):
@@ -423,6 +430,7 @@ def main() -> None:
             if name in ("structured", "structured_inline"):
                 for p, v in used.items():
                     parts["inline_" if name.endswith("inline") else ""].setdefault(p, []).append(v / args.steps * 1e3)
+    spy.__exit__(None, None, None)
     for key, vals in runs.items():  # per repeat: the median step; over repeats: median (and min)
         res[key] = statistics.median(vals)
         if args.repeats > 1:
@@ -435,10 +443,11 @@ def main() -> None:
             res[f"so_{prefix}{p}_ms_per_step"] = statistics.median(vals)
             res[f"so_{prefix}{p}_ms_per_step_runs"] = [round(v, 3) for v in vals]
         res[f"so_{prefix}total_ms_per_step"] = sum(res[f"so_{prefix}{p}_ms_per_step"] for p in StepLoopTimers.PARTS)
-    base = (res["step_ms_plain"] + res["step_ms_plain_again"]) / 2
-    base_cpu = (res["step_cpu_ms_plain"] + res["step_cpu_ms_plain_again"]) / 2
+    plains = [k for k in ("plain", "plain_again") if f"step_ms_{k}" in res]
+    base = statistics.mean(res[f"step_ms_{k}"] for k in plains) if plains else None
+    base_cpu = statistics.mean(res[f"step_cpu_ms_{k}"] for k in plains) if plains else None
     for name in ("structured", "structured_inline", "structured_nodefer"):
-        if f"step_ms_{name}" in res:
+        if f"step_ms_{name}" in res and base is not None and base_cpu is not None:
             res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
             res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100
 
@@ -509,6 +518,21 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _pyspy(path: str) -> Iterator[None]:
+    """py-spy sampling this process (every thread, idle samples kept) while the block runs."""
+    import subprocess
+
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--threads", "--idle", "--rate", "1000", "--nonblocking"]
+    proc = subprocess.Popen([*cmd, "--format", "raw", "-o", path, "--duration", "600"])
+    time.sleep(1.0)  # attached
+    try:
+        yield
+    finally:
+        proc.send_signal(2)  # SIGINT: py-spy writes what it has
+        proc.wait(timeout=60)
 
 
 def _report(res: dict[str, Any], path: str | None) -> None:

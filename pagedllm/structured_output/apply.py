@@ -106,9 +106,13 @@ def _apply_cuda(
         return
     in_order = mask_rows == logit_rows and logit_rows[-1] == m - 1  # rows 0..m-1 of both, in order
     rows = None
-    if not in_order:
-        mask = mask[mask_rows].pin_memory()
-        rows = torch.tensor(logit_rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
+    if not in_order:  # (numpy: no OpenMP-parallel torch op on the host)
+        picked = torch.empty((m, mask.shape[1]), dtype=torch.int32, pin_memory=True)
+        picked.numpy()[:] = mask.numpy()[mask_rows]
+        mask = picked
+        rows_host = torch.empty(m, dtype=torch.int32, pin_memory=True)
+        rows_host.numpy()[:] = logit_rows
+        rows = rows_host.to(logits.device, non_blocking=True)
     # From pinned memory (the fill allocates it so on a CUDA engine): a pageable copy would first wait for the
     # stream, i.e. for the forward in flight.
     mask = mask.to(logits.device, non_blocking=True)

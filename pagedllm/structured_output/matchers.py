@@ -83,7 +83,11 @@ class GrammarBitmask:
 
         matchers = self.matchers
         n, words = len(matchers), -(-self.valid_vocab // 32)
-        mask = torch.full((n, words), -1, dtype=torch.int32, pin_memory=self._pin)  # all tokens allowed
+        # All tokens allowed, set through numpy: `torch.full` of a step's mask (~100k ints) is an OpenMP-parallel
+        # fill, and called from the worker thread it starts a second OpenMP team whose threads spin after each
+        # step beside the step loop's.
+        mask = torch.empty((n, words), dtype=torch.int32, pin_memory=self._pin)
+        mask.numpy().fill(-1)
         if self._states is not None:
             if ended:
                 rows = [i for i, st in enumerate(self._states) if not st.terminated and id(st) not in ended]
