@@ -404,13 +404,12 @@ def main() -> None:
     # structured_inline: the worker off, both on the step loop (the engine's path before session 18).
     # structured_nodefer: the sampling launched right after the forward (waiting there for the mask's fill)
     # instead of after the engine read the previous step (PAGEDLLM_GRAMMAR_DEFER=0).
-    cases: list[tuple[str, Any, bool | str, dict[str, str]]] = [
+    cases: list[tuple[str, Any, bool, dict[str, str]]] = [
         ("plain", plain, True, {}),
         ("structured", constrained, True, {}),
     ]
     if hasattr(manager, "step_worker"):
         cases.append(("structured_inline", constrained, False, {}))
-        cases.append(("structured_intake", constrained, "intake", {}))  # the worker takes the tokens too
     if args.async_scheduling or (args.async_scheduling is None and on_gpu):
         cases.append(("structured_nodefer", constrained, True, {"PAGEDLLM_GRAMMAR_DEFER": "0"}))
     cases.append(("plain_again", plain, True, {}))
@@ -447,7 +446,7 @@ def main() -> None:
     plains = [k for k in ("plain", "plain_again") if f"step_ms_{k}" in res]
     base = statistics.mean(res[f"step_ms_{k}"] for k in plains) if plains else None
     base_cpu = statistics.mean(res[f"step_cpu_ms_{k}"] for k in plains) if plains else None
-    for name in ("structured", "structured_inline", "structured_intake", "structured_nodefer"):
+    for name in ("structured", "structured_inline", "structured_nodefer"):
         if f"step_ms_{name}" in res and base is not None and base_cpu is not None:
             res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
             res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100

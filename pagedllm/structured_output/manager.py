@@ -82,12 +82,8 @@ class StructuredOutputManager:
         self.fill_threads = fill_threads
         self._jobs = StepJobs(self.states, fill_threads)
         """Async scheduling: the previous step's intake and this step's fill on a worker thread."""
-        self.step_worker: bool | str = True
-        """Async steps: True, the step loop takes step N's tokens in one call when the scheduler reads N, then
-        N+1's fill runs on the worker; "intake": the worker takes N's tokens too, as soon as N's sampler is
-        launched; False: both inline on the step loop, at N+1's mask."""
-        self._next_fill: GrammarBitmask | None = None
-        """(step_worker True) the chained step's mask, filled once the scheduler reads the previous step."""
+        self.step_worker = True
+        """Whether async steps use that worker (off: both run inline on the step loop, in `chain`)."""
 
     # ---- compile -------------------------------------------------------------------------------------
     def _get_backend(self) -> XgrammarBackend:
@@ -184,7 +180,7 @@ class StructuredOutputManager:
                 self._batch = xgr.BatchGrammarMatcher(self.fill_threads or "auto")
             valid = self._backend.valid_vocab if self._backend is not None else None
             bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks, states)
-            if self.step_worker == "intake":
+            if self.step_worker:
                 bitmask.on_sampled = functools.partial(self._jobs.sampled, ids)
             so.grammar_bitmask = bitmask
 
@@ -266,21 +262,7 @@ class StructuredOutputManager:
             self.pre_accept(r.req_ids, r.sampled_token_ids, r.failed)
 
         bitmask.before_fill = take_tokens
-        if self.step_worker is True:
-            self._next_fill = bitmask
         return StepFuture(once)
-
-    def step_result(self, result: ModelRunnerOutput) -> None:
-        """Scheduler hook, as it reads a step's result: with a next step chained (async scheduling, its
-        sampling deferred by the runner), this step's tokens go into the matchers now, in one call, and the
-        next step's fill starts on the worker while the scheduler and the front end process this step."""
-        bitmask, self._next_fill = self._next_fill, None
-        if bitmask is None or bitmask._narrow is not None or bitmask.future is not None:
-            return  # none chained, or its fill already ran (the runner did not defer it)
-        self._jobs.quiesce()
-        self.pre_accept(result.req_ids, result.sampled_token_ids, result.failed)
-        bitmask.before_fill = None
-        self._jobs.fill(bitmask)
 
     def pre_accept(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], failed: dict[str, str]) -> None:
         """A step's sampled tokens into their matchers, before the scheduler sees them (async scheduling).

@@ -112,16 +112,6 @@ class StepJobs:
         bitmask.before_fill = self.publish
         return True
 
-    def fill(self, bitmask: GrammarBitmask) -> None:
-        """`bitmask`'s fill on the worker (its matchers are up to date); `narrow()` waits for it."""
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-step")
-        if self._batch is None:
-            import xgrammar as xgr
-
-            self._batch = xgr.BatchGrammarMatcher(self._fill_threads or "auto")
-        bitmask.future = self._last = self._pool.submit(bitmask._fill, None, self._batch)
-
     def publish(self) -> None:
         job, self.pending = self.pending, None
         if job is not None:
