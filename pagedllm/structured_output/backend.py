@@ -140,7 +140,7 @@ class XgrammarBackend:
         # xgrammar's cache (besides the manager's, by request key) keeps the token masks of the rules a grammar
         # is built from: a new JSON schema whose fields are strings, numbers, arrays, ... like an earlier one's
         # compiles in a few ms instead of a pass over the whole vocabulary (~55 ms on a GPU host, 300 ms here).
-        threads = min(8, os.cpu_count() or 1)
+        threads = min(16, os.cpu_count() or 1)
         cache_mb = envs.PAGEDLLM_XGRAMMAR_CACHE_MB
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=threads, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
