@@ -72,6 +72,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=str, default="inf", help="Requests per second (Poisson), or 'inf'.")
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1 = Poisson).")
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="Client processes sharing the requests (every N-th arrival each; --max-concurrency per process): one "
+        "Python process parses ~100k streamed chunks/s, below what a multi-GPU server sends.",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ignore-eos",
@@ -274,26 +281,44 @@ def print_table(s: dict[str, Any], pcts: list[str]) -> None:
     print("=" * w)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def arrival_offsets(args: argparse.Namespace, n: int) -> list[float]:
+    """Seconds from the run's start at which each request is sent: all at 0 at rate inf, else Gamma
+    inter-arrival times with mean 1/rate (shape 1 = Poisson process)."""
+    rate = float("inf") if args.request_rate == "inf" else float(args.request_rate)
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(args.seed + 1)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(args.burstiness, 1.0 / (rate * args.burstiness))
+    return out
 
+
+async def _send_all(
+    args: argparse.Namespace,
+    model: str | None,
+    requests: list[tuple[list[int], int]],
+    offsets: list[float],
+    warmups: list[tuple[list[int], int]],
+    ready: Any = None,
+) -> tuple[str, list[RequestResult], float, float]:
+    """(model, results, start, end): the warm-ups (not measured), then `requests` sent at `offsets` from the
+    start (time.perf_counter: CLOCK_MONOTONIC, the same in every process of the machine). `ready`: a
+    barrier the client processes pass together before they start."""
     import aiohttp
 
     base = args.base_url.rstrip("/")
     key = args.api_key or envs.PAGEDLLM_API_KEY
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    rate = float("inf") if args.request_rate == "inf" else float(args.request_rate)
-    requests = make_requests(args)
-    rng = random.Random(args.seed + 1)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        model = args.model
         if model is None:
             async with session.get(f"{base}/v1/models", headers=headers) as r:
                 r.raise_for_status()
                 model = (await r.json())["data"][0]["id"]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         url = f"{base}/v1/completions"
-
         ignore_eos = getattr(args, "ignore_eos", True)
 
         async def limited(prompt: list[int], out_len: int) -> RequestResult:
@@ -302,21 +327,64 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await _one(session, url, headers, model, prompt, out_len, args.timeout, ignore_eos)
 
-        warmups = getattr(args, "num_warmups", 0)
         if warmups:  # the same kind of request, not measured (vLLM's --num-warmups)
-            warm = await asyncio.gather(*(limited(p, o) for p, o in requests[:warmups]))
+            warm = await asyncio.gather(*(limited(p, o) for p, o in warmups))
             if not any(r.ok for r in warm):
                 raise RuntimeError(f"warm-up failed: {warm[0].error}")
-
+        if ready is not None:
+            await asyncio.get_running_loop().run_in_executor(None, ready.wait)
         tasks: list[asyncio.Task[RequestResult]] = []
         start = time.perf_counter()
-        for prompt, out_len in requests:
+        for (prompt, out_len), at in zip(requests, offsets):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(limited(prompt, out_len)))
-            if rate != float("inf"):
-                # Gamma inter-arrival times with mean 1/rate (shape 1 = Poisson process).
-                await asyncio.sleep(rng.gammavariate(args.burstiness, 1.0 / (rate * args.burstiness)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        end = time.perf_counter()
+    return model, list(results), start, end
+
+
+def _client_process(
+    args: argparse.Namespace, model: str, requests: list[tuple[list[int], int]], offsets: list[float], ready: Any
+) -> tuple[list[RequestResult], float, float]:
+    """(A --client-processes worker) its share of the requests."""
+    _, results, start, end = asyncio.run(_send_all(args, model, requests, offsets, [], ready))
+    return results, start, end
+
+
+def _run_processes(
+    args: argparse.Namespace, requests: list[tuple[list[int], int]], offsets: list[float]
+) -> tuple[str, list[RequestResult], float, float]:
+    """The requests over --client-processes processes, request i in process i % N at its own offset; the
+    results in request order, the run from the first start to the last end."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    n = args.client_processes
+    warm = requests[: getattr(args, "num_warmups", 0)]
+    model, _, _, _ = asyncio.run(_send_all(args, args.model, [], [], warm))  # the model's name; the warm-ups
+    ctx = mp.get_context("spawn")
+    ready = ctx.Manager().Barrier(n)
+    with cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        futs = [pool.submit(_client_process, args, model, requests[k::n], offsets[k::n], ready) for k in range(n)]
+        parts = [f.result() for f in futs]
+    results: list[RequestResult] = [RequestResult()] * len(requests)
+    for k, (res, _, _) in enumerate(parts):
+        results[k::n] = res
+    return model, results, min(p[1] for p in parts), max(p[2] for p in parts)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    requests = make_requests(args)
+    offsets = arrival_offsets(args, len(requests))
+    if getattr(args, "client_processes", 1) > 1:
+        loop = asyncio.get_running_loop()
+        model, results, start, end = await loop.run_in_executor(None, _run_processes, args, requests, offsets)
+    else:
+        warm = requests[: getattr(args, "num_warmups", 0)]
+        model, results, start, end = await _send_all(args, args.model, requests, offsets, warm)
+    duration = end - start
     summary = summarize(list(results), duration, args)
     summary["model"] = model
     if getattr(args, "plot", None):

@@ -65,3 +65,24 @@ def test_bench_serve_vllm_options(stress_server: ServerProcess, tmp_path: Path) 
     bad = p.parse_args(["--percentile-metrics", "ttft,nope"])
     with pytest.raises(ValueError, match="percentile_metrics"):
         bench_serve.main(bad)
+
+
+def test_bench_serve_client_processes(stress_server: ServerProcess, tmp_path: Path) -> None:
+    """--client-processes 2: the requests split over two client processes (every other arrival each), the
+    results merged in request order, the run timed from the first start to the last end."""
+    import argparse
+
+    p = bench_serve.add_cli_args(argparse.ArgumentParser())
+    common = ["--base-url", stress_server.url, "--api-key", API_KEY, "--random-input-len", "8"]
+    common += ["--random-output-len", "3", "--num-prompts", "7", "--request-rate", "40", "--seed", "5"]
+    out = tmp_path / "two.json"
+    args = p.parse_args([*common, "--client-processes", "2", "--save-result", str(out), "--save-detailed"])
+    assert bench_serve.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 7 and res["failed"] == 0 and res["total_output_tokens"] == 7 * 3
+    assert res["output_lens"] == [3] * 7 and res["errors"] == [""] * 7
+    # the same Poisson schedule as one process: request i sent about offsets[i] after the start
+    offsets = bench_serve.arrival_offsets(args, 7)
+    sent = [t - res["sent_at"][0] for t in res["sent_at"]]
+    assert all(abs(s - o) < 0.05 for s, o in zip(sent, offsets)), (sent, offsets)
+    assert res["duration_s"] >= offsets[-1]
