@@ -8,7 +8,8 @@
 # py-spy flags (e.g. "--idle" to see where a thread blocks).
 # TRACE=1: the engine core writes PAGEDLLM_STEP_TRACE ($OUT/trace_<w>.jsonl), the client saves every request's times
 # (--save-detailed), and benchmarks/tail_analysis.py splits each rate's TTFTs (tail_<w>_<rate>.txt).
-# SERVE_ARGS: extra `pagedllm serve` flags (e.g. "--api-server-count 2").
+# SERVE_ARGS: extra `pagedllm serve` flags (e.g. "--api-server-count 2"); CLIENT_ARGS: extra `bench serve` flags
+# (e.g. "--client-processes 4").
 # SERVE_ROOT: serve from another tree (e.g. .carry_before, for a same-lease A/B; the client stays this tree's).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_serve_bench}
@@ -56,7 +57,7 @@ for spec in "$@"; do
             --random-input-len 512 --random-output-len 128 --random-range-ratio 0 --num-prompts 400 \
             --request-rate "$rate" --seed 0 --ignore-eos --num-warmups 64 \
             --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
-            --save-result "$OUT/${w}_rate_${rate}.json" "${detailed[@]}" > "$OUT/bench_${w}_$rate.log" 2>&1
+            --save-result "$OUT/${w}_rate_${rate}.json" "${detailed[@]}" ${CLIENT_ARGS:-} > "$OUT/bench_${w}_$rate.log" 2>&1
         echo "== $w rate $rate (rc $?)" | tee -a "$OUT/summary.txt"
         grep -E -i "output token throughput|TTFT|TPOT|ITL|E2EL" "$OUT/bench_${w}_$rate.log" | head -12 | tee -a "$OUT/summary.txt"
         if [ "${TRACE:-0}" = 1 ]; then
