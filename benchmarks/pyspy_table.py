@@ -7,23 +7,27 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterator
+
+
+def samples(path: str) -> Iterator[tuple[list[str], int]]:
+    """(frames root first, sample count) for each line of a py-spy raw (collapsed) file."""
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if stack and n.isdigit():
+                yield stack.split(";"), int(n)
 
 
 def tables(path: str, top: int = 25) -> str:
     self_t: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = 0
-    with open(path) as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            k = int(n)
-            total += k
-            frames = stack.split(";")
-            self_t[frames[-1]] += k
-            for fr in set(frames):
-                incl[fr] += k
+    for frames, k in samples(path):
+        total += k
+        self_t[frames[-1]] += k
+        for fr in set(frames):
+            incl[fr] += k
     out = [f"==== {path}: {total} samples"]
     out.append("-- self time")
     out += [f"{100 * v / max(total, 1):6.1f}%  {k[:150]}" for k, v in self_t.most_common(top)]

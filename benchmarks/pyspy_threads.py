@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from collections import Counter, defaultdict
 
+from pyspy_table import samples
+
 
 def timed_loop_frame() -> str:
     """How the frame of the timed `engine.step()` call in structured_overhead.time_decode ends (file:line)."""
@@ -28,22 +30,16 @@ def main(path: str, top: int = 22) -> None:
     self_t: dict[str, Counter[str]] = defaultdict(Counter)
     incl_loop: Counter[str] = Counter()
     in_loop = 0
-    with open(path) as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            k = int(n)
-            frames = stack.split(";")
-            thread = next((fr for fr in frames if fr.startswith("thread (")), "?")
-            frames = [fr for fr in frames if not fr.startswith(("thread (", "process "))]
-            total[thread] += k
-            self_t[thread][frames[-1] if frames else "?"] += k
-            at = next((i for i, fr in enumerate(frames) if fr.startswith("time_decode (") and fr.endswith(loop)), None)
-            if at is not None:
-                in_loop += k
-                for fr in set(frames[at + 1 :]):
-                    incl_loop[fr] += k
+    for frames, k in samples(path):
+        thread = next((fr for fr in frames if fr.startswith("thread (")), "?")
+        frames = [fr for fr in frames if not fr.startswith(("thread (", "process "))]
+        total[thread] += k
+        self_t[thread][frames[-1] if frames else "?"] += k
+        at = next((i for i, fr in enumerate(frames) if fr.startswith("time_decode (") and fr.endswith(loop)), None)
+        if at is not None:
+            in_loop += k
+            for fr in set(frames[at + 1 :]):
+                incl_loop[fr] += k
     for thread, n in total.most_common():
         print(f"==== {thread}: {n} samples")
         for fr, v in self_t[thread].most_common(top):

@@ -61,15 +61,6 @@ def fresh_schema() -> dict[str, Any]:
     }
 
 
-TINY = {
-    "num_hidden_layers": 1,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-}
-"""--tiny: one narrow layer (any shape's vocabulary is kept), so a step is mostly the engine's host work."""
 
 
 class StepLoopTimers:
@@ -266,7 +257,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
     if args.tiny:
-        args.hf_overrides = {**TINY, **(args.hf_overrides or {})}
+        from pagedllm.benchmarks.workloads import TINY_OVERRIDES
+
+        args.hf_overrides = {**TINY_OVERRIDES, **(args.hf_overrides or {})}
     if args.switch_interval_us:
         import sys
 

@@ -9,6 +9,16 @@ from types import ModuleType
 
 from pagedllm import envs
 
+TINY_OVERRIDES = {
+    "num_hidden_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+}
+"""`hf_overrides` for one narrow layer (the vocabulary kept): a step is then mostly the engine's host work."""
+
 
 def workloads_dir() -> str:
     env = envs.PAGEDLLM_WORKLOADS_DIR

@@ -245,14 +245,8 @@ def test_async_intake_paths_equal_sync(smollm2_path: str) -> None:
         temperature=0.0, max_tokens=24, ignore_eos=True, structured_outputs=StructuredOutputsParams(json=schema)
     )
     prompts_ = [TokensPrompt(prompt_token_ids=[100 + i, 200, 300 + i]) for i in range(4)]
-    tiny = {
-        "num_hidden_layers": 1,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-    }
+    from pagedllm.benchmarks.workloads import TINY_OVERRIDES as tiny
+
     got = {}
     for name, async_on, worker in (("sync", False, True), ("worker", True, True), ("inline", True, False)):
         llm = LLM(
