@@ -61,8 +61,6 @@ def fresh_schema() -> dict[str, Any]:
     }
 
 
-
-
 class StepLoopTimers:
     """Time spent in the structured-output code on the step loop's thread, by part (seconds, summed).
 
