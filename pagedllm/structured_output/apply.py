@@ -37,7 +37,7 @@ def apply_grammar_bitmask(
     logit_rows = [j for j, r in enumerate(rows_of_logits) if r is not None]
     if not logit_rows:
         return
-    mask_rows = [rows_of_logits[j] for j in logit_rows] if len(logit_rows) < len(rows_of_logits) else rows_of_logits
+    mask_rows = [r for r in rows_of_logits if r is not None]
     n = logits.shape[0]
     vocab = min(logits.shape[-1], valid)
     if logits.is_cuda and HAS_TRITON:
