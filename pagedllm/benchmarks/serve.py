@@ -365,8 +365,8 @@ def _run_processes(
     warm = requests[: getattr(args, "num_warmups", 0)]
     model, _, _, _ = asyncio.run(_send_all(args, args.model, [], [], warm))  # the model's name; the warm-ups
     ctx = mp.get_context("spawn")
-    ready = ctx.Manager().Barrier(n)
-    with cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+    with ctx.Manager() as manager, cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        ready = manager.Barrier(n)
         futs = [pool.submit(_client_process, args, model, requests[k::n], offsets[k::n], ready) for k in range(n)]
         parts = [f.result() for f in futs]
     results: list[RequestResult] = [RequestResult()] * len(requests)

@@ -142,8 +142,6 @@ class EngineCore(EngineCoreControlsMixin):
         requests need their previous token on the host run synchronously."""
         sched_ = self.scheduler
         pending = self._pending
-        if pending is not None:  # (launched at the end of the last step already, unless that step raised)
-            pending[1].complete_launch()
         if pending is None:
             if not sched_.has_unfinished_requests():
                 return EngineCoreOutputs(scheduler_stats=sched_.make_stats(), timestamp=time.monotonic())

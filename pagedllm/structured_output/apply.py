@@ -21,8 +21,6 @@ def apply_grammar_bitmask(
     """Mask (to -inf) the tokens the grammar forbids, in place. `logits` has one row per sampled request
     (`sample_idx`: their positions in `req_ids`). The mask (`structured_output.manager.GrammarBitmask`) is
     filled in the manager's fill thread while the runner launched the forward; this waits for it."""
-    import xgrammar as xgr  # here: the engine does not import xgrammar until a request needs it
-
     source = so.grammar_bitmask
     if source is None or not so.structured_output_request_ids:
         return
@@ -40,21 +38,14 @@ def apply_grammar_bitmask(
     mask_rows = [r for r in rows_of_logits if r is not None]
     n = logits.shape[0]
     vocab = min(logits.shape[-1], valid)
-    if logits.is_cuda and HAS_TRITON:
+    if logits.is_cuda:
         _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained)
         return
     if mask_rows != logit_rows or mask.shape[0] != n:
         full = torch.full((n, mask.shape[1]), -1, dtype=torch.int32)  # all bits set: rows without a grammar
         full[logit_rows] = mask[mask_rows]
-        mask = full.pin_memory() if logits.is_cuda else full
-    if logits.is_cuda:
-        # From pinned memory (the fill allocates it so on a CUDA engine): a pageable copy would first wait for
-        # the stream, i.e. for the forward in flight.
-        mask = mask.to(logits.device, non_blocking=True)
-        indices = None if len(logit_rows) == n else logit_rows
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=indices)
-    else:
-        _apply_cpu(logits, mask, vocab)
+        mask = full
+    _apply_cpu(logits, mask, vocab)
     if logits.shape[-1] > vocab:  # padded vocabulary ids beyond the tokenizer's: never grammatical
         pad_rows = [j for j, r in zip(logit_rows, mask_rows) if constrained is None or r in constrained]
         if len(pad_rows) == n:

@@ -290,9 +290,6 @@ class StructuredOutputManager:
     def advance(self, req: Request, new_tokens: Sequence[int], rejected: dict[str, str]) -> bool:
         """Scheduler hook after new tokens joined the request: True (the request FINISHED_STOPPED) once its
         grammar has terminated; a rejected token goes to `rejected` (the scheduler fails the request)."""
-        st = self.states.get(req.request_id)
-        if st is not None and st.num_seen >= len(req.output_token_ids) and st.error is None and not st.terminated:
-            return False  # async scheduling: the intake took them already (as `accept` would find)
         try:
             if self.accept(req, new_tokens):
                 from pagedllm.core.request import RequestStatus  # (here: the scheduler imports this module)

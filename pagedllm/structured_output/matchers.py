@@ -83,9 +83,8 @@ class GrammarBitmask:
 
         matchers = self.matchers
         n, words = len(matchers), -(-self.valid_vocab // 32)
-        # All tokens allowed, set through numpy: `torch.full` of a step's mask (~100k ints) is an OpenMP-parallel
-        # fill, and called from the worker thread it starts a second OpenMP team whose threads spin after each
-        # step beside the step loop's.
+        # All tokens allowed, set through numpy rather than `torch.full`, whose OpenMP-parallel fill would start a
+        # second OpenMP team from the worker thread (no step-time difference measured either way, NOTES session 19).
         mask = torch.empty((n, words), dtype=torch.int32, pin_memory=self._pin)
         mask.numpy().fill(-1)
         if self._states is not None:
