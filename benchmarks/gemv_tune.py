@@ -20,6 +20,7 @@ from triton.testing import do_bench_cudagraph
 
 from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers.quantization import int4_ops, w8a8_ops
+from pagedllm.triton_utils import split_counters
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 GROUP = 128
@@ -53,7 +54,7 @@ def run_int4(c: dict, bn: int, br: int, mult: int, warps: int, stages: int, sms:
     split = triton.cdiv(k, k_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = int4_ops._split_counters(x.device, m * n_blocks)
+    cnt = split_counters(x.device, m * n_blocks)
     int4_ops._int4_gemv_kernel[(m, n_blocks, split)](
         x, qw, c["zeros"], c["scales"], part, out, cnt, m, n, k, x.stride(0), out.stride(0), k_split, split,
         G=GROUP, BN=bn, BR=br, num_warps=warps, num_stages=stages, TILED=qw.dim() == 3,

@@ -3,6 +3,8 @@ import `triton` only when `HAS_TRITON`, so importing them never fails and never 
 
 from __future__ import annotations
 
+import torch
+
 try:
     import triton  # noqa: F401
 
@@ -15,3 +17,18 @@ def require_triton() -> None:
     """Raised by the kernel launchers when Triton is missing (callers check `HAS_TRITON` first)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed: the Triton kernels are unavailable")
+
+
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int, owner: str = "gemv") -> torch.Tensor:
+    """Zeroed int32 counters for a split kernel's hand-off to its last program (split-K GEMVs, the split-row
+    argmax), one buffer per `owner` and device, shared by that owner's launches (each leaves them at zero;
+    launches of one owner run on one stream). Allocated on the first, eager, call of a shape, before any
+    graph capture."""
+    cnt = _COUNTERS.get((owner, device))
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[(owner, device)] = cnt
+    return cnt

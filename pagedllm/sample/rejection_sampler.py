@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.sample import triton_argmax
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import _EPS, Sampler, random_sample
 from pagedllm.sample.top_k_top_p import apply_top_k_top_p
@@ -35,7 +36,7 @@ def target_logits(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata) 
     """(greedy argmax per row, the logits random rows sample from): the same processing as
     `Sampler.sample` (logits processors and penalties, temperature, min_p, top-k / top-p)."""
     logits = sampler.apply_logits_processors(logits.float(), md)
-    greedy = logits.max(dim=-1).indices
+    greedy = triton_argmax.argmax_rows(logits)
     temp = torch.where(md.temperature < _EPS, torch.ones_like(md.temperature), md.temperature)
     logits = logits / temp.unsqueeze(1)
     for proc in sampler.argmax_invariant:

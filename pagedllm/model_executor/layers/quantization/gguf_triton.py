@@ -23,7 +23,7 @@ import torch
 
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from pagedllm.triton_utils import HAS_TRITON, require_triton
+from pagedllm.triton_utils import HAS_TRITON, require_triton, split_counters
 
 if HAS_TRITON:
     import triton
@@ -245,9 +245,7 @@ def gguf_gemv_triton(
     k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    from pagedllm.model_executor.layers.quantization.int4_ops import _split_counters
-
-    cnt = _split_counters(x.device, max(m * n_blocks, 1 << 16))
+    cnt = split_counters(x.device, max(m * n_blocks, 1 << 16))
     ptrs, strides = _args(w)
     kern._gguf_gemv_kernel[(m, n_blocks, split)](
         x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split, _EXP0,

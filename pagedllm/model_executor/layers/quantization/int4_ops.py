@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON, split_counters
 
 if HAS_TRITON:
     import triton
@@ -198,19 +198,6 @@ def int4_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the GEMV's split-K hand-off, shared by every launch on `device` (each
-    launch leaves them at zero). Allocated on the first, eager, call of a shape, before graph capture."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None or cnt.numel() < n:
-        cnt = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = cnt
-    return cnt
-
-
 def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                      group: int, num_sms: int = 132) -> torch.Tensor:  # fmt: skip
     """x [M <= 8, K] @ dequant(W) -> [M, N] in x's dtype: every program streams a [K / split, 64] slice of
@@ -226,7 +213,7 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     split = triton.cdiv(k, k_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _split_counters(x.device, m * n_blocks)
+    cnt = split_counters(x.device, m * n_blocks)
     _int4_gemv_kernel[(m, n_blocks, split)](x, qweight, zeros, scales, part, out, cnt, m, n, k, x.stride(0),
                                              out.stride(0), k_split, split, G=group, BN=bn, BR=br, num_warps=4,
                                              num_stages=4, TILED=qweight.dim() == 3)  # fmt: skip

@@ -1,0 +1,106 @@
+"""Greedy ids of a few rows on CUDA: a split-row argmax (Triton).
+
+torch's `max(dim=-1)` reduces each row in one thread block; at batch 1 over Llama-3's 128k vocabulary that
+took 36 us of a 4.2 ms W3-FP8 decode step on an H100 (benchmarks/NOTES.md, session 20), one SM doing the
+work of a memory-bound pass that takes a few microseconds spread over the GPU. Here each row is cut into
+chunks, one program each; the last program of a row to finish (an atomic counter it resets, so launches and
+CUDA graph replays need no zeroing) reduces the chunks' (max, first index) pairs. Ties go to the lowest
+index and NaN beats every number, as torch's argmax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedllm.triton_utils import HAS_TRITON, split_counters
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+MAX_ROWS = 64  # above this, one block per row already fills the GPU
+_BLOCK = 1024
+_MIN_CHUNK = 2048
+_NO_INDEX = 2147483647
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, cnt_ptr, n_cols, stride_row, chunk,
+                       SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        s = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        start = s * chunk
+        end = tl.minimum(start + chunk, n_cols)
+        x_row = x_ptr + row.to(tl.int64) * stride_row
+        best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        best_i = tl.full([BLOCK], _NO_INDEX, dtype=tl.int32)
+        for c0 in range(start, end, BLOCK):
+            cols = c0 + offs
+            v = tl.load(x_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            v = tl.where(v != v, float("inf"), v)  # NaN wins
+            better = (v > best) | ((v == best) & (best_i == _NO_INDEX) & (cols < end))
+            best = tl.where(better, v, best)
+            best_i = tl.where(better, cols, best_i)
+        m = tl.max(best, axis=0)
+        i = tl.min(tl.where(best == m, best_i, _NO_INDEX), axis=0)
+        if SPLIT == 1:
+            tl.store(out_ptr + row, i.to(tl.int64))
+        else:
+            tl.store(val_ptr + row * SPLIT + s, m)
+            tl.store(idx_ptr + row * SPLIT + s, i)
+            tl.debug_barrier()  # the partials are written before the counter moves
+            done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                so = tl.arange(0, SPLIT_P)
+                ok = so < SPLIT
+                vals = tl.load(val_ptr + row * SPLIT + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                idxs = tl.load(idx_ptr + row * SPLIT + so, mask=ok, other=_NO_INDEX, cache_modifier=".cg")
+                m = tl.max(vals, axis=0)
+                i = tl.min(tl.where(vals == m, idxs, _NO_INDEX), axis=0)
+                tl.store(out_ptr + row, i.to(tl.int64))
+                tl.atomic_xchg(cnt_ptr + row, 0)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def usable(logits: torch.Tensor) -> bool:
+    """CUDA [rows <= MAX_ROWS, vocab] logits with unit column stride, and Triton present."""
+    return (
+        HAS_TRITON
+        and logits.is_cuda
+        and logits.dim() == 2
+        and 0 < logits.shape[0] <= MAX_ROWS
+        and logits.shape[1] > 0
+        and logits.stride(-1) == 1
+    )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's first maximum (the kernel's `usable` rows; torch's argmax otherwise)."""
+    if not usable(logits):
+        return logits.max(dim=-1).indices
+    return split_argmax(logits, _num_sms(logits.device.index or 0))
+
+
+def split_argmax(logits: torch.Tensor, sms: int) -> torch.Tensor:
+    """The kernel on [rows, vocab] logits (unit column stride), rows x chunks programs for about 2 * `sms`."""
+    rows, n = logits.shape
+    split = max(1, min(triton.cdiv(n, _MIN_CHUNK), triton.cdiv(2 * sms, rows)))
+    chunk = triton.cdiv(triton.cdiv(n, split), _BLOCK) * _BLOCK
+    split = triton.cdiv(n, chunk)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    vals = torch.empty(rows * split, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(rows * split, dtype=torch.int32, device=logits.device)
+    cnt = split_counters(logits.device, rows, owner="argmax")
+    _argmax_kernel[(rows, split)](
+        logits, vals, idxs, out, cnt, n, logits.stride(0), chunk,
+        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), BLOCK=_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out
