@@ -23,9 +23,9 @@ if HAS_TRITON:
 MAX_ROWS = 64  # above this, one block per row already fills the GPU
 _BLOCK = 1024
 _MIN_CHUNK = 2048
-_NO_INDEX = 2147483647
 
 if HAS_TRITON:
+    _NO_INDEX = tl.constexpr(2147483647)
 
     @triton.jit
     def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, cnt_ptr, n_cols, stride_row, chunk,

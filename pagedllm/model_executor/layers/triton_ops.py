@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_pdl import pdl_begin
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -49,7 +52,9 @@ if HAS_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_begin(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -74,7 +79,9 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_begin(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < d
@@ -116,7 +123,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             eps,
             HAS_RESIDUAL=False,
             BLOCK=block,
+            PDL=(pdl := pdl_enabled(x.device)),
             num_warps=_norm_warps(block),
+            launch_pdl=pdl,
         )
     return out.view(x.shape)
 
@@ -150,7 +159,9 @@ def fused_add_rms_norm(
             eps,
             HAS_RESIDUAL=True,
             BLOCK=block,
+            PDL=(pdl := pdl_enabled(x.device)),
             num_warps=_norm_warps(block),
+            launch_pdl=pdl,
         )
     return out.view(x.shape), res_out.view(x.shape)
 
@@ -165,6 +176,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
-        )
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, PDL=(pdl := pdl_enabled(x.device)), num_warps=4,
+            launch_pdl=pdl,
+        )  # fmt: skip
     return out.view(*x.shape[:-1], d)
