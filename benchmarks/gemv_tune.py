@@ -79,7 +79,7 @@ def run_fp8(c: dict, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     w8a8_ops._w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
         x, w, ws, ws, ws, out, n, k, x.stride(0), out.stride(0), QMAX=w8a8_ops.FP8_MAX, IS_INT=False,
-        STATIC=False, HAS_BIAS=False, BN=bn, BK=bk, PDL=False, num_warps=warps, num_stages=stages,
+        STATIC=False, HAS_BIAS=False, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

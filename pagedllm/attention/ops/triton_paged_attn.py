@@ -30,7 +30,6 @@ import torch
 
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
-from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
@@ -39,8 +38,6 @@ __all__ = ["HAS_TRITON", "choose_num_splits", "launch_config", "paged_attention"
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from pagedllm.triton_pdl import pdl_begin
 
 _LOG2E = 1.4426950408889634
 
@@ -198,9 +195,7 @@ if HAS_TRITON:
         SOFTCAP: tl.constexpr,
         KV_FP8: tl.constexpr,
         KEY_LIMIT: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        pdl_begin(PDL)
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
         seg = tl.program_id(2)
@@ -371,9 +366,7 @@ if HAS_TRITON:
         HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        pdl_begin(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         base = (t * num_heads + h) * NUM_SEGMENTS
@@ -482,7 +475,6 @@ def paged_attention(
     kv_fp8 = k_cache.element_size() == 1
     assert not kv_fp8 or kv_scales is not None, "an FP8 cache needs the layer's k/v scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (seq_lens, seq_lens)  # type: ignore[misc]
-    pdl = pdl_enabled(query.device)
 
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
@@ -575,10 +567,8 @@ def paged_attention(
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
             KEY_LIMIT=key_limit is not None,
-            PDL=pdl,
             num_warps=nw,
             num_stages=ns,
-            launch_pdl=pdl,
         )
     if num_splits > 1:
         _merge_segments_kernel[(num_actual_tokens, num_heads)](
@@ -592,8 +582,6 @@ def paged_attention(
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             NUM_SEGMENTS=num_splits,
-            PDL=pdl,
             num_warps=4 if head_pad >= 128 else 2,
-            launch_pdl=pdl,
         )
     return output

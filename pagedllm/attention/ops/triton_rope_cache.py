@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from pagedllm.triton_pdl import pdl_begin
 
     @triton.jit
     def _rope_heads(
@@ -96,9 +93,7 @@ if HAS_TRITON:
         WRITE_CACHE: tl.constexpr,
         CACHE_BLOCK: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        pdl_begin(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_HALF)
@@ -226,9 +221,7 @@ def rotary_embedding_(
         WRITE_CACHE=cache is not None,
         CACHE_BLOCK=block_size,
         BLOCK_D=next_pow2(head_size),
-        PDL=(pdl := pdl_enabled(q2.device)),
         num_warps=4 if block_h * block_half <= 2048 else 8,
-        launch_pdl=pdl,
     )
 
 

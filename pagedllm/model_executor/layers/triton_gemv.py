@@ -14,15 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import envs
-from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from pagedllm.triton_pdl import pdl_begin, prefetch_l2
 
 if HAS_TRITON:
 
@@ -65,19 +62,9 @@ if HAS_TRITON:
         EVEN_A: tl.constexpr,  # R % BLOCK_N == 0 and K % BLOCK_K == 0
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,  # launched with PDL: the first weight tile is asked for before the wait
-        LINES: tl.constexpr,  # 128-byte lines in a row of the first weight tile
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
-        if PDL:
-            w_pid = pid
-            if HAS_LORA:
-                w_pid -= tl.cdiv(R, BLOCK_N) * tl.cdiv(K, BLOCK_K)
-            rows = tl.minimum(tl.maximum(w_pid, 0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-            line = tl.arange(0, LINES) * (1024 // w_ptr.dtype.element_ty.primitive_bitwidth)  # elements per line
-            prefetch_l2(w_ptr + rows[:, None] * stride_wn + tl.minimum(line, K - 1)[None, :])
-        pdl_begin(PDL)
         if HAS_LORA:
             # The shrink x @ A[slot]^T in the grid's first programs, one [BLOCK_N, BLOCK_K] tile each; the last
             # program of a row block to finish sums its partials (an atomic counter it resets). A decode GEMV's
@@ -153,10 +140,10 @@ class RowGemvLoRA:
 
 def row_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a 16-bit [n, k] weight: one row per program, 512-wide K
-    steps, 4 warps. On an H100, timed over weight copies that overflow L2 (as a decode step streams them),
-    it is within 2 % on average of the best of 48 configurations on Llama-3.1-8B's per-rank shapes at tp=1
-    and tp=2 (benchmarks/row_gemv_tp_sweep.py; the per-layer sum 145.0 -> 142.0 us at tp=1, 78.6 -> 74.5 us
-    at tp=2 against the earlier size-keyed table, benchmarks/NOTES.md session 20)."""
+    steps, 4 warps. Timed over weight copies that overflow L2 (as a decode step streams them), it is within
+    2 % on average of the best of 48 configurations on Llama-3.1-8B's per-rank shapes at tp=1 and tp=2
+    (benchmarks/row_gemv_tp_sweep.py). Per layer, against the earlier size-keyed table: H100 145.0 -> 142.0 us
+    at tp=1, 78.6 -> 74.5 at tp=2; H200 109.8 -> 107.3 and 62.8 -> 58.2 (benchmarks/NOTES.md, session 20)."""
     return 1, min(512, next_pow2(k)), 4, 1
 
 
@@ -175,7 +162,6 @@ def row_gemv(
     n, k = weight.shape
     assert x.shape[1] == k
     bn, bk, nw, ns = config or row_gemv_config(n, k)
-    pdl = pdl_enabled(x.device)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     n_blocks = triton.cdiv(n, bn)
     r = 0
@@ -206,11 +192,8 @@ def row_gemv(
         EVEN_A=r % bn == 0 and k % bk == 0,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        PDL=pdl,
-        LINES=max(1, bk * weight.element_size() // 128),
         num_warps=nw,
         num_stages=ns,
-        launch_pdl=pdl,
     )
     if lora is not None:
         lora.done = True

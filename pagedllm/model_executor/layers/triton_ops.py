@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from pagedllm.triton_pdl import pdl_begin
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -52,9 +49,7 @@ if HAS_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        pdl_begin(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -79,9 +74,7 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        pdl_begin(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < d
@@ -123,9 +116,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             eps,
             HAS_RESIDUAL=False,
             BLOCK=block,
-            PDL=(pdl := pdl_enabled(x.device)),
             num_warps=_norm_warps(block),
-            launch_pdl=pdl,
         )
     return out.view(x.shape)
 
@@ -159,9 +150,7 @@ def fused_add_rms_norm(
             eps,
             HAS_RESIDUAL=True,
             BLOCK=block,
-            PDL=(pdl := pdl_enabled(x.device)),
             num_warps=_norm_warps(block),
-            launch_pdl=pdl,
         )
     return out.view(x.shape), res_out.view(x.shape)
 
@@ -176,7 +165,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, PDL=(pdl := pdl_enabled(x.device)), num_warps=4,
-            launch_pdl=pdl,
-        )  # fmt: skip
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+        )
     return out.view(*x.shape[:-1], d)

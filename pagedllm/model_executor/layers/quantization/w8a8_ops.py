@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.triton_pdl import pdl_enabled
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    from pagedllm.triton_pdl import pdl_begin, prefetch_l2
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -84,17 +81,11 @@ if HAS_TRITON:
     @triton.jit
     def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
                           QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                          BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         """Decode rows: the row's per-token quantization fused into the GEMV (each program re-reads the
-        small activation row for its amax), BN weight rows streamed along K; one launch per linear. With
-        PDL the first [BN, BK] weight tile is asked for before the wait for the previous kernel."""
+        small activation row for its amax), BN weight rows streamed along K; one launch per linear."""
         m = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        if PDL:
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-            line = tl.arange(0, BK // 128) * 128
-            prefetch_l2(w_ptr + rows[:, None] * K + tl.minimum(line, K - 1)[None, :])
-        pdl_begin(PDL)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BK)
         x_row = x_ptr + m * stride_xm
@@ -139,12 +130,10 @@ def w8a8_gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bn, bk = 16, 512  # benchmarks/gemv_tune.py on an H100: 1.00x the copy floor per layer (256-wide K: 1.25x)
     qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
-    pdl = pdl_enabled(x.device)
     _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
         x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
         out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, PDL=pdl, num_warps=4, num_stages=4,
-        launch_pdl=pdl,
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, num_warps=4, num_stages=4,
     )  # fmt: skip
     return out
 
