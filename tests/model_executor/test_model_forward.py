@@ -176,3 +176,28 @@ def test_rope_matches_hf(variant: str) -> None:
     q_out, k_out = rope(pos, q, k)
     assert torch.equal(q_out, q_ref.transpose(1, 2).reshape(len(pos), -1))
     assert torch.equal(k_out, k_ref.transpose(1, 2).reshape(len(pos), -1))
+
+
+def test_rotary_embedding_is_shared_by_the_layers() -> None:
+    """One rotary module (one cos/sin cache) for every layer of a model, counted once in its weight bytes; another
+    base or scaling gets its own."""
+    from pagedllm.model_executor.layers.rotary_embedding import get_rope
+    from pagedllm.model_executor.model_loader.loader import build_model, weight_bytes
+    from tests.utils_model import tiny_hf_config
+
+    cfg = tiny_hf_config("llama")
+    model = build_model(cfg, torch.float32, "cpu")
+    ropes = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+    assert len(ropes) == 1 and len(model.model.layers) > 1
+    rope = model.model.layers[0].self_attn.rotary_emb
+    caches = {id(b) for n, b in model.named_buffers(remove_duplicate=False) if n.endswith("cos_sin_cache")}
+    assert caches == {id(rope.cos_sin_cache)}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # each shared buffer once
+    assert weight_bytes(model) == params + buffers
+    hd = rope.head_size
+    assert get_rope(hd, hd, rope.max_position_embeddings, rope.base) is not get_rope(
+        hd, hd, rope.max_position_embeddings, rope.base * 2
+    )
+    scaled = get_rope(hd, hd, rope.max_position_embeddings, rope.base, {"rope_type": "linear", "factor": 2.0})
+    assert scaled is not get_rope(hd, hd, rope.max_position_embeddings, rope.base)

@@ -6,7 +6,9 @@ is done in the query's dtype with the cache cast to it, so results match HF bit 
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -132,6 +134,12 @@ class RotaryEmbedding(nn.Module):
         )
 
 
+_SHARED: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
+"""Live rotary embeddings by their arguments and device: every layer of a model (and models built alike on the
+same device) shares one module and its read-only cos/sin cache, as vLLM's `get_rope` does. A cache per layer
+held 32 x 64 MiB for Llama-3.1-8B's 131,072 positions: 2 GiB taken from the KV cache."""
+
+
 def get_rope(
     head_size: int,
     rotary_dim: int,
@@ -140,7 +148,25 @@ def get_rope(
     rope_scaling: dict[str, Any] | None = None,
     is_neox_style: bool = True,
 ) -> RotaryEmbedding:
-    """Builds the rotary embedding for a HF `rope_scaling` / `rope_parameters` dict (None = default)."""
+    """The rotary embedding for a HF `rope_scaling` / `rope_parameters` dict (None = default), shared with every
+    caller that asks for the same one on the same default device."""
+    key = (head_size, rotary_dim, max_position, float(base), json.dumps(rope_scaling, sort_keys=True, default=str),
+           is_neox_style, str(torch.get_default_device()))  # fmt: skip
+    rope = _SHARED.get(key)
+    if rope is None:
+        rope = _build_rope(head_size, rotary_dim, max_position, base, rope_scaling, is_neox_style)
+        _SHARED[key] = rope
+    return rope
+
+
+def _build_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None,
+    is_neox_style: bool,
+) -> RotaryEmbedding:
     inv_freq = _default_inv_freq(base, rotary_dim)
     mscale = 1.0
     rtype = "default"
