@@ -1,0 +1,354 @@
+"""The Triton kernels behind `triton_paged_attn.paged_attention` (see that module for the cache layout and
+the launch): `_paged_attn_kernel`, one program per (query tile, kv head, key segment), its online softmax
+over key tiles in `_attn_tiles`, and `_merge_segments_kernel`, which merges the split-KV segments' partials.
+
+Only imported where Triton is installed; nothing here compiles at import time.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest r with query_start_loc[r] // BLOCK_Q + r <= pid (request r's first tile index)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attn_tiles(
+    m_i,
+    l_i,
+    acc,
+    q,
+    q_pos,
+    q_lim,
+    t_begin,
+    t_end,
+    kv_hi,
+    window,
+    qk_scale,
+    softcap,
+    bt_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    kvh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
+    scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
+    Causal: a row sees keys up to `q_lim` (its position, or with key limits the end of its image)."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    for t in range(t_begin, t_end):
+        k_pos = t * TILE_N + offs_n
+        if MASKED:
+            k_ok = k_pos < kv_hi
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        in_blk = k_pos % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + (blk * stride_kb + in_blk * stride_kt + kvh * stride_kh)[None, :] + offs_d[:, None]
+        v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+        elif HEAD_PAD != HEAD_SIZE:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # cap * tanh(s / cap)
+        if MASKED:
+            ok = k_ok[None, :]
+            if CAUSAL:
+                ok = ok & (k_pos[None, :] <= q_lim[:, None])
+            if USE_WINDOW:
+                ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # Rows with no visible key yet keep m = -inf; exponentiate against 0 so they stay NaN-free.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # every key of an unmasked tile is visible to every row: m is finite after one tile
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        elif HEAD_PAD != HEAD_SIZE:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        v = v.to(q.dtype)
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_i, l_i, acc
+
+
+# num_reqs and stride_bt (an eager step's block-table width) change from step to step: without
+# do_not_specialize Triton compiles a variant per "divisible by 16" / "== 1" class of each, i.e.
+# recompiles mid-run (measured on the H200: 1-2 s stalls in W1/W2 on a fresh machine).
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+def _paged_attn_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qk_scale,
+    softcap,
+    num_reqs,
+    num_heads,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    k_scale_ptr,
+    v_scale_ptr,
+    key_limit_ptr,
+    GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FILTER: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KEY_LIMIT: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    if DIRECT:  # one program per request: every request this launch computes fits one tile
+        req = pid_q
+        q_start = tl.load(qsl_ptr + req)
+        qb = 0
+    else:
+        req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + req)
+        qb = pid_q - (q_start // BLOCK_Q + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if qb * BLOCK_Q >= q_len:  # grid is an upper bound; this tile holds no query
+        return
+    if FILTER == 1:  # this launch runs the decodes (q_len == 1) only
+        if q_len != 1:
+            return
+    if FILTER == 2:  # this launch runs the multi-token chunks only
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # tokens cached before this step's chunk
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = qb * BLOCK_Q + offs_m // GROUP  # query token within the request's chunk
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    tok_g = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = ctx + tok
+    if KEY_LIMIT:  # per token, the last key it may see (>= its position: an image's tokens see the image)
+        q_lim = tl.load(key_limit_ptr + tok_g, mask=row_ok, other=0)
+    else:
+        q_lim = q_pos
+
+    # Key range this query tile needs: [kv_lo, kv_hi).
+    if CAUSAL:
+        kv_hi = ctx + tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+        if KEY_LIMIT:
+            kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim + 1, 0), 0))
+    else:
+        kv_hi = seq_len
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx + qb * BLOCK_Q - window + 1, 0)
+    tile_lo = kv_lo // TILE_N
+    tile_hi = (kv_hi + TILE_N - 1) // TILE_N
+    if NUM_SEGMENTS > 1:
+        per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        t0 = tile_lo + seg * per_seg
+        t1 = tl.minimum(t0 + per_seg, tile_hi)
+    else:
+        t0 = tile_lo
+        t1 = tile_hi
+
+    if KV_FP8:  # cache = fp8(x / scale): the K scale joins the score scale, the V scale the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    # Tiles below t_mid are wholly visible to every row of this tile (all keys < kv_hi and, if causal,
+    # <= the first row's position): they skip every mask. Only the diagonal / last tiles are masked.
+    if USE_WINDOW:
+        t_mid = t0
+    elif CAUSAL:
+        t_mid = tl.minimum(tl.maximum((ctx + qb * BLOCK_Q + 1) // TILE_N, t0), t1)
+    else:
+        t_mid = tl.minimum(tl.maximum(kv_hi // TILE_N, t0), t1)
+    m_i, l_i, acc = _attn_tiles(
+        m_i,
+        l_i,
+        acc,
+        q,
+        q_pos,
+        q_lim,
+        t0,
+        t_mid,
+        kv_hi,
+        window,
+        qk_scale,
+        softcap,
+        bt_row,
+        k_cache_ptr,
+        v_cache_ptr,
+        kvh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        HEAD_SIZE,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        CAUSAL,
+        USE_WINDOW,
+        False,
+        DOT_PREC,
+        SOFTCAP,
+    )
+    m_i, l_i, acc = _attn_tiles(
+        m_i,
+        l_i,
+        acc,
+        q,
+        q_pos,
+        q_lim,
+        t_mid,
+        t1,
+        kv_hi,
+        window,
+        qk_scale,
+        softcap,
+        bt_row,
+        k_cache_ptr,
+        v_cache_ptr,
+        kvh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        HEAD_SIZE,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_N,
+        CAUSAL,
+        USE_WINDOW,
+        True,
+        DOT_PREC,
+        SOFTCAP,
+    )
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: empty row (padding) -> zeros
+        tl.store(
+            out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (tok_g * num_heads + head) * NUM_SEGMENTS + seg
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * NUM_SEGMENTS
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m_ptr + base + offs_s)
+    l_s = tl.load(part_l_ptr + base + offs_s)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_use)  # empty segments: exp2(-inf) = 0
+    l_tot = tl.sum(l_s * w, 0)
+    acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
