@@ -33,7 +33,7 @@ for w in $W; do
     fi
     echo "==== $w: pagedllm bench ${args[*]}"
     timeout 500 python3 -m pagedllm bench "${args[@]}" --load-format dummy --output-json "$OUT/$w.json" 2>&1 \
-        | grep -E "^(Throughput|Time per output|Traceback|[A-Za-z]*Error)|loaded |KV cache:" | tee -a "$OUT/bench.log"
+        | grep -E "^(Throughput|Time per output|Traceback|[A-Za-z]*Error)|loaded |Profiling:|KV cache:" | tee -a "$OUT/bench.log"
 done
 python3 - "$OUT" $W <<'PY'
 import json, os, sys
