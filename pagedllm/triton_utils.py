@@ -3,6 +3,8 @@ import `triton` only when `HAS_TRITON`, so importing them never fails and never 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -32,3 +34,13 @@ def split_counters(device: torch.device, n: int, owner: str = "gemv") -> torch.T
         cnt = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
         _COUNTERS[(owner, device)] = cnt
     return cnt
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the grid-size heuristics of the split kernels)."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)

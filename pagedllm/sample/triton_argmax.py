@@ -10,11 +10,9 @@ index and NaN beats every number, as torch's argmax.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from pagedllm.triton_utils import HAS_TRITON, split_counters
+from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
 
 if HAS_TRITON:
     import triton
@@ -65,11 +63,6 @@ if HAS_TRITON:
                 tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def usable(logits: torch.Tensor) -> bool:
     """CUDA [rows <= MAX_ROWS, vocab] logits with unit column stride, and Triton present."""
     return (
@@ -86,7 +79,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[rows] int64: each row's first maximum (the kernel's `usable` rows; torch's argmax otherwise)."""
     if not usable(logits):
         return logits.max(dim=-1).indices
-    return split_argmax(logits, _num_sms(logits.device.index or 0))
+    return split_argmax(logits, num_sms(logits.device))
 
 
 def split_argmax(logits: torch.Tensor, sms: int) -> torch.Tensor:

@@ -25,13 +25,11 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
-from pagedllm.triton_utils import HAS_TRITON, require_triton
+from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton
 from pagedllm.utils import next_pow2
 
 __all__ = ["HAS_TRITON", "choose_num_splits", "launch_config", "paged_attention", "reshape_and_cache"]
@@ -40,11 +38,6 @@ if HAS_TRITON:
     from pagedllm.attention.ops import triton_paged_attn_kernels as kern
 
 _LOG2E = 1.4426950408889634
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
@@ -57,7 +50,7 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device)
     ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)
     if ratio < 2:
         return 1

@@ -14,7 +14,6 @@ reference of the same decoding, checked against the `gguf` package's in the test
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -23,7 +22,7 @@ import torch
 
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from pagedllm.triton_utils import HAS_TRITON, require_triton, split_counters
+from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton, split_counters
 
 if HAS_TRITON:
     import triton
@@ -166,11 +165,6 @@ def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
     return [lo, hi, d, dm, sc, mn], [lo.stride(0), hi.stride(0), d.stride(0), sc.stride(0)]
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 class GemvConfig(NamedTuple):
     """A decode-GEMV launch: rows per program (BN), weights per row per K step (BK, a power of 2 >= 64),
     warps, num_stages, and the split-K factor (0: `_auto_split`). Stages change nothing today: Triton
@@ -290,7 +284,7 @@ def gguf_matmul_triton(
     if m:
         if not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise RuntimeError("gguf: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
-        sms = _num_sms(x2.device.index or 0) if x2.is_cuda else 4
+        sms = num_sms(x2.device) if x2.is_cuda else 4
         start = 0
         for p in parts:
             if not isinstance(p, GGUFTritonWeight):

@@ -13,12 +13,11 @@ GEMV for decode (M <= 8) that reads each packed weight once. CPU: the dequantize
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from pagedllm.triton_utils import HAS_TRITON, split_counters
+from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
 
 if HAS_TRITON:
     import triton
@@ -220,11 +219,6 @@ def int4_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor
     return out
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -243,7 +237,7 @@ def int4_linear(
         out = x2.new_empty(0, n)
     elif _use_triton(x2):
         if x2.shape[0] <= GEMV_MAX_M:
-            sms = _num_sms(x2.device.index or 0) if x2.is_cuda else 4
+            sms = num_sms(x2.device) if x2.is_cuda else 4
             out = int4_gemv_triton(x2, qweight, zeros, scales, group, sms)
         else:
             out = int4_gemm_triton(x2, qweight, zeros, scales, group)
