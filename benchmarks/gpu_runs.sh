@@ -34,10 +34,10 @@ for stage in "$@"; do
         spec-real)
             [ -f /tmp/smollm2.gguf ] || { echo "spec-real: no /tmp/smollm2.gguf" | tee -a "$OUT/summary.txt"; continue; }
             run spec_real 300 python3 benchmarks/spec_decode_bench.py --mode ngram --model /tmp/smollm2.gguf \
-                --batches 1,16 --max-tokens 128 --out "$OUT/spec_real.json" ;;
+                --batches 1,16 --spec off,sync,on --cprofile "$OUT/prof" --out "$OUT/spec_real.json" ${SPEC_ARGS:-} ;;
         spec-8b)
             run spec_8b 300 python3 benchmarks/spec_decode_bench.py --mode draft8b --dummy --force-accept 0.8 \
-                --batches 1,16 --max-tokens 128 --out "$OUT/spec_8b.json" ;;
+                --batches 1,16 --max-tokens 128 --ignore-eos --out "$OUT/spec_8b.json" ;;
         lora-w3)
             run lora_w3_none 240 python3 benchmarks/lora_bench.py --mode none --skip-w2 --profile --out "$OUT/lora_w3_none.json"
             run lora_w3_lora 240 python3 benchmarks/lora_bench.py --mode lora --skip-w2 --profile --out "$OUT/lora_w3_lora.json" ;;

@@ -33,23 +33,53 @@ from pagedllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote the "
-    "weather in a leather logbook before the ships came round the northern cape.",
-    "Photosynthesis converts light energy into chemical energy: chlorophyll absorbs light, water is split, "
-    "oxygen is released, and carbon dioxide is fixed into sugars in the Calvin cycle.",
-    "The committee met on Tuesday to review the budget, approved the new library wing, postponed the vote on "
-    "the bridge repairs, and asked the treasurer for a revised forecast by March.",
-    "Rivers carve valleys over millions of years, carrying sediment downstream, depositing it in deltas, and "
-    "shaping the land that farmers, cities and forests later depend upon.",
+    "weather in a leather logbook before the ships came round the northern cape. In winter the wind rattled "
+    "the windows so hard that he stuffed old newspapers into the frames, and in summer the gulls nested on "
+    "the railing and screamed at him whenever he stepped outside. Once a year a supply boat brought flour, "
+    "coffee, lamp oil and a bundle of letters from his sister, who lived in the city and never understood "
+    "why anyone would choose to spend a whole life looking at the sea.",
+    "Photosynthesis converts light energy into chemical energy. Chlorophyll in the thylakoid membranes "
+    "absorbs red and blue light, and the energy it captures splits water molecules, releasing oxygen as a "
+    "by-product. The electrons freed from water travel along a transport chain that pumps protons across the "
+    "membrane, and the resulting gradient drives the synthesis of ATP. In the Calvin cycle, which runs in the "
+    "stroma, the enzyme RuBisCO fixes carbon dioxide onto a five-carbon sugar, and the products are reduced "
+    "with ATP and NADPH into three-carbon sugars that the plant uses to build glucose, starch and cellulose.",
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion it "
+    "approved the new library wing, postponed the vote on the bridge repairs until the engineers deliver "
+    "their report, and asked the treasurer for a revised forecast by the end of March. Two members objected "
+    "to the increase in parking fees, arguing that the town centre was already losing shops to the retail "
+    "park on the ring road, and the chair agreed to put the question on the agenda of the next meeting, "
+    "together with the proposal to extend the opening hours of the swimming pool.",
+    "Rivers carve valleys over millions of years. A mountain stream is steep and fast, and it carries "
+    "boulders and gravel that grind its bed deeper after every storm. Further down the slope the river "
+    "widens and slows, it begins to meander across a flat plain, and the finer sand and silt it carries "
+    "settle on the inside of each bend. Near the coast the current almost stops, and the remaining mud "
+    "builds a delta of shifting channels and islands. Farmers, cities and forests depend on the fertile "
+    "soil that these deposits leave behind, and on the water that the river brings from the mountains.",
 ]
 CODES = [
-    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
-    "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n\n\n"
+    "def variance(xs):\n    m = mean(xs)\n    total = 0\n    for x in xs:\n        total += (x - m) ** 2\n"
+    "    return total / len(xs)\n\n\ndef median(xs):\n    s = sorted(xs)\n    n = len(s)\n"
+    "    if n % 2 == 1:\n        return s[n // 2]\n    return (s[n // 2 - 1] + s[n // 2]) / 2\n",
+    "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+    "def is_prime(n):\n    if n < 2:\n        return False\n    i = 2\n    while i * i <= n:\n"
+    "        if n % i == 0:\n            return False\n        i += 1\n    return True\n\n\n"
+    "def primes_below(n):\n    return [p for p in range(n) if is_prime(p)]\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
     "    def push(self, x):\n        self.items.append(x)\n\n"
-    "    def pop(self):\n        return self.items.pop()\n",
+    "    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n\n"
+    "    def size(self):\n        return len(self.items)\n",
     "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    "        word = word.strip('.,;:!?').lower()\n"
     "        counts[word] = counts.get(word, 0) + 1\n"
-    "    return counts\n",
+    "    return counts\n\n\n"
+    "def most_common(counts, n):\n    pairs = sorted(counts.items(), key=lambda kv: kv[1], reverse=True)\n"
+    "    return pairs[:n]\n\n\n"
+    "def report(text):\n    for word, c in most_common(count_words(text), 5):\n"
+    "        print(word, c)\n",
 ]
 
 
@@ -122,13 +152,19 @@ def count_steps(llm: LLM) -> list[int]:
     return n
 
 
-def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]]
+def run(
+    llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, ignore_eos: bool, profile: str | None = None
+) -> dict[str, Any]:
+    """Every prompt, `batch` at a time (batch 1: one request after the other, as a single user would):
+    output tokens over the wall time of all groups, steps, acceptance. `profile`: a cProfile table (host
+    functions by own time) of a second, untimed pass written there."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, detokenize=False)
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    groups = [reqs[i : i + batch] for i in range(0, len(reqs), batch)]
     # Warm-up with the same batch: the first speculative steps of a shape pay one-off Triton compiles (the
     # first H200 run measured without it: ~2 s of stalls per configuration, whatever the batch).
-    warm = SamplingParams(temperature=0.0, max_tokens=min(64, max_tokens), ignore_eos=True, detokenize=False)
-    llm.generate(reqs, warm, use_tqdm=False)
+    warm = SamplingParams(temperature=0.0, max_tokens=min(64, max_tokens), ignore_eos=ignore_eos, detokenize=False)
+    llm.generate(groups[0], warm, use_tqdm=False)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     spec = sched.spec
     before = (
@@ -138,19 +174,40 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> dict
     llm._steps = steps  # type: ignore[attr-defined]
     s0 = steps[0]
     t0 = time.perf_counter()
-    outs = llm.generate(reqs, sp, use_tqdm=False)
+    outs = [o for g in groups for o in llm.generate(g, sp, use_tqdm=False)]
     dt = time.perf_counter() - t0
+    n_steps = steps[0] - s0
+    after = (
+        (spec.totals.num_drafts, spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens) if spec else (0, 0, 0)
+    )
+    if profile:  # a second, profiled pass (the timed one above runs without the profiler's overhead)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for g in groups:
+            llm.generate(g, sp, use_tqdm=False)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+        with open(profile, "w") as f:
+            f.write(buf.getvalue())
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    res: dict[str, Any] = {"batch": batch, "output_tokens": n_out, "seconds": dt, "out_tok_s": n_out / dt}
-    res["steps"] = steps[0] - s0
+    res: dict[str, Any] = {"batch": batch, "requests": len(reqs), "output_tokens": n_out, "seconds": dt}
+    res["out_tok_s"] = n_out / dt
+    res["steps"] = n_steps
     res["ms_per_step"] = 1000 * dt / max(res["steps"], 1)
     if spec:
-        d = spec.totals.num_drafts - before[0]
-        dtok = spec.totals.num_draft_tokens - before[1]
-        acc = spec.totals.num_accepted_tokens - before[2]
+        d, dtok, acc = (x - y for x, y in zip(after, before))
         res.update(acceptance_rate=acc / max(dtok, 1), mean_accepted_length=1 + acc / max(d, 1), drafts=d)
     res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
     return res
+
+
+def prof_path(prefix: str | None, spec: str, batch: int) -> str | None:
+    return f"{prefix}_{spec}_{batch}.txt" if prefix else None
 
 
 def main() -> None:
@@ -160,11 +217,20 @@ def main() -> None:
     ap.add_argument("--dummy", action="store_true", help="dummy weights (load_format=dummy)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--ignore-eos", action="store_true", help="generate max_tokens each (default: stop at EOS, as a user would)"
+    )
     ap.add_argument("--force-accept", type=float, default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--spec", default="off,on", help="off, on, or both (each in this process)")
+    ap.add_argument(
+        "--spec",
+        default="off,on",
+        help="of off (plain), sync (plain, async scheduling off), on (speculation); each in this process",
+    )
     ap.add_argument("--out", default=None)
+    ap.add_argument("--requests", type=int, default=16, help="prompts per configuration (all run at each batch)")
+    ap.add_argument("--cprofile", default=None, help="write a cProfile table of each timed run to PREFIX_<spec>_<b>")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     rows = []
@@ -182,15 +248,15 @@ def main() -> None:
             common["gpu_memory_utilization"] = 0.3
         if a.dummy:  # no tokenizer needed, and the forced proposals need no n-gram match
             common["skip_tokenizer_init"] = True
-            prompts = synthetic_prompts(max(batches), 49152)
+            prompts = synthetic_prompts(a.requests, 49152)
         else:
-            prompts = grounded_prompts(get_tokenizer(model), max(batches))
+            prompts = grounded_prompts(get_tokenizer(model), a.requests)
         spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-        cfgs = [("off", {}), ("ngram", {"speculative_config": spec})]
-        for name, kw in [c for c, on in zip(cfgs, ("off", "on")) if on in a.spec]:
+        cfgs = [("off", {}), ("sync", {"async_scheduling": False}), ("ngram", {"speculative_config": spec})]
+        for name, kw in [c for c, on in zip(cfgs, ("off", "sync", "on")) if on in a.spec.split(",")]:
             llm = LLM(model, disable_log_stats=True, **common, **kw)
             for b in batches:
-                r = run(llm, prompts, b, a.max_tokens)
+                r = run(llm, prompts, b, a.max_tokens, a.ignore_eos, prof_path(a.cprofile, name, b))
                 r["spec"] = name
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
@@ -199,11 +265,13 @@ def main() -> None:
 
             gc.collect()  # the step counter's closure holds the engine in a cycle
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        for b in batches if a.spec == "off,on" else []:  # greedy outputs with and without, token for token
+        for b in (
+            batches if {"off", "on"} <= set(a.spec.split(",")) else []
+        ):  # greedy outputs with and without, token for token
             off = next(r for r in rows if r["spec"] == "off" and r["batch"] == b)
             on = next(r for r in rows if r["spec"] == "ngram" and r["batch"] == b)
             same = sum(x == y for x, y in zip(off["token_ids"], on["token_ids"]))
-            print(f"batch {b}: {same}/{b} outputs identical with and without speculation", flush=True)
+            print(f"batch {b}: {same}/{len(on['token_ids'])} outputs identical with and without speculation")
     else:
         import transformers
 
@@ -220,13 +288,13 @@ def main() -> None:
         common["max_num_seqs"] = max(32, max(batches))
         if torch.cuda.is_available():
             common["gpu_memory_utilization"] = 0.6
-        prompts = synthetic_prompts(max(batches), vocab)
+        prompts = synthetic_prompts(a.requests, vocab)
         spec = {"method": "draft_model", "model": tmp, "num_speculative_tokens": a.k}
         cfgs = [("off", {}), ("draft", {"speculative_config": spec})]
         for name, kw in [c for c, on in zip(cfgs, ("off", "on")) if on in a.spec]:
             llm = LLM(target, disable_log_stats=True, **common, **kw)
             for b in batches:
-                r = run(llm, prompts, b, a.max_tokens)
+                r = run(llm, prompts, b, a.max_tokens, a.ignore_eos, prof_path(a.cprofile, name, b))
                 r["spec"] = name
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logprobs import LogprobsLists
+from pagedllm.sample import triton_argmax
 from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
 from pagedllm.sample.rejection_sampler import rejection_sample, target_logits
 from pagedllm.sampling_params import SamplingParams
@@ -47,6 +48,20 @@ def can_speculate(sp: SamplingParams) -> bool:
         or sp.min_tokens
         or sp.bad_words_token_ids
     )
+
+
+def greedy_verdicts(argmax: np.ndarray, drafts: list[list[int]], starts: np.ndarray) -> list[list[int]]:
+    """Per request: its proposals up to the first one that differs from its row's argmax, then that row's
+    argmax (the correction, or the bonus token when every proposal is kept). `argmax` holds each request's
+    len(drafts[b]) + 1 rows from starts[b]."""
+    out = []
+    for d, s in zip(drafts, starts.tolist()):
+        target = argmax[s : s + len(d) + 1].tolist()
+        n = 0
+        while n < len(d) and d[n] == target[n]:
+            n += 1
+        out.append(target[: n + 1])
+    return out
 
 
 class SpecDecodeRunner:
@@ -155,6 +170,11 @@ class SpecDecodeRunner:
                 per[j] = lp_out.slice(pos, pos + 1)
             return toks, per
         md = sampling.build(np.repeat(rows, n_rows))
+        if md.logprob_rows is None and bool((batch.temperature[rows] < 1e-5).all()):
+            # All greedy, no logprobs: a proposal is kept iff it is its row's argmax, so one argmax of the
+            # processed rows and one copy to the host decide the step (rejection sampling's special case).
+            am = triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md)).cpu().numpy()
+            return greedy_verdicts(am, ids, starts), None
         mode = sampler.logprobs_mode
         lp_src = None
         if md.logprob_rows is not None and mode.startswith("raw"):
