@@ -226,7 +226,8 @@ def main() -> None:
     ap.add_argument(
         "--spec",
         default="off,on",
-        help="of off (plain), sync (plain, async scheduling off), on (speculation); each in this process",
+        help="of off (plain), sync (plain, async scheduling off), on (speculation, async scheduling as the engine's "
+        "default), on-sync (speculation, async scheduling off); each in this process",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--requests", type=int, default=16, help="prompts per configuration (all run at each batch)")
@@ -252,8 +253,14 @@ def main() -> None:
         else:
             prompts = grounded_prompts(get_tokenizer(model), a.requests)
         spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-        cfgs = [("off", {}), ("sync", {"async_scheduling": False}), ("ngram", {"speculative_config": spec})]
-        for name, kw in [c for c, on in zip(cfgs, ("off", "sync", "on")) if on in a.spec.split(",")]:
+        cfgs = [
+            ("off", {}),
+            ("sync", {"async_scheduling": False}),
+            ("ngram", {"speculative_config": spec}),
+            ("ngram-sync", {"speculative_config": spec, "async_scheduling": False}),
+        ]
+        names = ("off", "sync", "on", "on-sync")
+        for name, kw in [c for c, on in zip(cfgs, names) if on in a.spec.split(",")]:
             llm = LLM(model, disable_log_stats=True, **common, **kw)
             for b in batches:
                 r = run(llm, prompts, b, a.max_tokens, a.ignore_eos, prof_path(a.cprofile, name, b))

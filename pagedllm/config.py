@@ -139,6 +139,8 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"]
     async_scheduling: bool = False
     num_speculative_tokens: int = 0
+    spec_disable_by_batch_size: int | None = None
+    """speculative_config.disable_by_batch_size (the scheduler applies it under async scheduling)."""
     """Speculative decoding on (> 0): the scheduler schedules the runner's proposals with each decode."""
     """Schedule and prepare step N+1 while step N runs on the device (see EngineCore.step_async)."""
     max_loras: int = 0

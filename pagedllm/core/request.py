@@ -68,6 +68,7 @@ class Request:
         "stop_token_set",
         "kv_fast_limit",
         "spec_token_ids",
+        "spec_in_flight",
         "mm_features",
     )
 
@@ -128,6 +129,9 @@ class Request:
         """Set by KVCacheManager: while num_computed_tokens + new tokens <= this, allocating slots adds no
         block and registers no hash (0: always ask the manager)."""
         self.spec_token_ids: list[int] = []
+        self.spec_in_flight = 0
+        """Speculation with async scheduling: the proposal rows of its last scheduled verification (how much
+        further on its true position may be while that step's result is unread)."""
         """Speculative decoding: the tokens the runner proposed for this request's next step (never part
         of all_token_ids, hence never of a block hash)."""
 

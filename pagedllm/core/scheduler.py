@@ -80,7 +80,11 @@ class Scheduler:
         any is known, steps run synchronously."""
         self._last_queries = 0
         self._last_hits = 0
-        self.spec = SpecDecodeScheduling(config.num_speculative_tokens) if config.num_speculative_tokens else None
+        self.spec = (
+            SpecDecodeScheduling(config.num_speculative_tokens, config.spec_disable_by_batch_size)
+            if config.num_speculative_tokens
+            else None
+        )
         """Speculative decoding's bookkeeping (None: off; the plain path never looks further)."""
         self.lora_names: dict[int, str] = {}
         """LoRA id -> adapter name, for the stats (`pagedllm:lora_requests_info`)."""
@@ -188,6 +192,13 @@ class Scheduler:
         block_updates: list[tuple[int, tuple[list[int], ...]]] = []
         spec = self.spec
         spec_tokens: dict[str, list[int]] = {}
+        spec_async = spec is not None and async_scheduling
+        if spec_async:
+            assert spec is not None
+            spec.async_mode = True
+            limit = spec.disable_by_batch_size
+            spec_propose = limit is None or len(running) <= limit
+        reserve = 0
         enc = self.encoder
         enc_inputs: dict[str, list[int]] = {}
         if enc is not None:
@@ -199,7 +210,7 @@ class Scheduler:
             target = len(req.all_token_ids) + pending
             # With a token in flight, target >= stop_len means its last token is already in flight (stop_len
             # is min(prompt + max_tokens, max_model_len)).
-            if pending and target >= req.stop_len:
+            if pending and (target >= req.stop_len or (spec_async and spec.may_have_stopped(req, target))):  # type: ignore[union-attr]
                 i += 1
                 continue
             computed = req.num_computed_tokens
@@ -211,7 +222,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if spec is not None and req.spec_token_ids:
+            if spec_async:
+                num_new, reserve = spec.add_placeholders(  # type: ignore[union-attr]
+                    req, computed, num_new, target, budget, max_model_len, spec_tokens, spec_propose
+                )
+            elif spec is not None and req.spec_token_ids:
                 num_new = spec.add_drafts(req, computed, num_new, target, budget, max_model_len, spec_tokens)
             to_encode = None
             if enc is not None and req.mm_features and computed < req.num_prompt_tokens:
@@ -219,9 +234,9 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            if computed + num_new > req.kv_fast_limit:
+            if computed + num_new + reserve > req.kv_fast_limit:
                 while True:
-                    blocks = allocate_slots(req, num_new)
+                    blocks = allocate_slots(req, num_new + reserve)
                     if blocks is not None:
                         break
                     victim = self._pick_victim(i)
@@ -246,6 +261,8 @@ class Scheduler:
             sched_ids_append(rid)
             computed_append(computed)
             computed += num_new
+            if spec_async and rid in spec_tokens:  # a verification counts one token until its result is read
+                computed -= len(spec_tokens[rid])
             req.num_computed_tokens = computed
             if async_scheduling and computed >= target:
                 req.num_output_placeholders = pending + 1  # this step samples a token nobody has seen yet
@@ -400,8 +417,8 @@ class Scheduler:
             if req is None or not tokens:
                 continue  # finished/aborted meanwhile, or a partial prefill chunk
             pending = req.num_output_placeholders
-            if pending:
-                req.num_output_placeholders = pending - len(tokens) if pending > len(tokens) else 0
+            if pending:  # one step's tokens (one, or a verification's accepted proposals and one more)
+                req.num_output_placeholders = pending - 1
             status = req.status
             if status != running_status and (status != RequestStatus.PREEMPTED or not self.async_scheduling):
                 continue

@@ -107,3 +107,6 @@ class ModelRunnerOutput:
     """Pooling requests whose prompt was completed this step -> their pooled result."""
     spec_token_ids: dict[str, list[int]] | None = None
     """Speculative decoding: per request, the tokens proposed for the next step (None: speculation off)."""
+    spec_num_drafted: dict[str, int] | None = None
+    """Speculation with async scheduling: per request, how many of the step's proposal rows held a real
+    proposal (the rest were placeholders the device had nothing for), for the acceptance metrics."""

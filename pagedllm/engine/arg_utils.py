@@ -393,8 +393,10 @@ class EngineArgs:
         from pagedllm.structured_output.config import StructuredOutputsConfig
 
         so_config = StructuredOutputsConfig.from_value(self.structured_outputs_config, self.reasoning_parser)
-        if spec is not None and self.async_scheduling:
-            raise ValueError("async_scheduling: not supported with speculative_config (leave it unset)")
+        if spec is not None and self.async_scheduling and spec.method != "ngram":
+            raise ValueError(
+                f"async_scheduling: not supported with speculative_config method {spec.method!r} (only ngram)"
+            )
         device = self.resolved_device()
         on_gpu = device.startswith("cuda")
         model = self.model or default_model_path()
@@ -449,12 +451,13 @@ class EngineArgs:
                 max_model_len=mc.max_model_len,
                 enable_chunked_prefill=engine_overrides.get("enable_chunked_prefill", self.enable_chunked_prefill),
                 policy=self.scheduling_policy,
-                async_scheduling=spec is None
+                async_scheduling=(spec is None or (spec.method == "ngram" and self.tensor_parallel_size == 1))
                 and self.pipeline_parallel_size == 1
                 and engine_overrides.get(
                     "async_scheduling", on_gpu if self.async_scheduling is None else self.async_scheduling
                 ),
                 num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                 max_loras=self.max_loras if self.enable_lora else 0,
                 disable_chunked_mm_input=whole_mm,
             ),

@@ -96,18 +96,17 @@ def rejection_sample(
 
     # The token after the accepted ones: the residual at the first rejection, else the bonus row.
     dist = probs[final_row]
-    rejected = num_acc < torch.from_numpy(num_draft).to(dev)
-    if bool(rejected.any()):
-        rej = torch.nonzero(rejected).squeeze(1)
-        dj = torch.from_numpy(d_starts).to(dev)[rej] + num_acc[rej]  # the rejected proposal's draft index
+    if d:  # every request's residual, used where it rejected (no host sync on which ones did)
+        rejected = (num_acc < torch.from_numpy(num_draft).to(dev)).unsqueeze(1)
+        dj = (torch.from_numpy(d_starts).to(dev) + num_acc).clamp(max=d - 1)  # the rejected proposal's index
         if draft_probs is not None:
             q = draft_probs[dj]
         else:
-            q = torch.zeros_like(dist[rej]).scatter_(1, draft_ids[dj].view(-1, 1), 1.0)
-        resid = (dist[rej] - q).clamp_(min=0)
+            q = torch.zeros_like(dist).scatter_(1, draft_ids[dj].view(-1, 1), 1.0)
+        resid = (dist - q).clamp_(min=0)
         mass = resid.sum(dim=1, keepdim=True)
         ok = mass > 1e-12  # p == q up to rounding: a rejection of probability ~0; fall back to p
-        dist[rej] = torch.where(ok, resid / mass.clamp(min=1e-30), dist[rej])
+        dist = torch.where(rejected & ok, resid / mass.clamp(min=1e-30), dist)
     final = random_sample(dist, dict(generators or {}))
     final = torch.where(is_greedy, greedy_ids[final_row], final)
 
@@ -119,3 +118,30 @@ def rejection_sample(
     out.scatter_(1, num_acc.view(-1, 1), final.view(-1, 1))
     rows = starts_t.unsqueeze(1) + torch.minimum(cols.unsqueeze(0), num_acc.unsqueeze(1))
     return VerifyOutput(out, num_acc + 1, rows)
+
+
+def greedy_verify(argmax: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: np.ndarray) -> VerifyOutput:
+    """`rejection_sample` when every request is greedy, on the device without a host sync: request b keeps its
+    proposals up to the first that differs from its row's argmax, then emits that row's argmax. argmax [R]
+    (R = sum(num_draft + 1), request by request), draft_token_ids [D]."""
+    dev = argmax.device
+    b = len(num_draft)
+    k_max = int(num_draft.max(initial=0))
+    n_rows = num_draft + 1
+    starts = np.cumsum(n_rows) - n_rows
+    cols = np.arange(k_max + 1)
+    rows = torch.from_numpy(starts[:, None] + np.minimum(cols[None, :], num_draft[:, None])).to(dev, non_blocking=True)
+    target = argmax[rows]
+    if k_max:
+        d = int(num_draft.sum())
+        draft_req = np.repeat(np.arange(b), num_draft)
+        draft_pos = np.arange(d) - np.repeat(np.cumsum(num_draft) - num_draft, num_draft)
+        mat = torch.full((b, k_max), -2, dtype=target.dtype, device=dev)
+        idx = torch.from_numpy(np.stack([draft_req, draft_pos])).to(dev, non_blocking=True)
+        mat[idx[0], idx[1]] = draft_token_ids.to(target.dtype)
+        num_acc = (target[:, :k_max] == mat).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    else:
+        num_acc = torch.zeros(b, dtype=torch.int64, device=dev)
+    keep = torch.arange(k_max + 1, device=dev).unsqueeze(0) <= num_acc.unsqueeze(1)
+    tokens = torch.where(keep, target, torch.full_like(target, -1))
+    return VerifyOutput(tokens, num_acc + 1, rows)

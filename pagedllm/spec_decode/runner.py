@@ -9,7 +9,8 @@ distribution at a proposal's position would depend on the proposals before it.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -18,13 +19,21 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
-from pagedllm.sample.rejection_sampler import rejection_sample, target_logits
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sample.rejection_sampler import VerifyOutput, greedy_verify, rejection_sample, target_logits
+from pagedllm.spec_decode.async_ngram import (
+    DeviceHistory,
+    SpecPending,
+    copy_to_host,
+    decode_rows,
+    fixup_graph_inputs,
+    resolve_drafts,
+    resolve_on_host,
+)
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
-
-if TYPE_CHECKING:
-    from pagedllm.worker.step_inputs import StepInputs
+from pagedllm.spec_decode.scheduling import can_speculate
+from pagedllm.worker.attn_inputs import tables_and_slots
+from pagedllm.worker.step_inputs import StepInputs
 
 ModelRunner = Any
 """`worker.model_runner.ModelRunner` (not imported: it imports this module)."""
@@ -36,18 +45,6 @@ class Proposer(Protocol):
     ) -> list[list[int]]:
         """Per request (rows of the persistent batch, their first num_tokens[row] tokens known): at most
         caps[i] proposed tokens."""
-
-
-def can_speculate(sp: SamplingParams) -> bool:
-    """Whether a request's sampling distribution at a position depends only on the tokens before it
-    through the model (not on its own output counts on the host)."""
-    return not (
-        sp.presence_penalty
-        or sp.frequency_penalty
-        or sp.repetition_penalty != 1.0
-        or sp.min_tokens
-        or sp.bad_words_token_ids
-    )
 
 
 def greedy_verdicts(argmax: np.ndarray, drafts: list[list[int]], starts: np.ndarray) -> list[list[int]]:
@@ -81,6 +78,16 @@ class SpecDecodeRunner:
 
             self.proposer = EagleProposer(config, runner)
         self._eligible: dict[str, bool] = {}
+        self.history: DeviceHistory | None = None
+        """Async scheduling (n-gram only): each request's tokens and next proposals on the device."""
+        # (Engine-wide logits processors turn async scheduling off in the engine core: then the host proposes.)
+        if runner.config.scheduler_config.async_scheduling and not runner.sampler.custom_processors:
+            assert config.method == "ngram" and config.prompt_lookup_min is not None
+            assert config.prompt_lookup_max is not None
+            self.history = DeviceHistory(
+                runner.max_num_reqs, runner.max_model_len, self.k, config.prompt_lookup_min,
+                config.prompt_lookup_max, runner.device,
+            )  # fmt: skip
 
     def bytes_per_block(self) -> int:
         """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
@@ -94,15 +101,37 @@ class SpecDecodeRunner:
             init(num_blocks, alloc)
 
     # ---- one step ------------------------------------------------------------------------------
-    def execute(self, r: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _begin(self, r: ModelRunner, so: SchedulerOutput) -> None:
+        """The scheduler's diffs into the batch, and the requests that left or (re-)entered it into the
+        proposer's state."""
         r._update_states(so)
         drop = getattr(self.proposer, "drop", None)
+        hist = self.history
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self._eligible.pop(rid, None)
             if drop is not None:
                 drop(rid)
+            if hist is not None:
+                hist.drop(rid)
+        if hist is not None:
+            requests = r.requests
+            for new in so.scheduled_new_reqs:
+                hist.add(requests[new.req_id])
+            c = so.scheduled_cached_reqs
+            for rid, resumed in zip(c.req_ids, c.resumed_from_preemption):
+                if resumed:
+                    hist.add(requests[rid])
+
+    def execute(self, r: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+        """A synchronous step (with async scheduling: a step some request needs the previous tokens of on
+        the host for; its placeholder proposals are read back from the device first)."""
+        self._begin(r, so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
+        drafted = None
+        if self.history is not None:
+            spec_resolved, drafted = resolve_drafts(so.scheduled_spec_decode_tokens, self.history)
+            so = replace(so, scheduled_spec_decode_tokens=spec_resolved)
         batch, model = r.input_batch, r.model
         assert batch is not None and r.inputs is not None and model is not None
         spec = so.scheduled_spec_decode_tokens
@@ -140,8 +169,147 @@ class SpecDecodeRunner:
                 logprobs = [None] * len(x.req_ids)
                 for j, i in enumerate(sample_idx.tolist()):
                     logprobs[i] = lps[j]
+        if self.history is not None:  # the emitted tokens into the device's histories, then their proposals
+            self._record_sync(r, x, sample_idx, sampled)
+            return ModelRunnerOutput(
+                x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=None, spec_num_drafted=drafted
+            )
         proposals = self._propose(r, x, sample_idx)
         return ModelRunnerOutput(x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=proposals)
+
+    # ---- async scheduling (n-gram) -----------------------------------------------------------------
+    def launch(self, r: ModelRunner, so: SchedulerOutput) -> SpecPending:
+        """Launch a verification step without waiting for the device: decode rows read their inputs from
+        the device history, the emitted tokens are appended there and the next proposals found there, and
+        the emitted tokens start their copy to the host (`finish` reads them)."""
+        hist = self.history
+        assert hist is not None, "execute_model_async with speculation needs async scheduling (n-gram)"
+        self._begin(r, so)
+        if so.total_num_scheduled_tokens == 0:
+            return SpecPending([], np.zeros(0, dtype=np.int64))
+        batch, model, dev, sampling = r.input_batch, r.model, r.device, r.sampling
+        assert batch is not None and r.inputs is not None and model is not None and sampling is not None
+        x = r.inputs.build(so)
+        dec = decode_rows(x, so.scheduled_spec_decode_tokens, hist)
+        hidden = self._forward_async(r, x, dec)
+        prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
+        sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        if not len(sample_idx):
+            return SpecPending(x.req_ids, sample_idx, prompt_logprobs_done=prompt_lp)
+        nd = np.zeros(len(sample_idx), dtype=np.int64)  # proposal rows per sampling request (0: a prefill's end)
+        nd[np.searchsorted(sample_idx, dec.idx)] = dec.num_drafts
+        n_rows = nd + 1
+        offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
+        logit_rows = np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + offs
+        logits = model.compute_logits(hidden[torch.from_numpy(logit_rows).to(dev, non_blocking=True)]).float()
+        slots = hist.slots([x.req_ids[i] for i in sample_idx.tolist()])
+        k_cols = hist.drafts.shape[1]
+        flat = np.repeat(slots * k_cols, nd) + offs[np.repeat(n_rows, n_rows) - 1 > offs]
+        drafts = hist.drafts.view(-1)[torch.from_numpy(flat).to(dev, non_blocking=True)]
+        out = self._verify_device(r, x, logits, sample_idx, nd, drafts)
+        slots_t = torch.from_numpy(slots).to(dev, non_blocking=True)
+        real = torch.minimum(hist.num_real[slots_t], torch.from_numpy(nd).to(dev, non_blocking=True))
+        bound = int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2
+        hist.append_and_propose(slots_t, out.token_ids, out.num_emitted, bound)
+        (tokens_h, counts_h, real_h), event = copy_to_host(out.token_ids, out.num_emitted, real)
+        return SpecPending(x.req_ids, sample_idx, tokens_h, counts_h, real_h, event, prompt_lp)
+
+    def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
+        """A step of decodes only replays the verification graph with its inputs fixed up on the device;
+        any other step reads the decode rows' inputs back first (waiting for the step in flight)."""
+        hist, vg, batch = self.history, r.verify_graphs, r.input_batch
+        assert hist is not None and batch is not None and r.kv_cache_config is not None
+        if (
+            vg is not None
+            and len(dec.idx) == x.num_reqs
+            and r.lora is None
+            and r.mm is None
+            and x.max_query_len <= vg.q
+            and vg.can_run_padded(x.cu, x.seq_lens + self.k)
+        ):
+            sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
+            width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+            tables, slots = tables_and_slots(batch.block_tables, sizes, x.rows, x.req_of_token, x.positions, width)
+            dev = r.device
+            s_t = torch.from_numpy(dec.slots).to(dev, non_blocking=True)
+            nd_t = torch.from_numpy(dec.num_drafts).to(dev, non_blocking=True)
+            mml = r.max_model_len
+
+            def fix(g: Any) -> None:
+                fixup_graph_inputs(g, hist, s_t, nd_t, sizes, mml)
+
+            return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slots, tables, fixup=fix)
+        resolve_on_host(x, dec, hist)
+        hidden = r._forward(x, None)
+        assert hidden is not None
+        return hidden
+
+    def _verify_device(
+        self, r: ModelRunner, x: StepInputs, logits: torch.Tensor, sample_idx: np.ndarray, nd: np.ndarray,
+        drafts: torch.Tensor,
+    ) -> VerifyOutput:  # fmt: skip
+        """The verification without a host sync: greedy rows by their argmax, others by rejection sampling."""
+        batch, sampling, sampler, dev = r.input_batch, r.sampling, r.sampler, r.device
+        rows = x.rows[sample_idx]
+        n_rows = nd + 1
+        md = sampling.build(np.repeat(rows, n_rows))
+        if bool((batch.temperature[rows] < 1e-5).all()):
+            return greedy_verify(triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md)), drafts, nd)
+        greedy, processed = target_logits(sampler, logits, md)
+        is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev, non_blocking=True)
+        starts = np.cumsum(n_rows) - n_rows
+        gens = {b: md.generators[int(s)] for b, s in enumerate(starts.tolist()) if int(s) in md.generators}
+        return rejection_sample(greedy, processed, is_greedy, drafts, nd, None, gens)
+
+    def finish(self, r: ModelRunner, step: SpecPending) -> ModelRunnerOutput:
+        """A launched verification's emitted tokens (waiting for their copy) into the requests' states and rows."""
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        if step.tokens is None:
+            return ModelRunnerOutput(step.req_ids, sampled, None, step.prompt_logprobs_done or {})
+        toks, counts, real = step.wait()
+        batch, requests = r.input_batch, r.requests
+        assert batch is not None
+        rows_of = batch.req_id_to_row
+        drafted: dict[str, int] = {}
+        for j, i in enumerate(step.sample_idx.tolist()):
+            rid = step.req_ids[i]
+            st = requests.get(rid)
+            if st is None:
+                continue  # finished or aborted while the step ran
+            t = toks[j, : int(counts[j])].tolist()
+            st.output_token_ids.extend(t)
+            row = rows_of.get(rid)
+            if row is not None:
+                n = int(batch.num_tokens[row])
+                fit = t[: max(0, batch.max_model_len - n)]
+                batch.token_ids[row, n : n + len(fit)] = fit
+                batch.num_tokens[row] = n + len(t)
+            sampled[i] = t
+            drafted[rid] = int(real[j])
+        return ModelRunnerOutput(step.req_ids, sampled, None, step.prompt_logprobs_done or {}, spec_num_drafted=drafted)
+
+    def _record_sync(self, r: ModelRunner, x: StepInputs, sample_idx: np.ndarray, sampled: list[list[int]]) -> None:
+        """A synchronous step's emitted tokens into the device histories, and the requests' next proposals."""
+        hist = self.history
+        assert hist is not None
+        if not len(sample_idx):
+            return
+        idx = sample_idx.tolist()
+        width = max(len(sampled[i]) for i in idx)
+        toks = np.full((len(idx), width), -1, dtype=np.int64)
+        counts = np.zeros(len(idx), dtype=np.int64)
+        for j, i in enumerate(idx):
+            toks[j, : len(sampled[i])] = sampled[i]
+            counts[j] = len(sampled[i])
+        dev = r.device
+        slots = torch.from_numpy(hist.slots([x.req_ids[i] for i in idx])).to(dev, non_blocking=True)
+        hist.append_and_propose(
+            slots,
+            torch.from_numpy(toks).to(dev, non_blocking=True),
+            torch.from_numpy(counts).to(dev, non_blocking=True),
+            int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2,
+        )
 
     def _verify(
         self, r: ModelRunner, x: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray, spec: dict[str, list[int]]

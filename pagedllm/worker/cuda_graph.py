@@ -232,9 +232,12 @@ class CudaGraphRunner:
         cu: np.ndarray,
         slots: list[np.ndarray],
         block_tables: list[np.ndarray],
+        fixup: Callable[[CudaGraphRunner], None] | None = None,
     ) -> torch.Tensor:
         """Replays the q-row graph for a step whose requests have at most q query rows each (`cu`: the
-        flat rows' request boundaries); returns the hidden states of the real rows, in their flat order."""
+        flat rows' request boundaries); returns the hidden states of the real rows, in their flat order.
+        `fixup(self)` runs after the inputs' upload, before the replay: it may rewrite them on the device
+        (speculation with async scheduling: `spec_decode.async_ngram.fixup_graph_inputs`)."""
         n, q = len(seq_lens), self.q
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         lens = cu[1:] - cu[:-1]
@@ -256,6 +259,8 @@ class CudaGraphRunner:
             sm[:t] = -1
             sm[dest] = slots[g]
         upload_inputs(self._header, self._header_host, self.input_ids, None, self.block_tables, block_tables, n)
+        if fixup is not None:
+            fixup(self)
         # Before the replay: an upload from pageable memory waits for the stream, i.e. for the graph.
         rows = torch.from_numpy(dest).to(self.device, non_blocking=True)
         graph, out, _ = self.graphs[size]

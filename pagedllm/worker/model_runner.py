@@ -268,6 +268,8 @@ class ModelRunner:
         bitmask launches its forward only; its mask, sampler and copy wait for `complete_launch` (or the next
         launch, or its `finish_step`), so the mask's host fill (which needs the previous step's tokens) runs
         while the engine reads the previous step's results instead of holding up the step loop."""
+        if self.spec is not None:  # speculation under async scheduling (n-gram): `spec_decode/async_ngram.py`
+            return self.spec.launch(self, so)
         defer = defer_grammar and so.grammar_bitmask is not None and envs.PAGEDLLM_GRAMMAR_DEFER
         return self._launch(so, ahead=True, defer=defer)
 
@@ -407,6 +409,8 @@ class ModelRunner:
         """Host bookkeeping of a launched step once its sampled ids are on the host: the tokens join their
         requests' states and batch rows. Rows may have been reused by a step launched meanwhile: unless the
         batch is unchanged since the launch (then by row, NOTES H3/H11), it goes by request id."""
+        if self.spec is not None:
+            return self.spec.finish(self, step)
         if self._deferred is not None and self._deferred[0] is step:
             self.complete_launch()
         num_reqs = len(step.req_ids)

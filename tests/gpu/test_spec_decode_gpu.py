@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU (Triton attention: several query tokens per request against the paged
 KV cache; plain decode steps replay the decode CUDA graphs, verification steps the graphs of k + 1 rows per
-request, padded where a request has fewer proposals): greedy outputs with n-gram and draft-model speculation
+request, padded where a request has fewer proposals; n-gram also with async scheduling, the graph's inputs then
+fixed up on the device): greedy outputs with n-gram and draft-model speculation
 equal HF transformers' by the numerical-comparison policy, on tiny random float32 checkpoints, with chunked
 prefill forced and under preemption; and the same with the engine eager."""
 
@@ -21,8 +22,12 @@ from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_spec_decode_greedy_matches_hf_gpu(method: str, eager: bool, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "method,async_scheduling",
+    [("ngram", True), ("ngram", False), ("draft_model", False)],
+    ids=["ngram_async", "ngram_sync", "draft_model"],
+)
+def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, eager: bool, tmp_path) -> None:  # noqa: ANN001
     tdir, ddir = tmp_path / "t", tmp_path / "d"
     hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
     make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
@@ -44,6 +49,7 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, eager: bool, tmp_path) -
         max_num_batched_tokens=16,
         speculative_config=spec,
         enforce_eager=eager,
+        async_scheduling=async_scheduling,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -52,6 +58,7 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, eager: bool, tmp_path) -
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     assert sched.spec.totals.num_draft_tokens > 0 and sched.spec.totals.num_accepted_tokens > 0
     assert sched.num_preemptions > 0
+    assert (llm.llm_engine.engine_core.engine_core.num_steps_ahead > 0) == async_scheduling
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     if eager:
         assert runner.verify_graphs is None

@@ -51,7 +51,10 @@ def test_config_dict_json_and_aliases() -> None:
         ({"speculative_config": "{not json"}, "speculative_config"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "spec_tokens": 3}, "spec_tokens"),
         ({"spec_method": "ngram", "spec_tokens": -1}, "num_speculative_tokens"),
-        ({"spec_method": "ngram", "spec_tokens": 2, "async_scheduling": True}, "async_scheduling"),
+        (
+            {"spec_method": "draft_model", "spec_model": "x", "spec_tokens": 2, "async_scheduling": True},
+            "async_scheduling",
+        ),
     ],
 )
 def test_bad_config_errors_name_the_field(kwargs: dict, field: str) -> None:

@@ -45,7 +45,8 @@ def grounded_ids(smollm2_tokenizer, smollm2_prompt_ids) -> list[list[int]]:  # n
 
 
 @pytest.mark.slow  # CI time: run by hand (pytest -m slow)
-def test_ngram_smollm2_greedy_equals_spec_off(smollm2_path: str, grounded_ids, request) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ngram_smollm2_greedy_equals_spec_off(smollm2_path: str, grounded_ids, request, async_scheduling: bool) -> None:  # noqa: ANN001
     torch.set_num_threads(2)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in grounded_ids]
@@ -54,9 +55,10 @@ def test_ngram_smollm2_greedy_equals_spec_off(smollm2_path: str, grounded_ids, r
     refs = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, sp, use_tqdm=False)]
     del ref_llm
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    llm = _spec_engine(smollm2_path, speculative_config=spec, **common)
+    llm = _spec_engine(smollm2_path, speculative_config=spec, async_scheduling=async_scheduling, **common)
     outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     sched, tot = _totals(llm)
+    assert (llm.llm_engine.engine_core.engine_core.num_steps_ahead > 0) == async_scheduling
     assert sched.num_preemptions > 0, "the small KV cache was meant to force preemption"
     assert tot.num_draft_tokens > 0 and tot.num_accepted_tokens > 0, tot
     for p, o, r in zip(grounded_ids, outs, refs):
