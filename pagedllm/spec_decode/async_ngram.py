@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.sample.rejection_sampler import VerifyOutput, greedy_verify
 from pagedllm.spec_decode.device_ngram import ngram_propose_device
 from pagedllm.worker.input_batch import CachedRequestState
 from pagedllm.worker.step_inputs import StepInputs
@@ -60,6 +61,45 @@ class DeviceHistory:
 
     def slots(self, req_ids: list[str]) -> np.ndarray:
         return np.fromiter((self.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def draft_ids(self, slots: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        """The first num_drafts[b] proposals of slot slots[b], flat, on the device."""
+        k = self.drafts.shape[1]
+        within = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
+        flat = np.repeat(slots * k, num_drafts) + within
+        return self.drafts.view(-1)[torch.from_numpy(flat).to(self.device, non_blocking=True)]
+
+    def advance(
+        self,
+        slots: torch.Tensor,
+        num_drafts: torch.Tensor,
+        starts: torch.Tensor | None,
+        host: tuple[np.ndarray, np.ndarray],
+        bound: int,
+        argmax: torch.Tensor | None = None,
+        verified: VerifyOutput | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After a step's forward, per sampling request b: the greedy verdict of its num_drafts[b] proposals
+        against its rows' `argmax` (rows from starts[b]), or a rejection sampler's `verified` output; the emitted
+        tokens join its history and its next proposals are found. Returns (emitted tokens [B, K + 1], -1
+        padded; their count; how many of the verified proposals were real). `host`: (slots, num_drafts) on the
+        host; `bound`: an upper bound of the new lengths. On CUDA: one Triton launch (`triton_ngram`)."""
+        if self.device.type == "cuda":
+            from pagedllm.spec_decode.triton_ngram import verify_append_propose
+
+            if argmax is not None:
+                return verify_append_propose(self, slots, num_drafts, starts, argmax)
+            assert verified is not None
+            tok = verified.token_ids
+            if tok.shape[1] < self.k + 1:
+                tok = torch.nn.functional.pad(tok, (0, self.k + 1 - tok.shape[1]), value=-1)
+            return verify_append_propose(self, slots, num_drafts, None, None, tok.contiguous(), verified.num_emitted)
+        if argmax is not None:
+            verified = greedy_verify(argmax, self.draft_ids(*host), host[1])
+        assert verified is not None
+        real = torch.minimum(self.num_real[slots], num_drafts)
+        self.append_and_propose(slots, verified.token_ids, verified.num_emitted, bound)
+        return verified.token_ids, verified.num_emitted, real
 
     def append_and_propose(self, slots: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, bound: int) -> None:
         """After a verification: tokens [B, K + 1] (the first counts[b] emitted by request b, then -1) join the
@@ -129,6 +169,24 @@ def resolve_drafts(spec: dict[str, list[int]], history: DeviceHistory) -> tuple[
 
 
 def fixup_graph_inputs(
+    graphs: object,
+    history: DeviceHistory,
+    slots: torch.Tensor,
+    num_drafts: torch.Tensor,
+    block_sizes: list[int],
+    max_model_len: int,
+) -> None:
+    """Rewrite a verification graph's inputs on the device (`fixup_graph_inputs_torch`; on CUDA one Triton launch
+    per KV-cache group, `triton_ngram.fixup_graph_inputs`)."""
+    if slots.device.type == "cuda":
+        from pagedllm.spec_decode import triton_ngram
+
+        triton_ngram.fixup_graph_inputs(graphs, history, slots, num_drafts, block_sizes, max_model_len)
+    else:
+        fixup_graph_inputs_torch(graphs, history, slots, num_drafts, block_sizes, max_model_len)
+
+
+def fixup_graph_inputs_torch(
     graphs: object,
     history: DeviceHistory,
     slots: torch.Tensor,

@@ -19,7 +19,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
-from pagedllm.sample.rejection_sampler import VerifyOutput, greedy_verify, rejection_sample, target_logits
+from pagedllm.sample.rejection_sampler import VerifyOutput, rejection_sample, target_logits
 from pagedllm.spec_decode.async_ngram import (
     DeviceHistory,
     SpecPending,
@@ -202,17 +202,18 @@ class SpecDecodeRunner:
         n_rows = nd + 1
         offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
         logit_rows = np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + offs
-        logits = model.compute_logits(hidden[torch.from_numpy(logit_rows).to(dev, non_blocking=True)]).float()
         slots = hist.slots([x.req_ids[i] for i in sample_idx.tolist()])
-        k_cols = hist.drafts.shape[1]
-        flat = np.repeat(slots * k_cols, nd) + offs[np.repeat(n_rows, n_rows) - 1 > offs]
-        drafts = hist.drafts.view(-1)[torch.from_numpy(flat).to(dev, non_blocking=True)]
-        out = self._verify_device(r, x, logits, sample_idx, nd, drafts)
-        slots_t = torch.from_numpy(slots).to(dev, non_blocking=True)
-        real = torch.minimum(hist.num_real[slots_t], torch.from_numpy(nd).to(dev, non_blocking=True))
+        starts = np.cumsum(n_rows) - n_rows
+        r_, b_ = len(logit_rows), len(sample_idx)
+        meta = torch.from_numpy(np.concatenate([logit_rows, slots, nd, starts])).to(dev, non_blocking=True)
+        rows_t, slots_t = meta[:r_], meta[r_ : r_ + b_]
+        nd_t, starts_t = meta[r_ + b_ : r_ + 2 * b_], meta[r_ + 2 * b_ :]
+        logits = model.compute_logits(hidden[rows_t]).float()
         bound = int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2
-        hist.append_and_propose(slots_t, out.token_ids, out.num_emitted, bound)
-        (tokens_h, counts_h, real_h), event = copy_to_host(out.token_ids, out.num_emitted, real)
+        tokens, counts, real = self._verify_device(
+            r, x, logits, sample_idx, (slots, nd), slots_t, nd_t, starts_t, bound
+        )
+        (tokens_h, counts_h, real_h), event = copy_to_host(tokens, counts, real)
         return SpecPending(x.req_ids, sample_idx, tokens_h, counts_h, real_h, event, prompt_lp)
 
     def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
@@ -246,21 +247,25 @@ class SpecDecodeRunner:
         return hidden
 
     def _verify_device(
-        self, r: ModelRunner, x: StepInputs, logits: torch.Tensor, sample_idx: np.ndarray, nd: np.ndarray,
-        drafts: torch.Tensor,
-    ) -> VerifyOutput:  # fmt: skip
-        """The verification without a host sync: greedy rows by their argmax, others by rejection sampling."""
-        batch, sampling, sampler, dev = r.input_batch, r.sampling, r.sampler, r.device
+        self, r: ModelRunner, x: StepInputs, logits: torch.Tensor, sample_idx: np.ndarray,
+        host: tuple[np.ndarray, np.ndarray], slots: torch.Tensor, nd: torch.Tensor, starts: torch.Tensor, bound: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The verification without a host sync (greedy rows by their argmax, others by rejection sampling),
+        then the histories' update (`DeviceHistory.advance`)."""
+        hist, batch, sampling, sampler, dev = self.history, r.input_batch, r.sampling, r.sampler, r.device
+        assert hist is not None
         rows = x.rows[sample_idx]
-        n_rows = nd + 1
+        n_rows = host[1] + 1
         md = sampling.build(np.repeat(rows, n_rows))
         if bool((batch.temperature[rows] < 1e-5).all()):
-            return greedy_verify(triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md)), drafts, nd)
+            am = triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md))
+            return hist.advance(slots, nd, starts, host, bound, argmax=am)
         greedy, processed = target_logits(sampler, logits, md)
         is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev, non_blocking=True)
-        starts = np.cumsum(n_rows) - n_rows
-        gens = {b: md.generators[int(s)] for b, s in enumerate(starts.tolist()) if int(s) in md.generators}
-        return rejection_sample(greedy, processed, is_greedy, drafts, nd, None, gens)
+        offs = np.cumsum(n_rows) - n_rows
+        gens = {b: md.generators[int(s)] for b, s in enumerate(offs.tolist()) if int(s) in md.generators}
+        out = rejection_sample(greedy, processed, is_greedy, hist.draft_ids(*host), host[1], None, gens)
+        return hist.advance(slots, nd, starts, host, bound, verified=out)
 
     def finish(self, r: ModelRunner, step: SpecPending) -> ModelRunnerOutput:
         """A launched verification's emitted tokens (waiting for their copy) into the requests' states and rows."""
@@ -296,19 +301,26 @@ class SpecDecodeRunner:
         if not len(sample_idx):
             return
         idx = sample_idx.tolist()
-        width = max(len(sampled[i]) for i in idx)
+        width = self.k + 1  # (a step emits at most k + 1 tokens per request)
         toks = np.full((len(idx), width), -1, dtype=np.int64)
         counts = np.zeros(len(idx), dtype=np.int64)
         for j, i in enumerate(idx):
             toks[j, : len(sampled[i])] = sampled[i]
             counts[j] = len(sampled[i])
         dev = r.device
-        slots = torch.from_numpy(hist.slots([x.req_ids[i] for i in idx])).to(dev, non_blocking=True)
-        hist.append_and_propose(
-            slots,
-            torch.from_numpy(toks).to(dev, non_blocking=True),
-            torch.from_numpy(counts).to(dev, non_blocking=True),
+        slots = hist.slots([x.req_ids[i] for i in idx])
+        zeros = np.zeros(len(idx), dtype=np.int64)
+        hist.advance(
+            torch.from_numpy(slots).to(dev, non_blocking=True),
+            torch.from_numpy(zeros).to(dev, non_blocking=True),
+            None,
+            (slots, zeros),
             int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2,
+            verified=VerifyOutput(
+                torch.from_numpy(toks).to(dev, non_blocking=True),
+                torch.from_numpy(counts).to(dev, non_blocking=True),
+                torch.empty(0),
+            ),
         )
 
     def _verify(
