@@ -37,10 +37,12 @@ class DeviceHistory:
         self.device = device
         self.width = max_model_len + 2 * (k + 1)
         """Room past max_model_len for a verification's k + 1 writes beyond a request's known tokens."""
-        self.hist = torch.zeros(max_reqs, self.width, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(max_reqs, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(max_reqs, max(k, 1), dtype=torch.long, device=device)
-        self.num_real = torch.zeros(max_reqs, dtype=torch.long, device=device)
+        self.scratch = max_reqs
+        """A slot no request takes: the padded requests of a graph write there."""
+        self.hist = torch.zeros(max_reqs + 1, self.width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(max_reqs + 1, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(max_reqs + 1, max(k, 1), dtype=torch.long, device=device)
+        self.num_real = torch.zeros(max_reqs + 1, dtype=torch.long, device=device)
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_reqs - 1, -1, -1))
 
@@ -223,30 +225,29 @@ class SpecPending:
 
     req_ids: list[str]
     sample_idx: np.ndarray
-    tokens: torch.Tensor | None = None
-    """Host (pinned) [B, K + 1] emitted tokens of the sampled requests (-1 after each one's last)."""
-    counts: torch.Tensor | None = None
-    num_real: torch.Tensor | None = None
-    """Host [B]: each sampled request's real proposals this step (0 for a prefill's first token)."""
+    result: torch.Tensor | None = None
+    """Host (pinned) [B, K + 3] per sampled request: its emitted tokens (K + 1 columns, -1 after its last),
+    their count, and its real proposals among this step's (0 for a prefill's first token)."""
     event: torch.cuda.Event | None = None
     prompt_logprobs_done: dict | None = None
 
-    def wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def wait(self) -> np.ndarray:
         if self.event is not None:
             self.event.synchronize()
-        assert self.tokens is not None and self.counts is not None and self.num_real is not None
-        return self.tokens.numpy(), self.counts.numpy(), self.num_real.numpy()
+        assert self.result is not None
+        return self.result.numpy()
 
 
-def copy_to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """Non-blocking copies into pinned memory and an event after them (CPU tensors pass through)."""
-    if tensors[0].device.type != "cuda":
-        return list(tensors), None
-    out = []
-    for t in tensors:
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=True)
-        out.append(h)
+def pack(tokens: torch.Tensor, counts: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tokens, counts.unsqueeze(1), real.unsqueeze(1)], dim=1)
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A non-blocking copy into pinned memory and an event after it (a CPU tensor passes through)."""
+    if t.device.type != "cuda":
+        return t, None
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    return out, ev
+    return h, ev

@@ -59,7 +59,9 @@ if HAS_TRITON:
         s = tl.load(slots_ptr + b)
         nd = tl.load(nd_ptr + b)
         h = hist_ptr + s * stride_h
-        length = tl.load(lens_ptr + s)
+        # (Clamped: past max_model_len (= width - 2 (K + 1)) a request has finished; the scratch slot of a
+        # graph's padded requests grows by a token every replay.)
+        length = tl.minimum(tl.load(lens_ptr + s), width - 2 * (K + 1))
         j = tl.arange(0, KP)
         col = j < K + 1
         if FROM_ARGMAX:  # greedy: proposals kept while they equal their row's argmax, then that row's argmax
