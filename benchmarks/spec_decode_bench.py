@@ -180,6 +180,14 @@ def run(
     after = (
         (spec.totals.num_drafts, spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens) if spec else (0, 0, 0)
     )
+    if profile and os.environ.get("SPEC_TORCH_PROFILE") and torch.cuda.is_available():
+        # CUDA API calls by host time (which one blocks the step loop), over the first group
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as tp:
+            llm.generate(groups[0], sp, use_tqdm=False)
+        with open(profile.replace(".txt", "_torch.txt"), "w") as f:
+            f.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            f.write(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
     if profile:  # a second, profiled pass (the timed one above runs without the profiler's overhead)
         import cProfile
         import io

@@ -37,12 +37,10 @@ class DeviceHistory:
         self.device = device
         self.width = max_model_len + 2 * (k + 1)
         """Room past max_model_len for a verification's k + 1 writes beyond a request's known tokens."""
-        self.scratch = max_reqs
-        """A slot no request takes: the padded requests of a graph write there."""
-        self.hist = torch.zeros(max_reqs + 1, self.width, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(max_reqs + 1, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(max_reqs + 1, max(k, 1), dtype=torch.long, device=device)
-        self.num_real = torch.zeros(max_reqs + 1, dtype=torch.long, device=device)
+        self.hist = torch.zeros(max_reqs, self.width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(max_reqs, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(max_reqs, max(k, 1), dtype=torch.long, device=device)
+        self.num_real = torch.zeros(max_reqs, dtype=torch.long, device=device)
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_reqs - 1, -1, -1))
 

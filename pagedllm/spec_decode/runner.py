@@ -33,7 +33,6 @@ from pagedllm.spec_decode.async_ngram import (
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.scheduling import can_speculate
-from pagedllm.spec_decode.verify_graph import GreedyVerifyGraphs, plain_greedy
 from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
 
@@ -80,9 +79,6 @@ class SpecDecodeRunner:
 
             self.proposer = EagleProposer(config, runner)
         self._eligible: dict[str, bool] = {}
-        self._plain: dict[str, bool] = {}
-        self.greedy_graphs: GreedyVerifyGraphs | None = None
-        """Async n-gram on CUDA: plain greedy steps' verification captured after the forward's graph."""
         self.history: DeviceHistory | None = None
         """Async scheduling (n-gram only): each request's tokens and next proposals on the device."""
         # (Engine-wide logits processors turn async scheduling off in the engine core: then the host proposes.)
@@ -93,12 +89,6 @@ class SpecDecodeRunner:
                 runner.max_num_reqs, runner.max_model_len, self.k, config.prompt_lookup_min,
                 config.prompt_lookup_max, runner.device,
             )  # fmt: skip
-
-    def capture_graphs(self, r: ModelRunner) -> None:
-        """After the verification graphs: the greedy verification's graphs (async n-gram on CUDA)."""
-        if self.history is not None and r.verify_graphs is not None and r.verify_graphs.graphs:
-            self.greedy_graphs = GreedyVerifyGraphs(r.model, r.verify_graphs, self.history)
-            self.greedy_graphs.capture()
 
     def bytes_per_block(self) -> int:
         """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
@@ -120,7 +110,6 @@ class SpecDecodeRunner:
         hist = self.history
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self._eligible.pop(rid, None)
-            self._plain.pop(rid, None)
             if drop is not None:
                 drop(rid)
             if hist is not None:
@@ -203,8 +192,6 @@ class SpecDecodeRunner:
         assert batch is not None and r.inputs is not None and model is not None and sampling is not None
         x = r.inputs.build(so)
         dec = decode_rows(x, so.scheduled_spec_decode_tokens, hist)
-        if self._graph_ok(r, x, dec) and self.greedy_graphs is not None and self._all_plain(r, x.req_ids):
-            return self._launch_graphed(r, x, dec)
         hidden = self._forward_async(r, x, dec)
         prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
         sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
@@ -242,19 +229,7 @@ class SpecDecodeRunner:
             and vg.can_run_padded(x.cu, x.seq_lens + self.k)
         )
 
-    def _all_plain(self, r: ModelRunner, req_ids: list[str]) -> bool:
-        plain, requests = self._plain, r.requests
-        for rid in req_ids:
-            ok = plain.get(rid)
-            if ok is None:
-                ok = plain[rid] = plain_greedy(requests[rid].sampling_params)
-            if not ok:
-                return False
-        return True
-
-    def _replay_forward(
-        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor, gather: bool
-    ) -> Any:
+    def _replay_forward(self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
         """The verification graph's forward, its inputs fixed up on the device from the histories."""
         hist, vg, batch = self.history, r.verify_graphs, r.input_batch
         assert hist is not None and vg is not None and batch is not None and r.kv_cache_config is not None
@@ -266,19 +241,7 @@ class SpecDecodeRunner:
         def fix(g: Any) -> None:
             fixup_graph_inputs(g, hist, slots, nd, sizes, mml)
 
-        return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=fix, gather=gather)
-
-    def _launch_graphed(self, r: ModelRunner, x: StepInputs, dec: Any) -> SpecPending:
-        """A step of plain greedy decodes: the forward graph, then the verification graph (logits, argmax,
-        verdict, histories, next proposals), then one copy of the results."""
-        post = self.greedy_graphs
-        assert post is not None and r.input_batch is not None
-        n = x.num_reqs
-        post.upload(dec.slots, dec.num_drafts)
-        self._replay_forward(r, x, post.slots(n), post.num_drafts(n), gather=False)
-        r.input_batch.num_computed_tokens[x.rows] = x.seq_lens
-        result, event = copy_to_host(post.replay(n))
-        return SpecPending(x.req_ids, np.arange(n), result, event)
+        return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=fix)
 
     def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
         """A step of decodes only replays the verification graph with its inputs fixed up on the device;
@@ -289,7 +252,7 @@ class SpecDecodeRunner:
             dev = r.device
             meta = torch.from_numpy(np.concatenate([dec.slots, dec.num_drafts])).to(dev, non_blocking=True)
             n = len(dec.slots)
-            return self._replay_forward(r, x, meta[:n], meta[n:], gather=True)
+            return self._replay_forward(r, x, meta[:n], meta[n:])
         resolve_on_host(x, dec, hist)
         hidden = r._forward(x, None)
         assert hidden is not None

@@ -59,8 +59,8 @@ if HAS_TRITON:
         s = tl.load(slots_ptr + b)
         nd = tl.load(nd_ptr + b)
         h = hist_ptr + s * stride_h
-        # (Clamped: past max_model_len (= width - 2 (K + 1)) a request has finished; the scratch slot of a
-        # graph's padded requests grows by a token every replay.)
+        # (Clamped: past max_model_len (= width - 2 (K + 1)) a request has finished, and the writes below stay
+        # inside its row.)
         length = tl.minimum(tl.load(lens_ptr + s), width - 2 * (K + 1))
         j = tl.arange(0, KP)
         col = j < K + 1

@@ -233,13 +233,11 @@ class CudaGraphRunner:
         slots: list[np.ndarray],
         block_tables: list[np.ndarray],
         fixup: Callable[[CudaGraphRunner], None] | None = None,
-        gather: bool = True,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Replays the q-row graph for a step whose requests have at most q query rows each (`cu`: the
         flat rows' request boundaries); returns the hidden states of the real rows, in their flat order.
         `fixup(self)` runs after the inputs' upload, before the replay: it may rewrite them on the device
-        (speculation with async scheduling: `spec_decode.async_ngram.fixup_graph_inputs`). `gather` False: the
-        caller reads the graph's output buffer itself (returns None)."""
+        (speculation with async scheduling: `spec_decode.async_ngram.fixup_graph_inputs`)."""
         n, q = len(seq_lens), self.q
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         lens = cu[1:] - cu[:-1]
@@ -264,8 +262,8 @@ class CudaGraphRunner:
         if fixup is not None:
             fixup(self)
         # Before the replay: an upload from pageable memory waits for the stream, i.e. for the graph.
-        rows = torch.from_numpy(dest).to(self.device, non_blocking=True) if gather else None
+        rows = torch.from_numpy(dest).to(self.device, non_blocking=True)
         graph, out, _ = self.graphs[size]
         graph.replay()
         self.num_padded_runs += 1
-        return out[rows] if rows is not None else None
+        return out[rows]

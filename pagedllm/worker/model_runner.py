@@ -239,7 +239,6 @@ class ModelRunner:
                 query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
             )  # fmt: skip
             self.verify_graphs.capture()
-            self.spec.capture_graphs(self)
         self.mixed_graphs, self.piecewise = capture_mixed_step_graphs(self)  # prefill and mixed steps, where they apply
 
     # ---- one step ------------------------------------------------------------------------------
