@@ -2,10 +2,12 @@
 known tokens, one forward scores them all, the rejection sampler keeps a prefix of each request's
 proposals plus one token, and the proposer proposes the next step's tokens from the tokens now known.
 
-Speculation runs synchronously (the engine turns async scheduling off with it): the next proposals need
-this step's tokens on the host. Requests whose sampling reads their own previous tokens (penalties,
-min_tokens, bad words) or that an engine-wide logits processor may touch get no proposals: their
-distribution at a proposal's position would depend on the proposals before it."""
+The synchronous step lives here: the next proposals need this step's tokens on the host. With async
+scheduling (n-gram only) steps are launched by `async_steps` instead, except those a request needs
+synchronously (logprobs, penalties, ...), which come here with their proposals read back from the device.
+Requests whose sampling reads their own previous tokens (penalties, min_tokens, bad words) or that an
+engine-wide logits processor may touch get no proposals: their distribution at a proposal's position would
+depend on the proposals before it."""
 
 from __future__ import annotations
 
@@ -19,21 +21,12 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
-from pagedllm.sample.rejection_sampler import VerifyOutput, rejection_sample, target_logits
-from pagedllm.spec_decode.async_ngram import (
-    DeviceHistory,
-    SpecPending,
-    copy_to_host,
-    decode_rows,
-    fixup_graph_inputs,
-    pack,
-    resolve_drafts,
-    resolve_on_host,
-)
+from pagedllm.sample.rejection_sampler import rejection_sample, target_logits
+from pagedllm.spec_decode.async_ngram import DeviceHistory, SpecPending, resolve_drafts
+from pagedllm.spec_decode.async_steps import AsyncNgramSteps
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.scheduling import can_speculate
-from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
 
 ModelRunner = Any
@@ -81,6 +74,7 @@ class SpecDecodeRunner:
         self._eligible: dict[str, bool] = {}
         self.history: DeviceHistory | None = None
         """Async scheduling (n-gram only): each request's tokens and next proposals on the device."""
+        self.async_steps: AsyncNgramSteps | None = None
         # (Engine-wide logits processors turn async scheduling off in the engine core: then the host proposes.)
         if runner.config.scheduler_config.async_scheduling and not runner.sampler.custom_processors:
             assert config.method == "ngram" and config.prompt_lookup_min is not None
@@ -89,6 +83,7 @@ class SpecDecodeRunner:
                 runner.max_num_reqs, runner.max_model_len, self.k, config.prompt_lookup_min,
                 config.prompt_lookup_max, runner.device,
             )  # fmt: skip
+            self.async_steps = AsyncNgramSteps(self.history)
 
     def bytes_per_block(self) -> int:
         """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
@@ -171,171 +166,23 @@ class SpecDecodeRunner:
                 for j, i in enumerate(sample_idx.tolist()):
                     logprobs[i] = lps[j]
         if self.history is not None:  # the emitted tokens into the device's histories, then their proposals
-            self._record_sync(r, x, sample_idx, sampled)
+            assert self.async_steps is not None
+            self.async_steps.record_sync(r, x, sample_idx, sampled)
             return ModelRunnerOutput(
                 x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=None, spec_num_drafted=drafted
             )
         proposals = self._propose(r, x, sample_idx)
         return ModelRunnerOutput(x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=proposals)
 
-    # ---- async scheduling (n-gram) -----------------------------------------------------------------
     def launch(self, r: ModelRunner, so: SchedulerOutput) -> SpecPending:
-        """Launch a verification step without waiting for the device: decode rows read their inputs from
-        the device history, the emitted tokens are appended there and the next proposals found there, and
-        the emitted tokens start their copy to the host (`finish` reads them)."""
-        hist = self.history
-        assert hist is not None, "execute_model_async with speculation needs async scheduling (n-gram)"
+        """Async scheduling: the scheduler's diffs applied, then the step launched (`async_steps`)."""
+        assert self.async_steps is not None, "execute_model_async with speculation needs async scheduling (n-gram)"
         self._begin(r, so)
-        if so.total_num_scheduled_tokens == 0:
-            return SpecPending([], np.zeros(0, dtype=np.int64))
-        batch, model, dev, sampling = r.input_batch, r.model, r.device, r.sampling
-        assert batch is not None and r.inputs is not None and model is not None and sampling is not None
-        x = r.inputs.build(so)
-        dec = decode_rows(x, so.scheduled_spec_decode_tokens, hist)
-        hidden = self._forward_async(r, x, dec)
-        prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
-        sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
-        batch.num_computed_tokens[x.rows] = x.seq_lens
-        if not len(sample_idx):
-            return SpecPending(x.req_ids, sample_idx, prompt_logprobs_done=prompt_lp)
-        nd = np.zeros(len(sample_idx), dtype=np.int64)  # proposal rows per sampling request (0: a prefill's end)
-        nd[np.searchsorted(sample_idx, dec.idx)] = dec.num_drafts
-        n_rows = nd + 1
-        offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
-        logit_rows = np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + offs
-        slots = hist.slots([x.req_ids[i] for i in sample_idx.tolist()])
-        starts = np.cumsum(n_rows) - n_rows
-        r_, b_ = len(logit_rows), len(sample_idx)
-        meta = torch.from_numpy(np.concatenate([logit_rows, slots, nd, starts])).to(dev, non_blocking=True)
-        rows_t, slots_t = meta[:r_], meta[r_ : r_ + b_]
-        nd_t, starts_t = meta[r_ + b_ : r_ + 2 * b_], meta[r_ + 2 * b_ :]
-        logits = model.compute_logits(hidden[rows_t]).float()
-        bound = int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2
-        tokens, counts, real = self._verify_device(
-            r, x, logits, sample_idx, (slots, nd), slots_t, nd_t, starts_t, bound
-        )
-        result, event = copy_to_host(pack(tokens, counts, real))
-        return SpecPending(x.req_ids, sample_idx, result, event, prompt_lp)
-
-    def _graph_ok(self, r: ModelRunner, x: StepInputs, dec: Any) -> bool:
-        """Whether the step (decodes only, within the verification graphs) replays them."""
-        vg = r.verify_graphs
-        return (
-            vg is not None
-            and len(dec.idx) == x.num_reqs
-            and r.lora is None
-            and r.mm is None
-            and x.max_query_len <= vg.q
-            and vg.can_run_padded(x.cu, x.seq_lens + self.k)
-        )
-
-    def _replay_forward(self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
-        """The verification graph's forward, its inputs fixed up on the device from the histories."""
-        hist, vg, batch = self.history, r.verify_graphs, r.input_batch
-        assert hist is not None and vg is not None and batch is not None and r.kv_cache_config is not None
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
-        width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
-        tables, slot_map = tables_and_slots(batch.block_tables, sizes, x.rows, x.req_of_token, x.positions, width)
-        mml = r.max_model_len
-
-        def fix(g: Any) -> None:
-            fixup_graph_inputs(g, hist, slots, nd, sizes, mml)
-
-        return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=fix)
-
-    def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
-        """A step of decodes only replays the verification graph with its inputs fixed up on the device;
-        any other step reads the decode rows' inputs back first (waiting for the step in flight)."""
-        hist = self.history
-        assert hist is not None
-        if self._graph_ok(r, x, dec):
-            dev = r.device
-            meta = torch.from_numpy(np.concatenate([dec.slots, dec.num_drafts])).to(dev, non_blocking=True)
-            n = len(dec.slots)
-            return self._replay_forward(r, x, meta[:n], meta[n:])
-        resolve_on_host(x, dec, hist)
-        hidden = r._forward(x, None)
-        assert hidden is not None
-        return hidden
-
-    def _verify_device(
-        self, r: ModelRunner, x: StepInputs, logits: torch.Tensor, sample_idx: np.ndarray,
-        host: tuple[np.ndarray, np.ndarray], slots: torch.Tensor, nd: torch.Tensor, starts: torch.Tensor, bound: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The verification without a host sync (greedy rows by their argmax, others by rejection sampling),
-        then the histories' update (`DeviceHistory.advance`)."""
-        hist, batch, sampling, sampler, dev = self.history, r.input_batch, r.sampling, r.sampler, r.device
-        assert hist is not None
-        rows = x.rows[sample_idx]
-        n_rows = host[1] + 1
-        md = sampling.build(np.repeat(rows, n_rows))
-        if bool((batch.temperature[rows] < 1e-5).all()):
-            am = triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md))
-            return hist.advance(slots, nd, starts, host, bound, argmax=am)
-        greedy, processed = target_logits(sampler, logits, md)
-        is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev, non_blocking=True)
-        offs = np.cumsum(n_rows) - n_rows
-        gens = {b: md.generators[int(s)] for b, s in enumerate(offs.tolist()) if int(s) in md.generators}
-        out = rejection_sample(greedy, processed, is_greedy, hist.draft_ids(*host), host[1], None, gens)
-        return hist.advance(slots, nd, starts, host, bound, verified=out)
+        return self.async_steps.launch(r, so)
 
     def finish(self, r: ModelRunner, step: SpecPending) -> ModelRunnerOutput:
-        """A launched verification's emitted tokens (waiting for their copy) into the requests' states and rows."""
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        if step.result is None:
-            return ModelRunnerOutput(step.req_ids, sampled, None, step.prompt_logprobs_done or {})
-        res = step.wait()
-        k1 = res.shape[1] - 2
-        toks, counts, real = res[:, :k1], res[:, k1], res[:, k1 + 1]
-        batch, requests = r.input_batch, r.requests
-        assert batch is not None
-        rows_of = batch.req_id_to_row
-        drafted: dict[str, int] = {}
-        for j, i in enumerate(step.sample_idx.tolist()):
-            rid = step.req_ids[i]
-            st = requests.get(rid)
-            if st is None:
-                continue  # finished or aborted while the step ran
-            t = toks[j, : int(counts[j])].tolist()
-            st.output_token_ids.extend(t)
-            row = rows_of.get(rid)
-            if row is not None:
-                n = int(batch.num_tokens[row])
-                fit = t[: max(0, batch.max_model_len - n)]
-                batch.token_ids[row, n : n + len(fit)] = fit
-                batch.num_tokens[row] = n + len(t)
-            sampled[i] = t
-            drafted[rid] = int(real[j])
-        return ModelRunnerOutput(step.req_ids, sampled, None, step.prompt_logprobs_done or {}, spec_num_drafted=drafted)
-
-    def _record_sync(self, r: ModelRunner, x: StepInputs, sample_idx: np.ndarray, sampled: list[list[int]]) -> None:
-        """A synchronous step's emitted tokens into the device histories, and the requests' next proposals."""
-        hist = self.history
-        assert hist is not None
-        if not len(sample_idx):
-            return
-        idx = sample_idx.tolist()
-        width = self.k + 1  # (a step emits at most k + 1 tokens per request)
-        toks = np.full((len(idx), width), -1, dtype=np.int64)
-        counts = np.zeros(len(idx), dtype=np.int64)
-        for j, i in enumerate(idx):
-            toks[j, : len(sampled[i])] = sampled[i]
-            counts[j] = len(sampled[i])
-        dev = r.device
-        slots = hist.slots([x.req_ids[i] for i in idx])
-        zeros = np.zeros(len(idx), dtype=np.int64)
-        hist.advance(
-            torch.from_numpy(slots).to(dev, non_blocking=True),
-            torch.from_numpy(zeros).to(dev, non_blocking=True),
-            None,
-            (slots, zeros),
-            int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2,
-            verified=VerifyOutput(
-                torch.from_numpy(toks).to(dev, non_blocking=True),
-                torch.from_numpy(counts).to(dev, non_blocking=True),
-                torch.empty(0),
-            ),
-        )
+        assert self.async_steps is not None
+        return self.async_steps.finish(r, step)
 
     def _verify(
         self, r: ModelRunner, x: StepInputs, hidden: torch.Tensor, sample_idx: np.ndarray, spec: dict[str, list[int]]
