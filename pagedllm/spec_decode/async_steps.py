@@ -13,6 +13,7 @@ import torch
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.rejection_sampler import VerifyOutput, rejection_sample, target_logits
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.async_ngram import (
     DeviceHistory,
     SpecPending,
@@ -29,10 +30,40 @@ ModelRunner = Any
 """`worker.model_runner.ModelRunner` (not imported: it imports this package)."""
 
 
+def plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy, and nothing but the model decides the argmax (no logit bias, allowed tokens, bad words,
+    min_tokens or penalties)."""
+    return (
+        sp.temperature < 1e-5
+        and not sp.logit_bias
+        and sp.allowed_token_ids is None
+        and not sp.bad_words_token_ids
+        and not sp.min_tokens
+        and not sp.has_penalties
+    )
+
+
 class AsyncNgramSteps:
     def __init__(self, history: DeviceHistory) -> None:
         self.history = history
         self.k = history.k
+        self._plain: dict[str, bool] = {}
+        self.num_fast_steps = 0
+        """Steps that took `_launch_fast` (tests and stats)."""
+
+    def drop(self, req_id: str) -> None:
+        self._plain.pop(req_id, None)
+        self.history.drop(req_id)
+
+    def _all_plain(self, r: ModelRunner, req_ids: list[str]) -> bool:
+        plain, requests = self._plain, r.requests
+        for rid in req_ids:
+            ok = plain.get(rid)
+            if ok is None:
+                ok = plain[rid] = plain_greedy(requests[rid].sampling_params)
+            if not ok:
+                return False
+        return True
 
     def launch(self, r: ModelRunner, so: SchedulerOutput) -> SpecPending:
         """Launch a verification step without waiting for the device: decode rows read their inputs from
@@ -45,6 +76,8 @@ class AsyncNgramSteps:
         assert batch is not None and r.inputs is not None and model is not None and sampling is not None
         x = r.inputs.build(so)
         dec = decode_rows(x, so.scheduled_spec_decode_tokens, hist)
+        if self._graph_ok(r, x, dec) and self._all_plain(r, x.req_ids):
+            return self._launch_fast(r, x, dec)
         hidden = self._forward_async(r, x, dec)
         prompt_lp = r.prompt_logprobs.gather(model, batch, x.req_ids, x.rows, x.computed, x.seq_lens, x.cu, hidden)
         sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
@@ -69,6 +102,33 @@ class AsyncNgramSteps:
         )
         result, event = copy_to_host(pack(tokens, counts, real))
         return SpecPending(x.req_ids, sample_idx, result, event, prompt_lp)
+
+    def _launch_fast(self, r: ModelRunner, x: StepInputs, dec: Any) -> SpecPending:
+        """Plain greedy decodes only (the common step): the verification graph over the padded layout of q rows
+        per request, the logits of every row, the verdict kernel reading request i's rows from i * q; one upload
+        of the per-request arrays, no row gathers, no sampling metadata."""
+        hist, vg, batch, model, dev = self.history, r.verify_graphs, r.input_batch, r.model, r.device
+        assert vg is not None and batch is not None and r.kv_cache_config is not None
+        n, q = x.num_reqs, vg.q
+        meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
+        meta = torch.from_numpy(meta_h).to(dev, non_blocking=True)
+        slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
+        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
+        width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+        tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
+        mml = r.max_model_len
+
+        def fix(g: Any) -> None:
+            fixup_graph_inputs(g, hist, slots_t, nd_t, sizes, mml)
+
+        hidden = vg.run_fixed(n, tables, fix)
+        am = triton_argmax.argmax_rows(model.compute_logits(hidden))
+        bound = width + 2 * self.k + 2
+        tokens, counts, real = hist.advance(slots_t, nd_t, starts_t, (dec.slots, dec.num_drafts), bound, argmax=am)
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        result, event = copy_to_host(pack(tokens, counts, real))
+        self.num_fast_steps += 1
+        return SpecPending(x.req_ids, np.arange(n), result, event)
 
     def _graph_ok(self, r: ModelRunner, x: StepInputs, dec: Any) -> bool:
         """Whether the step (decodes only, within the verification graphs) replays them."""

@@ -107,8 +107,8 @@ class SpecDecodeRunner:
             self._eligible.pop(rid, None)
             if drop is not None:
                 drop(rid)
-            if hist is not None:
-                hist.drop(rid)
+            if self.async_steps is not None:
+                self.async_steps.drop(rid)
         if hist is not None:
             requests = r.requests
             for new in so.scheduled_new_reqs:

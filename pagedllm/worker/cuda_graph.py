@@ -225,6 +225,27 @@ class CudaGraphRunner:
             return False
         return int((seq_lens - (cu[1:] - cu[:-1])).max()) + self.q <= self.max_model_len
 
+    def run_fixed(
+        self, n: int, block_tables: list[np.ndarray], fixup: Callable[[CudaGraphRunner], None]
+    ) -> torch.Tensor:
+        """Replays the q-row graph for n requests of q rows each whose ids, positions, slots and lengths `fixup`
+        writes on the device after the upload (the host sets only the padded requests': slot -1, seq_len 0);
+        returns the hidden states of the n * q rows, request by request."""
+        q = self.q
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        t0, t = n * q, size * q
+        self._ids_host[t0:t] = 0
+        self._pos_host[t0:t] = 0
+        for sm in self._slots_host:
+            sm[t0:t] = -1
+        self._seq_host[n:size] = 0
+        upload_inputs(self._header, self._header_host, self.input_ids, None, self.block_tables, block_tables, n)
+        fixup(self)
+        graph, out, _ = self.graphs[size]
+        graph.replay()
+        self.num_padded_runs += 1
+        return out[:t0]
+
     def run_padded(
         self,
         input_ids: np.ndarray,
