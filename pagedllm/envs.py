@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_GRAMMAR_DEFER: bool
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
+    PAGEDLLM_STRUCTURED_WARMUP: bool
     PAGEDLLM_GIL_SWITCH_INTERVAL_US: float
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
@@ -103,6 +104,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
     # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
     "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),
+    # At engine start, in a compile thread: read the tokenizer's vocabulary into xgrammar and compile JSON schemas
+    # made of the common field types, so the first structured request pays neither (`pagedllm serve` sets it to 1
+    # unless it is set; offline engines start without it).
+    "PAGEDLLM_STRUCTURED_WARMUP": lambda: os.environ.get("PAGEDLLM_STRUCTURED_WARMUP", "0") == "1",
     # Python's GIL switch interval (us) once structured outputs are used (the step loop shares the GIL with the
     # grammar worker thread); 0: Python's default (5 ms) is kept.
     "PAGEDLLM_GIL_SWITCH_INTERVAL_US": lambda: float(os.environ.get("PAGEDLLM_GIL_SWITCH_INTERVAL_US", "100")),

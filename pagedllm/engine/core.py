@@ -80,6 +80,8 @@ class EngineCore(EngineCoreControlsMixin):
             from pagedllm.structured_output.engine import make_structured_output_manager
 
             self.scheduler.structured = make_structured_output_manager(config)
+            if envs.PAGEDLLM_STRUCTURED_WARMUP:
+                self.scheduler.structured.warm_up()
         # The start-up objects (one Python object per KV block, the model's modules) live as long as the
         # engine: move them out of the cyclic GC's generations, which otherwise walks them all in every full
         # collection (measured: 3.65 -> 3.14 ms host time per step at 256 decodes, benchmarks/host_overhead.py).
