@@ -88,30 +88,28 @@ class SpecDecodeScheduling:
         return target + req.spec_in_flight >= req.stop_len
 
     def update(self, requests: dict[str, Request], sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Roll back the rejected proposals, count acceptance, and keep the next step's proposals."""
+        """Count acceptance and correct the requests' computed tokens: synchronously, roll back the rejected
+        proposals; in async mode the step counted one token per decode, so add the accepted ones (unless the
+        request was preempted meanwhile: its count restarts from its prefix). Then keep the next proposals."""
         drafts = sched.scheduled_spec_decode_tokens
-        if drafts and self.async_mode:
-            self._update_async(requests, drafts, result)
-            return
         if drafts:
-            st = self._stats
-            tot = self.totals
-            per_pos = st.num_accepted_tokens_per_pos
+            real = result.spec_num_drafted or {}
+            async_mode = self.async_mode
             for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
                 d = drafts.get(rid)
                 req = requests.get(rid)
                 if d is None or not tokens or req is None:
                     continue
                 n_acc = len(tokens) - 1
-                req.num_computed_tokens -= len(d) - n_acc
-                st.num_drafts += 1
-                st.num_draft_tokens += len(d)
-                st.num_accepted_tokens += n_acc
-                for j in range(n_acc):
-                    per_pos[j] += 1
-                tot.num_drafts += 1
-                tot.num_draft_tokens += len(d)
-                tot.num_accepted_tokens += n_acc
+                if async_mode:
+                    if req.status == RequestStatus.RUNNING:
+                        req.num_computed_tokens += n_acc
+                    n_draft = max(real.get(rid, len(d)), n_acc)  # (a placeholder the target happened to agree with)
+                else:
+                    req.num_computed_tokens -= len(d) - n_acc
+                    n_draft = len(d)
+                if n_draft:
+                    self._count(n_draft, n_acc)
         props = result.spec_token_ids
         if props:
             for rid, p in props.items():
@@ -119,29 +117,14 @@ class SpecDecodeScheduling:
                 if req is not None:
                     req.spec_token_ids = p
 
-    def _update_async(self, requests: dict[str, Request], drafts: dict, result: ModelRunnerOutput) -> None:
-        """The step counted one token per decode: it computed `accepted` more (unless the request was
-        preempted meanwhile, its count then restarts from its prefix)."""
-        st, tot = self._stats, self.totals
-        per_pos = st.num_accepted_tokens_per_pos
-        real = result.spec_num_drafted or {}
-        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
-            d = drafts.get(rid)
-            req = requests.get(rid)
-            if d is None or not tokens or req is None:
-                continue
-            n_acc = len(tokens) - 1
-            if req.status == RequestStatus.RUNNING:
-                req.num_computed_tokens += n_acc
-            n_draft = max(real.get(rid, len(d)), n_acc)  # (a placeholder the target happened to agree with)
-            if not n_draft:
-                continue
-            for s in (st, tot):
-                s.num_drafts += 1
-                s.num_draft_tokens += n_draft
-                s.num_accepted_tokens += n_acc
-            for j in range(n_acc):
-                per_pos[j] += 1
+    def _count(self, n_draft: int, n_acc: int) -> None:
+        for s in (self._stats, self.totals):
+            s.num_drafts += 1
+            s.num_draft_tokens += n_draft
+            s.num_accepted_tokens += n_acc
+        per_pos = self._stats.num_accepted_tokens_per_pos
+        for j in range(n_acc):
+            per_pos[j] += 1
 
     def take_stats(self) -> SpecDecodingStats | None:
         st = self._stats
