@@ -8,6 +8,7 @@ the command line override the file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -159,6 +160,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     del args._serve_parser
     if args.config:
         apply_config_file(parser, args, _serve_argv())
+    # A server's first structured request should not pay for reading the vocabulary into xgrammar and the common
+    # JSON rules' token masks: the engine core warms them in a compile thread at start (inherited by its process).
+    os.environ.setdefault("PAGEDLLM_STRUCTURED_WARMUP", "1")
     if args.api_server_count != 1:
         from pagedllm.entrypoints.openai.multi_server import serve_multi
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import signal
 import socket
 from typing import Any
@@ -122,9 +121,6 @@ async def run_server(
 
 def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn replaces it while serving
-    # A server's first structured request should not pay for reading the vocabulary into xgrammar and the common
-    # JSON rules' token masks: the engine core warms them in a compile thread at start (inherited by its process).
-    os.environ.setdefault("PAGEDLLM_STRUCTURED_WARMUP", "1")
     try:
         return asyncio.run(run_server(args))
     except KeyboardInterrupt:
