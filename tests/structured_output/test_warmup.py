@@ -44,6 +44,7 @@ def test_warm_up_builds_the_backend_once_and_leaves_the_gil_interval() -> None:
         mgr.shutdown()
 
 
+@pytest.mark.slow  # CI time (a SmolLM2 engine of its own): run by hand (pytest -m slow)
 def test_engine_with_the_warm_up_serves_valid_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_STRUCTURED_WARMUP", "1")
     before = sys.getswitchinterval()
