@@ -3,7 +3,8 @@
 # `bash benchmarks/gpu_e2e.sh part1` within 30 s for the stages on the real SmolLM2):
 #   bash benchmarks/gpu_runs.sh spec-real lora-w3 pool ...
 # Stages:
-#   spec-real  n-gram speculation on the real SmolLM2, batch 1 and 16 (issue 23, acceptance 3)
+#   spec-real  n-gram speculation on the real SmolLM2, batch 1 and 16 (issue 23, acceptance 3; the GGUF staged
+#              first by benchmarks/gguf_parts.sh)
 #   spec-8b    8B-shaped dummy target + SmolLM2-shaped dummy draft, acceptance forced to 0.8
 #   lora-w3    W3 with no LoRA and with one rank-16 adapter, each with a kernel table (issue 21)
 #   lora-w2    the W2-shaped run with 4 adapters and without
@@ -33,11 +34,15 @@ for stage in "$@"; do
     case $stage in
         spec-real)
             [ -f /tmp/smollm2.gguf ] || { echo "spec-real: no /tmp/smollm2.gguf" | tee -a "$OUT/summary.txt"; continue; }
-            run spec_real 300 python3 benchmarks/spec_decode_bench.py --mode ngram --model /tmp/smollm2.gguf \
-                --batches 1,16 --spec off,sync,on --cprofile "$OUT/prof" --out "$OUT/spec_real.json" ${SPEC_ARGS:-} ;;
-        spec-8b)
-            run spec_8b 300 python3 benchmarks/spec_decode_bench.py --mode draft8b --dummy --force-accept 0.8 \
-                --batches 1,16 --max-tokens 128 --ignore-eos --out "$OUT/spec_8b.json" ;;
+            for side in off sync on on-sync; do  # separate processes (a second engine in one finds no KV memory)
+                run "spec_real_$side" 300 python3 benchmarks/spec_decode_bench.py --mode ngram --model /tmp/smollm2.gguf \
+                    --batches 1,16 --spec "$side" --cprofile "$OUT/prof" --out "$OUT/spec_real_$side.json" ${SPEC_ARGS:-}
+            done ;;
+        spec-8b)  # off and on in separate processes (a second 8B engine in one process finds no KV memory)
+            for side in off on; do
+                run "spec_8b_$side" 300 python3 benchmarks/spec_decode_bench.py --mode draft8b --dummy --spec "$side" \
+                    --force-accept 0.8 --batches 1,16 --max-tokens 128 --ignore-eos --out "$OUT/spec_8b_$side.json"
+            done ;;
         lora-w3)
             run lora_w3_none 240 python3 benchmarks/lora_bench.py --mode none --skip-w2 --profile --out "$OUT/lora_w3_none.json"
             run lora_w3_lora 240 python3 benchmarks/lora_bench.py --mode lora --skip-w2 --profile --out "$OUT/lora_w3_lora.json" ;;
