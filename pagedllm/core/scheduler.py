@@ -209,8 +209,9 @@ class Scheduler:
             pending = req.num_output_placeholders
             target = len(req.all_token_ids) + pending
             # With a token in flight, target >= stop_len means its last token is already in flight (stop_len
-            # is min(prompt + max_tokens, max_model_len)).
-            if pending and (target >= req.stop_len or (spec_async and spec.may_have_stopped(req, target))):  # type: ignore[union-attr]
+            # is min(prompt + max_tokens, max_model_len)); an in-flight verification may have emitted up to its
+            # proposals more (`spec_in_flight`, 0 without speculation): the request waits for that result.
+            if pending and target + req.spec_in_flight >= req.stop_len:
                 i += 1
                 continue
             computed = req.num_computed_tokens

@@ -176,24 +176,6 @@ def fixup_graph_inputs(
     block_sizes: list[int],
     max_model_len: int,
 ) -> None:
-    """Rewrite a verification graph's inputs on the device (`fixup_graph_inputs_torch`; on CUDA one Triton launch
-    per KV-cache group, `triton_ngram.fixup_graph_inputs`)."""
-    if slots.device.type == "cuda":
-        from pagedllm.spec_decode import triton_ngram
-
-        triton_ngram.fixup_graph_inputs(graphs, history, slots, num_drafts, block_sizes, max_model_len)
-    else:
-        fixup_graph_inputs_torch(graphs, history, slots, num_drafts, block_sizes, max_model_len)
-
-
-def fixup_graph_inputs_torch(
-    graphs: object,
-    history: DeviceHistory,
-    slots: torch.Tensor,
-    num_drafts: torch.Tensor,
-    block_sizes: list[int],
-    max_model_len: int,
-) -> None:
     """A verification graph's inputs for n decode requests (every request of the step, in order), rewritten on
     the device after the host's upload: row j of request i is its (j)th token after its last known one minus
     one, i.e. position lens - 1 + j, input id its last token (j = 0) or proposal j - 1; its sequence length

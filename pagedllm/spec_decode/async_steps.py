@@ -14,15 +14,16 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.rejection_sampler import VerifyOutput, rejection_sample, target_logits
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode import async_ngram
 from pagedllm.spec_decode.async_ngram import (
     DeviceHistory,
     SpecPending,
     copy_to_host,
     decode_rows,
-    fixup_graph_inputs,
     pack,
     resolve_on_host,
 )
+from pagedllm.spec_decode.scheduling import can_speculate
 from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
 
@@ -31,16 +32,9 @@ ModelRunner = Any
 
 
 def plain_greedy(sp: SamplingParams) -> bool:
-    """Greedy, and nothing but the model decides the argmax (no logit bias, allowed tokens, bad words,
-    min_tokens or penalties)."""
-    return (
-        sp.temperature < 1e-5
-        and not sp.logit_bias
-        and sp.allowed_token_ids is None
-        and not sp.bad_words_token_ids
-        and not sp.min_tokens
-        and not sp.has_penalties
-    )
+    """Greedy, and nothing but the model decides the argmax (no logit bias or allowed tokens, and none of
+    what `can_speculate` excludes)."""
+    return sp.temperature < 1e-5 and not sp.logit_bias and sp.allowed_token_ids is None and can_speculate(sp)
 
 
 class AsyncNgramSteps:
@@ -50,10 +44,25 @@ class AsyncNgramSteps:
         self._plain: dict[str, bool] = {}
         self.num_fast_steps = 0
         """Steps that took `_launch_fast` (tests and stats)."""
+        self._fixup = async_ngram.fixup_graph_inputs
+        if history.device.type == "cuda":
+            from pagedllm.spec_decode import triton_ngram
 
-    def drop(self, req_id: str) -> None:
-        self._plain.pop(req_id, None)
-        self.history.drop(req_id)
+            self._fixup = triton_ngram.fixup_graph_inputs
+
+    def begin(self, r: ModelRunner, so: SchedulerOutput) -> None:
+        """After the batch took the scheduler's diffs: the requests that left give their history slots back,
+        new and resumed ones upload their tokens."""
+        hist, requests = self.history, r.requests
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+            self._plain.pop(rid, None)
+            hist.drop(rid)
+        for new in so.scheduled_new_reqs:
+            hist.add(requests[new.req_id])
+        c = so.scheduled_cached_reqs
+        for rid, resumed in zip(c.req_ids, c.resumed_from_preemption):
+            if resumed:
+                hist.add(requests[rid])
 
     def _all_plain(self, r: ModelRunner, req_ids: list[str]) -> bool:
         plain, requests = self._plain, r.requests
@@ -87,10 +96,11 @@ class AsyncNgramSteps:
         nd = np.zeros(len(sample_idx), dtype=np.int64)  # proposal rows per sampling request (0: a prefill's end)
         nd[np.searchsorted(sample_idx, dec.idx)] = dec.num_drafts
         n_rows = nd + 1
-        offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
-        logit_rows = np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + offs
+        starts = np.cumsum(n_rows) - n_rows  # each request's first row among the logits
+        logit_rows = (
+            np.repeat(x.cu[1:][sample_idx] - n_rows, n_rows) + np.arange(int(n_rows.sum())) - np.repeat(starts, n_rows)
+        )
         slots = hist.slots([x.req_ids[i] for i in sample_idx.tolist()])
-        starts = np.cumsum(n_rows) - n_rows
         r_, b_ = len(logit_rows), len(sample_idx)
         meta = torch.from_numpy(np.concatenate([logit_rows, slots, nd, starts])).to(dev, non_blocking=True)
         rows_t, slots_t = meta[:r_], meta[r_ : r_ + b_]
@@ -98,7 +108,7 @@ class AsyncNgramSteps:
         logits = model.compute_logits(hidden[rows_t]).float()
         bound = int(x.seq_lens[sample_idx].max()) + 2 * self.k + 2
         tokens, counts, real = self._verify_device(
-            r, x, logits, sample_idx, (slots, nd), slots_t, nd_t, starts_t, bound
+            r, x, logits, sample_idx, (slots, nd, starts), slots_t, nd_t, starts_t, bound
         )
         result, event = copy_to_host(pack(tokens, counts, real))
         return SpecPending(x.req_ids, sample_idx, result, event, prompt_lp)
@@ -108,19 +118,13 @@ class AsyncNgramSteps:
         per request, the logits of every row, the verdict kernel reading request i's rows from i * q; one upload
         of the per-request arrays, no row gathers, no sampling metadata."""
         hist, vg, batch, model, dev = self.history, r.verify_graphs, r.input_batch, r.model, r.device
-        assert vg is not None and batch is not None and r.kv_cache_config is not None
+        assert vg is not None and batch is not None
         n, q = x.num_reqs, vg.q
         meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
         meta = torch.from_numpy(meta_h).to(dev, non_blocking=True)
         slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
-        width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+        sizes, width, fix = self._graph_fixup(r, x, slots_t, nd_t)
         tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
-        mml = r.max_model_len
-
-        def fix(g: Any) -> None:
-            fixup_graph_inputs(g, hist, slots_t, nd_t, sizes, mml)
-
         hidden = vg.run_fixed(n, tables, fix)
         am = triton_argmax.argmax_rows(model.compute_logits(hidden))
         bound = width + 2 * self.k + 2
@@ -142,55 +146,61 @@ class AsyncNgramSteps:
             and vg.can_run_padded(x.cu, x.seq_lens + self.k)
         )
 
-    def _replay_forward(self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
-        """The verification graph's forward, its inputs fixed up on the device from the histories."""
-        hist, vg, batch = self.history, r.verify_graphs, r.input_batch
-        assert hist is not None and vg is not None and batch is not None and r.kv_cache_config is not None
+    def _graph_fixup(
+        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor
+    ) -> tuple[list[int], int, Any]:
+        """(the KV groups' block sizes, the block-table width the step needs, the fix-up a verification graph
+        runs after its upload) for a step of decodes whose histories sit in `slots`."""
+        assert r.kv_cache_config is not None
         sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
         width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
-        tables, slot_map = tables_and_slots(batch.block_tables, sizes, x.rows, x.req_of_token, x.positions, width)
-        mml = r.max_model_len
+        hist, fixup, mml = self.history, self._fixup, r.max_model_len
 
         def fix(g: Any) -> None:
-            fixup_graph_inputs(g, hist, slots, nd, sizes, mml)
+            fixup(g, hist, slots, nd, sizes, mml)
 
+        return sizes, width, fix
+
+    def _replay_forward(self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
+        """The verification graph's forward, its inputs fixed up on the device from the histories."""
+        vg, batch = r.verify_graphs, r.input_batch
+        assert vg is not None and batch is not None
+        sizes, width, fix = self._graph_fixup(r, x, slots, nd)
+        tables, slot_map = tables_and_slots(batch.block_tables, sizes, x.rows, x.req_of_token, x.positions, width)
         return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=fix)
 
     def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
         """A step of decodes only replays the verification graph with its inputs fixed up on the device;
         any other step reads the decode rows' inputs back first (waiting for the step in flight)."""
-        hist = self.history
-        assert hist is not None
         if self._graph_ok(r, x, dec):
             dev = r.device
             meta = torch.from_numpy(np.concatenate([dec.slots, dec.num_drafts])).to(dev, non_blocking=True)
             n = len(dec.slots)
             return self._replay_forward(r, x, meta[:n], meta[n:])
-        resolve_on_host(x, dec, hist)
+        resolve_on_host(x, dec, self.history)
         hidden = r._forward(x, None)
         assert hidden is not None
         return hidden
 
     def _verify_device(
         self, r: ModelRunner, x: StepInputs, logits: torch.Tensor, sample_idx: np.ndarray,
-        host: tuple[np.ndarray, np.ndarray], slots: torch.Tensor, nd: torch.Tensor, starts: torch.Tensor, bound: int,
+        host: tuple[np.ndarray, np.ndarray, np.ndarray], slots: torch.Tensor, nd: torch.Tensor, starts: torch.Tensor,
+        bound: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The verification without a host sync (greedy rows by their argmax, others by rejection sampling),
-        then the histories' update (`DeviceHistory.advance`)."""
+        then the histories' update (`DeviceHistory.advance`). `host`: (slots, num_drafts, starts) on the host."""
         hist, batch, sampling, sampler, dev = self.history, r.input_batch, r.sampling, r.sampler, r.device
-        assert hist is not None
+        h_slots, h_nd, h_starts = host
         rows = x.rows[sample_idx]
-        n_rows = host[1] + 1
-        md = sampling.build(np.repeat(rows, n_rows))
+        md = sampling.build(np.repeat(rows, h_nd + 1))
         if bool((batch.temperature[rows] < 1e-5).all()):
             am = triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md))
-            return hist.advance(slots, nd, starts, host, bound, argmax=am)
+            return hist.advance(slots, nd, starts, (h_slots, h_nd), bound, argmax=am)
         greedy, processed = target_logits(sampler, logits, md)
         is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev, non_blocking=True)
-        offs = np.cumsum(n_rows) - n_rows
-        gens = {b: md.generators[int(s)] for b, s in enumerate(offs.tolist()) if int(s) in md.generators}
-        out = rejection_sample(greedy, processed, is_greedy, hist.draft_ids(*host), host[1], None, gens)
-        return hist.advance(slots, nd, starts, host, bound, verified=out)
+        gens = {b: md.generators[int(s)] for b, s in enumerate(h_starts.tolist()) if int(s) in md.generators}
+        out = rejection_sample(greedy, processed, is_greedy, hist.draft_ids(h_slots, h_nd), h_nd, None, gens)
+        return hist.advance(slots, nd, starts, (h_slots, h_nd), bound, verified=out)
 
     def finish(self, r: ModelRunner, step: SpecPending) -> ModelRunnerOutput:
         """A launched verification's emitted tokens (waiting for their copy) into the requests' states and rows."""
@@ -224,7 +234,6 @@ class AsyncNgramSteps:
     def record_sync(self, r: ModelRunner, x: StepInputs, sample_idx: np.ndarray, sampled: list[list[int]]) -> None:
         """A synchronous step's emitted tokens into the device histories, and the requests' next proposals."""
         hist = self.history
-        assert hist is not None
         if not len(sample_idx):
             return
         idx = sample_idx.tolist()

@@ -21,7 +21,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.logprobs import LogprobsLists
 from pagedllm.sample import triton_argmax
 from pagedllm.sample.logprobs_gather import gather_logprobs_tensors
-from pagedllm.sample.rejection_sampler import rejection_sample, target_logits
+from pagedllm.sample.rejection_sampler import greedy_verify, rejection_sample, target_logits
 from pagedllm.spec_decode.async_ngram import DeviceHistory, SpecPending, resolve_drafts
 from pagedllm.spec_decode.async_steps import AsyncNgramSteps
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -41,20 +41,6 @@ class Proposer(Protocol):
         caps[i] proposed tokens."""
 
 
-def greedy_verdicts(argmax: np.ndarray, drafts: list[list[int]], starts: np.ndarray) -> list[list[int]]:
-    """Per request: its proposals up to the first one that differs from its row's argmax, then that row's
-    argmax (the correction, or the bonus token when every proposal is kept). `argmax` holds each request's
-    len(drafts[b]) + 1 rows from starts[b]."""
-    out = []
-    for d, s in zip(drafts, starts.tolist()):
-        target = argmax[s : s + len(d) + 1].tolist()
-        n = 0
-        while n < len(d) and d[n] == target[n]:
-            n += 1
-        out.append(target[: n + 1])
-    return out
-
-
 class SpecDecodeRunner:
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         self.config = config
@@ -72,18 +58,19 @@ class SpecDecodeRunner:
 
             self.proposer = EagleProposer(config, runner)
         self._eligible: dict[str, bool] = {}
-        self.history: DeviceHistory | None = None
-        """Async scheduling (n-gram only): each request's tokens and next proposals on the device."""
         self.async_steps: AsyncNgramSteps | None = None
+        """Async scheduling (n-gram only): the launch and read of a step, with each request's tokens and next
+        proposals on the device (`async_steps.history`)."""
         # (Engine-wide logits processors turn async scheduling off in the engine core: then the host proposes.)
         if runner.config.scheduler_config.async_scheduling and not runner.sampler.custom_processors:
             assert config.method == "ngram" and config.prompt_lookup_min is not None
             assert config.prompt_lookup_max is not None
-            self.history = DeviceHistory(
-                runner.max_num_reqs, runner.max_model_len, self.k, config.prompt_lookup_min,
-                config.prompt_lookup_max, runner.device,
+            self.async_steps = AsyncNgramSteps(
+                DeviceHistory(
+                    runner.max_num_reqs, runner.max_model_len, self.k, config.prompt_lookup_min,
+                    config.prompt_lookup_max, runner.device,
+                )
             )  # fmt: skip
-            self.async_steps = AsyncNgramSteps(self.history)
 
     def bytes_per_block(self) -> int:
         """KV bytes the proposer adds per target block (a draft model's cache grows with the target's)."""
@@ -102,21 +89,12 @@ class SpecDecodeRunner:
         proposer's state."""
         r._update_states(so)
         drop = getattr(self.proposer, "drop", None)
-        hist = self.history
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self._eligible.pop(rid, None)
             if drop is not None:
                 drop(rid)
-            if self.async_steps is not None:
-                self.async_steps.drop(rid)
-        if hist is not None:
-            requests = r.requests
-            for new in so.scheduled_new_reqs:
-                hist.add(requests[new.req_id])
-            c = so.scheduled_cached_reqs
-            for rid, resumed in zip(c.req_ids, c.resumed_from_preemption):
-                if resumed:
-                    hist.add(requests[rid])
+        if self.async_steps is not None:
+            self.async_steps.begin(r, so)
 
     def execute(self, r: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
         """A synchronous step (with async scheduling: a step some request needs the previous tokens of on
@@ -125,8 +103,8 @@ class SpecDecodeRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         drafted = None
-        if self.history is not None:
-            spec_resolved, drafted = resolve_drafts(so.scheduled_spec_decode_tokens, self.history)
+        if self.async_steps is not None:
+            spec_resolved, drafted = resolve_drafts(so.scheduled_spec_decode_tokens, self.async_steps.history)
             so = replace(so, scheduled_spec_decode_tokens=spec_resolved)
         batch, model = r.input_batch, r.model
         assert batch is not None and r.inputs is not None and model is not None
@@ -165,8 +143,7 @@ class SpecDecodeRunner:
                 logprobs = [None] * len(x.req_ids)
                 for j, i in enumerate(sample_idx.tolist()):
                     logprobs[i] = lps[j]
-        if self.history is not None:  # the emitted tokens into the device's histories, then their proposals
-            assert self.async_steps is not None
+        if self.async_steps is not None:  # the emitted tokens into the device's histories, then their proposals
             self.async_steps.record_sync(r, x, sample_idx, sampled)
             return ModelRunnerOutput(
                 x.req_ids, sampled, logprobs, prompt_lp or {}, spec_token_ids=None, spec_num_drafted=drafted
@@ -211,28 +188,27 @@ class SpecDecodeRunner:
                 per[j] = lp_out.slice(pos, pos + 1)
             return toks, per
         md = sampling.build(np.repeat(rows, n_rows))
-        if md.logprob_rows is None and bool((batch.temperature[rows] < 1e-5).all()):
-            # All greedy, no logprobs: a proposal is kept iff it is its row's argmax, so one argmax of the
-            # processed rows and one copy to the host decide the step (rejection sampling's special case).
-            am = triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md)).cpu().numpy()
-            return greedy_verdicts(am, ids, starts), None
+        flat_t = torch.tensor([t for toks in ids for t in toks], dtype=torch.int64, device=dev)
         mode = sampler.logprobs_mode
-        lp_src = None
-        if md.logprob_rows is not None and mode.startswith("raw"):
-            sel = logits[md.logprob_rows]
-            lp_src = sel.log_softmax(dim=-1) if mode == "raw_logprobs" else sel
-        greedy, processed = target_logits(sampler, logits, md)
-        is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev)
-        gens = {b: md.generators[int(s)] for b, s in enumerate(starts.tolist()) if int(s) in md.generators}
-        flat = [t for toks in ids for t in toks]
-        out = rejection_sample(
-            greedy, processed, is_greedy, torch.tensor(flat, dtype=torch.int64, device=dev), ks, None, gens
-        )
-        emitted = out.token_ids.tolist()
-        counts = out.num_emitted.tolist()
-        tokens = [row[:c] for row, c in zip(emitted, counts)]
+        lp_src = processed = None
+        if md.logprob_rows is None and bool((batch.temperature[rows] < 1e-5).all()):
+            # All greedy, no logprobs: a proposal is kept iff it is its row's argmax (rejection sampling's
+            # special case), one argmax of the processed rows decides the step.
+            out = greedy_verify(triton_argmax.argmax_rows(sampler.apply_logits_processors(logits, md)), flat_t, ks)
+        else:
+            if md.logprob_rows is not None and mode.startswith("raw"):
+                sel = logits[md.logprob_rows]
+                lp_src = sel.log_softmax(dim=-1) if mode == "raw_logprobs" else sel
+            greedy, processed = target_logits(sampler, logits, md)
+            is_greedy = torch.from_numpy(batch.temperature[rows] < 1e-5).to(dev)
+            gens = {b: md.generators[int(s)] for b, s in enumerate(starts.tolist()) if int(s) in md.generators}
+            out = rejection_sample(greedy, processed, is_greedy, flat_t, ks, None, gens)
+        res = torch.cat([out.num_emitted.unsqueeze(1), out.token_ids], dim=1).tolist()  # one copy to the host
+        counts = [row[0] for row in res]
+        tokens = [row[1 : 1 + row[0]] for row in res]
         if md.logprob_rows is None:
             return tokens, None
+        assert processed is not None
         if lp_src is None:
             sel = processed[md.logprob_rows]
             lp_src = sel.log_softmax(dim=-1) if mode == "processed_logprobs" else sel

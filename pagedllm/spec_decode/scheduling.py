@@ -81,12 +81,6 @@ class SpecDecodeScheduling:
         req.spec_in_flight = extra
         return num_new + extra, min(reserve, max(0, max_model_len - computed - num_new - extra))
 
-    @staticmethod
-    def may_have_stopped(req: Request, target: int) -> bool:
-        """Async mode: whether the verification in flight may have reached the request's length limit (then
-        it waits for that result instead of being scheduled past it)."""
-        return target + req.spec_in_flight >= req.stop_len
-
     def update(self, requests: dict[str, Request], sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Count acceptance and correct the requests' computed tokens: synchronously, roll back the rejected
         proposals; in async mode the step counted one token per decode, so add the accepted ones (unless the

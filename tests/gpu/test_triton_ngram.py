@@ -21,7 +21,7 @@ require_triton_device()
 from pagedllm.sample.rejection_sampler import VerifyOutput, greedy_verify  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 from pagedllm.spec_decode import triton_ngram  # noqa: E402
-from pagedllm.spec_decode.async_ngram import DeviceHistory, fixup_graph_inputs_torch  # noqa: E402
+from pagedllm.spec_decode.async_ngram import DeviceHistory, fixup_graph_inputs  # noqa: E402
 from pagedllm.worker.input_batch import CachedRequestState  # noqa: E402
 
 
@@ -113,7 +113,7 @@ def test_fixup_matches_torch() -> None:
     slots = torch.from_numpy(hist.slots(ids)).to(dev)
     nd = torch.tensor([3, 0, 2, 3, 1, 3], device=dev)
     a, b = graphs(), graphs()
-    fixup_graph_inputs_torch(a, hist, slots, nd, [bs], max_len)
+    fixup_graph_inputs(a, hist, slots, nd, [bs], max_len)
     triton_ngram.fixup_graph_inputs(b, hist, slots, nd, [bs], max_len)
     for name in ("positions", "input_ids", "seq_lens"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
