@@ -5,7 +5,7 @@ first and falls back to its synchronous step where a request needs one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from pagedllm.spec_decode.async_ngram import (
     resolve_on_host,
 )
 from pagedllm.spec_decode.scheduling import can_speculate
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
 from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
 
@@ -49,6 +52,18 @@ class AsyncNgramSteps:
             from pagedllm.spec_decode import triton_ngram
 
             self._fixup = triton_ngram.fixup_graph_inputs
+        self.fused: FusedVerifyGraphs | None = None
+        """CUDA: the plain greedy step as one graph per batch size (`capture_fused`)."""
+
+    def capture_fused(self, r: ModelRunner) -> None:
+        """After the verification graphs' capture (CUDA), with `fused_graph.extra_words` in their header."""
+        from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
+
+        vg = r.verify_graphs
+        assert vg is not None and r.kv_cache_config is not None
+        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
+        self.fused = FusedVerifyGraphs(vg, self.history, r.model, sizes, r.max_model_len)
+        self.fused.capture()
 
     def begin(self, r: ModelRunner, so: SchedulerOutput) -> None:
         """After the batch took the scheduler's diffs: the requests that left give their history slots back,
@@ -120,6 +135,14 @@ class AsyncNgramSteps:
         hist, vg, batch, model, dev = self.history, r.verify_graphs, r.input_batch, r.model, r.device
         assert vg is not None and batch is not None
         n, q = x.num_reqs, vg.q
+        fused = self.fused
+        if fused is not None and fused.can_run(n):  # the whole step in one graph
+            sizes, width, _ = self._graph_fixup(r, x, None, None)
+            tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
+            result, event = fused.launch(dec.slots, dec.num_drafts, tables)
+            batch.num_computed_tokens[x.rows] = x.seq_lens
+            self.num_fast_steps += 1
+            return SpecPending(x.req_ids, np.arange(n), result, event)
         meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
         meta = torch.from_numpy(meta_h).to(dev, non_blocking=True)
         slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
@@ -147,7 +170,7 @@ class AsyncNgramSteps:
         )
 
     def _graph_fixup(
-        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor
+        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor | None, nd: torch.Tensor | None
     ) -> tuple[list[int], int, Any]:
         """(the KV groups' block sizes, the block-table width the step needs, the fix-up a verification graph
         runs after its upload) for a step of decodes whose histories sit in `slots`."""

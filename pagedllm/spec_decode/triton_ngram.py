@@ -32,16 +32,16 @@ if HAS_TRITON:
         i = tl.program_id(0)
         s = tl.load(slots_ptr + i)
         nd = tl.load(nd_ptr + i)
-        base = tl.load(lens_ptr + s) - 1
+        base = tl.maximum(tl.load(lens_ptr + s) - 1, 0)
         j = tl.arange(0, QP)
-        row = j < Q
+        row = (j < Q) & (nd + j * 0 >= 0)  # (nd -1: a padded request of a fused graph, whose inputs the host set)
         p = base + j
         if WRITE_IDS:
             last = tl.load(hist_ptr + s * stride_h + base).to(tl.int64)
             d = tl.load(drafts_ptr + s * stride_d + j - 1, mask=row & (j > 0), other=0)
             tl.store(ids_ptr + i * Q + j, tl.where(j == 0, last, d), mask=row)
             tl.store(pos_ptr + i * Q + j, p, mask=row)
-            tl.store(seq_ptr + i, (base + Q).to(tl.int32))
+            tl.store(seq_ptr + i + j, (base + Q).to(tl.int32), mask=row & (j == 0))
         valid = (j <= nd) & (p < max_len)
         pc = tl.minimum(p, max_len - 1)
         blk = tl.load(bt_ptr + i * stride_bt + pc // BS, mask=row, other=0).to(tl.int64)
@@ -64,6 +64,9 @@ if HAS_TRITON:
         length = tl.minimum(tl.load(lens_ptr + s), width - 2 * (K + 1))
         j = tl.arange(0, KP)
         col = j < K + 1
+        on = (nd >= 0).to(tl.int64)  # 0: a padded request of a fused graph (nd -1): its history is left as is
+        live = j * 0 + on > 0  # (a vector: the interpreter takes no 0-d mask)
+        nd = tl.maximum(nd, 0)
         if FROM_ARGMAX:  # greedy: proposals kept while they equal their row's argmax, then that row's argmax
             st = tl.load(starts_ptr + b)
             tgt = tl.load(am_ptr + st + tl.minimum(j, nd), mask=col, other=0)
@@ -78,9 +81,9 @@ if HAS_TRITON:
             cnt = tl.load(cnt_in_ptr + b)
         tl.store(cnt_out_ptr + b, cnt)
         tl.store(real_out_ptr + b, tl.minimum(tl.load(real_ptr + s), nd))
-        tl.store(h + length + j, tok.to(tl.int32), mask=j < cnt)
-        length = length + cnt
-        tl.store(lens_ptr + s, length)
+        tl.store(h + length + j, tok.to(tl.int32), mask=(j < cnt) & live)
+        length = length + cnt * on
+        tl.store(lens_ptr + s + j, length, mask=live & (j == 0))
         tl.debug_barrier()  # the appended tokens are visible to the search below
         # match[e]: how many tokens ending at e equal the history's suffix, consecutively (up to N_MAX), for
         # every earlier end e <= length - 2; the key orders by match length, then recency.
@@ -88,7 +91,7 @@ if HAS_TRITON:
         jv = tl.arange(0, NMP)
         sufv = tl.load(h + length - 1 - jv, mask=(jv < N_MAX) & (length - 1 - jv >= 0), other=-1)
         best = tl.full([BLOCK], -1, dtype=tl.int64)
-        hi = tl.where(length > N_MIN, length - 1, 0)  # (a history of at most N_MIN tokens proposes nothing)
+        hi = tl.where(length > N_MIN, length - 1, 0) * on  # (a history of at most N_MIN tokens proposes nothing)
         for e0 in range(0, hi, BLOCK):
             e = e0 + offs
             alive = e < hi
@@ -107,8 +110,8 @@ if HAS_TRITON:
         real = (idx < length) & (j < K)
         prop = tl.load(h + idx, mask=real, other=0)
         prop = tl.where(real, prop, last_tok)
-        tl.store(drafts_ptr + s * stride_d + j, prop.to(tl.int64), mask=j < K)
-        tl.store(real_ptr + s, tl.sum(real.to(tl.int64), axis=0))
+        tl.store(drafts_ptr + s * stride_d + j, prop.to(tl.int64), mask=(j < K) & live)
+        tl.store(real_ptr + s + j, tl.sum(real.to(tl.int64), axis=0), mask=live & (j == 0))
 
 
 def fixup_graph_inputs(

@@ -121,7 +121,10 @@ class CudaGraphRunner:
         device: torch.device,
         query_len: int = 1,
         pool: Any = None,
+        extra: int = 0,
     ) -> None:
+        """`extra`: int64 words more in the uploaded header (`self.extra`, host `self.extra_host`) for a user's
+        per-step device inputs (`spec_decode.fused_graph`)."""
         self.model = model
         self.q = query_len
         self.groups = groups
@@ -135,7 +138,8 @@ class CudaGraphRunner:
         # buffer, so a step uploads them with one copy from a host mirror of the same layout.
         n_groups = len(groups)
         ct = cap * query_len  # token rows
-        header = torch.zeros(ct * (2 + n_groups) + (cap + 1) // 2, dtype=torch.long, device=device)
+        seq_words = (cap + 1) // 2
+        header = torch.zeros(ct * (2 + n_groups) + seq_words + extra, dtype=torch.long, device=device)
         self._header = header
         self._header_host = np.zeros(header.shape[0], dtype=np.int64)
         host = self._header_host
@@ -145,6 +149,8 @@ class CudaGraphRunner:
         self._slots_host = [host[ct * (2 + g) : ct * (3 + g)] for g in range(n_groups)]
         self.seq_lens = header[ct * (2 + n_groups) :].view(torch.int32)[:cap]
         self._seq_host = host[ct * (2 + n_groups) :].view(np.int32)[:cap]
+        top = ct * (2 + n_groups) + seq_words
+        self.extra, self.extra_host = header[top:], host[top:]
         self.qsl = torch.arange(cap + 1, dtype=torch.int32, device=device) * query_len
         self.block_tables = [torch.zeros(cap, max_blocks_per_req, dtype=torch.int32, device=device) for _ in groups]
         self.graphs: dict[int, GraphEntry] = {}
@@ -231,8 +237,19 @@ class CudaGraphRunner:
         """Replays the q-row graph for n requests of q rows each whose ids, positions, slots and lengths `fixup`
         writes on the device after the upload (the host sets only the padded requests': slot -1, seq_len 0);
         returns the hidden states of the n * q rows, request by request."""
+        size = self.stage_fixed(n, block_tables)
+        fixup(self)
+        graph, out, _ = self.graphs[size]
+        graph.replay()
+        self.num_padded_runs += 1
+        return out[: n * self.q]
+
+    def stage_fixed(self, n: int, block_tables: list[np.ndarray], size: int | None = None) -> int:
+        """`run_fixed`'s upload: the padded requests' rows (from n to the captured size, or to `size`: slot -1,
+        seq_len 0), `extra` as the caller set it, and the block tables; returns the captured size."""
         q = self.q
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if size is None:
+            size = self.sizes[bisect.bisect_left(self.sizes, n)]
         t0, t = n * q, size * q
         self._ids_host[t0:t] = 0
         self._pos_host[t0:t] = 0
@@ -240,11 +257,7 @@ class CudaGraphRunner:
             sm[t0:t] = -1
         self._seq_host[n:size] = 0
         upload_inputs(self._header, self._header_host, self.input_ids, None, self.block_tables, block_tables, n)
-        fixup(self)
-        graph, out, _ = self.graphs[size]
-        graph.replay()
-        self.num_padded_runs += 1
-        return out[:t0]
+        return size
 
     def run_padded(
         self,

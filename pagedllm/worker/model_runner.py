@@ -234,11 +234,17 @@ class ModelRunner:
         )
         self.cuda_graphs.capture()
         if self.spec is not None and self.lora is None:  # (LoRA's per-token slots follow the flat rows)
+            from pagedllm.spec_decode.fused_graph import extra_words
+
+            steps = self.spec.async_steps
             self.verify_graphs = CudaGraphRunner(
                 self.model, groups, self.builders, self.max_num_reqs, max_blocks, self.max_model_len, self.device,
                 query_len=self.spec.k + 1, pool=self.cuda_graphs.pool,
+                extra=extra_words(self.max_num_reqs) if steps is not None else 0,
             )  # fmt: skip
             self.verify_graphs.capture()
+            if steps is not None and self.mm is None:
+                steps.capture_fused(self)
         self.mixed_graphs, self.piecewise = capture_mixed_step_graphs(self)  # prefill and mixed steps, where they apply
 
     # ---- one step ------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, 
     if eager:
         assert runner.verify_graphs is None
     else:  # verification steps replayed the k + 1-row graphs
-        assert runner.verify_graphs is not None and runner.verify_graphs.num_padded_runs > 0
-        if async_scheduling:  # the plain greedy steps' path
-            assert runner.spec.async_steps.num_fast_steps > 0
+        assert runner.verify_graphs is not None
+        steps = runner.spec.async_steps
+        if async_scheduling:  # the plain greedy steps' path: the fused graphs
+            assert steps.num_fast_steps > 0 and steps.fused is not None and steps.fused.num_runs > 0
+        else:
+            assert runner.verify_graphs.num_padded_runs > 0

@@ -119,3 +119,37 @@ def test_fixup_matches_torch() -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(a.slots[0], b.slots[0])
     assert int((a.slots[0] == -1).sum()) > 0
+
+
+def test_padded_requests_are_skipped() -> None:
+    """A fused graph's padded requests (proposal count -1) leave their graph rows and the histories as they are."""
+    k, bs, max_len = 3, 16, 200
+    hist, ids = _history(11, k, 1, 3, max_len)
+    dev = torch.device(DEVICE)
+    n, q = len(ids), k + 1
+    tables = [(torch.arange(n * (max_len // bs + 1), dtype=torch.int32).view(n, -1) * 5 + 1).to(dev)]
+    g = SimpleNamespace(q=q, positions=torch.full((n * q,), 7, dtype=torch.long, device=dev),
+                        input_ids=torch.full((n * q,), 9, dtype=torch.long, device=dev), block_tables=tables,
+                        seq_lens=torch.full((n,), 3, dtype=torch.int32, device=dev),
+                        slots=[torch.full((n * q,), -1, dtype=torch.long, device=dev)])  # fmt: skip
+    slots = torch.from_numpy(hist.slots(ids)).to(dev)
+    nd = torch.tensor([2, -1, 3, -1, 0, -1], device=dev)
+    live = (nd >= 0).cpu()
+    before = copy.deepcopy(hist)
+    triton_ngram.fixup_graph_inputs(g, hist, slots, nd, [bs], max_len)
+    rows = live.repeat_interleave(q)
+    assert bool((g.positions.cpu()[~rows] == 7).all()) and bool((g.input_ids.cpu()[~rows] == 9).all())
+    assert bool((g.slots[0].cpu()[~rows] == -1).all()) and bool((g.seq_lens.cpu()[~live] == 3).all())
+    assert bool((g.seq_lens.cpu()[live] != 3).all())
+    starts = torch.arange(n, device=dev) * q
+    am = torch.randint(0, 7, (n * q,), device=dev)
+    _, cnt, _ = triton_ngram.verify_append_propose(hist, slots, nd, starts, am)
+    for i, rid in enumerate(ids):
+        s = hist.slot_of[rid]
+        if bool(live[i]):
+            assert int(hist.lens[s]) == int(before.lens[s]) + int(cnt[i])
+        else:
+            assert int(hist.lens[s]) == int(before.lens[s])
+            assert torch.equal(hist.hist[s].cpu(), before.hist[s].cpu())
+            assert torch.equal(hist.drafts[s].cpu(), before.drafts[s].cpu())
+            assert int(hist.num_real[s]) == int(before.num_real[s])
