@@ -110,25 +110,30 @@ def force_acceptance(rate: float, k: int) -> None:
     accepts each proposal with probability `rate` given the previous ones (the real verification runs)."""
     import pagedllm.spec_decode.runner as runner_mod
 
-    real = runner_mod.rejection_sample
     rng = np.random.default_rng(0)
 
-    def forced(*args: Any, **kw: Any) -> Any:
-        out = real(*args, **kw)
-        num_draft = args[4]
-        drafts = args[3].tolist()
-        acc = np.minimum((rng.random((len(num_draft), k)) < rate).cumprod(axis=1).sum(axis=1), num_draft)
-        toks = out.token_ids.clone()
-        starts = np.cumsum(num_draft) - num_draft
-        for b, (m, s) in enumerate(zip(acc.tolist(), starts.tolist())):
-            toks[b, :m] = torch.tensor(drafts[s : s + m], dtype=toks.dtype)
-            toks[b, m] = out.token_ids[b, 0]
-            toks[b, m + 1 :] = -1
-        out.token_ids = toks
-        out.num_emitted = torch.from_numpy(acc + 1).to(out.num_emitted.device)
-        return out
+    def wrap(real: Any, drafts_arg: int, num_draft_arg: int) -> Any:
+        """`real` (the rejection sampler, or its all-greedy case `greedy_verify`) with its verdict replaced."""
 
-    runner_mod.rejection_sample = forced
+        def forced(*args: Any, **kw: Any) -> Any:
+            out = real(*args, **kw)
+            num_draft = args[num_draft_arg]
+            drafts = args[drafts_arg].tolist()
+            acc = np.minimum((rng.random((len(num_draft), k)) < rate).cumprod(axis=1).sum(axis=1), num_draft)
+            toks = out.token_ids.clone()
+            starts = np.cumsum(num_draft) - num_draft
+            for b, (m, s) in enumerate(zip(acc.tolist(), starts.tolist())):
+                toks[b, :m] = torch.tensor(drafts[s : s + m], dtype=toks.dtype)
+                toks[b, m] = out.token_ids[b, 0]
+                toks[b, m + 1 :] = -1
+            out.token_ids = toks
+            out.num_emitted = torch.from_numpy(acc + 1).to(out.num_emitted.device)
+            return out
+
+        return forced
+
+    runner_mod.rejection_sample = wrap(runner_mod.rejection_sample, 3, 4)
+    runner_mod.greedy_verify = wrap(runner_mod.greedy_verify, 1, 2)
 
     class Always:
         def propose(self, req_ids, token_ids, rows, num_tokens, caps):  # noqa: ANN001, ANN201

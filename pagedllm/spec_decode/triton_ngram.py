@@ -104,7 +104,7 @@ if HAS_TRITON:
             key = tl.where(m >= N_MIN, m * (width + 1) + e, -1)
             best = tl.maximum(best, key)
         top = tl.max(best, axis=0)
-        last_tok = tl.load(h + length - 1)
+        last_tok = tl.load(h + tl.maximum(length - 1, 0))  # (a padded request's slot may hold no tokens)
         end = tl.where(top >= 0, top % (width + 1), length)  # (no match: every index past the history)
         idx = end + 1 + j
         real = (idx < length) & (j < K)

@@ -54,14 +54,16 @@ def mixed_graph_max_tokens(runner: Any) -> int:
     """The largest padded token count of a `ModelRunner`'s (typed Any: its module imports this one) graphs for
     prefill and mixed steps: min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) (default 2,048: bigger
     steps are device-bound anyway, a 2,048-token prefill of an 8B model being ~50 ms of GEMMs), or 0 where they
-    do not apply: LoRA, speculative and multimodal steps take the eager path's inputs, pooling models, MoE models,
-    and tensor parallelism (not yet measured)."""
+    do not apply: LoRA and multimodal steps take the eager path's inputs, as does speculation whose proposer
+    reads the target's hidden states (EAGLE: its hooks catch intermediate layers), pooling models, MoE models,
+    and tensor parallelism (not yet measured). N-gram and draft-model speculation take them: a batch-1 request's
+    prompt otherwise ran eagerly, ~10 ms of host launches for SmolLM2 (NOTES, session 22)."""
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, runner.max_num_tokens)
     if (
         max_tokens < 64
         or runner.cuda_graphs is None
         or runner.lora is not None
-        or runner.spec is not None
+        or (runner.spec is not None and runner.spec.config.method not in ("ngram", "draft_model"))
         or runner.mm is not None
         or runner.config.parallel_config.tensor_parallel_size > 1
         or runner.model_config.runner_type != "generate"

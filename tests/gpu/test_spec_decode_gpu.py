@@ -69,3 +69,39 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, 
             assert steps.num_fast_steps > 0 and steps.fused is not None and steps.fused.num_runs > 0
         else:
             assert runner.verify_graphs.num_padded_runs > 0
+
+
+@pytest.mark.parametrize(
+    "method,async_scheduling",
+    [("ngram", True), ("ngram", False), ("draft_model", False)],
+    ids=["ngram_async", "ngram_sync", "draft_model"],
+)
+def test_spec_decode_prefill_graphs_gpu(method: str, async_scheduling: bool, tmp_path) -> None:  # noqa: ANN001
+    """With room for whole prompts in a step, n-gram and draft-model speculation run their prefill and mixed
+    steps through the whole-step graphs (EAGLE does not: its hooks read the target's intermediate layers), and
+    the greedy outputs still equal HF's."""
+    tdir, ddir = tmp_path / "t", tmp_path / "d"
+    hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
+    make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
+    rng = random.Random(7)
+    base = [rng.randrange(VOCAB) for _ in range(12)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 40, 17)] + [base * 3, base * 2 + [3]]
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
+    spec = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"method": "draft_model", "model": str(ddir), "num_speculative_tokens": 3}
+    )
+    llm = LLM(
+        str(tdir), dtype="float32", skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=256,
+        speculative_config=spec, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    # one request first (its prefill alone), then the rest together (prefills beside decodes)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], sp, use_tqdm=False)
+    outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[1:]], sp, use_tqdm=False)
+    for p, o, r in zip(prompts, outs, refs):
+        compare_greedy(hf, p, list(o.outputs[0].token_ids), r, torch.float32)
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    graphs = runner.mixed_graphs or runner.piecewise
+    assert graphs is not None and graphs.num_runs > 0
