@@ -110,48 +110,6 @@ if HAS_TRITON:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
-    @triton.jit
-    def _rows_gemv_kernel(
-        x_ptr,  # [M, K] activations (M <= BLOCK_M rows, unit column stride)
-        w_ptr,  # [N, K] weight
-        b_ptr,  # [N] bias (HAS_BIAS)
-        y_ptr,  # [M, N] out
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        HAS_BIAS: tl.constexpr,
-        EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """Program p: outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of every row, the weight tile streamed once and
-        multiplied on the tensor cores with the rows padded to BLOCK_M (16: the smallest MMA tile)."""
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                k_ok = k0 + rk < K
-                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            acc = tl.dot(x, tl.trans(w), acc)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
 
 @dataclass
 class RowGemvLoRA:
@@ -240,58 +198,6 @@ def row_gemv(
     if lora is not None:
         lora.done = True
     return y
-
-
-def rows_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `rows_gemv` for m rows and a 16-bit [n, k] weight."""
-    return 16, min(256, max(16, next_pow2(k))), 4, 2
-
-
-def rows_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """`x @ weight.T + bias` for a few rows x [M <= 16, K] (CUDA, Triton), in x's dtype: the weight streamed once
-    through the tensor cores. cuBLAS runs such products at ~1.3x the batch-1 row GEMV's time (speculative
-    verification at batch 1: M = k + 1; NOTES, session 22)."""
-    assert HAS_TRITON, "Triton is not installed"
-    m, k = x.shape
-    n = weight.shape[0]
-    assert 0 < m <= ROWS_GEMV_BLOCK_M and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
-    bn, bk, nw, ns = config or rows_gemv_config(m, n, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _rows_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=ROWS_GEMV_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=nw, num_stages=ns,
-    )  # fmt: skip
-    return y
-
-
-ROWS_GEMV_BLOCK_M = 16
-
-
-def rows_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `UnquantizedLinearMethod` runs x @ weight.T through `rows_gemv`: 2 to PAGEDLLM_ROWS_GEMV_MAX_M
-    16-bit rows on CUDA (0: off)."""
-    return (
-        HAS_TRITON
-        and x.is_cuda
-        and x.dim() == 2
-        and 1 < x.shape[0] <= _rows_gemv_max_m()
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
-
-
-@functools.cache
-def _rows_gemv_max_m() -> int:
-    return min(int(envs.PAGEDLLM_ROWS_GEMV_MAX_M), ROWS_GEMV_BLOCK_M)
 
 
 def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
