@@ -12,14 +12,16 @@ root=$PWD
 BEFORE=${BEFORE:-$root/.carry_before}
 model=${SPEC_MODEL:-/tmp/smollm2.gguf}
 [ -f "$model" ] || { echo "spec_ab: no $model"; exit 1; }
+i=0
 for round in $(seq 1 "${1:-2}"); do
     for side in ${SPEC_SIDES:-off before after}; do
+        i=$((i + 1))
         dir=$root spec=on
         case $side in before) dir=$BEFORE ;; off) spec=off ;; esac
         (cd "$dir" && PYTHONPATH=.:${PYTHONPATH:-} timeout 240 python3 benchmarks/spec_decode_bench.py \
-            --mode ngram --model "$model" --batches 1,16 --spec "$spec" --out "$OUT/${side}_$round.json" \
-            ${SPEC_ARGS:-} > "$OUT/${side}_$round.log" 2>&1)
-        echo "== round $round $side: rc $?"
-        grep -E "^ngram " "$OUT/${side}_$round.log" | sed "s/^/$side $round: /"
+            --mode ngram --model "$model" --batches 1,16 --spec "$spec" --out "$OUT/${i}_$side.json" \
+            ${SPEC_ARGS:-} > "$OUT/${i}_$side.log" 2>&1)
+        echo "== run $i ($side): rc $?"
+        grep -E "^ngram " "$OUT/${i}_$side.log" | sed "s/^/$side $i: /"
     done
 done

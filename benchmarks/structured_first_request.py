@@ -1,10 +1,15 @@
 """First-token latency of the first structured request an engine ever sees (a new JSON schema of common field
 types), against a plain request, on the built-in SmolLM2 (issue 16, acceptance 5). Run it with
 PAGEDLLM_STRUCTURED_WARMUP=0 and =1 in separate processes: without the warm-up the first schema pays for reading
-the vocabulary into xgrammar and for its rules' token masks."""
+the vocabulary into xgrammar and for its rules' token masks.
+
+    python benchmarks/structured_first_request.py                      (the built-in SmolLM2)
+    python benchmarks/structured_first_request.py --model benchmarks/workloads/qwen3-0.6b --tokenizer DIR
+                                                                       (W1's shape, dummy weights)"""
 
 from __future__ import annotations
 
+import argparse
 import time
 import uuid
 
@@ -27,7 +32,14 @@ def user_schema() -> dict:
 
 
 def main() -> None:
-    llm = LLM(disable_log_stats=True, max_model_len=512)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a config directory (dummy weights); default: the built-in model")
+    ap.add_argument("--tokenizer", default=None, help="with --model: the tokenizer directory")
+    a = ap.parse_args()
+    kw: dict = {}
+    if a.model:
+        kw = {"model": a.model, "tokenizer": a.tokenizer, "load_format": "dummy", "dtype": "bfloat16"}
+    llm = LLM(disable_log_stats=True, max_model_len=512, **kw)
     time.sleep(4)  # the warm-up (if on) runs in a compile thread meanwhile
 
     def ttft(sp: SamplingParams) -> float:

@@ -77,6 +77,15 @@ class SpecDecodeRunner:
         f = getattr(self.proposer, "bytes_per_block", None)
         return f() if f is not None else 0
 
+    def capture_graphs(self, r: ModelRunner) -> None:
+        """After the target's verification graphs (CUDA): the async steps' fused graphs, the proposer's own."""
+        if self.async_steps is not None and r.mm is None:
+            self.async_steps.capture_fused(r)
+        capture = getattr(self.proposer, "capture_graphs", None)
+        if capture is not None:
+            assert r.verify_graphs is not None
+            capture(r.verify_graphs.pool)
+
     def initialize_kv_cache(self, num_blocks: int, alloc: Any) -> None:
         """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`model_runner.alloc_zeroed`)."""
         init = getattr(self.proposer, "initialize_kv_cache", None)

@@ -243,8 +243,7 @@ class ModelRunner:
                 extra=extra_words(self.max_num_reqs) if steps is not None else 0,
             )  # fmt: skip
             self.verify_graphs.capture()
-            if steps is not None and self.mm is None:
-                steps.capture_fused(self)
+            self.spec.capture_graphs(self)
         self.mixed_graphs, self.piecewise = capture_mixed_step_graphs(self)  # prefill and mixed steps, where they apply
 
     # ---- one step ------------------------------------------------------------------------------

@@ -69,6 +69,9 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, 
             assert steps.num_fast_steps > 0 and steps.fused is not None and steps.fused.num_runs > 0
         else:
             assert runner.verify_graphs.num_padded_runs > 0
+        if method == "draft_model":  # the draft's catch-up and one-token forwards replayed its own graphs
+            draft = runner.spec.proposer
+            assert draft.graphs is not None and draft.catchup_graphs.num_padded_runs > 0
 
 
 @pytest.mark.parametrize(
