@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--dummy", action="store_true", help="dummy weights (load_format=dummy)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--lookup-min", type=int, default=2, help="n-gram: prompt_lookup_min")
+    ap.add_argument("--lookup-max", type=int, default=4, help="n-gram: prompt_lookup_max")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument(
         "--ignore-eos", action="store_true", help="generate max_tokens each (default: stop at EOS, as a user would)"
@@ -265,7 +267,12 @@ def main() -> None:
             prompts = synthetic_prompts(a.requests, 49152)
         else:
             prompts = grounded_prompts(get_tokenizer(model), a.requests)
-        spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": a.k,
+            "prompt_lookup_max": a.lookup_max,
+            "prompt_lookup_min": a.lookup_min,
+        }
         cfgs = [
             ("off", {}),
             ("sync", {"async_scheduling": False}),
