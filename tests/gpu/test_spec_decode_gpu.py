@@ -21,6 +21,18 @@ from tests.hf_utils import compare_greedy, hf_greedy  # noqa: E402
 from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
 
 
+def _target_and_spec(method: str, tmp_path) -> tuple:  # noqa: ANN001
+    """(the tiny float32 target's directory, its HF model on the GPU, the speculative config: n-gram, or a
+    one-layer draft sharing its vocabulary)."""
+    tdir, ddir = tmp_path / "t", tmp_path / "d"
+    hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
+    if method == "ngram":
+        ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return tdir, hf, ngram
+    make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
+    return tdir, hf, {"method": "draft_model", "model": str(ddir), "num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize(
     "method,async_scheduling",
@@ -28,18 +40,11 @@ from tests.utils_model import VOCAB, make_tiny_hf_model  # noqa: E402
     ids=["ngram_async", "ngram_sync", "draft_model"],
 )
 def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, eager: bool, tmp_path) -> None:  # noqa: ANN001
-    tdir, ddir = tmp_path / "t", tmp_path / "d"
-    hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
-    make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
+    tdir, hf, spec = _target_and_spec(method, tmp_path)
     rng = random.Random(5)
     base = [rng.randrange(VOCAB) for _ in range(10)]
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (4, 21, 37, 9)] + [base * 3, base * 2 + [1, 2]]
     refs = [hf_greedy(hf, p, 24) for p in prompts]
-    spec = (
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-        if method == "ngram"
-        else {"method": "draft_model", "model": str(ddir), "num_speculative_tokens": 3}
-    )
     llm = LLM(
         str(tdir),
         dtype="float32",
@@ -83,18 +88,11 @@ def test_spec_decode_prefill_graphs_gpu(method: str, async_scheduling: bool, tmp
     """With room for whole prompts in a step, n-gram and draft-model speculation run their prefill and mixed
     steps through the whole-step graphs (EAGLE does not: its hooks read the target's intermediate layers), and
     the greedy outputs still equal HF's."""
-    tdir, ddir = tmp_path / "t", tmp_path / "d"
-    hf = make_tiny_hf_model("llama", tdir, seed=0).to("cuda")
-    make_tiny_hf_model("llama", ddir, seed=1, overrides={"num_hidden_layers": 1})
+    tdir, hf, spec = _target_and_spec(method, tmp_path)
     rng = random.Random(7)
     base = [rng.randrange(VOCAB) for _ in range(12)]
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 40, 17)] + [base * 3, base * 2 + [3]]
     refs = [hf_greedy(hf, p, 24) for p in prompts]
-    spec = (
-        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-        if method == "ngram"
-        else {"method": "draft_model", "model": str(ddir), "num_speculative_tokens": 3}
-    )
     llm = LLM(
         str(tdir), dtype="float32", skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=256,
         speculative_config=spec, async_scheduling=async_scheduling,
