@@ -129,6 +129,9 @@ class DraftModelProposer:
         self.catchup_graphs = CudaGraphRunner(*args, query_len=self.k + 1, pool=self.graphs.pool)
         self.catchup_graphs.capture()
 
+    def release_graphs(self) -> None:
+        self.graphs = self.catchup_graphs = None
+
     def drop(self, req_id: str) -> None:
         st = self.states.pop(req_id, None)
         if st is not None:

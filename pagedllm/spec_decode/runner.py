@@ -86,6 +86,14 @@ class SpecDecodeRunner:
             assert r.verify_graphs is not None
             capture(r.verify_graphs.pool)
 
+    def release_graphs(self) -> None:
+        """(Sleep) drop the graphs `capture_graphs` made: they point at storages about to be released."""
+        if self.async_steps is not None:
+            self.async_steps.fused = None
+        release = getattr(self.proposer, "release_graphs", None)
+        if release is not None:
+            release()
+
     def initialize_kv_cache(self, num_blocks: int, alloc: Any) -> None:
         """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`model_runner.alloc_zeroed`)."""
         init = getattr(self.proposer, "initialize_kv_cache", None)

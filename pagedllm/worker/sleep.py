@@ -140,6 +140,9 @@ class WorkerSleeper:
     def sleep(self, level: int) -> int:
         runner = self.runner
         runner.cuda_graphs = runner.piecewise = runner.mixed_graphs = None  # they point at the storages released below
+        runner.verify_graphs = None
+        if runner.spec is not None:
+            runner.spec.release_graphs()
         freed = self.sleep_weights(level) + self.sleep_kv_cache()
         _release_device_cache(runner.device)
         logger.info("Sleep level %d: released %.2f GiB of %s memory", level, freed / 2**30, runner.device.type)

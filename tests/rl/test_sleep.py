@@ -115,3 +115,14 @@ def test_sleep1_bf16_packed_weights(dtype: str, rl_prompts: list[list[int]], tmp
     llm.wake_up()
     llm.update_weights({"update_info": {"checkpoint_path": str(tmp_path)}})
     assert_same(run(llm, rl_prompts), ref)
+
+
+def test_sleep_with_async_ngram_speculation(tiny_ckpts: tuple[str, str], rl_prompts: list[list[int]]) -> None:
+    """Speculation's own state (the device histories, the verification graphs where there are any) survives a
+    sleep / wake cycle: the same greedy outputs before and after."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(tiny_ckpts[0], **ENGINE_KW, speculative_config=spec, async_scheduling=True)
+    ref = run(llm, rl_prompts)
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert_same(run(llm, rl_prompts), ref)
