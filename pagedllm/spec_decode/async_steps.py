@@ -137,12 +137,12 @@ class AsyncNgramSteps:
         n, q = x.num_reqs, vg.q
         fused = self.fused
         if fused is not None and fused.can_run(n):  # the whole step in one graph
-            sizes, width, _ = self._graph_fixup(r, x, None, None)
+            sizes, width = self._tables_shape(r, x)
             tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
-            result, event = fused.launch(dec.slots, dec.num_drafts, tables)
+            host, done = fused.launch(dec.slots, dec.num_drafts, tables)
             batch.num_computed_tokens[x.rows] = x.seq_lens
             self.num_fast_steps += 1
-            return SpecPending(x.req_ids, np.arange(n), result, event)
+            return SpecPending(x.req_ids, np.arange(n), host, done)
         meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
         meta = torch.from_numpy(meta_h).to(dev, non_blocking=True)
         slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
@@ -169,14 +169,18 @@ class AsyncNgramSteps:
             and vg.can_run_padded(x.cu, x.seq_lens + self.k)
         )
 
-    def _graph_fixup(
-        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor | None, nd: torch.Tensor | None
-    ) -> tuple[list[int], int, Any]:
-        """(the KV groups' block sizes, the block-table width the step needs, the fix-up a verification graph
-        runs after its upload) for a step of decodes whose histories sit in `slots`."""
+    def _tables_shape(self, r: ModelRunner, x: StepInputs) -> tuple[list[int], int]:
+        """(the KV groups' block sizes, the block-table width) a step of decodes needs."""
         assert r.kv_cache_config is not None
         sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
-        width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+        return sizes, min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+
+    def _graph_fixup(
+        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor
+    ) -> tuple[list[int], int, Any]:
+        """(`_tables_shape`, and the fix-up a verification graph runs after its upload) for a step of decodes
+        whose histories sit in `slots`."""
+        sizes, width = self._tables_shape(r, x)
         hist, fixup, mml = self.history, self._fixup, r.max_model_len
 
         def fix(g: Any) -> None:
