@@ -220,14 +220,3 @@ class SpecPending:
 
 def pack(tokens: torch.Tensor, counts: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, counts.unsqueeze(1), real.unsqueeze(1)], dim=1)
-
-
-def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A non-blocking copy into pinned memory and an event after it (a CPU tensor passes through)."""
-    if t.device.type != "cuda":
-        return t, None
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return h, ev

@@ -18,7 +18,6 @@ from pagedllm.spec_decode import async_ngram
 from pagedllm.spec_decode.async_ngram import (
     DeviceHistory,
     SpecPending,
-    copy_to_host,
     decode_rows,
     pack,
     resolve_on_host,
@@ -27,6 +26,7 @@ from pagedllm.spec_decode.scheduling import can_speculate
 
 if TYPE_CHECKING:
     from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
+from pagedllm.worker.async_output import AsyncCopier
 from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
 
@@ -52,6 +52,8 @@ class AsyncNgramSteps:
             from pagedllm.spec_decode import triton_ngram
 
             self._fixup = triton_ngram.fixup_graph_inputs
+        self._copier = AsyncCopier()
+        """The emitted tokens' copies to the host (pinned, each followed by a reused event)."""
         self.fused: FusedVerifyGraphs | None = None
         """CUDA: the plain greedy step as one graph per batch size (`capture_fused`)."""
 
@@ -61,7 +63,7 @@ class AsyncNgramSteps:
 
         vg = r.verify_graphs
         assert vg is not None and r.kv_cache_config is not None
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
+        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]  # (per KV-cache group)
         self.fused = FusedVerifyGraphs(vg, self.history, r.model, sizes, r.max_model_len)
         self.fused.capture()
 
@@ -125,37 +127,43 @@ class AsyncNgramSteps:
         tokens, counts, real = self._verify_device(
             r, x, logits, sample_idx, (slots, nd, starts), slots_t, nd_t, starts_t, bound
         )
-        result, event = copy_to_host(pack(tokens, counts, real))
+        result, _, event = self._copier.copy(pack(tokens, counts, real), None)
         return SpecPending(x.req_ids, sample_idx, result, event, prompt_lp)
 
     def _launch_fast(self, r: ModelRunner, x: StepInputs, dec: Any) -> SpecPending:
-        """Plain greedy decodes only (the common step): the verification graph over the padded layout of q rows
-        per request, the logits of every row, the verdict kernel reading request i's rows from i * q; one upload
-        of the per-request arrays, no row gathers, no sampling metadata."""
-        hist, vg, batch, model, dev = self.history, r.verify_graphs, r.input_batch, r.model, r.device
-        assert vg is not None and batch is not None
-        n, q = x.num_reqs, vg.q
-        fused = self.fused
-        if fused is not None and fused.can_run(n):  # the whole step in one graph
-            sizes, width = self._tables_shape(r, x)
-            tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
-            host, done = fused.launch(dec.slots, dec.num_drafts, tables)
-            batch.num_computed_tokens[x.rows] = x.seq_lens
-            self.num_fast_steps += 1
-            return SpecPending(x.req_ids, np.arange(n), host, done)
-        meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
-        meta = torch.from_numpy(meta_h).to(dev, non_blocking=True)
-        slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
-        sizes, width, fix = self._graph_fixup(r, x, slots_t, nd_t)
+        """Plain greedy decodes only (the common step): the whole step as one graph (`fused_graph`), or, past
+        its sizes, the verification graph over the padded layout of q rows per request, the logits of every
+        row, the verdict kernel reading request i's rows from i * q; one upload of the per-request arrays, no
+        row gathers, no sampling metadata."""
+        batch = r.input_batch
+        assert batch is not None
+        n = x.num_reqs
+        sizes, width = self._tables_shape(r, x)
         tables = [t[x.rows, : -(-width // bs)] for t, bs in zip(batch.block_tables, sizes)]
-        hidden = vg.run_fixed(n, tables, fix)
+        fused = self.fused
+        if fused is not None and fused.can_run(n):
+            packed = fused.launch(dec.slots, dec.num_drafts, tables)
+        else:
+            packed = self._launch_fixed(r, dec, tables, width)
+        result, _, event = self._copier.copy(packed, None)
+        batch.num_computed_tokens[x.rows] = x.seq_lens
+        self.num_fast_steps += 1
+        return SpecPending(x.req_ids, np.arange(n), result, event)
+
+    def _launch_fixed(self, r: ModelRunner, dec: Any, tables: list[np.ndarray], width: int) -> torch.Tensor:
+        """`_launch_fast` through the q-row verification graph, its logits, argmax and verdict launched apart:
+        the packed result on the device."""
+        hist, vg, model = self.history, r.verify_graphs, r.model
+        assert vg is not None
+        n, q = len(dec.slots), vg.q
+        meta_h = np.concatenate([dec.slots, dec.num_drafts, np.arange(n) * q])
+        meta = torch.from_numpy(meta_h).to(r.device, non_blocking=True)
+        slots_t, nd_t, starts_t = meta[:n], meta[n : 2 * n], meta[2 * n :]
+        hidden = vg.run_fixed(n, tables, self._fix(r, slots_t, nd_t))
         am = triton_argmax.argmax_rows(model.compute_logits(hidden))
         bound = width + 2 * self.k + 2
         tokens, counts, real = hist.advance(slots_t, nd_t, starts_t, (dec.slots, dec.num_drafts), bound, argmax=am)
-        batch.num_computed_tokens[x.rows] = x.seq_lens
-        result, event = copy_to_host(pack(tokens, counts, real))
-        self.num_fast_steps += 1
-        return SpecPending(x.req_ids, np.arange(n), result, event)
+        return pack(tokens, counts, real)
 
     def _graph_ok(self, r: ModelRunner, x: StepInputs, dec: Any) -> bool:
         """Whether the step (decodes only, within the verification graphs) replays them."""
@@ -175,26 +183,24 @@ class AsyncNgramSteps:
         sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
         return sizes, min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
 
-    def _graph_fixup(
-        self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor
-    ) -> tuple[list[int], int, Any]:
-        """(`_tables_shape`, and the fix-up a verification graph runs after its upload) for a step of decodes
-        whose histories sit in `slots`."""
-        sizes, width = self._tables_shape(r, x)
+    def _fix(self, r: ModelRunner, slots: torch.Tensor, nd: torch.Tensor) -> Any:
+        """The fix-up a verification graph runs after its upload, for decodes whose histories sit in `slots`."""
+        assert r.kv_cache_config is not None
+        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
         hist, fixup, mml = self.history, self._fixup, r.max_model_len
 
         def fix(g: Any) -> None:
             fixup(g, hist, slots, nd, sizes, mml)
 
-        return sizes, width, fix
+        return fix
 
     def _replay_forward(self, r: ModelRunner, x: StepInputs, slots: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
         """The verification graph's forward, its inputs fixed up on the device from the histories."""
         vg, batch = r.verify_graphs, r.input_batch
         assert vg is not None and batch is not None
-        sizes, width, fix = self._graph_fixup(r, x, slots, nd)
+        sizes, width = self._tables_shape(r, x)
         tables, slot_map = tables_and_slots(batch.block_tables, sizes, x.rows, x.req_of_token, x.positions, width)
-        return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=fix)
+        return vg.run_padded(x.input_ids, x.seq_lens, x.cu, slot_map, tables, fixup=self._fix(r, slots, nd))
 
     def _forward_async(self, r: ModelRunner, x: StepInputs, dec: Any) -> torch.Tensor:
         """A step of decodes only replays the verification graph with its inputs fixed up on the device;

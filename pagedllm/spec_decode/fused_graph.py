@@ -4,9 +4,10 @@ The graph runs, on the device alone: the q-row graph's input fix-up from the req
 (`triton_ngram.fixup_graph_inputs`), the forward over q rows per request, the logits of every row, their argmax,
 the verdict + history append + next proposals (`triton_ngram.verify_append_propose`), and the packed result
 (`async_ngram.pack`). The host's share of a step is then one header upload (the q-row graph's padding rows, each
-request's history slot and proposal count in `CudaGraphRunner.extra`), the block tables, the replay, and the
-result's copy into a pinned buffer of a small ring: at batch 1 the step was host-bound (NOTES, session 21: ~1.25
-ms of host per step against 0.87 ms on the device, the launches after the forward costing several hundred us).
+request's history slot and proposal count in `CudaGraphRunner.extra`), the block tables and the replay (the
+caller copies the result to the host). Launched apart, the step's logits, argmax and verdict kernels cost
+the host a few hundred us per step; at batch 16 the fused step ran 1.2-1.3x faster (NOTES, session 22), at
+batch 1, where the device bounds the step, as fast.
 
 Requests past n in a captured size are padding: proposal count -1, which both kernels skip (their graph rows
 keep the host's slot -1 / seq_len 0, and no history is touched).
@@ -32,9 +33,6 @@ MAX_SIZE = 32
 """Captured sizes up to this many requests (the logits of size * q rows stay in the graph pool; the host's share
 of a step matters most at small batches)."""
 
-RING = 3
-"""Pinned result buffers: step N's is read after N + 1 is launched, so at most two are in use."""
-
 
 def extra_words(max_size: int) -> int:
     """The `CudaGraphRunner.extra` words the fused graphs need: each request's history slot and proposal count."""
@@ -59,10 +57,6 @@ class FusedVerifyGraphs:
         self._slots_host, self._nd_host = vg.extra_host[:cap], vg.extra_host[cap : 2 * cap]
         self.starts = torch.arange(cap, dtype=torch.long, device=vg.device) * vg.q
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        width = history.k + 3
-        self._ring = [torch.empty(cap, width, dtype=torch.long, pin_memory=True) for _ in range(RING)]
-        self._events = [torch.cuda.Event() for _ in range(RING)]
-        self._next = 0
         self.num_runs = 0
         """Replays (tests and stats)."""
 
@@ -103,11 +97,9 @@ class FusedVerifyGraphs:
     def can_run(self, n: int) -> bool:
         return 0 < n <= self.sizes[-1]
 
-    def launch(
-        self, slots: np.ndarray, num_drafts: np.ndarray, block_tables: list[np.ndarray]
-    ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Replays the graph for n = len(slots) decodes (history slots, proposal rows each) and starts its
-        result's copy: (the pinned result [n, K + 3] as `SpecPending.result` reads it, the event after it)."""
+    def launch(self, slots: np.ndarray, num_drafts: np.ndarray, block_tables: list[np.ndarray]) -> torch.Tensor:
+        """Replays the graph for n = len(slots) decodes (history slots, proposal rows each): their packed result
+        [n, K + 3] on the device (`async_ngram.pack`), valid until the next replay."""
         n = len(slots)
         size = self.sizes[int(np.searchsorted(self.sizes, n))]
         self._slots_host[:n] = slots
@@ -118,9 +110,4 @@ class FusedVerifyGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         self.num_runs += 1
-        i = self._next
-        self._next = (i + 1) % RING
-        buf, ev = self._ring[i], self._events[i]
-        buf[:size].copy_(out, non_blocking=True)
-        ev.record()
-        return buf[:n], ev
+        return out[:n]
