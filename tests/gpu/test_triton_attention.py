@@ -316,6 +316,16 @@ def test_split_kv_decode(num_splits: int, dtype: torch.dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("num_splits", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_few_query_rows(num_splits: int, dtype: torch.dtype) -> None:
+    """Speculative verification's shape: k + 1 query rows per request in one decode tile, split across key
+    segments. Contexts put the rows' diagonal across a 128-key tile boundary, so some segments hold no key
+    that the first rows may see (their partials are empty and must merge to nothing)."""
+    ctx = [126, 0, 124, 300, 1000, 127, 2]
+    run_case([5, 5, 3, 5, 5, 2, 5], ctx, num_heads=9, num_kv_heads=3, dtype=dtype, num_splits=num_splits, seed=5)
+
+
 def test_split_kv_mixed_batch() -> None:
     run_case([50, 1, 1], [100, 333, 7], num_heads=6, num_kv_heads=2, num_splits=4, seed=11)
 

@@ -40,15 +40,19 @@ if HAS_TRITON:
 _LOG2E = 1.4426950408889634
 
 
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
-    """Segments per query tile for the split-KV path: >1 only for pure-decode batches under one wave.
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device, group: int = 1
+) -> int:
+    """Segments per query tile for the split-KV path: >1 only for batches of one tile per request (decodes,
+    or a few query rows per request: `max_query_len * group <= 16`, as speculative verification runs) under
+    one wave.
 
     With 128-key tiles a decode program holds ~128 KB of shared memory, so one runs per SM: a batch of
     fewer (request, kv head) pairs than SMs leaves SMs idle (figures: benchmarks/NOTES.md, "Tuning
     figures behind code heuristics"). Depends on host-known batch shape only (never on context lengths), so
     a CUDA graph captured for a batch size stays a good choice whatever lengths are replayed through it.
     """
-    if max_query_len != 1 or device.type != "cuda":
+    if (max_query_len > 1 and max_query_len * group > 16) or device.type != "cuda":
         return 1
     sms = num_sms(device)
     ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)

@@ -110,6 +110,46 @@ if HAS_TRITON:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
+    @triton.jit
+    def _rows_gemv_kernel(
+        x_ptr,  # [M, K] activations, M <= M_PAD
+        w_ptr,  # [N, K] weight
+        b_ptr,  # [N] bias (HAS_BIAS)
+        y_ptr,  # [M, N] out
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+        M_PAD: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """One weight row per program against every row of x (held with the float32 partial sums in
+        registers): the weight streams once, as in the one-row kernel, and each extra row costs FMAs only."""
+        n = tl.program_id(0)
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.arange(0, M_PAD)
+        m_ok = rm < M
+        w_row = w_ptr + n.to(tl.int64) * stride_wn
+        x_rows = x_ptr + rm[:, None] * stride_xm
+        acc = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_row + k0 + rk, eviction_policy="evict_first")
+                x = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = k0 + rk < K
+                w = tl.load(w_row + k0 + rk, mask=k_ok, other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n + rm * 0).to(tl.float32)
+        tl.store(y_ptr + rm * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=m_ok)
+
 
 @dataclass
 class RowGemvLoRA:
@@ -198,6 +238,71 @@ def row_gemv(
     if lora is not None:
         lora.done = True
     return y
+
+
+ROWS_GEMV_MAX_M = 8  # the few-row kernel's M_PAD bound (registers: M_PAD x BLOCK_K float32 per program)
+
+
+def rows_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_K, num_warps, num_stages) of the few-row GEMV (benchmarks/rows_gemv_bench.py sweeps them)."""
+    return min(512 if m <= 4 else 256, next_pow2(k)), 4, 1
+
+
+def rows_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` for x [M, K] with 2 <= M <= ROWS_GEMV_MAX_M (CUDA, Triton, no tensor cores), in
+    x's dtype. Speculative verification at batch 1 runs k + 1 rows, where cuBLAS takes 3.7-4.0 us a linear
+    against the one-row kernel's ~2.7 (H100, benchmarks/NOTES.md, session 22)."""
+    assert HAS_TRITON, "Triton is not installed"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= ROWS_GEMV_MAX_M and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
+    bk, nw, ns = config or rows_gemv_config(m, n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _rows_gemv_kernel[(n,)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % bk == 0,
+        M_PAD=max(2, next_pow2(m)),
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+    )
+    return y
+
+
+def rows_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `UnquantizedLinearMethod` runs x @ weight.T through `rows_gemv`: 2..PAGEDLLM_ROWS_GEMV_MAX_M
+    16-bit rows on CUDA (0 turns it off)."""
+    return (
+        HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and 2 <= x.shape[0] <= _rows_gemv_max_m()
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+@functools.cache
+def _rows_gemv_max_m() -> int:
+    return min(ROWS_GEMV_MAX_M, int(envs.PAGEDLLM_ROWS_GEMV_MAX_M))
 
 
 def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
