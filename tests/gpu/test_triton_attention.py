@@ -316,14 +316,17 @@ def test_split_kv_decode(num_splits: int, dtype: torch.dtype) -> None:
     )
 
 
-@pytest.mark.parametrize("num_splits", [4, 16])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_kv_few_query_rows(num_splits: int, dtype: torch.dtype) -> None:
-    """Speculative verification's shape: k + 1 query rows per request in one decode tile, split across key
-    segments. Contexts put the rows' diagonal across a 128-key tile boundary, so some segments hold no key
-    that the first rows may see (their partials are empty and must merge to nothing)."""
+@pytest.mark.parametrize("q", [5, 8, 10])
+def test_few_query_rows(q: int, num_splits: int, dtype: torch.dtype) -> None:
+    """Speculative verification's shape: k + 1 query rows per request in one tile (16 rows up to q = 5 with a
+    group of 3, 32 rows up to q = 10), with decodes beside them, whole or split across key segments. Contexts
+    put the rows' diagonal across a 128-key tile boundary, so some segments hold no key that the first rows
+    may see (their partials are empty and must merge to nothing)."""
     ctx = [126, 0, 124, 300, 1000, 127, 2]
-    run_case([5, 5, 3, 5, 5, 2, 5], ctx, num_heads=9, num_kv_heads=3, dtype=dtype, num_splits=num_splits, seed=5)
+    q_lens = [q, q, 3, 1, q, 2, q]
+    run_case(q_lens, ctx, num_heads=9, num_kv_heads=3, dtype=dtype, num_splits=num_splits, seed=q + num_splits)
 
 
 def test_split_kv_mixed_batch() -> None:

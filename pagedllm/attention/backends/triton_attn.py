@@ -116,9 +116,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
         num_splits = md.num_splits
         if num_splits is None:
-            num_splits = choose_num_splits(
-                md.num_reqs, self.num_kv_heads, md.max_query_len, query.device, self.num_heads // self.num_kv_heads
-            )
+            num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
         paged_attention(
             query,
             k_cache,

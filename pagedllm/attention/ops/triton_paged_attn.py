@@ -32,7 +32,7 @@ from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton
 from pagedllm.utils import next_pow2
 
-__all__ = ["HAS_TRITON", "choose_num_splits", "launch_config", "paged_attention", "reshape_and_cache"]
+__all__ = ["HAS_TRITON", "choose_num_splits", "launch_config", "one_tile_rows", "paged_attention", "reshape_and_cache"]
 
 if HAS_TRITON:
     from pagedllm.attention.ops import triton_paged_attn_kernels as kern
@@ -40,19 +40,18 @@ if HAS_TRITON:
 _LOG2E = 1.4426950408889634
 
 
-def choose_num_splits(
-    num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device, group: int = 1
-) -> int:
-    """Segments per query tile for the split-KV path: >1 only for batches of one tile per request (decodes,
-    or a few query rows per request: `max_query_len * group <= 16`, as speculative verification runs) under
-    one wave.
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Segments per query tile for the split-KV path: >1 only for pure-decode batches under one wave. (The
+    kernel also splits launches of a few query rows per request, but speculative verification at batch 1 ran
+    no faster with them on its short contexts (H100, benchmarks/NOTES.md, session 23), and every split count
+    is one more compile variant for small prompt-only steps.)
 
     With 128-key tiles a decode program holds ~128 KB of shared memory, so one runs per SM: a batch of
     fewer (request, kv head) pairs than SMs leaves SMs idle (figures: benchmarks/NOTES.md, "Tuning
     figures behind code heuristics"). Depends on host-known batch shape only (never on context lengths), so
     a CUDA graph captured for a batch size stays a good choice whatever lengths are replayed through it.
     """
-    if (max_query_len > 1 and max_query_len * group > 16) or device.type != "cuda":
+    if max_query_len != 1 or device.type != "cuda":
         return 1
     sms = num_sms(device)
     ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)
@@ -61,16 +60,29 @@ def choose_num_splits(
     return min(16, 1 << (ratio.bit_length() - 1))  # largest power of two <= ratio
 
 
+def one_tile_rows(max_query_len: int, group: int) -> int | None:
+    """BLOCK_M of a launch where every request's query rows fit one tile (decodes; speculative verification's
+    k + 1 rows), else None. Up to 32 rows, so that k = 5..7 verifications (SmolLM2's group of 3: 18-24 rows) do
+    not fall to the 128-row prefill tile (k = 5 cost 1.14 ms a step against 0.98 at k = 4, H200,
+    benchmarks/NOTES.md, session 22)."""
+    min_m = max(16, next_pow2(group))
+    if max_query_len == 1:
+        return min_m
+    rows = max_query_len * group
+    return None if rows > 32 else max(min_m, next_pow2(rows))
+
+
 def launch_config(head_size: int, group: int, dtype: torch.dtype, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages) for a batch; BLOCK_M counts (token, q head) rows."""
     head_pad = next_pow2(head_size)
     elem = 4 if dtype == torch.float32 else 2
     min_m = max(16, next_pow2(group))
-    if max_query_len * group <= 16:  # decode-dominated: a single 16-row tile per request
+    one_tile = one_tile_rows(max_query_len, group)
+    if one_tile is not None:  # decode-dominated: a single tile per request
         # Big key tiles keep many bytes in flight (NOTES, tuning figures); one K tile at most 32 KB so two
         # stages of K and V fit in shared memory.
         tile_n = max(16, min(128, 32768 // (head_pad * elem)))
-        return min_m, tile_n, 4, 2
+        return one_tile, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
     # 128 rows x 32 keys; 8 warps for GQA group 2, 4 for group >= 4 (NOTES, tuning figures).
@@ -174,7 +186,7 @@ def paged_attention(
         # at once, which for a mixed step's decode launch over a 16k-token batch meant ~2k empty programs per
         # kv head (~80 us per layer on the H200). Chunk launches never go direct, so they compile to one
         # variant whatever the chunk lengths (the start-up warm-up compiles it on short chunks).
-        direct = filt == 1 or (max_query_len * group <= 16 and max_query_len <= block_q)
+        direct = filt == 1 or (one_tile_rows(max_query_len, group) is not None and max_query_len <= block_q)
         num_q_tiles = num_reqs if direct else num_actual_tokens // block_q + num_reqs
         kern._paged_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
             output,

@@ -123,32 +123,37 @@ if HAS_TRITON:
         stride_wn,
         stride_ym,
         HAS_BIAS: tl.constexpr,
-        EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+        EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0
         M_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """One weight row per program against every row of x (held with the float32 partial sums in
-        registers): the weight streams once, as in the one-row kernel, and each extra row costs FMAs only."""
-        n = tl.program_id(0)
+        """BLOCK_N weight rows per program against every row of x, on the CUDA cores: the weight streams once,
+        as in the one-row kernel; each K step's x tile is loaded once for the program's BLOCK_N rows (with one
+        row per program, re-reading x for every weight row cost more than the weight itself)."""
+        pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         rm = tl.arange(0, M_PAD)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
-        w_row = w_ptr + n.to(tl.int64) * stride_wn
-        x_rows = x_ptr + rm[:, None] * stride_xm
-        acc = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)
+        n_ok = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_row + k0 + rk, eviction_policy="evict_first")
-                x = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None], other=0.0)
+            if EVEN:
+                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
             else:
                 k_ok = k0 + rk < K
-                w = tl.load(w_row + k0 + rk, mask=k_ok, other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M_PAD, BLOCK_N, BLOCK_K]
+            acc += tl.sum(prod, axis=2)
         if HAS_BIAS:
-            y += tl.load(b_ptr + n + rm * 0).to(tl.float32)
-        tl.store(y_ptr + rm * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=m_ok)
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @dataclass
@@ -243,9 +248,9 @@ def row_gemv(
 ROWS_GEMV_MAX_M = 8  # the few-row kernel's M_PAD bound (registers: M_PAD x BLOCK_K float32 per program)
 
 
-def rows_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_K, num_warps, num_stages) of the few-row GEMV (benchmarks/rows_gemv_bench.py sweeps them)."""
-    return min(512 if m <= 4 else 256, next_pow2(k)), 4, 1
+def rows_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMV (benchmarks/rows_gemv_bench.py sweeps them)."""
+    return 4, min(128, next_pow2(k)), 4, 1
 
 
 def rows_gemv(
@@ -253,7 +258,7 @@ def rows_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [M, K] with 2 <= M <= ROWS_GEMV_MAX_M (CUDA, Triton, no tensor cores), in
     x's dtype. Speculative verification at batch 1 runs k + 1 rows, where cuBLAS takes 3.7-4.0 us a linear
@@ -262,9 +267,9 @@ def rows_gemv(
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= ROWS_GEMV_MAX_M and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
-    bk, nw, ns = config or rows_gemv_config(m, n, k)
+    bn, bk, nw, ns = config or rows_gemv_config(m, n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _rows_gemv_kernel[(n,)](
+    _rows_gemv_kernel[(triton.cdiv(n, bn),)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -276,8 +281,9 @@ def rows_gemv(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        EVEN_K=k % bk == 0,
+        EVEN=n % bn == 0 and k % bk == 0,
         M_PAD=max(2, next_pow2(m)),
+        BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=nw,
         num_stages=ns,
