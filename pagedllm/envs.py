@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
-    PAGEDLLM_ROWS_GEMV_MAX_M: int
     PAGEDLLM_FUSED_ROPE_CACHE: bool
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
     PAGEDLLM_WORKLOADS_DIR: str | None
@@ -118,8 +117,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FP32_LOGITS": _flag("PAGEDLLM_FP32_LOGITS"),
     # The batch-1 row GEMV for 16-bit linear layers on CUDA (model_executor/layers/triton_gemv.py).
     "PAGEDLLM_ROW_GEMV": _flag("PAGEDLLM_ROW_GEMV"),
-    # The few-row GEMV (2..this many rows, at most 8) for 16-bit linear layers on CUDA; 0: cuBLAS.
-    "PAGEDLLM_ROWS_GEMV_MAX_M": lambda: int(os.environ.get("PAGEDLLM_ROWS_GEMV_MAX_M", "0")),
     # RoPE fused with the KV-cache write in the Triton attention backend.
     "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
     # A file to log every Triton compile to, with the engine's phase (worker/compile_log.py).

@@ -101,8 +101,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if triton_gemv.row_gemv_enabled(x, weight):  # batch-1 decode: one launch, no split-K reduce
             # A LoRA layer's shrink rides along (lora/layers.py), saving its launch.
             return triton_gemv.row_gemv(x, weight, bias, lora=getattr(layer, "row_gemv_lora", None))
-        if triton_gemv.rows_gemv_enabled(x, weight):  # a few rows: speculative verification, small batches
-            return triton_gemv.rows_gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
 

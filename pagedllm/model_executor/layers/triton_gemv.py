@@ -110,51 +110,6 @@ if HAS_TRITON:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
-    @triton.jit
-    def _rows_gemv_kernel(
-        x_ptr,  # [M, K] activations, M <= M_PAD
-        w_ptr,  # [N, K] weight
-        b_ptr,  # [N] bias (HAS_BIAS)
-        y_ptr,  # [M, N] out
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        HAS_BIAS: tl.constexpr,
-        EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0
-        M_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """BLOCK_N weight rows per program against every row of x, on the CUDA cores: the weight streams once,
-        as in the one-row kernel; each K step's x tile is loaded once for the program's BLOCK_N rows (with one
-        row per program, re-reading x for every weight row cost more than the weight itself)."""
-        pid = tl.program_id(0)
-        rk = tl.arange(0, BLOCK_K)
-        rm = tl.arange(0, M_PAD)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN:
-                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            else:
-                k_ok = k0 + rk < K
-                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M_PAD, BLOCK_N, BLOCK_K]
-            acc += tl.sum(prod, axis=2)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
 
 @dataclass
 class RowGemvLoRA:
@@ -243,72 +198,6 @@ def row_gemv(
     if lora is not None:
         lora.done = True
     return y
-
-
-ROWS_GEMV_MAX_M = 8  # the few-row kernel's M_PAD bound (registers: M_PAD x BLOCK_K float32 per program)
-
-
-def rows_gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-row GEMV (benchmarks/rows_gemv_bench.py sweeps them)."""
-    return 4, min(128, next_pow2(k)), 4, 1
-
-
-def rows_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """`x @ weight.T + bias` for x [M, K] with 2 <= M <= ROWS_GEMV_MAX_M (CUDA, Triton, no tensor cores), in
-    x's dtype. Speculative verification at batch 1 runs k + 1 rows, where cuBLAS takes 3.7-4.0 us a linear
-    against the one-row kernel's ~2.7 (H100, benchmarks/NOTES.md, session 22)."""
-    assert HAS_TRITON, "Triton is not installed"
-    m, k = x.shape
-    n = weight.shape[0]
-    assert 1 <= m <= ROWS_GEMV_MAX_M and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
-    bn, bk, nw, ns = config or rows_gemv_config(m, n, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _rows_gemv_kernel[(triton.cdiv(n, bn),)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN=n % bn == 0 and k % bk == 0,
-        M_PAD=max(2, next_pow2(m)),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=nw,
-        num_stages=ns,
-    )
-    return y
-
-
-def rows_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `UnquantizedLinearMethod` runs x @ weight.T through `rows_gemv`: 2..PAGEDLLM_ROWS_GEMV_MAX_M
-    16-bit rows on CUDA (0 turns it off)."""
-    return (
-        HAS_TRITON
-        and x.is_cuda
-        and x.dim() == 2
-        and 2 <= x.shape[0] <= _rows_gemv_max_m()
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
-
-
-@functools.cache
-def _rows_gemv_max_m() -> int:
-    return min(ROWS_GEMV_MAX_M, int(envs.PAGEDLLM_ROWS_GEMV_MAX_M))
 
 
 def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
