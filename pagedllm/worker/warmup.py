@@ -75,11 +75,12 @@ def run_dummy_batches(
     # budget leaves a prompt's last few tokens runs); decode batches of 1..64 requests compile the split-KV
     # variants that eager decoding (no CUDA graphs) picks by batch size.
     shapes = [([c], [0]), ([1, c], [16, 0]), ([1, c, c], [16, 0, 16]), ([1, 2], [16, 0])]
-    shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max_num_reqs]
     if device.type == "cuda":  # Triton's variants: steps of a few tokens per request (speculative verification,
         # short prompts) take one-tile launches of 16 or 32 rows (`one_tile_rows`, by the GQA group), alone and
-        # beside a decode
+        # beside a decode. (Before the decode batches, so that the last batch, whose logits warm up the sampler,
+        # stays the largest decode batch.)
         shapes += [s for q in (4, 8, 16, 32) for s in (([q], [0]), ([1, q], [16, 0]))]
+    shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max_num_reqs]
     # Models whose image tokens see their whole image: the attention's key-limit variants too (first two shapes).
     limited = bool(getattr(model, "requires_whole_mm_items", False))
     for i, (q_lens, ctx) in enumerate(shapes + (shapes[:2] if limited else [])):
