@@ -14,6 +14,7 @@ root=$PWD
 BEFORE=${BEFORE:-$root/.carry_before}
 model=${SPEC_MODEL:-/tmp/smollm2.gguf}
 [ -e "$model" ] || { echo "spec_ab: no $model"; exit 1; }
+[[ $model == /* ]] || model=$root/$model  # (the before side runs from its own folder)
 i=0
 for round in $(seq 1 "${1:-2}"); do
     for side in ${SPEC_SIDES:-off before after}; do
@@ -23,7 +24,6 @@ for round in $(seq 1 "${1:-2}"); do
         side=${side%%@*}
         dir=$root spec=on
         case $side in before) dir=$BEFORE ;; off) spec=off ;; esac
-        [[ $model == /* ]] || model=$root/$model
         (cd "$dir" && env "${envs[@]}" PYTHONPATH=.:${PYTHONPATH:-} timeout 240 python3 benchmarks/spec_decode_bench.py \
             --mode ngram --model "$model" --batches 1,16 --spec "$spec" --out "$OUT/${i}_$side.json" \
             ${SPEC_ARGS:-} > "$OUT/${i}_$side.log" 2>&1)

@@ -23,12 +23,12 @@ from pagedllm.spec_decode.async_ngram import (
     resolve_on_host,
 )
 from pagedllm.spec_decode.scheduling import can_speculate
-
-if TYPE_CHECKING:
-    from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
 from pagedllm.worker.async_output import AsyncCopier
 from pagedllm.worker.attn_inputs import tables_and_slots
 from pagedllm.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
 
 ModelRunner = Any
 """`worker.model_runner.ModelRunner` (not imported: it imports this package)."""
@@ -56,15 +56,16 @@ class AsyncNgramSteps:
         """The emitted tokens' copies to the host (pinned, each followed by a reused event)."""
         self.fused: FusedVerifyGraphs | None = None
         """CUDA: the plain greedy step as one graph per batch size (`capture_fused`)."""
+        self._sizes: list[int] | None = None
+        """The KV-cache groups' block sizes (fixed once the runner's cache exists; `_block_sizes`)."""
 
     def capture_fused(self, r: ModelRunner) -> None:
         """After the verification graphs' capture (CUDA), with `fused_graph.extra_words` in their header."""
         from pagedllm.spec_decode.fused_graph import FusedVerifyGraphs
 
         vg = r.verify_graphs
-        assert vg is not None and r.kv_cache_config is not None
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]  # (per KV-cache group)
-        self.fused = FusedVerifyGraphs(vg, self.history, r.model, sizes, r.max_model_len)
+        assert vg is not None
+        self.fused = FusedVerifyGraphs(vg, self.history, r.model, self._block_sizes(r), r.max_model_len)
         self.fused.capture()
 
     def begin(self, r: ModelRunner, so: SchedulerOutput) -> None:
@@ -177,17 +178,20 @@ class AsyncNgramSteps:
             and vg.can_run_padded(x.cu, x.seq_lens + self.k)
         )
 
+    def _block_sizes(self, r: ModelRunner) -> list[int]:
+        if self._sizes is None:
+            assert r.kv_cache_config is not None
+            self._sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
+        return self._sizes
+
     def _tables_shape(self, r: ModelRunner, x: StepInputs) -> tuple[list[int], int]:
         """(the KV groups' block sizes, the block-table width) a step of decodes needs."""
-        assert r.kv_cache_config is not None
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
-        return sizes, min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+        width = min(int(x.seq_lens.max()) + self.k, r.max_model_len)  # the true positions: up to k further
+        return self._block_sizes(r), width
 
     def _fix(self, r: ModelRunner, slots: torch.Tensor, nd: torch.Tensor) -> Any:
         """The fix-up a verification graph runs after its upload, for decodes whose histories sit in `slots`."""
-        assert r.kv_cache_config is not None
-        sizes = [g.spec.block_size for g in r.kv_cache_config.groups]
-        hist, fixup, mml = self.history, self._fixup, r.max_model_len
+        sizes, hist, fixup, mml = self._block_sizes(r), self.history, self._fixup, r.max_model_len
 
         def fix(g: Any) -> None:
             fixup(g, hist, slots, nd, sizes, mml)
