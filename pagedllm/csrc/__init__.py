@@ -2,7 +2,7 @@
 
 `paged_attn.c` (decode attention over the paged KV cache, cache writes), `prefill_attn.c` (blocked causal
 prefill attention over the paged cache), `layers.c` (fused residual + RMSNorm, rotary embedding) and
-`activation.c` (SiLU-and-mul), `gguf_mm.c` (matmuls with packed GGUF weights), `decode_stack.c` (a Llama
+`activation.c` (SiLU-and-mul), `gguf_mm.c` and `gguf_tile.c` (matmuls with packed GGUF weights), `decode_stack.c` (a Llama
 decode step's layers, calling the others). Each file is compiled with the system C compiler (about a
 second each) into one shared library in a cache directory keyed by the sources, the compiler and the CPU:
 no torch headers, no build step at install time. Where there is no compiler, or `PAGEDLLM_CPU_KERNELS=0`,
@@ -35,6 +35,7 @@ _SOURCES = {
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
     "gguf_mm.c": ["-fno-math-errno"],
+    "gguf_tile.c": ["-fno-math-errno", "-ffp-contract=off"],
     "decode_stack.c": [],
 }
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]

@@ -406,6 +406,21 @@ int gguf_set_isa(int level) {
 
 int gguf_block_bytes(int type) { return block_bytes(type); }
 
+static int g_tile = 1; /* AVX-512 VNNI: the column-tile kernel (gguf_tile.c) instead of the row kernels */
+
+/* Turns the column-tile kernel on or off (benchmarks and tests compare both); returns the previous setting. */
+int gguf_set_tile(int on) {
+    const int prev = g_tile;
+    g_tile = on != 0;
+    return prev;
+}
+
+#ifdef GGUF_X86
+/* gguf_tile.c: the AVX-512 VNNI kernel for the 32-element formats, output columns along the lanes. */
+int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
+                      const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads);
+#endif
+
 /* out[m * out_stride + n] (float32, or bfloat16 when out_bf16) for n < N, m < M. Rows of W are split
  * across threads in chunks; each chunk stays in cache while every group of ROWS_MAX activation rows
  * passes over it. Returns 0, or -1 for a type or K the kernels do not take. */
@@ -414,6 +429,10 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
     const int bb = block_bytes(type);
     if (bb == 0 || K % block_elems(type) != 0) return -1;
     if (g_isa < 0) gguf_set_isa(-1);
+#ifdef GGUF_X86
+    if (g_isa == 2 && g_tile && block_elems(type) == 32)
+        return gguf_mm_tile_vnni(type, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
+#endif
     const int simd = g_isa > 0 && block_elems(type) == 32, kquant_simd = g_isa > 0 && block_elems(type) == 256;
     const int64_t row_bytes = K / block_elems(type) * bb, nbx = K / 32;
     const int64_t chunk = 16, nchunks = (N + chunk - 1) / chunk;

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not gq.kernels_available(), reason="no C compile
 TYPES = [GGMLQuantizationType[name] for name in gq.PACKED_TYPES.values()]
 # Offsets of the float16 scale fields inside each block (random bytes there could be inf/NaN).
 _F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-SHAPES = [(1, 1, 1), (1, 37, 3), (3, 64, 5), (5, 19, 2), (17, 8, 1), (64, 33, 4)]  # (M, N, K blocks)
+# (M, N, K blocks); 40 blocks of 32 span three of the column-tile kernel's 16-block panels
+SHAPES = [(1, 1, 1), (1, 37, 3), (3, 64, 5), (5, 19, 2), (17, 8, 1), (64, 33, 4), (9, 21, 40)]
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -82,6 +83,37 @@ def test_matmul_matches_gguf_reference(qtype: GGMLQuantizationType, shape: tuple
     ref = x.double() @ w_ref.T
     bound = (x.double().abs().view(m, -1, 32).amax(-1, keepdim=True) / 65534).expand(m, k // 32, 32).reshape(m, k)
     assert ((y - ref).abs() <= bound @ w_ref.abs().T + 1e-5 * scale).all()
+
+
+TILE_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=[t.name for t in TILE_TYPES])
+def test_tile_kernel_is_batch_invariant(qtype: GGMLQuantizationType) -> None:
+    """AVX-512 VNNI's column-tile kernel gives every activation row the same bits whatever the number of rows
+    beside it (1 and 2-4 rows take its few-row path, more its transposed panels), and agrees with the row
+    kernels it replaced up to float32 rounding."""
+    if gq.set_isa(2) != 2:
+        gq.set_isa(-1)
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    try:
+        rng = np.random.default_rng(int(qtype))
+        n, k = 53, 32 * 37
+        w = gq.GGUFWeight(int(qtype), torch.from_numpy(random_blocks(qtype, n, k, rng)), n, k)
+        x = torch.from_numpy(rng.standard_normal((19, k)).astype(np.float32))
+        full = gq.gguf_matmul(x, [w])
+        for rows in (slice(0, 1), slice(5, 8), slice(3, 7), slice(0, 9), slice(2, 19)):
+            assert torch.equal(gq.gguf_matmul(x[rows], [w]), full[rows]), rows
+        for i in (0, 11, 18):
+            assert torch.equal(gq.gguf_matmul(x[i : i + 1], [w]), full[i : i + 1])
+        previous = gq.set_tile(False)
+        try:
+            rows_kernel = gq.gguf_matmul(x, [w])
+        finally:
+            gq.set_tile(previous)
+        torch.testing.assert_close(full, rows_kernel, rtol=1e-5, atol=1e-5 * float(rows_kernel.abs().max()))
+    finally:
+        gq.set_isa(-1)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=["Q4_1", "Q6_K"])

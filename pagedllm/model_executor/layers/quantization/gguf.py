@@ -41,6 +41,7 @@ def _lib() -> ctypes.CDLL | None:
     csrc.declare(lib, "gguf_mm", _int, [_int, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int])
     csrc.declare(lib, "gguf_dequantize", _int, [_int, _p, _i64, _i64, _p, _int])
     csrc.declare(lib, "gguf_set_isa", _int, [_int])
+    csrc.declare(lib, "gguf_set_tile", _int, [_int])
     return lib
 
 
@@ -55,6 +56,16 @@ def set_isa(level: int) -> int:
     if lib is None:
         raise RuntimeError("the GGUF CPU kernels are not available (no C compiler?)")
     return int(lib.gguf_set_isa(level))
+
+
+def set_tile(on: bool) -> bool:
+    """With AVX-512 VNNI, Q4_0 / Q4_1 / Q8_0 run the column-tile kernel (`csrc/gguf_tile.c`, the default) or,
+    off, the older row kernels of `csrc/gguf_mm.c` (benchmarks and tests compare them). Returns the previous
+    setting."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the GGUF CPU kernels are not available (no C compiler?)")
+    return bool(lib.gguf_set_tile(int(on)))
 
 
 def isa_name() -> str:

@@ -1,0 +1,319 @@
+/* AVX-512 VNNI matmul for GGUF's 32-element block formats (Q4_0, Q4_1, Q8_0) with the output columns along
+ * the vector lanes (built by pagedllm/csrc/__init__.py, called by gguf_mm.c).
+ *
+ * Why: `gguf_mm.c`'s row kernels dot one weight row with up to 4 activation rows along K, so every (weight row,
+ * activation row, block) pays a float conversion, a scale broadcast and an FMA next to its two integer dots,
+ * and the weight block is unpacked again for every 4 activation rows: 25-35 GMAC/s on a Zen 4 core at any
+ * batch, where `vpdpwssd` alone could do ~100. Here a tile of 16 weight rows is unpacked once per panel of
+ * blocks and transposed so that lane r holds row r's element pairs (2j, 2j+1): one `vpdpwssd` with a
+ * broadcast activation pair then advances 16 output columns, and the per-block float work (convert, scale,
+ * FMA) is shared by those 16 columns.
+ *
+ * Arithmetic (the same whatever the batch, so a request's logits do not depend on what it is batched with):
+ * for weight row n and activation row m, acc = fma((float)dot_b, d_nb * xd_mb, acc) and
+ * off = fma(o_nb, xs_mb, off) over the blocks b in order, dot_b the block's exact int32 integer dot, o the
+ * block's additive term per unit of the activation sum (Q4_1's m, Q4_0's -8 d, none for Q8_0); the result
+ * is acc + off.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+#define TILE 16  /* weight rows per tile: the 16 lanes of a zmm */
+#define PANEL 16 /* blocks unpacked at a time: 16 KiB of int16 pairs, kept in L1 while every row group passes */
+#define MR 8     /* activation rows per pass: 8 int32 + 8 x 2 float accumulators */
+#define PF_TILES 1 /* prefetch distance, in tiles */
+#define FEW_ROWS 4 /* up to this many activation rows: `tile_few_rows` (no transposition) */
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
+
+/* A block's 32 quants as 16 int32 lanes of int16 pairs. Q8_0: element order, pairs (2j, 2j + 1). Q4_0 / Q4_1:
+ * byte i holds element i (low nibble) and 16 + i (high), so lane i is the pair (i, 16 + i): one widening, one
+ * shift and one bit select (the activations are permuted to match, `pair_halves`). Q4_0's -8 is folded into
+ * the block's additive term. */
+TGT static inline __m512i unpack_block(const int type, const uint8_t* blk) {
+    if (type == T_Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 2)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + (type == T_Q4_0 ? 2 : 4))));
+    /* mask & (b | b << 12): bits 0-3 the low nibble, bits 16-19 the high one */
+    return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x000F000F), b, _mm512_slli_epi32(b, 12), 0xE0);
+}
+
+/* The float16 scale (and Q4_1's min) of block b of 16 rows in one gather: (d, additive term o). */
+TGT static inline void block_scales(const int type, const uint8_t* base, const __m512i idx, __m512* d, __m512* o) {
+    const __m512i g = _mm512_i32gather_epi32(idx, base, 1); /* d | second field << 16 */
+    *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    if (type == T_Q4_1)
+        *o = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    else if (type == T_Q4_0)
+        *o = _mm512_mul_ps(_mm512_set1_ps(-8.0f), *d);
+    else
+        *o = _mm512_setzero_ps();
+}
+
+/* Row offsets of a tile's 16 rows (rows past N repeat row N - 1) as gather indices. */
+TGT static inline __m512i row_index(int64_t row_bytes, int valid) {
+    return _mm512_mullo_epi32(_mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(valid - 1)),
+                              _mm512_set1_epi32((int32_t)row_bytes));
+}
+
+/* r[i] = row i of a 16 x 16 int32 matrix -> r[c] = column c. */
+TGT static inline void transpose16(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4g + k], 128-bit lane L: column 4L + k of rows 4g .. 4g + 3 */
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + k] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* Blocks [b0, b0 + npb) of weight rows [n0, n0 + TILE) (rows past N repeat row N - 1): pairs transposed into
+ * tw[pb * 16 + j] (lane r: row n0 + r's pair j), scales into dv[pb * 16 + r], additive terms into ov. */
+TGT static void unpack_panel(const int type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int64_t b0,
+                             int npb, __m512i* tw, float* dv, float* ov) {
+    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34;
+    if (n0 + (PF_TILES + 1) * TILE <= N) /* the same blocks of the next tile (see tile_few_rows) */
+        for (int i = 0; i < TILE; i++) {
+            const char* p = (const char*)(w + (n0 + PF_TILES * TILE + i) * row_bytes + b0 * bb);
+            for (int64_t l = 0; l < npb * bb; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+        }
+    const __m512i idx = row_index(row_bytes, N - n0 < TILE ? (int)(N - n0) : TILE);
+    for (int pb = 0; pb < npb; pb++) {
+        __m512i r[TILE];
+        for (int i = 0; i < TILE; i++) {
+            const int64_t n = n0 + i < N ? n0 + i : N - 1;
+            r[i] = unpack_block(type, w + n * row_bytes + (b0 + pb) * bb);
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512(tw + pb * 16 + j, r[j]);
+        __m512 d, o;
+        block_scales(type, w + n0 * row_bytes + (b0 + pb) * bb, idx, &d, &o);
+        _mm512_store_ps(dv + pb * 16, d);
+        _mm512_store_ps(ov + pb * 16, o);
+    }
+}
+
+/* `mr` activation rows (xq row stride K, block stats stride nbx) against one unpacked panel: the rows'
+ * accumulators acc / off (16 floats a row) carried in and out. */
+TGT __attribute__((always_inline)) static inline void panel_rows(const int has_off, const int mr, const __m512i* tw,
+                                                                  const float* dv, const float* ov, int npb,
+                                                                  const int16_t* xq, const float* xd, const float* xs,
+                                                                  int64_t K, int64_t nbx, int64_t b0, float* acc,
+                                                                  float* off) {
+    __m512 fa[MR], fo[MR];
+    for (int i = 0; i < mr; i++) {
+        fa[i] = _mm512_load_ps(acc + 16 * i);
+        fo[i] = _mm512_load_ps(off + 16 * i);
+    }
+    for (int pb = 0; pb < npb; pb++) {
+        const int64_t b = b0 + pb;
+        __m512i ia[MR];
+        for (int i = 0; i < mr; i++) ia[i] = _mm512_setzero_si512();
+        const __m512i* t = tw + pb * 16;
+        for (int j = 0; j < 16; j++) {
+            const __m512i wj = _mm512_load_si512(t + j);
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                ia[i] = _mm512_dpwssd_epi32(ia[i], wj, _mm512_set1_epi32(pair));
+            }
+        }
+        const __m512 d = _mm512_load_ps(dv + pb * 16);
+        for (int i = 0; i < mr; i++)
+            fa[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nbx + b])), fa[i]);
+        if (has_off) {
+            const __m512 o = _mm512_load_ps(ov + pb * 16);
+            for (int i = 0; i < mr; i++) fo[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * nbx + b]), fo[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm512_store_ps(acc + 16 * i, fa[i]);
+        _mm512_store_ps(off + 16 * i, fo[i]);
+    }
+}
+
+/* 16 int32 vectors -> one: lane r = the sum of p[r]'s lanes (exact integer sums, so the same as the panel
+ * path's). Pairwise unpacks (rows 2i, 2i + 1), then 64-bit unpacks (4 rows per 128-bit lane), then the four
+ * 128-bit lanes folded. */
+TGT static inline __m512i reduce16(const __m512i* p) {
+    __m512i a[8], c[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]),
+                                _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i x = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x44), _mm512_shuffle_i32x4(c[0], c[1], 0xEE));
+    const __m512i y = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x44), _mm512_shuffle_i32x4(c[2], c[3], 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
+}
+
+/* Few activation rows (decode): each block's 16 weight rows are unpacked once and dotted along K with every
+ * activation row, the 16 row sums gathered into lanes by `reduce16` (cheaper than `transpose16` when there
+ * are too few rows to share it). Writes the 16 output columns of `mr` rows to acc (16 floats a row). */
+TGT __attribute__((always_inline)) static inline void tile_few_rows(const int type, const int mr, const uint8_t* w,
+                                                                     int64_t row_bytes, int64_t n0, int64_t N,
+                                                                     const int16_t* xq, const float* xd,
+                                                                     const float* xs, int64_t K, float* acc) {
+    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, has_off = type != T_Q8_0;
+    const int64_t nbx = K / 32;
+    const uint8_t* rows[TILE];
+    for (int i = 0; i < TILE; i++) rows[i] = w + (n0 + i < N ? n0 + i : N - 1) * row_bytes;
+    const __m512i idx = row_index(row_bytes, N - n0 < TILE ? (int)(N - n0) : TILE);
+    __m512 fa[4], fo[4];
+    for (int i = 0; i < mr; i++) fa[i] = fo[i] = _mm512_setzero_ps();
+    /* The blocks are read across 16 rows at once, a pattern the hardware prefetchers miss (a decode step's
+     * weights streamed from memory ran at half the row kernels' speed without help): the next tile is
+     * prefetched meanwhile, a few lines a block (the distance and hint measured best on a Zen 4, where a
+     * whole SmolLM2 step then runs at 0.85-1.03x the row kernels' time at one row, 1.5x at 16). */
+    const char* ahead = (const char*)(w + (n0 + PF_TILES * TILE) * row_bytes);
+    const int64_t ahead_lines = n0 + (PF_TILES + 1) * TILE <= N ? TILE * row_bytes / 64 : 0;
+    for (int64_t b = 0; b < nbx; b++) {
+        for (int64_t l = b * ahead_lines / nbx; l < (b + 1) * ahead_lines / nbx; l++)
+            _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        __m512i wr[TILE];
+        for (int r = 0; r < TILE; r++) wr[r] = unpack_block(type, rows[r] + b * bb);
+        __m512 d, o;
+        block_scales(type, rows[0] + b * bb, idx, &d, &o);
+        for (int i = 0; i < mr; i++) {
+            const __m512i x = _mm512_loadu_si512(xq + i * K + b * 32);
+            __m512i p[TILE];
+            for (int r = 0; r < TILE; r++) p[r] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wr[r], x);
+            fa[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce16(p)), _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nbx + b])),
+                                    fa[i]);
+            if (has_off) fo[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * nbx + b]), fo[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_store_ps(acc + 16 * i, _mm512_add_ps(fa[i], fo[i]));
+}
+
+#define FEW_CALL(T, R) tile_few_rows(T, R, w, row_bytes, n0, N, xq, xd, xs, K, acc)
+#define FEW_SWITCH(T)                  \
+    switch (M) {                       \
+        case 1: FEW_CALL(T, 1); break; \
+        case 2: FEW_CALL(T, 2); break; \
+        case 3: FEW_CALL(T, 3); break; \
+        default: FEW_CALL(T, 4); break; \
+    }
+
+#define PANEL_CALL(H, R) panel_rows(H, R, tw, dv, ov, npb, y, yd, ys, K, nbx, b0, acc + m0 * 16, off + m0 * 16)
+#define PANEL_SWITCH(H)                         \
+    switch (mr) {                               \
+        case 1: PANEL_CALL(H, 1); break;        \
+        case 2: PANEL_CALL(H, 2); break;        \
+        case 3: PANEL_CALL(H, 3); break;        \
+        case 4: PANEL_CALL(H, 4); break;        \
+        case 5: PANEL_CALL(H, 5); break;        \
+        case 6: PANEL_CALL(H, 6); break;        \
+        case 7: PANEL_CALL(H, 7); break;        \
+        default: PANEL_CALL(H, 8); break;       \
+    }
+
+/* Q4_0 / Q4_1 pair element i with 16 + i (`unpack_block`): each block of 32 activations reordered to
+ * x0 x16 x1 x17 ... x15 x31 (Q8_0 keeps element order). */
+TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
+    const __m512i perm = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t i = 0; i < n; i += 32)
+        _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + i)));
+}
+
+/* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller); 0, or -1 when out of memory. */
+TGT int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
+                          const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads) {
+    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, has_off = type != T_Q8_0;
+    const int64_t nbx = K / 32, row_bytes = nbx * bb, ntiles = (N + TILE - 1) / TILE;
+    const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
+    int16_t* paired = NULL;
+    if (type != T_Q8_0) {
+        paired = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
+        if (paired == NULL) return -1;
+        pair_halves(xq, M * K, paired);
+        xq = paired;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        __m512i tw[PANEL * 16];
+        float dv[PANEL * 16] __attribute__((aligned(64))), ov[PANEL * 16] __attribute__((aligned(64)));
+        float* acc = aligned_alloc(64, (size_t)M * 16 * 2 * sizeof(float));
+        float* off = acc + M * 16;
+        if (acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < ntiles; tile++) {
+            if (acc == NULL) continue;
+            const int64_t n0 = tile * TILE;
+            const int valid = N - n0 < TILE ? (int)(N - n0) : TILE;
+            if (M <= FEW_ROWS) {
+                if (type == T_Q4_0) {
+                    FEW_SWITCH(T_Q4_0)
+                } else if (type == T_Q4_1) {
+                    FEW_SWITCH(T_Q4_1)
+                } else {
+                    FEW_SWITCH(T_Q8_0)
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const int64_t at = m * out_stride + n0;
+                    if (out_bf16)
+                        for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(acc[m * 16 + i]);
+                    else
+                        memcpy((float*)out + at, acc + m * 16, (size_t)valid * sizeof(float));
+                }
+                continue;
+            }
+            memset(acc, 0, (size_t)M * 16 * 2 * sizeof(float));
+            for (int64_t b0 = 0; b0 < nbx; b0 += PANEL) {
+                const int npb = nbx - b0 < PANEL ? (int)(nbx - b0) : PANEL;
+                unpack_panel(type, w, row_bytes, n0, N, b0, npb, tw, dv, ov);
+                for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                    const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    const int16_t* y = xq + m0 * K;
+                    const float* yd = xd + m0 * nbx;
+                    const float* ys = xs + m0 * nbx;
+                    if (has_off) {
+                        PANEL_SWITCH(1)
+                    } else {
+                        PANEL_SWITCH(0)
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++) {
+                float r[16] __attribute__((aligned(64)));
+                _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16)));
+                const int64_t at = m * out_stride + n0;
+                if (out_bf16)
+                    for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(r[i]);
+                else
+                    memcpy((float*)out + at, r, (size_t)valid * sizeof(float));
+            }
+        }
+        free(acc);
+    }
+    free(paired);
+    return failed ? -1 : 0;
+}
+#endif
