@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -408,17 +409,28 @@ int gguf_block_bytes(int type) { return block_bytes(type); }
 
 static int g_tile = 1; /* AVX-512 VNNI: the column-tile kernel (gguf_tile.c) instead of the row kernels */
 
-/* Turns the column-tile kernel on or off (benchmarks and tests compare both); returns the previous setting. */
+/* Turns the column-tile kernel on or off (benchmarks and tests compare both; -1: no change); returns the
+ * previous setting. */
 int gguf_set_tile(int on) {
     const int prev = g_tile;
-    g_tile = on != 0;
+    if (on >= 0) g_tile = on != 0;
     return prev;
 }
 
+/* The ISA level in use (gguf_set_isa's). */
+int gguf_isa(void) {
+    if (g_isa < 0) gguf_set_isa(-1);
+    return g_isa;
+}
+
+/* gguf_tile.c: the AVX-512 VNNI kernel for the 32-element formats (output columns along the lanes) and its
+ * tiled weight layout, flagged by GGUF_TILED in the type. */
+#define GGUF_TILED 0x100
+int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8_t* dst);
 #ifdef GGUF_X86
-/* gguf_tile.c: the AVX-512 VNNI kernel for the 32-element formats, output columns along the lanes. */
-int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
-                      const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads);
+int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
+                      const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
+                      int num_threads);
 #endif
 
 /* out[m * out_stride + n] (float32, or bfloat16 when out_bf16) for n < N, m < M. Rows of W are split
@@ -426,12 +438,28 @@ int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, const in
  * passes over it. Returns 0, or -1 for a type or K the kernels do not take. */
 int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
             const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads) {
+    if (g_isa < 0) gguf_set_isa(-1);
+    if (type & GGUF_TILED) { /* gguf_tile_pack's layout: its kernel, or the file's layout back for the others */
+        const int base = type & ~GGUF_TILED;
+        if ((base != T_Q4_0 && base != T_Q4_1 && base != T_Q8_0) || K % 32 != 0) return -1;
+#ifdef GGUF_X86
+        if (g_isa == 2 && g_tile)
+            return gguf_mm_tile_vnni(base, 1, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
+#endif
+        uint8_t* file = malloc((size_t)(N * (K / 32) * block_bytes(base)));
+        if (file == NULL || gguf_tile_unpack(base, w, N, K, file) != 0) {
+            free(file);
+            return -1;
+        }
+        const int rc = gguf_mm(base, file, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
+        free(file);
+        return rc;
+    }
     const int bb = block_bytes(type);
     if (bb == 0 || K % block_elems(type) != 0) return -1;
-    if (g_isa < 0) gguf_set_isa(-1);
 #ifdef GGUF_X86
     if (g_isa == 2 && g_tile && block_elems(type) == 32)
-        return gguf_mm_tile_vnni(type, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
+        return gguf_mm_tile_vnni(type, 0, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
 #endif
     const int simd = g_isa > 0 && block_elems(type) == 32, kquant_simd = g_isa > 0 && block_elems(type) == 256;
     const int64_t row_bytes = K / block_elems(type) * bb, nbx = K / 32;
@@ -473,6 +501,14 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
 
 /* Dequantizes rows [0, N) of W to float32 out[N, K] (the tests' and the no-SIMD prefill's reference). */
 int gguf_dequantize(int type, const uint8_t* w, int64_t N, int64_t K, float* out, int num_threads) {
+    if (type & GGUF_TILED) {
+        const int base = type & ~GGUF_TILED;
+        uint8_t* file = malloc((size_t)(N * (K / 32) * block_bytes(base)));
+        int rc = file == NULL || gguf_tile_unpack(base, w, N, K, file) != 0 ? -1
+                                                                          : gguf_dequantize(base, file, N, K, out, num_threads);
+        free(file);
+        return rc;
+    }
     const int bb = block_bytes(type), qk = block_elems(type);
     if (bb == 0 || K % qk != 0) return -1;
     const int64_t row_bytes = K / qk * bb;

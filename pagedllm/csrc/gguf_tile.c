@@ -21,11 +21,60 @@
 
 #include "bf16.h"
 
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
+#define TILE 16 /* weight rows per tile: the 16 lanes of a zmm */
+
+/* ---- the tiled layout (`gguf_tile_pack`): the same bits as the file's blocks, re-laid at load so that a tile's
+ * 16 rows need no transposition and are read in memory order ------------------------------------------------
+ * Per (tile of 16 rows, block), tile-major: the 16 rows' float16 d (32 B), Q4_1's 16 mins (32 B), then the
+ * quants as 16 chunks j, one per lane vector: Q4 chunk j = byte j of each row (16 B: elements j and 16 + j);
+ * Q8_0 chunk j = elements 2j, 2j + 1 of each row (32 B). Rows past N are zeros. */
+static int tile_bytes(int type) { return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544; }
+
+static int64_t tiled_size(int type, int64_t N, int64_t K) { return (N + TILE - 1) / TILE * (K / 32) * tile_bytes(type); }
+
+/* Between the file's layout (`file`, [N, K / 32 * block bytes]) and the tiled one (`tiled`, `tiled_size` bytes). */
+static void retile(int type, uint8_t* file, uint8_t* tiled, int64_t N, int64_t K, int to_tiled) {
+    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, tb = tile_bytes(type);
+    const int qoff = type == T_Q4_1 ? 64 : 32, qsrc = type == T_Q4_1 ? 4 : 2;
+    const int64_t nbx = K / 32, ntiles = (N + TILE - 1) / TILE;
+    if (to_tiled) memset(tiled, 0, (size_t)tiled_size(type, N, K));
+    for (int64_t t = 0; t < ntiles; t++)
+        for (int64_t b = 0; b < nbx; b++) {
+            uint8_t* tb_ = tiled + (t * nbx + b) * tb;
+            for (int r = 0; r < TILE && t * TILE + r < N; r++) {
+                uint8_t* blk = file + (t * TILE + r) * nbx * bb + b * bb;
+#define MOVE(F, T_) (to_tiled ? (*(T_) = *(F)) : (*(F) = *(T_)))
+                for (int i = 0; i < 2; i++) MOVE(blk + i, tb_ + 2 * r + i);
+                if (type == T_Q4_1)
+                    for (int i = 0; i < 2; i++) MOVE(blk + 2 + i, tb_ + 32 + 2 * r + i);
+                if (type == T_Q8_0)
+                    for (int j = 0; j < 16; j++)
+                        for (int i = 0; i < 2; i++) MOVE(blk + qsrc + 2 * j + i, tb_ + qoff + 32 * j + 2 * r + i);
+                else
+                    for (int j = 0; j < 16; j++) MOVE(blk + qsrc + j, tb_ + qoff + 16 * j + r);
+#undef MOVE
+            }
+        }
+}
+
+/* Q4_0 / Q4_1 / Q8_0 only (the caller checks); returns the tiled layout's size, or -1. `dst` NULL: the size. */
+int64_t gguf_tile_pack(int type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q8_0) || K % 32 || N < 1) return -1;
+    if (dst != NULL) retile(type, (uint8_t*)src, dst, N, K, 1);
+    return tiled_size(type, N, K);
+}
+
+/* The inverse: the file's layout back (for the dequantization and the kernels of other ISAs). */
+int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8_t* dst) {
+    if ((type != T_Q4_0 && type != T_Q4_1 && type != T_Q8_0) || K % 32 || N < 1) return -1;
+    retile(type, dst, (uint8_t*)tiled, N, K, 0);
+    return 0;
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
-#define TILE 16  /* weight rows per tile: the 16 lanes of a zmm */
 #define PANEL 16 /* blocks unpacked at a time: 16 KiB of int16 pairs, kept in L1 while every row group passes */
 #define MR 8     /* activation rows per pass: 8 int32 + 8 x 2 float accumulators */
 #define PF_TILES 1 /* prefetch distance, in tiles */
@@ -128,16 +177,24 @@ TGT __attribute__((always_inline)) static inline void panel_rows(const int has_o
     }
     for (int pb = 0; pb < npb; pb++) {
         const int64_t b = b0 + pb;
-        __m512i ia[MR];
-        for (int i = 0; i < mr; i++) ia[i] = _mm512_setzero_si512();
+        /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16 dependent
+         * `vpdpwssd` is latency-bound); integer sums, so the split changes nothing. */
+        const int chains = mr >= 4 ? 1 : mr == 1 ? 4 : 2;
+        __m512i ia[MR], ic[MR * 4];
+        for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
         const __m512i* t = tw + pb * 16;
         for (int j = 0; j < 16; j++) {
             const __m512i wj = _mm512_load_si512(t + j);
             for (int i = 0; i < mr; i++) {
                 int32_t pair;
                 memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
-                ia[i] = _mm512_dpwssd_epi32(ia[i], wj, _mm512_set1_epi32(pair));
+                __m512i* a = ic + i * chains + j % chains;
+                *a = _mm512_dpwssd_epi32(*a, wj, _mm512_set1_epi32(pair));
             }
+        }
+        for (int i = 0; i < mr; i++) {
+            ia[i] = ic[i * chains];
+            for (int c = 1; c < chains; c++) ia[i] = _mm512_add_epi32(ia[i], ic[i * chains + c]);
         }
         const __m512 d = _mm512_load_ps(dv + pb * 16);
         for (int i = 0; i < mr; i++)
@@ -208,6 +265,63 @@ TGT __attribute__((always_inline)) static inline void tile_few_rows(const int ty
     for (int i = 0; i < mr; i++) _mm512_store_ps(acc + 16 * i, _mm512_add_ps(fa[i], fo[i]));
 }
 
+/* Few activation rows on the tiled layout: each lane vector is unpacked straight into the dots (no scratch
+ * panel: for one row, storing and reloading the unpacked panel cost as much as the dots). */
+TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int type, const int mr, const uint8_t* src,
+                                                                      const int16_t* xq, const float* xd,
+                                                                      const float* xs, int64_t K, float* acc) {
+    const int tb = tile_bytes(type), chains = mr >= 4 ? 1 : mr == 1 ? 4 : 2;
+    const int64_t nbx = K / 32;
+    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    __m512 fa[MR], fo[MR];
+    for (int i = 0; i < mr; i++) fa[i] = fo[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbx; b++) {
+        const uint8_t* base = src + b * tb;
+        const uint8_t* q = base + (type == T_Q4_1 ? 64 : 32);
+        __m512i ic[8];
+        for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) {
+            __m512i w;
+            if (type == T_Q8_0) {
+                w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + 32 * j)));
+            } else {
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j)));
+                w = _mm512_ternarylogic_epi32(mask, v, _mm512_slli_epi32(v, 12), 0xE0);
+            }
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                __m512i* a = ic + i * chains + j % chains;
+                *a = _mm512_dpwssd_epi32(*a, w, _mm512_set1_epi32(pair));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+        __m512 o = _mm512_setzero_ps();
+        if (type == T_Q4_1) o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + 32)));
+        else if (type == T_Q4_0) o = _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
+        for (int i = 0; i < mr; i++) {
+            __m512i s = ic[i * chains];
+            for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, ic[i * chains + c]);
+            fa[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nbx + b])), fa[i]);
+            if (type != T_Q8_0) fo[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[i * nbx + b]), fo[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_store_ps(acc + 16 * i, _mm512_add_ps(fa[i], fo[i]));
+}
+
+#define TFEW_CALL(T, R) tiled_few_rows(T, R, w + tile * nbx * tile_bytes(T), y, yd, ys, K, a)
+#define TFEW_SWITCH(T)                  \
+    switch (mr) {                        \
+        case 1: TFEW_CALL(T, 1); break; \
+        case 2: TFEW_CALL(T, 2); break; \
+        case 3: TFEW_CALL(T, 3); break; \
+        case 4: TFEW_CALL(T, 4); break; \
+        case 5: TFEW_CALL(T, 5); break; \
+        case 6: TFEW_CALL(T, 6); break; \
+        case 7: TFEW_CALL(T, 7); break; \
+        default: TFEW_CALL(T, 8); break; \
+    }
+
 #define FEW_CALL(T, R) tile_few_rows(T, R, w, row_bytes, n0, N, xq, xd, xs, K, acc)
 #define FEW_SWITCH(T)                  \
     switch (M) {                       \
@@ -230,6 +344,34 @@ TGT __attribute__((always_inline)) static inline void tile_few_rows(const int ty
         default: PANEL_CALL(H, 8); break;       \
     }
 
+/* A panel of a tiled tile: the lane vectors as they are stored (no transposition), scales and terms. */
+TGT static void unpack_panel_tiled(const int type, const uint8_t* src, int npb, __m512i* tw, float* dv, float* ov) {
+    const int tb = tile_bytes(type);
+    for (int pb = 0; pb < npb; pb++) {
+        const uint8_t* base = src + pb * tb;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+        _mm512_store_ps(dv + pb * 16, d);
+        if (type == T_Q4_1)
+            _mm512_store_ps(ov + pb * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + 32))));
+        else if (type == T_Q4_0)
+            _mm512_store_ps(ov + pb * 16, _mm512_mul_ps(_mm512_set1_ps(-8.0f), d));
+        else
+            _mm512_store_ps(ov + pb * 16, _mm512_setzero_ps());
+        if (type == T_Q8_0) {
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512(tw + pb * 16 + j,
+                                   _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(base + 32 + 32 * j))));
+        } else {
+            const uint8_t* q = base + (type == T_Q4_1 ? 64 : 32);
+            const __m512i mask = _mm512_set1_epi32(0x000F000F);
+            for (int j = 0; j < 16; j++) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j)));
+                _mm512_store_si512(tw + pb * 16 + j, _mm512_ternarylogic_epi32(mask, b, _mm512_slli_epi32(b, 12), 0xE0));
+            }
+        }
+    }
+}
+
 /* Q4_0 / Q4_1 pair element i with 16 + i (`unpack_block`): each block of 32 activations reordered to
  * x0 x16 x1 x17 ... x15 x31 (Q8_0 keeps element order). */
 TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
@@ -239,9 +381,11 @@ TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
         _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + i)));
 }
 
-/* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller); 0, or -1 when out of memory. */
-TGT int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
-                          const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads) {
+/* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller), W in the file's layout or,
+ * `tiled`, in `gguf_tile_pack`'s; 0, or -1 when out of memory. */
+TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
+                          const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
+                          int num_threads) {
     const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, has_off = type != T_Q8_0;
     const int64_t nbx = K / 32, row_bytes = nbx * bb, ntiles = (N + TILE - 1) / TILE;
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
@@ -268,8 +412,23 @@ TGT int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, cons
             if (acc == NULL) continue;
             const int64_t n0 = tile * TILE;
             const int valid = N - n0 < TILE ? (int)(N - n0) : TILE;
-            if (M <= FEW_ROWS) {
-                if (type == T_Q4_0) {
+            if (tiled || M <= FEW_ROWS) {
+                if (tiled) { /* row groups of up to MR, each unpacking the tile again (from L1 / L2) */
+                    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                        const int64_t mr = M - m0 < MR ? M - m0 : MR;
+                        const int16_t* y = xq + m0 * K;
+                        const float* yd = xd + m0 * nbx;
+                        const float* ys = xs + m0 * nbx;
+                        float* a = acc + m0 * 16;
+                        if (type == T_Q4_0) {
+                            TFEW_SWITCH(T_Q4_0)
+                        } else if (type == T_Q4_1) {
+                            TFEW_SWITCH(T_Q4_1)
+                        } else {
+                            TFEW_SWITCH(T_Q8_0)
+                        }
+                    }
+                } else if (type == T_Q4_0) {
                     FEW_SWITCH(T_Q4_0)
                 } else if (type == T_Q4_1) {
                     FEW_SWITCH(T_Q4_1)
@@ -288,7 +447,10 @@ TGT int gguf_mm_tile_vnni(int type, const uint8_t* w, int64_t N, int64_t K, cons
             memset(acc, 0, (size_t)M * 16 * 2 * sizeof(float));
             for (int64_t b0 = 0; b0 < nbx; b0 += PANEL) {
                 const int npb = nbx - b0 < PANEL ? (int)(nbx - b0) : PANEL;
-                unpack_panel(type, w, row_bytes, n0, N, b0, npb, tw, dv, ov);
+                if (tiled)
+                    unpack_panel_tiled(type, w + (tile * nbx + b0) * tile_bytes(type), npb, tw, dv, ov);
+                else
+                    unpack_panel(type, w, row_bytes, n0, N, b0, npb, tw, dv, ov);
                 for (int64_t m0 = 0; m0 < M; m0 += MR) {
                     const int mr = M - m0 < MR ? (int)(M - m0) : MR;
                     const int16_t* y = xq + m0 * K;

@@ -116,6 +116,31 @@ def test_tile_kernel_is_batch_invariant(qtype: GGMLQuantizationType) -> None:
         gq.set_isa(-1)
 
 
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=[t.name for t in TILE_TYPES])
+def test_tiled_layout_is_the_same_weight(qtype: GGMLQuantizationType, isa: int) -> None:
+    """`gguf.tile`'s re-laid weight (made where AVX-512 VNNI runs) multiplies to the file layout's bits at every
+    row count, dequantizes to the same floats, and still works on every ISA level and with the tile kernel off
+    (those take the file's layout back)."""
+    if gq.set_isa(-1) != 2:
+        pytest.skip("the tiled layout is made only where AVX-512 VNNI runs")
+    rng = np.random.default_rng(100 + int(qtype))
+    n, k = 37, 32 * 21  # a partial last tile, two panels
+    raw = random_blocks(qtype, n, k, rng)
+    w = gq.GGUFWeight(int(qtype), torch.from_numpy(raw), n, k)
+    tiled = gq.tile(w)
+    gq.set_isa(isa)
+    assert tiled.qtype == int(qtype) | gq.TILED and tiled.type_name == qtype.name
+    assert torch.equal(gq.dequantize(tiled), gq.dequantize(w))
+    x = torch.from_numpy(rng.standard_normal((19, k)).astype(np.float32))
+    for m in (1, 3, 8, 19):
+        assert torch.equal(gq.gguf_matmul(x[:m], [tiled]), gq.gguf_matmul(x[:m], [w])), m
+    previous = gq.set_tile(False)
+    try:
+        assert torch.equal(gq.gguf_matmul(x, [tiled]), gq.gguf_matmul(x, [w]))
+    finally:
+        gq.set_tile(previous)
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=["Q4_1", "Q6_K"])
 def test_bf16_activations_and_parts(qtype: GGMLQuantizationType) -> None:
     """bfloat16 in and out, several parts of mixed types stacked by rows (a fused layer), a bias."""

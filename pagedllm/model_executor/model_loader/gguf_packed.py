@@ -109,6 +109,8 @@ def load_gguf_packed(model: nn.Module, path: str, hf_config: Any, device: torch.
             from pagedllm.model_executor.layers.quantization.gguf_triton import prepare
 
             parts = [prepare(p, device) for p in parts]
+        else:
+            parts = [gguf_q.tile(p) for p in parts]  # the AVX-512 VNNI kernel's layout, where it runs
         nbytes += sum(p.nbytes for p in parts)
         layer = modules[name]
         if name == "lm_head":

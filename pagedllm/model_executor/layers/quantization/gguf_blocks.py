@@ -10,6 +10,8 @@ import torch
 # ggml type ids (gguf.GGMLQuantizationType) the kernels take: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
 PACKED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+TILED = 0x100
+"""Flag on `GGUFWeight.qtype`: `data` is in the CPU kernels' tiled layout (`csrc/gguf_tile.c`), not the file's."""
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -21,7 +23,8 @@ def row_bytes(qtype: int, cols: int) -> int:
 
 @dataclass
 class GGUFWeight:
-    """One packed weight: `data` is [rows, row_bytes(qtype, cols)] uint8, the GGUF file's blocks."""
+    """One packed weight: `data` is [rows, row_bytes(qtype, cols)] uint8, the GGUF file's blocks, or (`qtype`
+    with the `TILED` flag) the same bits re-laid for the CPU's AVX-512 VNNI kernel (`gguf.tile`)."""
 
     qtype: int
     data: torch.Tensor
@@ -30,7 +33,7 @@ class GGUFWeight:
 
     @property
     def type_name(self) -> str:
-        return PACKED_TYPES[self.qtype]
+        return PACKED_TYPES[self.qtype & ~TILED]
 
     @property
     def nbytes(self) -> int:
