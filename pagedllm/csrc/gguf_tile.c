@@ -79,6 +79,7 @@ int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8
 #define MR 8     /* activation rows per pass: 8 int32 + 8 x 2 float accumulators */
 #define PF_TILES 1 /* prefetch distance, in tiles */
 #define FEW_ROWS 4 /* up to this many activation rows: `tile_few_rows` (no transposition) */
+#define TILED_FEW_ROWS 16 /* tiled layout: `tiled_few_rows` in groups of MR up to here, then scratch panels */
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
 
@@ -412,7 +413,7 @@ TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int6
             if (acc == NULL) continue;
             const int64_t n0 = tile * TILE;
             const int valid = N - n0 < TILE ? (int)(N - n0) : TILE;
-            if (tiled || M <= FEW_ROWS) {
+            if (M <= (tiled ? TILED_FEW_ROWS : FEW_ROWS)) {
                 if (tiled) { /* row groups of up to MR, each unpacking the tile again (from L1 / L2) */
                     for (int64_t m0 = 0; m0 < M; m0 += MR) {
                         const int64_t mr = M - m0 < MR ? M - m0 : MR;
