@@ -2,12 +2,12 @@
 
 `paged_attn.c` (decode attention over the paged KV cache, cache writes), `prefill_attn.c` (blocked causal
 prefill attention over the paged cache), `layers.c` (fused residual + RMSNorm, rotary embedding) and
-`activation.c` (SiLU-and-mul), `gguf_mm.c` and `gguf_tile.c` (matmuls with packed GGUF weights), `decode_stack.c` (a Llama
-decode step's layers, calling the others). Each file is compiled with the system C compiler (about a
-second each) into one shared library in a cache directory keyed by the sources, the compiler and the CPU:
-no torch headers, no build step at install time. Where there is no compiler, or `PAGEDLLM_CPU_KERNELS=0`,
-`load()` returns None and every caller keeps its pure-PyTorch path (the reference the kernels are tested
-against).
+`activation.c` (SiLU-and-mul), `gguf_mm.c` and `gguf_tile.c` (matmuls with packed GGUF weights),
+`decode_stack.c` (a Llama decode step's layers, calling the others). Each file is compiled with the system
+C compiler (about a second each) into one shared library in a cache directory keyed by the sources, the
+compiler and the CPU: no torch headers, no build step at install time. Where there is no compiler, or
+`PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path (the reference
+the kernels are tested against).
 """
 
 from __future__ import annotations
