@@ -311,17 +311,19 @@ TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int t
 }
 
 #define TFEW_CALL(T, R) tiled_few_rows(T, R, w + tile * nbx * tile_bytes(T), y, yd, ys, K, a)
-#define TFEW_SWITCH(T)                  \
-    switch (mr) {                        \
-        case 1: TFEW_CALL(T, 1); break; \
-        case 2: TFEW_CALL(T, 2); break; \
-        case 3: TFEW_CALL(T, 3); break; \
-        case 4: TFEW_CALL(T, 4); break; \
-        case 5: TFEW_CALL(T, 5); break; \
-        case 6: TFEW_CALL(T, 6); break; \
-        case 7: TFEW_CALL(T, 7); break; \
-        default: TFEW_CALL(T, 8); break; \
+/* CALL(A, r) with r = mr as a constant (1..8), so that each row count gets its own unrolled body. */
+#define ROWS8_SWITCH(CALL, A)       \
+    switch (mr) {                   \
+        case 1: CALL(A, 1); break;  \
+        case 2: CALL(A, 2); break;  \
+        case 3: CALL(A, 3); break;  \
+        case 4: CALL(A, 4); break;  \
+        case 5: CALL(A, 5); break;  \
+        case 6: CALL(A, 6); break;  \
+        case 7: CALL(A, 7); break;  \
+        default: CALL(A, 8); break; \
     }
+#define TFEW_SWITCH(T) ROWS8_SWITCH(TFEW_CALL, T)
 
 #define FEW_CALL(T, R) tile_few_rows(T, R, w, row_bytes, n0, N, xq, xd, xs, K, acc)
 #define FEW_SWITCH(T)                  \
@@ -333,17 +335,7 @@ TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int t
     }
 
 #define PANEL_CALL(H, R) panel_rows(H, R, tw, dv, ov, npb, y, yd, ys, K, nbx, b0, acc + m0 * 16, off + m0 * 16)
-#define PANEL_SWITCH(H)                         \
-    switch (mr) {                               \
-        case 1: PANEL_CALL(H, 1); break;        \
-        case 2: PANEL_CALL(H, 2); break;        \
-        case 3: PANEL_CALL(H, 3); break;        \
-        case 4: PANEL_CALL(H, 4); break;        \
-        case 5: PANEL_CALL(H, 5); break;        \
-        case 6: PANEL_CALL(H, 6); break;        \
-        case 7: PANEL_CALL(H, 7); break;        \
-        default: PANEL_CALL(H, 8); break;       \
-    }
+#define PANEL_SWITCH(H) ROWS8_SWITCH(PANEL_CALL, H)
 
 /* A panel of a tiled tile: the lane vectors as they are stored (no transposition), scales and terms. */
 TGT static void unpack_panel_tiled(const int type, const uint8_t* src, int npb, __m512i* tw, float* dv, float* ov) {
