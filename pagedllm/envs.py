@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
+    PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
@@ -87,6 +88,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_GGUF_CUDA_PACKED": _flag("PAGEDLLM_GGUF_CUDA_PACKED", "0"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
+    # The decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for
+    # AVX-512 VNNI (csrc/decode_stack.c); 0: one region per kernel, as elsewhere.
+    "PAGEDLLM_CPU_DECODE_ONE_REGION": _flag("PAGEDLLM_CPU_DECODE_ONE_REGION"),
     # Tensor-parallel all-reduce on GPUs: "nccl" (default) or "symm", the one-shot all-reduce over PyTorch
     # symmetric memory for decode-sized tensors (distributed/symm_allreduce.py; NCCL for larger ones).
     "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "nccl"),

@@ -374,13 +374,84 @@ TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
         _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + i)));
 }
 
+/* One tile of 16 output columns for all M rows (acc: M * 32 floats of scratch; tw / dv / ov: a panel's). */
+TGT static void one_tile(const int type, const int tiled, const uint8_t* w, const int64_t N, const int64_t K,
+                         const int16_t* xq, const float* xd, const float* xs, const int64_t M, void* out,
+                         const int64_t out_stride, const int out_bf16, const int64_t tile, float* acc, __m512i* tw,
+                         float* dv, float* ov) {
+    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, has_off = type != T_Q8_0;
+    const int64_t nbx = K / 32, row_bytes = nbx * bb;
+    float* off = acc + M * 16;
+    const int64_t n0 = tile * TILE;
+    const int valid = N - n0 < TILE ? (int)(N - n0) : TILE;
+    if (M <= (tiled ? TILED_FEW_ROWS : FEW_ROWS)) {
+        if (tiled) { /* row groups of up to MR, each unpacking the tile again (from L1 / L2) */
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int64_t mr = M - m0 < MR ? M - m0 : MR;
+                const int16_t* y = xq + m0 * K;
+                const float* yd = xd + m0 * nbx;
+                const float* ys = xs + m0 * nbx;
+                float* a = acc + m0 * 16;
+                if (type == T_Q4_0) {
+                    TFEW_SWITCH(T_Q4_0)
+                } else if (type == T_Q4_1) {
+                    TFEW_SWITCH(T_Q4_1)
+                } else {
+                    TFEW_SWITCH(T_Q8_0)
+                }
+            }
+        } else if (type == T_Q4_0) {
+            FEW_SWITCH(T_Q4_0)
+        } else if (type == T_Q4_1) {
+            FEW_SWITCH(T_Q4_1)
+        } else {
+            FEW_SWITCH(T_Q8_0)
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t at = m * out_stride + n0;
+            if (out_bf16)
+                for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(acc[m * 16 + i]);
+            else
+                memcpy((float*)out + at, acc + m * 16, (size_t)valid * sizeof(float));
+        }
+        return;
+    }
+    memset(acc, 0, (size_t)M * 16 * 2 * sizeof(float));
+    for (int64_t b0 = 0; b0 < nbx; b0 += PANEL) {
+        const int npb = nbx - b0 < PANEL ? (int)(nbx - b0) : PANEL;
+        if (tiled)
+            unpack_panel_tiled(type, w + (tile * nbx + b0) * tile_bytes(type), npb, tw, dv, ov);
+        else
+            unpack_panel(type, w, row_bytes, n0, N, b0, npb, tw, dv, ov);
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+            const int16_t* y = xq + m0 * K;
+            const float* yd = xd + m0 * nbx;
+            const float* ys = xs + m0 * nbx;
+            if (has_off) {
+                PANEL_SWITCH(1)
+            } else {
+                PANEL_SWITCH(0)
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float r[16] __attribute__((aligned(64)));
+        _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16)));
+        const int64_t at = m * out_stride + n0;
+        if (out_bf16)
+            for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(r[i]);
+        else
+            memcpy((float*)out + at, r, (size_t)valid * sizeof(float));
+    }
+}
+
 /* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller), W in the file's layout or,
  * `tiled`, in `gguf_tile_pack`'s; 0, or -1 when out of memory. */
 TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
                           const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
                           int num_threads) {
-    const int bb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34, has_off = type != T_Q8_0;
-    const int64_t nbx = K / 32, row_bytes = nbx * bb, ntiles = (N + TILE - 1) / TILE;
+    const int64_t ntiles = (N + TILE - 1) / TILE;
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
     int16_t* paired = NULL;
     if (type != T_Q8_0) {
@@ -395,80 +466,28 @@ TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int6
         __m512i tw[PANEL * 16];
         float dv[PANEL * 16] __attribute__((aligned(64))), ov[PANEL * 16] __attribute__((aligned(64)));
         float* acc = aligned_alloc(64, (size_t)M * 16 * 2 * sizeof(float));
-        float* off = acc + M * 16;
         if (acc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < ntiles; tile++) {
-            if (acc == NULL) continue;
-            const int64_t n0 = tile * TILE;
-            const int valid = N - n0 < TILE ? (int)(N - n0) : TILE;
-            if (M <= (tiled ? TILED_FEW_ROWS : FEW_ROWS)) {
-                if (tiled) { /* row groups of up to MR, each unpacking the tile again (from L1 / L2) */
-                    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                        const int64_t mr = M - m0 < MR ? M - m0 : MR;
-                        const int16_t* y = xq + m0 * K;
-                        const float* yd = xd + m0 * nbx;
-                        const float* ys = xs + m0 * nbx;
-                        float* a = acc + m0 * 16;
-                        if (type == T_Q4_0) {
-                            TFEW_SWITCH(T_Q4_0)
-                        } else if (type == T_Q4_1) {
-                            TFEW_SWITCH(T_Q4_1)
-                        } else {
-                            TFEW_SWITCH(T_Q8_0)
-                        }
-                    }
-                } else if (type == T_Q4_0) {
-                    FEW_SWITCH(T_Q4_0)
-                } else if (type == T_Q4_1) {
-                    FEW_SWITCH(T_Q4_1)
-                } else {
-                    FEW_SWITCH(T_Q8_0)
-                }
-                for (int64_t m = 0; m < M; m++) {
-                    const int64_t at = m * out_stride + n0;
-                    if (out_bf16)
-                        for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(acc[m * 16 + i]);
-                    else
-                        memcpy((float*)out + at, acc + m * 16, (size_t)valid * sizeof(float));
-                }
-                continue;
-            }
-            memset(acc, 0, (size_t)M * 16 * 2 * sizeof(float));
-            for (int64_t b0 = 0; b0 < nbx; b0 += PANEL) {
-                const int npb = nbx - b0 < PANEL ? (int)(nbx - b0) : PANEL;
-                if (tiled)
-                    unpack_panel_tiled(type, w + (tile * nbx + b0) * tile_bytes(type), npb, tw, dv, ov);
-                else
-                    unpack_panel(type, w, row_bytes, n0, N, b0, npb, tw, dv, ov);
-                for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                    const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-                    const int16_t* y = xq + m0 * K;
-                    const float* yd = xd + m0 * nbx;
-                    const float* ys = xs + m0 * nbx;
-                    if (has_off) {
-                        PANEL_SWITCH(1)
-                    } else {
-                        PANEL_SWITCH(0)
-                    }
-                }
-            }
-            for (int64_t m = 0; m < M; m++) {
-                float r[16] __attribute__((aligned(64)));
-                _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16)));
-                const int64_t at = m * out_stride + n0;
-                if (out_bf16)
-                    for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(r[i]);
-                else
-                    memcpy((float*)out + at, r, (size_t)valid * sizeof(float));
-            }
-        }
+        for (int64_t tile = 0; tile < ntiles; tile++)
+            if (acc != NULL) one_tile(type, tiled, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, tile, acc, tw, dv, ov);
         free(acc);
     }
     free(paired);
     return failed ? -1 : 0;
 }
+
+/* For callers that run their own threads (decode_stack.c): tiles [t0, t1) of a tiled Q4_0 / Q4_1 / Q8_0 weight
+ * into float32 `out`, with Q4 activations already paired (`gguf_pair_activations`); acc: M * 32 floats. */
+TGT void gguf_mm_tiled_range(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
+                             const float* xs, int64_t M, float* out, int64_t out_stride, int64_t t0, int64_t t1,
+                             float* acc) {
+    __m512i tw[PANEL * 16];
+    float dv[PANEL * 16] __attribute__((aligned(64))), ov[PANEL * 16] __attribute__((aligned(64)));
+    for (int64_t tile = t0; tile < t1; tile++) one_tile(type, 1, w, N, K, xq, xd, xs, M, out, out_stride, 0, tile, acc, tw, dv, ov);
+}
+
+TGT void gguf_pair_activations(const int16_t* x, int64_t n, int16_t* out) { pair_halves(x, n, out); }
 #endif

@@ -108,6 +108,23 @@ def test_rebuilds_after_a_cache_or_weight_change_and_declines_hooks(llm: LLM, co
         handle.remove()
 
 
+def test_one_parallel_region_is_bit_identical(llm: LLM, counted: dict[str, int]) -> None:
+    """With 2+ threads and every linear tiled for AVX-512 VNNI, a step runs in one OpenMP region with spinning
+    barriers (`csrc/decode_stack.c`); its outputs equal one region per kernel's and the Python layers'."""
+    if torch.get_num_threads() < 2 or gq.isa_name() != "AVX-512 VNNI":
+        pytest.skip("one region needs 2+ threads and the tiled AVX-512 VNNI weights")
+    lib = inner_model(llm).decode_stack.lib
+    previous = lib.gguf_decode_stack_set_one_region(1)
+    try:
+        ours = generate(llm)
+        lib.gguf_decode_stack_set_one_region(0)
+        assert ours == generate(llm)
+    finally:
+        lib.gguf_decode_stack_set_one_region(previous)
+    assert counted["ran"] >= 40, counted
+    assert ours == python_layers(llm)
+
+
 def test_not_attached_where_it_does_not_apply(llm: LLM, smollm2_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     assert inner_model(smollm2_llm).decode_stack is None  # dense (dequantized) weights: the Python layers
     model = inner_model(llm)

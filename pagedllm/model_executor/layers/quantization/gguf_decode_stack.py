@@ -76,6 +76,8 @@ def _lib() -> ctypes.CDLL | None:
         ctypes.c_int,
         [p, ctypes.c_int, p, i64, p, p, p, i64, p, p, p, p, p, ctypes.c_int],
     )
+    csrc.declare(lib, "gguf_decode_stack_set_one_region", ctypes.c_int, [ctypes.c_int])
+    lib.gguf_decode_stack_set_one_region(int(envs.PAGEDLLM_CPU_DECODE_ONE_REGION))
     return lib
 
 
