@@ -164,6 +164,15 @@ static void quantize_for(const GLinear* l, const float* x, int64_t T, int64_t K,
     if (any_q4(l)) gguf_pair_activations(s->xq, T * K, xp);
 }
 
+/* One linear in the region: thread 0 quantizes (and pairs) x, then every thread takes its share of the tiles. */
+static void linear_step(SpinBarrier* bar, const GLinear* l, const float* x, int64_t T, int64_t K, float* out,
+                        const GScratch* s, int16_t* xp, int tid, int nt, float* acc) {
+    if (tid == 0) quantize_for(l, x, T, K, s, xp);
+    barrier_wait(bar);
+    linear_share(l, s->xq, xp, s->xd, s->xs, T, K, out, tid, nt, acc);
+    barrier_wait(bar);
+}
+
 static int stack_one_region(const GLayer* layers, int n_layers, const GDims* d, int64_t T, const int64_t* positions,
                             const int64_t* slots, const int32_t* block_table, int64_t bt_stride,
                             const int32_t* seq_lens, const int64_t* tok_idx, float* hidden, float* residual,
@@ -194,11 +203,8 @@ static int stack_one_region(const GLayer* layers, int n_layers, const GDims* d, 
                     } else {
                         rms_norm_f32(hidden, H, residual, H, L->in_norm, s->x, H, T, H, d->eps, 1);
                     }
-                    quantize_for(&L->qkv, s->x, T, H, s, xp);
                 }
-                barrier_wait(&bar);
-                linear_share(&L->qkv, s->xq, xp, s->xd, s->xs, T, H, s->qkv, tid, nt, acc);
-                barrier_wait(&bar);
+                linear_step(&bar, &L->qkv, s->x, T, H, s->qkv, s, xp, tid, nt, acc);
                 if (tid == 0) {
                     rotary_f32(positions, q, QKV, d->heads, q + Q, QKV, d->kv_heads, d->cos_sin, d->head_size,
                                d->rot_dim, T, 1);
@@ -211,24 +217,11 @@ static int stack_one_region(const GLayer* layers, int n_layers, const GDims* d, 
                                      seq_lens + r0, tok_idx + r0, s->attn, Q, (int)(r1 - r0), d->heads, d->kv_heads,
                                      d->head_size, d->block_size, d->scale, 0, 1);
                 barrier_wait(&bar);
-                if (tid == 0) quantize_for(&L->o, s->attn, T, Q, s, xp);
-                barrier_wait(&bar);
-                linear_share(&L->o, s->xq, xp, s->xd, s->xs, T, Q, hidden, tid, nt, acc);
-                barrier_wait(&bar);
-                if (tid == 0) {
-                    rms_norm_f32(hidden, H, residual, H, L->post_norm, s->x, H, T, H, d->eps, 1);
-                    quantize_for(&L->gate_up, s->x, T, H, s, xp);
-                }
-                barrier_wait(&bar);
-                linear_share(&L->gate_up, s->xq, xp, s->xd, s->xs, T, H, s->gu, tid, nt, acc);
-                barrier_wait(&bar);
-                if (tid == 0) {
-                    silu_and_mul_f32(s->gu, 2 * I, s->act, I, T, I, 1);
-                    quantize_for(&L->down, s->act, T, I, s, xp);
-                }
-                barrier_wait(&bar);
-                linear_share(&L->down, s->xq, xp, s->xd, s->xs, T, I, hidden, tid, nt, acc);
-                barrier_wait(&bar);
+                linear_step(&bar, &L->o, s->attn, T, Q, hidden, s, xp, tid, nt, acc);
+                if (tid == 0) rms_norm_f32(hidden, H, residual, H, L->post_norm, s->x, H, T, H, d->eps, 1);
+                linear_step(&bar, &L->gate_up, s->x, T, H, s->gu, s, xp, tid, nt, acc);
+                if (tid == 0) silu_and_mul_f32(s->gu, 2 * I, s->act, I, T, I, 1);
+                linear_step(&bar, &L->down, s->act, T, I, hidden, s, xp, tid, nt, acc);
             }
         }
         free(acc);
