@@ -5,9 +5,15 @@
  * activation row, block) pays a float conversion, a scale broadcast and an FMA next to its two integer dots,
  * and the weight block is unpacked again for every 4 activation rows: 25-35 GMAC/s on a Zen 4 core at any
  * batch, where `vpdpwssd` alone could do ~100. Here a tile of 16 weight rows is unpacked once per panel of
- * blocks and transposed so that lane r holds row r's element pairs (2j, 2j+1): one `vpdpwssd` with a
+ * blocks and transposed so that lane r holds row r's element pairs: one `vpdpwssd` with a
  * broadcast activation pair then advances 16 output columns, and the per-block float work (convert, scale,
- * FMA) is shared by those 16 columns.
+ * FMA) is shared by those 16 columns. Weights re-laid at load (`gguf_tile_pack`, the engine's default where
+ * this kernel runs) skip the transposition and are read in memory order; up to 16 activation rows then dot
+ * straight from the unpacked vectors (`tiled_few_rows`), more go through scratch panels (`panel_rows`).
+ * `decode_stack.c` splits a tiled product's tiles over its own threads (`gguf_mm_tiled_range`).
+ *
+ * Pairs: Q8_0 lanes hold elements (2j, 2j + 1); Q4 lanes hold (j, 16 + j), the two nibbles of byte j, so the
+ * activations of Q4 weights are reordered to match once per product (`pair_halves`).
  *
  * Arithmetic (the same whatever the batch, so a request's logits do not depend on what it is batched with):
  * for weight row n and activation row m, acc = fma((float)dot_b, d_nb * xd_mb, acc) and
