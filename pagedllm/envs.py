@@ -88,9 +88,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_GGUF_CUDA_PACKED": _flag("PAGEDLLM_GGUF_CUDA_PACKED", "0"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
-    # The decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for
-    # AVX-512 VNNI (csrc/decode_stack.c); 0: one region per kernel, as elsewhere.
-    "PAGEDLLM_CPU_DECODE_ONE_REGION": _flag("PAGEDLLM_CPU_DECODE_ONE_REGION"),
+    # 1: the decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for
+    # AVX-512 VNNI (csrc/decode_stack.c): +18-23 % single stream on a quiet 2-core Zen 4, but 1.9x slower with
+    # two busy neighbour processes on the same cores, so off by default (benchmarks/NOTES.md, session 24).
+    "PAGEDLLM_CPU_DECODE_ONE_REGION": _flag("PAGEDLLM_CPU_DECODE_ONE_REGION", "0"),
     # Tensor-parallel all-reduce on GPUs: "nccl" (default) or "symm", the one-shot all-reduce over PyTorch
     # symmetric memory for decode-sized tensors (distributed/symm_allreduce.py; NCCL for larger ones).
     "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "nccl"),

@@ -13,11 +13,21 @@
  * Llama layer (no biases, no q/k norm, no sliding window, no LoRA hooks) and that the step only decodes.
  */
 #include <omp.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FUTEX_WAIT_ON(addr, v) syscall(SYS_futex, (addr), FUTEX_WAIT_PRIVATE, (v), NULL, NULL, 0)
+#define FUTEX_WAKE_ALL(addr) syscall(SYS_futex, (addr), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0)
+#else
+#include <sched.h>
+#define FUTEX_WAIT_ON(addr, v) sched_yield()
+#define FUTEX_WAKE_ALL(addr) ((void)0)
+#endif
 
 /* The kernels of the other sources of this library (layers.c, activation.c, paged_attn.c, gguf_mm.c). */
 void rms_norm_f32(float* x, int64_t x_stride, float* residual, int64_t r_stride, const float* w, float* out,
@@ -97,33 +107,43 @@ static int linear(const GLinear* l, const float* x, int64_t T, int64_t K, float*
  * pays a futex wake-up (a quiet Zen 4 decoded 10-20 % faster with 50,000 spins). When every linear is tiled
  * for the AVX-512 VNNI kernel, the whole step runs in one region instead: thread 0 does the small row-wise
  * kernels, all threads split each linear's tiles and the attention's requests, and they meet at a barrier
- * that spins (yielding the core after a while, so a busy neighbour still gets it). Same kernels, same
+ * that spins for a while and then sleeps (so a busy neighbour still gets the core). Same kernels, same
  * arithmetic per output, so the result is the same to the bit. */
 typedef struct {
-    atomic_int count, gen;
+    atomic_int count, gen, sleepers;
     int n;
 } SpinBarrier;
+
+/* Spins a while (the gaps between a step's kernels are microseconds), then sleeps on a futex: a waiter that
+ * only yielded kept a busy neighbour's core (a 32-token request 10x slower under two spinning processes). */
+#define SPIN_MAX 2048
 
 static void barrier_wait(SpinBarrier* b) {
     const int g = atomic_load_explicit(&b->gen, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
         atomic_store_explicit(&b->count, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&b->gen, 1, memory_order_release);
+        if (atomic_load_explicit(&b->sleepers, memory_order_acquire) > 0)
+            FUTEX_WAKE_ALL(&b->gen);
         return;
     }
-    for (long spins = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; spins++) {
-        if (spins > 4096)
-            sched_yield();
+    for (int spins = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; spins++) {
+        if (spins < SPIN_MAX) {
 #if defined(__x86_64__)
-        else
             __builtin_ia32_pause();
 #endif
+            continue;
+        }
+        atomic_fetch_add_explicit(&b->sleepers, 1, memory_order_acq_rel);
+        if (atomic_load_explicit(&b->gen, memory_order_acquire) == g)
+            FUTEX_WAIT_ON(&b->gen, g);
+        atomic_fetch_sub_explicit(&b->sleepers, 1, memory_order_acq_rel);
     }
 }
 
-static int g_one_region = 1;
+static int g_one_region = 0;
 
-/* PAGEDLLM_CPU_DECODE_ONE_REGION (envs.py): 0 keeps one region per kernel. Returns the previous setting. */
+/* PAGEDLLM_CPU_DECODE_ONE_REGION (envs.py, off by default: see there). Returns the previous setting. */
 int gguf_decode_stack_set_one_region(int on) {
     const int prev = g_one_region;
     g_one_region = on != 0;
@@ -181,7 +201,7 @@ static int stack_one_region(const GLayer* layers, int n_layers, const GDims* d, 
     const int64_t QKV = Q + 2 * KV, I = d->inter, kmax = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     int16_t* xp = aligned_alloc(64, (size_t)(T * kmax * (int64_t)sizeof(int16_t) + 63) / 64 * 64);
     if (xp == NULL) return -1;
-    SpinBarrier bar = {0, 0, nt};
+    SpinBarrier bar = {0, 0, 0, nt};
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
