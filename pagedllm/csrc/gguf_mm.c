@@ -433,6 +433,17 @@ int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t 
                       int num_threads);
 #endif
 
+/* A tiled weight's bytes back in the file's layout (malloc'd; NULL when out of memory), for the kernels that
+ * read the file's blocks. */
+static uint8_t* untiled_copy(int base, const uint8_t* w, int64_t N, int64_t K) {
+    uint8_t* file = malloc((size_t)(N * (K / 32) * block_bytes(base)));
+    if (file != NULL && gguf_tile_unpack(base, w, N, K, file) != 0) {
+        free(file);
+        return NULL;
+    }
+    return file;
+}
+
 /* out[m * out_stride + n] (float32, or bfloat16 when out_bf16) for n < N, m < M. Rows of W are split
  * across threads in chunks; each chunk stays in cache while every group of ROWS_MAX activation rows
  * passes over it. Returns 0, or -1 for a type or K the kernels do not take. */
@@ -446,11 +457,8 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
         if (g_isa == 2 && g_tile)
             return gguf_mm_tile_vnni(base, 1, w, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
 #endif
-        uint8_t* file = malloc((size_t)(N * (K / 32) * block_bytes(base)));
-        if (file == NULL || gguf_tile_unpack(base, w, N, K, file) != 0) {
-            free(file);
-            return -1;
-        }
+        uint8_t* file = untiled_copy(base, w, N, K);
+        if (file == NULL) return -1;
         const int rc = gguf_mm(base, file, N, K, xq, xd, xs, M, out, out_stride, out_bf16, num_threads);
         free(file);
         return rc;
@@ -503,9 +511,8 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
 int gguf_dequantize(int type, const uint8_t* w, int64_t N, int64_t K, float* out, int num_threads) {
     if (type & GGUF_TILED) {
         const int base = type & ~GGUF_TILED;
-        uint8_t* file = malloc((size_t)(N * (K / 32) * block_bytes(base)));
-        int rc = file == NULL || gguf_tile_unpack(base, w, N, K, file) != 0 ? -1
-                                                                          : gguf_dequantize(base, file, N, K, out, num_threads);
+        uint8_t* file = untiled_copy(base, w, N, K);
+        const int rc = file == NULL ? -1 : gguf_dequantize(base, file, N, K, out, num_threads);
         free(file);
         return rc;
     }

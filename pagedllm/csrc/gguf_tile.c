@@ -100,6 +100,24 @@ TGT static inline __m512i unpack_block(const int type, const uint8_t* blk) {
     return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x000F000F), b, _mm512_slli_epi32(b, 12), 0xE0);
 }
 
+/* A tiled block (`gguf_tile_pack`'s layout at `base`): lane vector j, and the 16 rows' scales and terms. */
+TGT static inline __m512i tiled_vector(const int type, const uint8_t* base, int j) {
+    if (type == T_Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(base + 32 + 32 * j)));
+    const uint8_t* q = base + (type == T_Q4_1 ? 64 : 32) + 16 * j;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x000F000F), b, _mm512_slli_epi32(b, 12), 0xE0);
+}
+
+TGT static inline void tiled_scales(const int type, const uint8_t* base, __m512* d, __m512* o) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+    if (type == T_Q4_1)
+        *o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + 32)));
+    else if (type == T_Q4_0)
+        *o = _mm512_mul_ps(_mm512_set1_ps(-8.0f), *d);
+    else
+        *o = _mm512_setzero_ps();
+}
+
 /* The float16 scale (and Q4_1's min) of block b of 16 rows in one gather: (d, additive term o). */
 TGT static inline void block_scales(const int type, const uint8_t* base, const __m512i idx, __m512* d, __m512* o) {
     const __m512i g = _mm512_i32gather_epi32(idx, base, 1); /* d | second field << 16 */
@@ -279,22 +297,14 @@ TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int t
                                                                       const float* xs, int64_t K, float* acc) {
     const int tb = tile_bytes(type), chains = mr >= 4 ? 1 : mr == 1 ? 4 : 2;
     const int64_t nbx = K / 32;
-    const __m512i mask = _mm512_set1_epi32(0x000F000F);
     __m512 fa[MR], fo[MR];
     for (int i = 0; i < mr; i++) fa[i] = fo[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbx; b++) {
         const uint8_t* base = src + b * tb;
-        const uint8_t* q = base + (type == T_Q4_1 ? 64 : 32);
         __m512i ic[8];
         for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
         for (int j = 0; j < 16; j++) {
-            __m512i w;
-            if (type == T_Q8_0) {
-                w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + 32 * j)));
-            } else {
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j)));
-                w = _mm512_ternarylogic_epi32(mask, v, _mm512_slli_epi32(v, 12), 0xE0);
-            }
+            const __m512i w = tiled_vector(type, base, j);
             for (int i = 0; i < mr; i++) {
                 int32_t pair;
                 memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
@@ -302,10 +312,8 @@ TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int t
                 *a = _mm512_dpwssd_epi32(*a, w, _mm512_set1_epi32(pair));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
-        __m512 o = _mm512_setzero_ps();
-        if (type == T_Q4_1) o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + 32)));
-        else if (type == T_Q4_0) o = _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
+        __m512 d, o;
+        tiled_scales(type, base, &d, &o);
         for (int i = 0; i < mr; i++) {
             __m512i s = ic[i * chains];
             for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, ic[i * chains + c]);
@@ -345,29 +353,13 @@ TGT __attribute__((always_inline)) static inline void tiled_few_rows(const int t
 
 /* A panel of a tiled tile: the lane vectors as they are stored (no transposition), scales and terms. */
 TGT static void unpack_panel_tiled(const int type, const uint8_t* src, int npb, __m512i* tw, float* dv, float* ov) {
-    const int tb = tile_bytes(type);
     for (int pb = 0; pb < npb; pb++) {
-        const uint8_t* base = src + pb * tb;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+        const uint8_t* base = src + pb * tile_bytes(type);
+        __m512 d, o;
+        tiled_scales(type, base, &d, &o);
         _mm512_store_ps(dv + pb * 16, d);
-        if (type == T_Q4_1)
-            _mm512_store_ps(ov + pb * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + 32))));
-        else if (type == T_Q4_0)
-            _mm512_store_ps(ov + pb * 16, _mm512_mul_ps(_mm512_set1_ps(-8.0f), d));
-        else
-            _mm512_store_ps(ov + pb * 16, _mm512_setzero_ps());
-        if (type == T_Q8_0) {
-            for (int j = 0; j < 16; j++)
-                _mm512_store_si512(tw + pb * 16 + j,
-                                   _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(base + 32 + 32 * j))));
-        } else {
-            const uint8_t* q = base + (type == T_Q4_1 ? 64 : 32);
-            const __m512i mask = _mm512_set1_epi32(0x000F000F);
-            for (int j = 0; j < 16; j++) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * j)));
-                _mm512_store_si512(tw + pb * 16 + j, _mm512_ternarylogic_epi32(mask, b, _mm512_slli_epi32(b, 12), 0xE0));
-            }
-        }
+        _mm512_store_ps(ov + pb * 16, o);
+        for (int j = 0; j < 16; j++) _mm512_store_si512(tw + pb * 16 + j, tiled_vector(type, base, j));
     }
 }
 
