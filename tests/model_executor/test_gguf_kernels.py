@@ -43,6 +43,36 @@ def activation_reference(x: torch.Tensor) -> torch.Tensor:
     return (xq.double().view(x.shape[0], -1, 32) * xd.double()[..., None]).view(x.shape)
 
 
+def quantize_spec(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The activation quantization, written out in float32 numpy: d = amax / 32767 per block of 32,
+    q = roundf(x / d) (half away from zero), xs = d * sum(q)."""
+    v = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(v).max(axis=-1) / np.float32(32767)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    y = v * inv[..., None]
+    t = np.trunc(y)
+    q = (t + np.where(np.abs(y - t) >= 0.5, np.sign(y), 0)).astype(np.int16)
+    return q.reshape(x.shape), d, (d * q.astype(np.int32).sum(axis=-1).astype(np.float32)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_is_the_spec(dtype: torch.dtype) -> None:
+    """Bit for bit, ties included: a float32 block whose amax is 32767 * 2^-8 puts each odd multiple of 2^-9 on a
+    rounding tie; zero blocks give zero scales."""
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((37, 96)).astype(np.float32) * 3).to(dtype)
+    ties = np.arange(-16, 16, dtype=np.float32) * 2.0**-8 + 2.0**-9
+    x[0, :32] = torch.from_numpy(ties).to(dtype)
+    x[0, 31] = 32767 * 2.0**-8
+    x[1, 32:64] = 0
+    xq, xd, xs = gq.quantize_activations(x)
+    q, d, s = quantize_spec(x.float().numpy())
+    assert np.array_equal(xq.numpy(), q)
+    assert np.array_equal(xd.numpy(), d.reshape(xd.shape))
+    assert np.array_equal(xs.numpy(), s.reshape(xs.shape))
+    assert np.all(xq[1, 32:64].numpy() == 0) and xd[1, 1] == 0
+
+
 @pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512vnni"])
 def isa(request: pytest.FixtureRequest):  # noqa: ANN201
     if gq.set_isa(request.param) != request.param:
