@@ -34,6 +34,7 @@ _SOURCES = {
     "prefill_attn.c": ["-ffast-math"],
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
+    "gguf_act.c": ["-fno-math-errno"],
     "gguf_mm.c": ["-fno-math-errno"],
     "gguf_tile.c": ["-fno-math-errno", "-ffp-contract=off"],
     "decode_stack.c": [],
