@@ -14,6 +14,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -21,17 +22,24 @@
 #define MAX_HEAD 512
 #define MAX_HEADS 128 /* query heads; with MAX_HEAD bounds the per-thread stack arrays */
 #define TILE 32
+/* Keys per work item: a request's longer context is split into parts of PART keys, computed in parallel and
+ * merged in order. Fixed, so a request's result does not depend on its batch or the thread count; a multiple
+ * of TILE, so a part's tiles are the ones the whole range would have had. */
+#define PART 512
 /* Finite stand-in for -inf: the library is built with -ffast-math (vectorised expf), which assumes
  * no infinities. expf(NEG_BIG - x) is 0 for any score x. */
 #define NEG_BIG (-1e30f)
 
-/* One request, all heads: each key tile's cache rows (all kv heads) are read once, contiguously. Online
- * softmax over tiles of TILE positions: scores for the tile, then one rescale of the running sums. */
+/* One request's keys [p_begin, p_end), all heads: each key tile's cache rows (all kv heads) are read once,
+ * contiguously. Online softmax over tiles of TILE positions: scores for the tile, then one rescale of the
+ * running sums. `out` set: the normalised result goes there (the whole range in one part); else the part's
+ * running max, sum and unnormalised accumulator go to part_m / part_l / part_acc ([heads], [heads],
+ * [heads][hd]) for `merge_parts`. */
 #define DEFINE_DECODE(SUFFIX, T, LOAD, STORE)                                                              \
-    static void decode_one_##SUFFIX(const T* q, int64_t q_stride_t, const T* k_cache, const T* v_cache,   \
-                                    const int32_t* bt_row, int32_t seq_len, int64_t tok, T* out,          \
-                                    int64_t o_stride_t, int num_heads, int kvh, int hd, int bs,           \
-                                    float scale, int32_t window) {                                        \
+    static void decode_part_##SUFFIX(const T* q, int64_t q_stride_t, const T* k_cache, const T* v_cache,  \
+                                     const int32_t* bt_row, int32_t p_begin, int32_t seq_len, int64_t tok, \
+                                     T* out, int64_t o_stride_t, int num_heads, int kvh, int hd, int bs,  \
+                                     float scale, float* part_m, float* part_l, float* part_acc) {        \
         const int g = num_heads / kvh;                                                                    \
         float qf[num_heads][hd], acc[num_heads][hd]; /* small: heads x head_size */                      \
         float m[num_heads], l[num_heads], s[num_heads][TILE];                                             \
@@ -43,9 +51,7 @@
             m[j] = NEG_BIG;                                                                               \
             l[j] = 0.f;                                                                                   \
         }                                                                                                 \
-        int32_t start = 0;                                                                                \
-        if (window > 0 && seq_len > window) start = seq_len - window;                                     \
-        for (int32_t p0 = start; p0 < seq_len; p0 += TILE) {                                              \
+        for (int32_t p0 = p_begin; p0 < seq_len; p0 += TILE) {                                            \
             const int n = seq_len - p0 < TILE ? seq_len - p0 : TILE;                                      \
             const T* kr[TILE];                                                                            \
             const T* vr[TILE];                                                                            \
@@ -87,10 +93,37 @@
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
+        if (out == NULL) {                                                                                \
+            for (int j = 0; j < num_heads; j++) {                                                         \
+                part_m[j] = m[j];                                                                         \
+                part_l[j] = l[j];                                                                         \
+                memcpy(part_acc + (int64_t)j * hd, acc[j], (size_t)hd * sizeof(float));                   \
+            }                                                                                             \
+            return;                                                                                       \
+        }                                                                                                 \
         T* orow = out + tok * o_stride_t;                                                                 \
         for (int j = 0; j < num_heads; j++) {                                                             \
             const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;                                              \
             for (int e = 0; e < hd; e++) orow[(int64_t)j * hd + e] = STORE(acc[j][e] * inv);              \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
+    /* A request's parts merged in order (the same order whatever the batch or the threads). */           \
+    static void merge_parts_##SUFFIX(const float* pm, const float* pl, const float* pacc, int parts,       \
+                                     T* orow, int num_heads, int hd) {                                    \
+        for (int j = 0; j < num_heads; j++) {                                                             \
+            float mx = NEG_BIG;                                                                           \
+            for (int c = 0; c < parts; c++) mx = pm[c * num_heads + j] > mx ? pm[c * num_heads + j] : mx; \
+            float o[MAX_HEAD], l = 0.f;                                                                   \
+            for (int e = 0; e < hd; e++) o[e] = 0.f;                                                      \
+            for (int c = 0; c < parts; c++) {                                                             \
+                const float w = expf(pm[c * num_heads + j] - mx);                                         \
+                const float* a = pacc + ((int64_t)c * num_heads + j) * hd;                                \
+                l += pl[c * num_heads + j] * w;                                                           \
+                for (int e = 0; e < hd; e++) o[e] += a[e] * w;                                            \
+            }                                                                                             \
+            const float inv = l > 0.f ? 1.f / l : 0.f;                                                    \
+            for (int e = 0; e < hd; e++) orow[(int64_t)j * hd + e] = STORE(o[e] * inv);                   \
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \
@@ -100,11 +133,51 @@
                               int num_heads, int kvh, int hd, int bs, float scale, int32_t window,        \
                               int num_threads) {                                                          \
         if (hd > MAX_HEAD || num_heads % kvh != 0 || num_heads > MAX_HEADS) return -1;                    \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")                         \
+        if (num_reqs <= 0) return 0;                                                                      \
+        /* Work items: each request's keys in parts of PART keys (one part up to PART keys). */          \
+        int64_t* first = malloc(((size_t)num_reqs + 1) * sizeof(int64_t));                               \
+        if (first == NULL) return -1;                                                                     \
+        first[0] = 0;                                                                                     \
         for (int d = 0; d < num_reqs; d++) {                                                              \
-            decode_one_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride, seq_lens[d], \
-                                tok_idx[d], out, o_stride_t, num_heads, kvh, hd, bs, scale, window);      \
+            const int32_t n = seq_lens[d], b = window > 0 && n > window ? n - window : 0;                 \
+            first[d + 1] = first[d] + (n - b + PART - 1) / PART;                                          \
         }                                                                                                 \
+        const int64_t items = first[num_reqs];                                                            \
+        const int split = items > num_reqs;                                                               \
+        float* parts = split ? malloc((size_t)items * num_heads * (hd + 2) * sizeof(float)) : NULL;       \
+        if (split && parts == NULL) {                                                                     \
+            free(first);                                                                                  \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        float* pm = parts;                                                                                \
+        float* pl = split ? parts + items * num_heads : NULL;                                             \
+        float* pacc = split ? parts + 2 * items * num_heads : NULL;                                       \
+        _Pragma("omp parallel num_threads(num_threads)") {                                                \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {              \
+                int d = 0;                                                                                \
+                while (first[d + 1] <= it) d++; /* (requests are few next to the keys each part reads) */  \
+                const int32_t n = seq_lens[d], b = window > 0 && n > window ? n - window : 0;             \
+                const int32_t p0 = b + (int32_t)(it - first[d]) * PART;                                   \
+                const int32_t p1 = n - p0 < PART ? n : p0 + PART;                                         \
+                const int whole = first[d + 1] - first[d] == 1;                                           \
+                decode_part_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride, p0, p1, \
+                                     tok_idx[d], whole ? out : NULL, o_stride_t, num_heads, kvh, hd, bs,  \
+                                     scale, whole ? NULL : pm + it * num_heads,                           \
+                                     whole ? NULL : pl + it * num_heads,                                  \
+                                     whole ? NULL : pacc + it * num_heads * hd);                          \
+            }                                                                                             \
+            if (split) {                                                                                  \
+                _Pragma("omp for schedule(static)") for (int d = 0; d < num_reqs; d++) {                  \
+                    const int64_t c0 = first[d], nc = first[d + 1] - c0;                                  \
+                    if (nc > 1)                                                                           \
+                        merge_parts_##SUFFIX(pm + c0 * num_heads, pl + c0 * num_heads,                    \
+                                             pacc + c0 * num_heads * hd, (int)nc, out + tok_idx[d] * o_stride_t, \
+                                             num_heads, hd);                                              \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        free(parts);                                                                                      \
+        free(first);                                                                                      \
         return 0;                                                                                         \
     }                                                                                                     \
                                                                                                           \

@@ -48,7 +48,7 @@ def _reference_decode(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "num_heads,kvh,hd,bs,window",
-    [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None)],
+    [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None), (8, 2, 64, 16, 700)],
 )
 def test_paged_decode_matches_reference(
     dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
@@ -57,7 +57,8 @@ def test_paged_decode_matches_reference(
     num_blocks, d_reqs = 64, 7
     k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
-    seq_lens = torch.tensor([1, 2, 31, 32, 33, 70, 100][:d_reqs], dtype=torch.int32)
+    # 600 and 1,100 keys span two and three of the kernel's 512-key parts (merged after)
+    seq_lens = torch.tensor([1, 2, 31, 32, 33, 600, 1100][:d_reqs], dtype=torch.int32)
     max_nb = (int(seq_lens.max()) + bs - 1) // bs
     bt = torch.randint(0, num_blocks, (d_reqs, max_nb), generator=g, dtype=torch.int32)
     bt[1, 0] = bt[0, 0]  # a shared (prefix-cached) block
@@ -90,6 +91,36 @@ def test_paged_decode_matches_reference(
     )
     torch_out = impl._decode(query[tok_idx], k_cache, v_cache, md)
     torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_kernels
+def test_paged_decode_is_batch_and_thread_invariant() -> None:
+    """A long context is split into fixed 512-key parts merged in order: a request's output is the same bits
+    alone or batched, with one thread or two."""
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(200, 16, 3, 64, generator=g)
+    v_cache = torch.randn(200, 16, 3, 64, generator=g)
+    seq_lens = torch.tensor([1500, 40, 700, 3], dtype=torch.int32)
+    bt = torch.randint(0, 200, (4, 94), generator=g, dtype=torch.int32)
+    query = torch.randn(4, 9, 64, generator=g)
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            out = torch.empty_like(query)
+            cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, torch.arange(4), out, 0.125, None)
+            runs.append(out)
+            for d in range(4):
+                alone = torch.empty_like(query[:1])
+                cpu_paged_attn.paged_decode(
+                    query[d : d + 1], k_cache, v_cache, bt[d : d + 1], seq_lens[d : d + 1],
+                    torch.zeros(1, dtype=torch.long), alone, 0.125, None,
+                )  # fmt: skip
+                assert torch.equal(alone[0], out[d])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs[0], runs[1])
 
 
 @needs_kernels
