@@ -26,6 +26,11 @@
  * merged in order. Fixed, so a request's result does not depend on its batch or the thread count; a multiple
  * of TILE, so a part's tiles are the ones the whole range would have had. */
 #define PART 512
+/* Keys a decode attends to: the last `window` of seq_len when a sliding window is set, else all. */
+static inline int32_t window_len(int32_t seq_len, int32_t window) {
+    return window > 0 && seq_len > window ? window : seq_len;
+}
+static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PART - 1) / PART : 1; }
 /* Finite stand-in for -inf: the library is built with -ffast-math (vectorised expf), which assumes
  * no infinities. expf(NEG_BIG - x) is 0 for any score x. */
 #define NEG_BIG (-1e30f)
@@ -135,45 +140,55 @@
         if (hd > MAX_HEAD || num_heads % kvh != 0 || num_heads > MAX_HEADS) return -1;                    \
         if (num_reqs <= 0) return 0;                                                                      \
         /* Work items: each request's keys in parts of PART keys (one part up to PART keys). */          \
-        int64_t* first = malloc(((size_t)num_reqs + 1) * sizeof(int64_t));                               \
-        if (first == NULL) return -1;                                                                     \
-        first[0] = 0;                                                                                     \
-        for (int d = 0; d < num_reqs; d++) {                                                              \
-            const int32_t n = seq_lens[d], b = window > 0 && n > window ? n - window : 0;                 \
-            first[d + 1] = first[d] + (n - b + PART - 1) / PART;                                          \
+        int64_t items = 0;                                                                                \
+        for (int d = 0; d < num_reqs; d++) items += num_parts(window_len(seq_lens[d], window));            \
+        if (items == num_reqs) { /* every context fits one part: one work item per request */             \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")                     \
+            for (int d = 0; d < num_reqs; d++)                                                            \
+                decode_part_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride,        \
+                                     seq_lens[d] - window_len(seq_lens[d], window), seq_lens[d],          \
+                                     tok_idx[d], out, o_stride_t, num_heads, kvh, hd, bs, scale, NULL,    \
+                                     NULL, NULL);                                                         \
+            return 0;                                                                                     \
         }                                                                                                 \
-        const int64_t items = first[num_reqs];                                                            \
-        const int split = items > num_reqs;                                                               \
-        float* parts = split ? malloc((size_t)items * num_heads * (hd + 2) * sizeof(float)) : NULL;       \
-        if (split && parts == NULL) {                                                                     \
+        int64_t* first = malloc(((size_t)num_reqs + 1) * sizeof(int64_t)); /* request d: items first[d].. */ \
+        float* parts = malloc((size_t)items * num_heads * (hd + 2) * sizeof(float));                      \
+        if (first == NULL || parts == NULL) {                                                             \
             free(first);                                                                                  \
+            free(parts);                                                                                  \
             return -1;                                                                                    \
         }                                                                                                 \
+        first[0] = 0;                                                                                     \
+        for (int d = 0; d < num_reqs; d++)                                                                \
+            first[d + 1] = first[d] + num_parts(window_len(seq_lens[d], window));                         \
         float* pm = parts;                                                                                \
-        float* pl = split ? parts + items * num_heads : NULL;                                             \
-        float* pacc = split ? parts + 2 * items * num_heads : NULL;                                       \
+        float* pl = parts + items * num_heads;                                                            \
+        float* pacc = parts + 2 * items * num_heads;                                                      \
         _Pragma("omp parallel num_threads(num_threads)") {                                                \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {              \
-                int d = 0;                                                                                \
-                while (first[d + 1] <= it) d++; /* (requests are few next to the keys each part reads) */  \
-                const int32_t n = seq_lens[d], b = window > 0 && n > window ? n - window : 0;             \
-                const int32_t p0 = b + (int32_t)(it - first[d]) * PART;                                   \
+                int lo = 0, hi = num_reqs - 1; /* the request of item it: last d with first[d] <= it */    \
+                while (lo < hi) {                                                                         \
+                    const int mid = (lo + hi + 1) / 2;                                                    \
+                    if (first[mid] <= it)                                                                 \
+                        lo = mid;                                                                         \
+                    else                                                                                  \
+                        hi = mid - 1;                                                                     \
+                }                                                                                         \
+                const int d = lo;                                                                         \
+                const int32_t n = seq_lens[d];                                                            \
+                const int32_t p0 = n - window_len(n, window) + (int32_t)(it - first[d]) * PART;           \
                 const int32_t p1 = n - p0 < PART ? n : p0 + PART;                                         \
                 const int whole = first[d + 1] - first[d] == 1;                                           \
                 decode_part_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride, p0, p1, \
                                      tok_idx[d], whole ? out : NULL, o_stride_t, num_heads, kvh, hd, bs,  \
-                                     scale, whole ? NULL : pm + it * num_heads,                           \
-                                     whole ? NULL : pl + it * num_heads,                                  \
-                                     whole ? NULL : pacc + it * num_heads * hd);                          \
+                                     scale, pm + it * num_heads, pl + it * num_heads,                     \
+                                     pacc + it * num_heads * hd);                                         \
             }                                                                                             \
-            if (split) {                                                                                  \
-                _Pragma("omp for schedule(static)") for (int d = 0; d < num_reqs; d++) {                  \
-                    const int64_t c0 = first[d], nc = first[d + 1] - c0;                                  \
-                    if (nc > 1)                                                                           \
-                        merge_parts_##SUFFIX(pm + c0 * num_heads, pl + c0 * num_heads,                    \
-                                             pacc + c0 * num_heads * hd, (int)nc, out + tok_idx[d] * o_stride_t, \
-                                             num_heads, hd);                                              \
-                }                                                                                         \
+            _Pragma("omp for schedule(static)") for (int d = 0; d < num_reqs; d++) {                      \
+                const int64_t c0 = first[d], nc = first[d + 1] - c0;                                      \
+                if (nc > 1)                                                                               \
+                    merge_parts_##SUFFIX(pm + c0 * num_heads, pl + c0 * num_heads, pacc + c0 * num_heads * hd, \
+                                         (int)nc, out + tok_idx[d] * o_stride_t, num_heads, hd);          \
             }                                                                                             \
         }                                                                                                 \
         free(parts);                                                                                      \
