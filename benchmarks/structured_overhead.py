@@ -68,9 +68,13 @@ class StepLoopTimers:
     for that step's result are taken out of `fill`, and the whole fill out of `apply`."""
 
     PARTS = ("prepare", "intake", "fill", "apply", "advance")
+    CPU = ("apply_incl_fill_cpu", "apply_incl_fill_wall", "advance_cpu", "apply_cuda_cpu", "apply_cuda_wall")
+    """The loop thread's CPU time (`time.thread_time`) in the whole apply (fill wait included) and in `advance`,
+    against the wall time of the same calls: wall far above CPU is time the loop thread did not run (the GIL
+    held by another thread, or descheduled; a blocking wait for the fill counts there too)."""
 
     def __init__(self) -> None:
-        self.total = dict.fromkeys(self.PARTS, 0.0)
+        self.total = dict.fromkeys(self.PARTS + self.CPU, 0.0)
         self._inner = 0.0
         self._wait = 0.0
 
@@ -81,11 +85,17 @@ class StepLoopTimers:
         def timed(part: str, fn: Any, exclude_inner: bool = False, report_inner: bool = False) -> Any:
             def wrapper(*a: Any, **k: Any) -> Any:
                 inner0, wait0 = self._inner, self._wait
+                cpu = time.thread_time()
                 t = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
                     dt = time.perf_counter() - t
+                    if part == "apply":
+                        self.total["apply_incl_fill_cpu"] += time.thread_time() - cpu
+                        self.total["apply_incl_fill_wall"] += dt
+                    elif part == "advance":
+                        self.total["advance_cpu"] += time.thread_time() - cpu
                     nested = self._inner - inner0
                     self.total[part] += dt - (nested if exclude_inner else 0.0)
                     if part == "fill":  # the wait for the previous step is no structured cost
@@ -94,6 +104,20 @@ class StepLoopTimers:
 
             return wrapper
 
+        import pagedllm.structured_output.apply as apply_mod
+
+        real_cuda = getattr(apply_mod, "_apply_cuda", None)
+        if real_cuda is not None:  # the upload and the launch alone
+
+            def apply_cuda(*a: Any, **k: Any) -> Any:
+                cpu, t = time.thread_time(), time.perf_counter()
+                try:
+                    return real_cuda(*a, **k)
+                finally:
+                    self.total["apply_cuda_wall"] += time.perf_counter() - t
+                    self.total["apply_cuda_cpu"] += time.thread_time() - cpu
+
+            apply_mod._apply_cuda = apply_cuda  # type: ignore[attr-defined]
         so_mgr, gb = StructuredOutputManager, GrammarBitmask
         so_mgr.prepare = timed("prepare", so_mgr.prepare)  # type: ignore[method-assign]
         so_mgr.advance = timed("advance", so_mgr.advance)  # type: ignore[method-assign]
@@ -144,6 +168,8 @@ def time_decode(
                 started.add(out.request_id)
     for _ in range(3):
         engine.step()
+    if PIN:  # the step loop and the grammar worker on cores of their own (--pin)
+        _pin_threads(*PIN)
     times, min_batch = [], len(ids)
     before = timers.snapshot() if timers is not None else {}
     cpu = time.thread_time()
@@ -161,6 +187,23 @@ def time_decode(
     return times, min_batch, cpu, parts
 
 
+PIN: tuple[int, int] | None = None
+"""--pin LOOP,WORKER: CPUs for the step loop's thread and the grammar worker thread (other threads: the rest)."""
+
+
+def _pin_threads(loop_cpu: int, worker_cpu: int) -> None:
+    import threading
+
+    allowed = os.sched_getaffinity(0) | {loop_cpu, worker_cpu}
+    rest = allowed - {loop_cpu, worker_cpu}
+    main = threading.main_thread().native_id
+    workers = {t.native_id for t in threading.enumerate() if t.name.startswith("grammar-step")}
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        cpus = {loop_cpu} if tid == main else {worker_cpu} if tid in workers else rest
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cpus)
+
+
 HOST_RANGES = {
     "pagedllm.engine.llm_engine:LLMEngine.step": "step",
     "pagedllm.engine.core:EngineCore.step": "core_step",
@@ -175,6 +218,20 @@ HOST_RANGES = {
     "pagedllm.structured_output.matchers:GrammarBitmask.narrow": "narrow",
     "xgrammar:apply_token_bitmask_inplace": "xgr_apply",
     "pagedllm.worker.model_runner:apply_grammar_bitmask": "apply",
+    "pagedllm.structured_output.apply:_apply_cuda": "apply_cuda",
+    "pagedllm.worker.model_runner:ModelRunner._update_states": "update_states",
+    "pagedllm.worker.model_runner:ModelRunner._forward": "forward",
+    "pagedllm.worker.step_inputs:StepInputBuilder.build": "inputs_build",
+    "pagedllm.worker.async_output:InFlightTokens.patch": "in_flight_patch",
+    "pagedllm.worker.async_output:AsyncCopier.copy": "copy_out",
+    "pagedllm.worker.sampling_batch:SamplingBatch.build": "sampling_build",
+    "pagedllm.worker.cuda_graph:CudaGraphRunner.run": "graph_run",
+    "pagedllm.worker.prompt_logprobs:PromptLogprobs.gather": "prompt_lp",
+    "pagedllm.structured_output.manager:StructuredOutputManager.prepare": "so_prepare",
+    "pagedllm.structured_output.manager:StructuredOutputManager.advance": "so_advance",
+    "pagedllm.structured_output.overlap:StepJobs.sampled": "so_sampled",
+    "pagedllm.structured_output.overlap:StepJobs.chain": "so_chain",
+    "pagedllm.structured_output.overlap:StepJobs.publish": "so_publish",
 }
 """Functions timed by --profile-host (module:qualname -> range name)."""
 
@@ -252,12 +309,17 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--tiny", action="store_true", help="one narrow layer: the step is mostly host work")
     ap.add_argument("--quick", action="store_true", help="skip the compile and first-token timings")
+    ap.add_argument("--pin", default=None, help="LOOP,WORKER: pin the step loop and the grammar worker threads")
     ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
     if args.tiny:
         from pagedllm.benchmarks.workloads import TINY_OVERRIDES
 
         args.hf_overrides = {**TINY_OVERRIDES, **(args.hf_overrides or {})}
+    if args.pin:
+        global PIN
+        loop_cpu, worker_cpu = (int(v) for v in args.pin.split(","))
+        PIN = (loop_cpu, worker_cpu)
     if args.switch_interval_us:
         import sys
 

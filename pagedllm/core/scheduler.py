@@ -412,6 +412,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.update(self.requests, sched, result)
         grammars = self.structured.states if self.structured is not None and self.structured.states else None
+        taking = self.structured.taking() if grammars is not None else frozenset()  # type: ignore[union-attr]
         rejected: dict[str, str] = {}
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = get_request(rid)
@@ -431,8 +432,22 @@ class Scheduler:
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok, max_model_len)
             else:
                 new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
-            if grammars is not None and rid in grammars and not stopped:
-                stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
+            if grammars is not None and not stopped:
+                # Async scheduling took the tokens into the matcher already (`num_seen`; the first `advance` of
+                # a step publishes the worker's intake): only a request whose grammar has news (terminated, a
+                # rejected token) or tokens still to take goes to `advance`.
+                st = grammars.get(rid)
+                if st is not None and (st.terminated or st.error or st.num_seen < len(req.output_token_ids)):
+                    # (the worker is taking this one token, not a stop token: no news; see `taking`)
+                    if not (
+                        id(st) in taking
+                        and len(new_tokens) == 1
+                        and st.num_seen + 1 == len(req.output_token_ids)
+                        and new_tokens[0] not in st.stop_ids
+                        and not st.terminated
+                        and not st.error
+                    ):
+                        stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
             finish_reason = None
             if stopped:
                 finish_reason = req.status.finish_reason

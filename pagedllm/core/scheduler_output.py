@@ -26,8 +26,15 @@ class BitmaskSource(Protocol):
         """int32 [rows, ceil(model vocab / 32)]."""
         ...
 
+    logit_rows: list[int | None] | None
+    """Set by the CUDA apply: each sampled row's mask row (None: no grammar), for the step's token intake."""
+
     def narrow(self) -> tuple[torch.Tensor, list[int]]:
         """(int32 [rows, ceil(valid_vocab / 32)], the rows whose grammar constrains this step)."""
+        ...
+
+    def uploaded(self) -> None:
+        """The mask `narrow` gave was uploaded (its host buffer is free once the copy has run)."""
         ...
 
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.logger import init_logger
+from pagedllm.structured_output.matchers import PinnedMaskRing
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+logger = init_logger(__name__)
 
 
 def apply_grammar_bitmask(
@@ -22,14 +27,14 @@ def apply_grammar_bitmask(
     (`sample_idx`: their positions in `req_ids`). The mask (`structured_output.manager.GrammarBitmask`) is
     filled in the manager's fill thread while the runner launched the forward; this waits for it."""
     source = so.grammar_bitmask
-    if source is None or not so.structured_output_request_ids:
+    row_of_req = so.structured_output_request_ids
+    if source is None or not row_of_req:
         return
     if isinstance(source, np.ndarray):  # a full-vocabulary mask given as is
         mask, constrained, valid = torch.from_numpy(source), None, source.shape[1] * 32
     else:  # the tokenizer's ids only; the model's padded ids are disallowed in the constrained rows below
         mask, rows = source.narrow()
         constrained, valid = set(rows), source.valid_vocab
-    row_of_req = so.structured_output_request_ids
     get = row_of_req.get
     rows_of_logits = [get(req_ids[i]) for i in sample_idx.tolist()]
     logit_rows = [j for j, r in enumerate(rows_of_logits) if r is not None]
@@ -39,7 +44,10 @@ def apply_grammar_bitmask(
     n = logits.shape[0]
     vocab = min(logits.shape[-1], valid)
     if logits.is_cuda:
-        _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained)
+        if not isinstance(source, np.ndarray):
+            source.logit_rows = rows_of_logits  # the intake of this step's tokens reuses the mapping
+        if _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained) and not isinstance(source, np.ndarray):
+            source.uploaded()
         return
     if mask_rows != logit_rows or mask.shape[0] != n:
         full = torch.full((n, mask.shape[1]), -1, dtype=torch.int32)  # all bits set: rows without a grammar
@@ -68,14 +76,16 @@ if HAS_TRITON:
         HAS_ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Program (k, b): columns [b * BLOCK, (b + 1) * BLOCK) of the logits row of mask row k (rows_ptr[k], or k):
-        -inf where mask row k has a 0 bit, and at every column from `valid` (the tokenizer's ids) on."""
+        """Program (k, b): columns [b * BLOCK, (b + 1) * BLOCK) of the logits row of mask row k (rows_ptr[k], or k;
+        none when rows_ptr[k] < 0): -inf where mask row k has a 0 bit, and at every column from `valid` (the
+        tokenizer's ids) on."""
         k = tl.program_id(0)
         row = tl.load(rows_ptr + k).to(tl.int64) if HAS_ROWS else k.to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        words = tl.load(mask_ptr + k * mask_stride + cols // 32, mask=cols < valid, other=0)
+        live = (cols < vocab) & (row >= 0)
+        words = tl.load(mask_ptr + k * mask_stride + cols // 32, mask=(cols < valid) & live, other=0)
         closed = ((words >> (cols % 32)) & 1) == 0
-        tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=closed & (cols < vocab))
+        tl.store(logits_ptr + tl.maximum(row, 0) * logits_stride + cols, float("-inf"), mask=closed & live)
 
 
 def _apply_cuda(
@@ -85,44 +95,90 @@ def _apply_cuda(
     logit_rows: list[int],
     mask_rows: list[int],
     constrained: set[int] | None,
-) -> None:
+) -> bool:
     """One launch for the whole mask, the model's padded ids included, over the constrained rows only (a row
     whose grammar terminated is left as is). Cheaper on the host than xgrammar's apply plus a separate fill of
-    the padded ids: the step loop is host-bound with structured requests (NOTES, session 19)."""
+    the padded ids: the step loop is host-bound with structured requests (NOTES, session 19). True when `mask`
+    itself was uploaded (not a gathered copy of some of its rows)."""
     if constrained is not None and len(constrained) < len(mask_rows):
         kept = [(j, r) for j, r in zip(logit_rows, mask_rows) if r in constrained]
         logit_rows, mask_rows = [j for j, _ in kept], [r for _, r in kept]
     m = len(mask_rows)
     if not m:
-        return
-    in_order = mask_rows == logit_rows and logit_rows[-1] == m - 1  # rows 0..m-1 of both, in order
-    rows = None
-    if not in_order:  # (numpy: no OpenMP-parallel torch op on the host)
-        picked = torch.empty((m, mask.shape[1]), dtype=torch.int32, pin_memory=True)
-        picked.numpy()[:] = mask.numpy()[mask_rows]
-        mask = picked
-        rows_host = torch.empty(m, dtype=torch.int32, pin_memory=True)
-        rows_host.numpy()[:] = logit_rows
-        rows = rows_host.to(logits.device, non_blocking=True)
-    # From pinned memory (the fill allocates it so on a CUDA engine): a pageable copy would first wait for the
-    # stream, i.e. for the forward in flight.
-    mask = mask.to(logits.device, non_blocking=True)
+        return False
+    device = logits.device
+    # From pinned memory (the fill writes it so on a CUDA engine): a pageable copy would first wait for the
+    # stream, i.e. for the forward in flight. Into buffers kept per device (no allocation per step).
+    if mask_rows == logit_rows and logit_rows[-1] == m - 1:  # rows 0..m-1 of both, in order
+        rows = None
+    else:  # mask row k -> its logits row (-1: none), read by the kernel: no gather of mask rows on the host
+        m = mask.shape[0]
+        host_map, slot = _ROW_MAPS.take(m, 1)
+        flat = host_map.numpy().reshape(-1)
+        flat.fill(-1)
+        flat[mask_rows] = logit_rows
+        rows = _device_buffer(device, m, 1, "map").view(-1)
+        rows.copy_(host_map.view(-1), non_blocking=True)
+        _ROW_MAPS.uploaded(slot)
+    dev = _device_buffer(device, m, mask.shape[1], "mask")
+    dev.copy_(mask[:m], non_blocking=True)
     vocab = logits.shape[-1]
-    _grammar_mask_kernel[(m, triton.cdiv(vocab, _BLOCK))](
-        logits,
-        mask,
-        rows if rows is not None else mask,
+    _launch((m, triton.cdiv(vocab, _BLOCK), 1), logits, dev, rows if rows is not None else dev, valid, vocab)
+    return True
+
+
+_BLOCK = 2048
+_DEVICE_BUFFERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_ROW_MAPS = PinnedMaskRing()
+"""Pinned host buffers for the row maps (mask row -> logits row) of masks whose rows are not the logits'."""
+
+
+def _device_buffer(device: torch.device, m: int, words: int, kind: str) -> torch.Tensor:
+    """Rows [0, m) of the device's buffer of this kind (grown as needed; uploads are stream-ordered with their
+    reads)."""
+    buf = _DEVICE_BUFFERS.get((device, kind))
+    if buf is None or buf.shape[0] < m or buf.shape[1] != words:
+        buf = torch.empty((max(m, 64), words), dtype=torch.int32, device=device)
+        _DEVICE_BUFFERS[(device, kind)] = buf
+    return buf[:m]
+
+
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+"""Triton's compiled mask kernel by everything its specialization depends on (`_launch`)."""
+
+
+def _launch(
+    grid: tuple[int, int, int], logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, valid: int, vocab: int
+) -> None:
+    """The mask kernel, launched through Triton's compiled kernel once it exists: `JITFunction.__call__` binds and
+    specializes every argument on each launch, a cost the step loop pays every structured step. The cache key
+    holds what the specialization reads (the integers' values, the pointers' 16-byte alignment, the dtypes), so
+    a launch that would specialize differently compiles (and caches) anew."""
+    has_rows = rows is not mask
+    args = (logits, mask, rows, logits.stride(0), mask.stride(0), valid, vocab)
+    key = (
+        has_rows,
+        logits.dtype,
+        logits.device,
         logits.stride(0),
         mask.stride(0),
         valid,
         vocab,
-        HAS_ROWS=rows is not None,
-        BLOCK=_BLOCK,
-        num_warps=4,
+        logits.data_ptr() % 16 == 0,
+        mask.data_ptr() % 16 == 0,
+        rows.data_ptr() % 16 == 0,
     )
-
-
-_BLOCK = 2048
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        try:
+            compiled[grid](*args, has_rows, _BLOCK)
+            return
+        except Exception as e:  # another Triton's compiled-kernel API: the JIT launch from now on
+            _COMPILED[key] = None
+            logger.warning("grammar mask: Triton's compiled-kernel launch failed (%r); using the JIT launch", e)
+    kernel = _grammar_mask_kernel[grid](*args, HAS_ROWS=has_rows, BLOCK=_BLOCK, num_warps=4)
+    if key not in _COMPILED and hasattr(kernel, "__getitem__"):
+        _COMPILED[key] = kernel
 
 
 def _apply_cpu(logits: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:

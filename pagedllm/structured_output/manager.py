@@ -24,6 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from pagedllm import envs
@@ -32,7 +33,7 @@ from pagedllm.logger import init_logger
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
-from pagedllm.structured_output.matchers import GrammarBitmask, feed_batch
+from pagedllm.structured_output.matchers import GrammarBitmask, PinnedMaskRing, feed_batch
 from pagedllm.structured_output.matchers import RequestGrammar as _RequestGrammar
 from pagedllm.structured_output.overlap import StepJobs
 
@@ -81,7 +82,7 @@ class StructuredOutputManager:
         until `prepare` drops them: `prepare` scans these, not every state."""
         self._batch: xgr.BatchGrammarMatcher | None = None
         """xgrammar's batch fill (threads), made with the first bitmask: no xgrammar import before then."""
-        self.pin_masks = pin_masks
+        self.pin_masks: bool | PinnedMaskRing = PinnedMaskRing() if pin_masks else False
         self.fill_threads = fill_threads
         self._jobs = StepJobs(self.states, fill_threads)
         """Async scheduling: the previous step's intake and this step's fill on a worker thread."""
@@ -202,7 +203,7 @@ class StructuredOutputManager:
             valid = self._backend.valid_vocab if self._backend is not None else None
             bitmask = GrammarBitmask(matchers, self.vocab_size, self._batch, valid, self.pin_masks, states)
             if self.step_worker:
-                bitmask.on_sampled = functools.partial(self._jobs.sampled, ids)
+                bitmask.on_sampled = functools.partial(self._jobs.sampled, ids, bitmask)
             so.grammar_bitmask = bitmask
 
     def accept(self, req: Request, new_tokens: Sequence[int]) -> bool:
@@ -307,6 +308,15 @@ class StructuredOutputManager:
             feed_batch(batch_states, batch_tokens)
         elif batch_states:
             self._feed(batch_states[0], batch_tokens)
+
+    def taking(self) -> AbstractSet[int]:
+        """(Scheduler, before a step's tokens join their requests) the states (by `id`) whose intake of that step's
+        token runs on the worker and is not published yet. Such a state needs no `advance` for a token that is not
+        one of its grammar's stop tokens: the mask allowed the token, and only a stop token terminates a matcher;
+        the outcome is published at the next step's mask. (With the previous step's intake pending instead, every
+        state has seen as many tokens as the scheduler's update adds, and none is skipped on this ground.)"""
+        job = self._jobs.pending
+        return job.state_ids if job is not None else frozenset()
 
     def advance(self, req: Request, new_tokens: Sequence[int], rejected: dict[str, str]) -> bool:
         """Scheduler hook after new tokens joined the request: True (the request FINISHED_STOPPED) once its

@@ -33,6 +33,44 @@ class RequestGrammar:
         self.error: str | None = None
 
 
+class PinnedMaskRing:
+    """Pinned host buffers for the step masks of a CUDA engine, used in turn: no allocation from the caching host
+    allocator (and its event bookkeeping) per step. Each buffer's upload records an event (`uploaded`); a buffer
+    is filled again only once that upload has run (in steady decoding it has: a mask is filled after the previous
+    step's sampled ids reached the host, so after every earlier upload)."""
+
+    DEPTH = 4
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._next = 0
+
+    def take(self, n: int, words: int) -> tuple[torch.Tensor, int]:
+        """Rows [0, n) of the next buffer (n x words int32), and its slot."""
+        import torch
+
+        if not self._bufs or n > self._bufs[0].shape[0] or words != self._bufs[0].shape[1]:
+            rows = max(n, self._bufs[0].shape[0] if self._bufs else 0)
+            self._bufs = [torch.empty((rows, words), dtype=torch.int32, pin_memory=True) for _ in range(self.DEPTH)]
+            self._events = [None] * self.DEPTH
+        slot = self._next
+        self._next = (slot + 1) % self.DEPTH
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+        return self._bufs[slot][:n], slot
+
+    def uploaded(self, slot: int) -> None:
+        """(The step loop) the buffer's upload was enqueued on the current stream."""
+        import torch
+
+        event = self._events[slot]
+        if event is None:
+            event = self._events[slot] = torch.cuda.Event()
+        event.record()
+
+
 class GrammarBitmask:
     """The allowed-token bitmask of one step's structured requests (row i: matchers[i]), filled on the
     host on first `narrow()` / `result()` (the runner asks after launching the forward) with xgrammar's batch
@@ -48,11 +86,11 @@ class GrammarBitmask:
         vocab_size: int,
         batch: xgr.BatchGrammarMatcher,
         valid_vocab: int | None = None,
-        pin: bool = False,
+        pin: bool | PinnedMaskRing = False,
         states: list[RequestGrammar] | None = None,
     ) -> None:
         self.matchers = matchers
-        self._states = states
+        self.states = states
         """The matchers' request states (the manager's): whether a row's grammar has terminated is read from
         them, not asked of each matcher (an FFI call per row)."""
         self.vocab_size = vocab_size
@@ -60,7 +98,12 @@ class GrammarBitmask:
         """The matchers' vocabulary (`XgrammarBackend.valid_vocab`): model ids past it are never allowed."""
         self._batch = batch
         self._pin = pin
-        """Fill into pinned memory (a CUDA runner uploads it without a staging copy)."""
+        """Fill into pinned memory (a CUDA runner uploads it without a staging copy): a buffer of the ring, or
+        a fresh one (True)."""
+        self._slot = -1
+        """The ring's buffer this mask was filled into (-1: none)."""
+        self.logit_rows: list[int | None] | None = None
+        """Set by the CUDA apply: the mask row of each sampled row (None: unconstrained), for the intake."""
         self._narrow: tuple[torch.Tensor, list[int]] | None = None
         self._mask: np.ndarray | None = None
         self.before_fill: Callable[[], None] | None = None
@@ -85,13 +128,16 @@ class GrammarBitmask:
         n, words = len(matchers), -(-self.valid_vocab // 32)
         # All tokens allowed, set through numpy rather than `torch.full`, whose OpenMP-parallel fill would start a
         # second OpenMP team from the worker thread (no step-time difference measured either way, NOTES session 19).
-        mask = torch.empty((n, words), dtype=torch.int32, pin_memory=self._pin)
+        if isinstance(self._pin, PinnedMaskRing):
+            mask, self._slot = self._pin.take(n, words)
+        else:
+            mask = torch.empty((n, words), dtype=torch.int32, pin_memory=self._pin)
         mask.numpy().fill(-1)
-        if self._states is not None:
+        if self.states is not None:
             if ended:
-                rows = [i for i, st in enumerate(self._states) if not st.terminated and id(st) not in ended]
+                rows = [i for i, st in enumerate(self.states) if not st.terminated and id(st) not in ended]
             else:
-                rows = [i for i, st in enumerate(self._states) if not st.terminated]
+                rows = [i for i, st in enumerate(self.states) if not st.terminated]
         else:
             rows = [i for i, m in enumerate(matchers) if not m.is_terminated()]
         if len(rows) == n:
@@ -101,6 +147,11 @@ class GrammarBitmask:
         elif rows:
             batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
         return mask, rows
+
+    def uploaded(self) -> None:
+        """(The CUDA apply) the mask's upload is enqueued: its ring buffer may be filled again once it has run."""
+        if self._slot >= 0 and isinstance(self._pin, PinnedMaskRing):
+            self._pin.uploaded(self._slot)
 
     def narrow(self) -> tuple[torch.Tensor, list[int]]:
         """(the mask over the tokenizer's ids, int32 [rows, ceil(valid_vocab / 32)]; the constrained rows)."""

@@ -32,6 +32,8 @@ class _Intake:
 
     def __init__(self, picked: list[tuple[RequestGrammar, int]]) -> None:
         self.picked = picked
+        self.state_ids = frozenset(id(st) for st, _ in picked)
+        """The states it takes a token into (`StructuredOutputManager.taking`)."""
         self.future: cf.Future[None] | None = None
         self.rejected: list[int] = []
         self.terminated: list[int] = []
@@ -70,6 +72,7 @@ class StepJobs:
     def sampled(
         self,
         rows: dict[str, int],
+        bitmask: GrammarBitmask,
         req_ids: Sequence[str],
         sample_idx: np.ndarray,
         host: torch.Tensor,
@@ -77,18 +80,28 @@ class StepJobs:
         failed: dict[str, str] | None,
     ) -> None:
         """Runner hook (step loop): step N's sampler is launched, its ids are coming to `host` (`event`).
-        `rows`: N's constrained requests. Starts their intake on the worker."""
+        `rows`: N's constrained requests (`bitmask`: their mask). Starts their intake on the worker."""
         self.publish()  # an earlier step's, if no step took it (none in steady decoding)
-        states = self._states
         picked: list[tuple[RequestGrammar, int]] = []
-        for j, i in enumerate(sample_idx.tolist()):
-            rid = req_ids[i]
-            if rid not in rows or (failed and rid in failed):
-                continue
-            st = states.get(rid)
-            if st is None or st.terminated or st.error is not None:
-                continue
-            picked.append((st, j))
+        by_row, row_states = bitmask.logit_rows, bitmask.states
+        if by_row is not None and row_states is not None and len(by_row) == len(sample_idx) and not failed:
+            # The CUDA apply's mapping of the sampled rows to mask rows, whose states the mask holds (a request
+            # removed since has its matcher fed all the same, unread).
+            for j, k in enumerate(by_row):
+                if k is not None:
+                    st = row_states[k]
+                    if not st.terminated and st.error is None:
+                        picked.append((st, j))
+        else:
+            states = self._states
+            for j, i in enumerate(sample_idx.tolist()):
+                rid = req_ids[i]
+                if rid not in rows or (failed and rid in failed):
+                    continue
+                found = states.get(rid)
+                if found is None or found.terminated or found.error is not None:
+                    continue
+                picked.append((found, j))
         if not picked:
             return
         if self._pool is None:
