@@ -244,6 +244,10 @@ def test_async_intake_paths_equal_sync(smollm2_path: str) -> None:
     sp = SamplingParams(
         temperature=0.0, max_tokens=24, ignore_eos=True, structured_outputs=StructuredOutputsParams(json=schema)
     )
+    # Grammars that end within the run (ignore_eos: only the grammar stops them): the scheduler skips `advance` for
+    # a token the worker is taking unless it is a stop token, so the step that ends a grammar must still stop its
+    # request at once (the same tokens as the synchronous engine, finish_reason "stop").
+    ends = sp.clone(structured_outputs=StructuredOutputsParams(regex="[a-c]{2,6}"))
     prompts_ = [TokensPrompt(prompt_token_ids=[100 + i, 200, 300 + i]) for i in range(4)]
     from pagedllm.benchmarks.workloads import TINY_OVERRIDES as tiny
 
@@ -261,8 +265,9 @@ def test_async_intake_paths_equal_sync(smollm2_path: str) -> None:
         )
         core = llm.llm_engine.engine_core.engine_core
         core.scheduler.structured.step_worker = worker
-        outs = llm.generate(prompts_, sp, use_tqdm=False)
-        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4, [o.outputs[0].stop_reason for o in outs]
+        outs = llm.generate(prompts_ + prompts_, [sp] * 4 + [ends] * 4, use_tqdm=False)
+        reasons = [o.outputs[0].finish_reason for o in outs]
+        assert reasons == ["length"] * 4 + ["stop"] * 4, reasons
         got[name] = [o.outputs[0].token_ids for o in outs]
         if async_on:
             assert core.executor.worker.model_runner.num_deferred_samplings > 10
