@@ -187,6 +187,36 @@ def time_decode(
     return times, min_batch, cpu, parts
 
 
+def fake_grammar() -> None:
+    """--fake-grammar: the structured step without xgrammar's work. The worker's intake only reads the sampled
+    ids (no matcher advances) and the fill only sets every bit (no matcher fill); the step loop's part (rows, the
+    intake hook, publishing, the mask's upload and apply, the scheduler's checks) runs as usual. Against plain
+    decoding this is the loop's own cost; against the real run, what the grammar work on the worker (its GIL
+    holds, the waits for it) adds."""
+    from pagedllm.structured_output import matchers, overlap
+
+    def run(job: Any, host: Any, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        ids = host.tolist()
+        job.tokens = [ids[j] for _, j in job.picked]
+        job.rejected, job.terminated = [], []
+
+    def fill(bm: Any, ended: Any = None, batch: Any = None) -> Any:
+        import torch
+
+        n, words = len(bm.matchers), -(-bm.valid_vocab // 32)
+        if isinstance(bm._pin, matchers.PinnedMaskRing):
+            mask, bm._slot = bm._pin.take(n, words)
+        else:
+            mask = torch.empty((n, words), dtype=torch.int32, pin_memory=bool(bm._pin))
+        mask.numpy().fill(-1)
+        return mask, [i for i, st in enumerate(bm.states or []) if not st.terminated]
+
+    overlap._Intake.run = run  # type: ignore[method-assign]
+    matchers.GrammarBitmask._fill = fill  # type: ignore[method-assign]
+
+
 PIN: tuple[int, int] | None = None
 """--pin LOOP,WORKER: CPUs for the step loop's thread and the grammar worker thread (other threads: the rest)."""
 
@@ -310,12 +340,15 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="one narrow layer: the step is mostly host work")
     ap.add_argument("--quick", action="store_true", help="skip the compile and first-token timings")
     ap.add_argument("--pin", default=None, help="LOOP,WORKER: pin the step loop and the grammar worker threads")
+    ap.add_argument("--fake-grammar", action="store_true", help="structured steps without xgrammar's work")
     ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
     if args.tiny:
         from pagedllm.benchmarks.workloads import TINY_OVERRIDES
 
         args.hf_overrides = {**TINY_OVERRIDES, **(args.hf_overrides or {})}
+    if args.fake_grammar:
+        fake_grammar()
     if args.pin:
         global PIN
         loop_cpu, worker_cpu = (int(v) for v in args.pin.split(","))
