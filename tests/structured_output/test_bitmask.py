@@ -47,3 +47,35 @@ def test_padded_vocab_bitmask() -> None:
     assert not allowed[0, tok.encode("x", add_special_tokens=False)[0]]
     # Row 1 (terminated): unconstrained, padded ids included.
     assert allowed[1].all()
+
+
+def test_fill_overwrites_whole_rows() -> None:
+    """`GrammarBitmask` leaves a filled row's buffer as it finds it (a reused pinned buffer) and relies on xgrammar
+    writing every word of each row it fills, batched or alone; rows it does not fill (terminated grammars) are set
+    to all-allowed."""
+    import torch
+
+    tok = get_tokenizer(default_model_path())
+    be = XgrammarBackend(tok, len(tok), [tok.eos_token_id], StructuredOutputsConfig())
+    g = be.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}}))
+    ms = [be.matcher(g) for _ in range(3)]
+    for t in tok.encode('{"a": "hel', add_special_tokens=False):
+        assert ms[1].accept_token(t)
+    words = -(-be.valid_vocab // 32)
+    clean = torch.full((3, words), -1, dtype=torch.int32)
+    dirty = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32)
+    batch = xgr.BatchGrammarMatcher(1)
+    batch.batch_fill_next_token_bitmask(ms, clean)
+    batch.batch_fill_next_token_bitmask(ms, dirty)
+    assert torch.equal(clean, dirty)
+    one = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32)
+    ms[1].fill_next_token_bitmask(one, 1)
+    assert torch.equal(one[1], clean[1])
+    # Through GrammarBitmask with a terminated row in the middle: it is all-allowed, the others xgrammar's.
+    done = be.matcher(be.compile(StructuredOutputsParams(choice=["yes"])))
+    for t in [*tok.encode("yes", add_special_tokens=False), tok.eos_token_id]:
+        assert done.accept_token(t)
+    assert done.is_terminated()
+    mask, rows = GrammarBitmask([ms[0], done, ms[1]], be.valid_vocab, batch, be.valid_vocab).narrow()
+    assert rows == [0, 2]
+    assert (mask[1] == -1).all() and torch.equal(mask[0], clean[0]) and torch.equal(mask[2], clean[1])
