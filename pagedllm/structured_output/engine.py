@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 from pagedllm import envs
@@ -53,6 +55,8 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         def reasoning():  # type: ignore[no-untyped-def]  # noqa: ANN202
             return parser_cls(_load_tokenizer(config))
 
+    if os.environ.get("PAGEDLLM_GRAMMAR_PROCESS") == "1":  # branch work: the grammar server process
+        return _process_manager(config, so_config, reasoning)
     return StructuredOutputManager(
         so_config,
         backend,
@@ -61,3 +65,25 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         pin_masks=str(config.device).startswith("cuda"),
         fill_threads=envs.PAGEDLLM_GRAMMAR_FILL_THREADS or FILL_THREADS,
     )
+
+
+def _process_manager(
+    config: EngineConfig, so_config: StructuredOutputsConfig, reasoning: Any
+) -> StructuredOutputManager:
+    from pagedllm.structured_output.remote import ProcessGrammarManager
+    from pagedllm.structured_output.server import ServerSpec, make_backend
+
+    mc = config.model_config
+    tokenizer = _load_tokenizer(config)
+    stops = list(mc.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in stops:
+        stops.insert(0, int(eos))
+    same = mc.tokenizer == mc.model
+    path = mc.model_dir if same else mc.tokenizer
+    valid = min(mc.vocab_size, len(tokenizer))
+    make = functools.partial(make_backend, path, mc.vocab_size, stops, so_config, mc.gguf_file if same else None)
+    rows = config.scheduler_config.max_num_seqs
+    spec = ServerSpec(make, rows=rows, words=-(-valid // 32))
+    cuda = str(config.device).startswith("cuda")
+    return ProcessGrammarManager(so_config, spec, mc.vocab_size, valid, stops, reasoning, pin_masks=cuda)

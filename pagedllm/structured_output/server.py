@@ -82,7 +82,10 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
 
     try:
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the engine went away without closing
+                break
             op = msg[0]
             if op == "step":
                 _, rids, tokens, fill_rids, slot = msg
@@ -106,6 +109,10 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                     fm = [matchers[fill_rids[i]] for i in live]
                     batch.batch_fill_next_token_bitmask(fm, mask, live if len(live) < len(fill_rids) else None)
                 send(("filled", slot, rejected, ended))
+            elif op == "intake":  # tokens the masks allowed: no answer (the client infers ends from stop tokens)
+                _, rids, tokens = msg
+                if rids:
+                    xgr.BatchGrammarMatcher.batch_accept_token([matchers[r] for r in rids], list(tokens))
             elif op == "compile":
                 pool.submit(compile_one, msg[1], msg[2])
             elif op == "open":
@@ -162,6 +169,10 @@ class GrammarClient:
         if len(fill_rids) > self.spec.rows:
             raise ValueError(f"{len(fill_rids)} rows to fill, the ring holds {self.spec.rows}")
         self._conn.send(("step", list(rids), list(tokens), list(fill_rids), slot))
+
+    def intake(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """The requests' next tokens (one each, allowed by their masks) into their matchers; no answer."""
+        self._conn.send(("intake", list(rids), list(tokens)))
 
     def remove(self, rid: str) -> None:
         self._conn.send(("remove", rid))
