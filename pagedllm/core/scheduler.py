@@ -434,22 +434,25 @@ class Scheduler:
                 stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok, max_model_len)
             else:
                 new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
-            if grammars is not None and not stopped:
-                # Async scheduling took the tokens into the matcher already (`num_seen`; the first `advance` of
-                # a step publishes the worker's intake): only a request whose grammar has news (terminated, a
-                # rejected token) or tokens still to take goes to `advance`.
-                st = grammars.get(rid)
-                if st is not None and (st.terminated or st.error or st.num_seen < len(req.output_token_ids)):
-                    # (the worker is taking this one token, not a stop token: no news; see `taking`)
-                    if not (
-                        id(st) in taking
-                        and len(new_tokens) == 1
-                        and st.num_seen + 1 == len(req.output_token_ids)
-                        and new_tokens[0] not in st.stop_ids
-                        and not st.terminated
-                        and not st.error
-                    ):
-                        stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
+            if grammars is not None and not stopped and (st := grammars.get(rid)) is not None:
+                # Only a request whose grammar has news goes to `advance` (the first one of a step publishes the
+                # worker's intake): terminated, a rejected token, or tokens not taken yet, unless the worker is
+                # taking this one token and it is not a stop token (see `taking`).
+                unseen = len(req.output_token_ids) - st.num_seen
+                if (
+                    st.terminated
+                    or st.error
+                    or (
+                        unseen > 0
+                        and not (
+                            unseen == 1
+                            and len(new_tokens) == 1
+                            and id(st) in taking
+                            and new_tokens[0] not in st.stop_ids
+                        )
+                    )
+                ):
+                    stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
             finish_reason = None
             if stopped:
                 finish_reason = req.status.finish_reason

@@ -44,10 +44,11 @@ def apply_grammar_bitmask(
     n = logits.shape[0]
     vocab = min(logits.shape[-1], valid)
     if logits.is_cuda:
+        uploaded = _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained)
         if not isinstance(source, np.ndarray):
             source.logit_rows = rows_of_logits  # the intake of this step's tokens reuses the mapping
-        if _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained) and not isinstance(source, np.ndarray):
-            source.uploaded()
+            if uploaded:
+                source.uploaded()
         return
     if mask_rows != logit_rows or mask.shape[0] != n:
         full = torch.full((n, mask.shape[1]), -1, dtype=torch.int32)  # all bits set: rows without a grammar
@@ -99,7 +100,7 @@ def _apply_cuda(
     """One launch for the whole mask, the model's padded ids included, over the constrained rows only (a row
     whose grammar terminated is left as is). Cheaper on the host than xgrammar's apply plus a separate fill of
     the padded ids: the step loop is host-bound with structured requests (NOTES, session 19). True when `mask`
-    itself was uploaded (not a gathered copy of some of its rows)."""
+    was uploaded (some row constrained)."""
     if constrained is not None and len(constrained) < len(mask_rows):
         kept = [(j, r) for j, r in zip(logit_rows, mask_rows) if r in constrained]
         logit_rows, mask_rows = [j for j, _ in kept], [r for _, r in kept]

@@ -16,7 +16,7 @@ with the inline intake."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -82,26 +82,16 @@ class StepJobs:
         """Runner hook (step loop): step N's sampler is launched, its ids are coming to `host` (`event`).
         `rows`: N's constrained requests (`bitmask`: their mask). Starts their intake on the worker."""
         self.publish()  # an earlier step's, if no step took it (none in steady decoding)
-        picked: list[tuple[RequestGrammar, int]] = []
         by_row, row_states = bitmask.logit_rows, bitmask.states
+        candidates: Iterable[tuple[RequestGrammar | None, int]]
         if by_row is not None and row_states is not None and len(by_row) == len(sample_idx) and not failed:
             # The CUDA apply's mapping of the sampled rows to mask rows, whose states the mask holds (a request
             # removed since has its matcher fed all the same, unread).
-            for j, k in enumerate(by_row):
-                if k is not None:
-                    st = row_states[k]
-                    if not st.terminated and st.error is None:
-                        picked.append((st, j))
+            candidates = ((row_states[k], j) for j, k in enumerate(by_row) if k is not None)
         else:
-            states = self._states
-            for j, i in enumerate(sample_idx.tolist()):
-                rid = req_ids[i]
-                if rid not in rows or (failed and rid in failed):
-                    continue
-                found = states.get(rid)
-                if found is None or found.terminated or found.error is not None:
-                    continue
-                picked.append((found, j))
+            get, ids = self._states.get, [req_ids[i] for i in sample_idx.tolist()]
+            candidates = ((get(r), j) for j, r in enumerate(ids) if r in rows and not (failed and r in failed))
+        picked = [(st, j) for st, j in candidates if st is not None and not st.terminated and st.error is None]
         if not picked:
             return
         if self._pool is None:

@@ -197,3 +197,34 @@ def test_worker_intake_and_fill_equal_inline(env: tuple) -> None:
     states = out["worker"][2]
     assert states["b"][1] and states["c"][2] and not states["a"][1] and not states["d"][2]
     assert out["worker"][1] == [0, 1, 3]  # "c" terminated by N's token: its row left unconstrained
+
+
+def test_step_intake_by_row_map_equals_by_request_id(env: tuple) -> None:
+    """The worker's intake picks a step's constrained rows from the CUDA apply's row map (`logit_rows`) when it
+    has one, else by request id: the same states and positions either way (a terminated state and a row without
+    a grammar skipped), and the tokens go into the matchers."""
+    from pagedllm.structured_output.overlap import StepJobs
+
+    tok, be = env
+    digits = be.compile(StructuredOutputsParams(regex="[0-9]{1,3}"))
+    sts = {f"r{i}": _state(be, digits, []) for i in range(3)}
+    sts["r1"].terminated = True
+    req_ids = ["free", "r2", "r0", "r1"]  # logits rows; "free" has no grammar
+    rows = {"r0": 0, "r1": 1, "r2": 2}  # mask rows (the scheduler's order)
+    one = tok.encode("7", add_special_tokens=False)[0]
+    picked = {}
+    for mapped in (False, True):
+        fresh = {rid: _state(be, digits, []) for rid in sts}
+        fresh["r1"].terminated = True
+        bm = GrammarBitmask([st.matcher for st in fresh.values()], be.valid_vocab, None, states=list(fresh.values()))  # type: ignore[arg-type]
+        bm.logit_rows = [rows.get(r) for r in req_ids] if mapped else None
+        jobs = StepJobs(fresh)
+        host = torch.tensor([one] * 4)
+        jobs.sampled(rows, bm, req_ids, np.arange(4), host, None, None)
+        job = jobs.pending
+        assert job is not None
+        picked[mapped] = sorted((next(r for r, s in fresh.items() if s is st), j) for st, j in job.picked)
+        jobs.publish()
+        assert [fresh[r].num_seen for r in ("r0", "r1", "r2")] == [1, 0, 1]
+        jobs.shutdown()
+    assert picked[False] == picked[True] == [("r0", 2), ("r2", 1)]
