@@ -84,6 +84,6 @@ def _process_manager(
     valid = min(mc.vocab_size, len(tokenizer))
     make = functools.partial(make_backend, path, mc.vocab_size, stops, so_config, mc.gguf_file if same else None)
     rows = config.scheduler_config.max_num_seqs
-    spec = ServerSpec(make, rows=rows, words=-(-valid // 32))
     cuda = str(config.device).startswith("cuda")
-    return ProcessGrammarManager(so_config, spec, mc.vocab_size, valid, stops, reasoning, pin_masks=cuda)
+    spec = ServerSpec(make, rows=rows, words=-(-valid // 32), spin_s=0.002 if cuda else 0.0)
+    return ProcessGrammarManager(so_config, spec, mc.vocab_size, valid, stops, reasoning, cuda=cuda)

@@ -309,7 +309,7 @@ class StructuredOutputManager:
         elif batch_states:
             self._feed(batch_states[0], batch_tokens)
 
-    def begin_update(self, result: ModelRunnerOutput) -> None:
+    def begin_update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Scheduler hook before a step's tokens join their requests (the grammar server's intake, `remote.py`)."""
 
     def taking(self) -> AbstractSet[int]:

@@ -1,28 +1,39 @@
-"""The grammar work in a process of its own (issue 16's next step; not wired into the engine yet).
+"""The grammar work in a process of its own: compiles, one matcher per request, and the step masks.
 
-Why: with async scheduling the grammar worker thread (`overlap.StepJobs`) shares the engine process's GIL with the
-step loop. On an H100 host, 64 JSON-schema requests decode 18 % slower a step than plain ones (median over
-processes), but only ~6 % when the worker does no xgrammar work (`structured_overhead.py --fake-grammar`,
-benchmarks/NOTES.md session 26): the rest is the worker's GIL holds and the loop's waits for it.
+Why: with async scheduling the grammar work on a thread shares the engine process's GIL with the step loop, and a
+mask waited for on the step loop keeps the device queue from running ahead. On an H100 host, 64 JSON-schema
+requests decoded 18 % slower a step than plain ones (median over processes), ~6 % when the worker did no xgrammar
+work (`structured_overhead.py --fake-grammar`, benchmarks/NOTES.md session 26).
 
 The server owns xgrammar: the compiler (a thread pool of its own), the compiled grammars by key and one matcher per
-request. The client (the engine's side) talks to it over a pipe with small tuples and reads the step masks from
-shared memory (a ring of `depth` buffers of `rows` x `words` int32, which a CUDA engine can register as pinned
-memory). One step is one message: the previous step's sampled tokens of the constrained requests (their intake),
-then the requests whose allowed-token rows to fill, in order, into a ring slot; the answer names the slot and the
-requests whose token was rejected or whose grammar ended.
+request. The client (the step loop's side, `remote.py`) talks to it over a pipe with small tuples; the data of a
+step goes through one shared-memory segment (which a CUDA engine registers as pinned, mapped memory):
+- `masks`: a ring of `depth` step masks (`rows` x `words` int32);
+- `tokens`: a ring of `depth` rows of sampled ids, mask k's sampled ids in its row order in slot k % depth;
+- `flags`: [TOKENS] the number of the last mask whose sampled ids were written (by the device's stream, or the
+  CPU engine's loop), [MASKS] the number of the last mask filled (by the server).
 
-Messages (client -> server): ("compile", key, params) · ("open", rid, key, replay_tokens) · ("step", rids, tokens,
-fill_rids, slot) · ("feed", rid, tokens) · ("remove", rid) · ("close",). Answers: ("compiled", key, error | None)
-(from the compile pool, whenever done) · ("filled", slot, rejected_rids, ended_rids) · ("fed", rid, error | None,
-ended).
+One step is one message, sent when the step is scheduled: ("step", k, fill_rids, take). The server waits until
+flags[TOKENS] reaches `take` (the previous mask whose ids it has not taken), feeds those ids to their matchers,
+fills mask k's rows (an ended or unknown request's row allows everything) into slot k % depth, and sets
+flags[MASKS] = k, which the device (or the loop) waits for before the mask's upload. The loop never waits for
+the intake: a token the mask allowed is never rejected, and it ends a grammar exactly when it is one of the
+grammar's stop tokens, so the loop knows a grammar's end without asking.
+
+Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("compile", key, params) ·
+("open", rid, key, replay_tokens) · ("feed", rid, tokens) · ("remove", rid) · ("close",). Answers: ("compiled",
+key, error | None) (from the compile pool, whenever done) · ("fed", rid, error | None, ended) · ("failed", rids,
+error) (a step's ids did not come in time, or a token was rejected: the requests fail, the engine goes on).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing as mp
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -33,6 +44,12 @@ import numpy as np
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend
+from pagedllm.structured_output.host_flags import seq_reached
+
+TOKENS, MASKS = 0, 1
+"""Indices of `flags`."""
+_FLAG_WORDS = 16
+"""int32 words of the flags' area (64 bytes: the rings start on a cache line of their own)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,46 @@ class ServerSpec:
     words: int
     """int32 words per row: ceil(the backend's valid vocabulary / 32)."""
     depth: int = 4
+    spin_s: float = 0.002
+    """How long the server spins on a flag before it sleeps between looks (a GPU step's ids land within a
+    forward's time; a CPU engine's forward is long, and spinning would take a core from it: 0 there)."""
+    timeout_s: float = 30.0
+    """A step's ids that do not come in this long fail its requests (the device or the loop went wrong)."""
+
+
+class SharedRings:
+    """The views of the shared segment (see the module docstring), in the server and in the client."""
+
+    def __init__(self, spec: ServerSpec, buf: Any) -> None:
+        d, r, w = spec.depth, spec.rows, spec.words
+        self.flags = np.ndarray((_FLAG_WORDS,), dtype=np.int32, buffer=buf)
+        off = _FLAG_WORDS * 4
+        self.masks = np.ndarray((d, r, w), dtype=np.int32, buffer=buf, offset=off)
+        off += d * r * w * 4
+        self.tokens = np.ndarray((d, r), dtype=np.int32, buffer=buf, offset=off)
+
+    def release(self) -> None:
+        """Drops the views (the segment closes only once none is left)."""
+        del self.flags, self.masks, self.tokens
+
+    @staticmethod
+    def nbytes(spec: ServerSpec) -> int:
+        return _FLAG_WORDS * 4 + spec.depth * spec.rows * (spec.words + 1) * 4
+
+
+def wait_flag(flags: np.ndarray, index: int, wanted: int, spin_s: float, timeout_s: float) -> bool:
+    """Until flags[index] reaches `wanted` (cyclically): spin `spin_s`, then sleep between looks. False on timeout."""
+    if seq_reached(int(flags[index]), wanted):
+        return True
+    now = time.monotonic()
+    spin_end, end = now + spin_s, now + timeout_s
+    while not seq_reached(int(flags[index]), wanted):
+        now = time.monotonic()
+        if now > end:
+            return False
+        if now > spin_end:
+            time.sleep(0.0001)
+    return True
 
 
 def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
@@ -54,11 +111,17 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
 
     backend = spec.make_backend()
     shm = SharedMemory(name=shm_name)
-    ring = torch.from_numpy(np.ndarray((spec.depth, spec.rows, spec.words), dtype=np.int32, buffer=shm.buf))
+    # The client owns the segment: this process's resource tracker must not unlink it when it exits.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    rings = SharedRings(spec, shm.buf)
     send_lock = threading.Lock()
     pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
     compiled: dict[GrammarKey, Any] = {}
     matchers: dict[str, Any] = {}
+    slot_rids: dict[int, list[str]] = {}
+    """Mask number -> its rows' requests (until its sampled ids are taken)."""
     batch = xgr.BatchGrammarMatcher(1)
 
     def send(msg: tuple[Any, ...]) -> None:
@@ -80,6 +143,41 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 return None, True
         return None, False
 
+    def take(k: int) -> None:
+        """Mask k's sampled ids into its rows' matchers."""
+        rids = slot_rids.pop(k, [])
+        if not wait_flag(rings.flags, TOKENS, k, spec.spin_s, spec.timeout_s):
+            live = [r for r in rids if r in matchers]
+            send(("failed", live, f"structured_outputs: the sampled ids of step {k} did not reach the grammars"))
+            for r in live:
+                del matchers[r]
+            return
+        ids = rings.tokens[k % spec.depth, : len(rids)].tolist()
+        # (A row the runner did not sample has id -1.)
+        pairs = [(r, t) for r, t in zip(rids, ids) if t >= 0 and r in matchers and not matchers[r].is_terminated()]
+        if not pairs:
+            return
+        ms = [matchers[r] for r, _ in pairs]
+        ok = xgr.BatchGrammarMatcher.batch_accept_token(ms, [t for _, t in pairs])
+        bad = [r for (r, _), good in zip(pairs, ok) if not good]
+        if bad:
+            send(("failed", bad, "structured_outputs: a sampled token was not allowed by the grammar"))
+            for r in bad:
+                del matchers[r]
+
+    def fill(k: int, rids: list[str]) -> None:
+        mask = torch.from_numpy(rings.masks[k % spec.depth])
+        live = [i for i, r in enumerate(rids) if r in matchers and not matchers[r].is_terminated()]
+        if len(live) < len(rids):  # rows not filled: every token allowed
+            free = np.ones(len(rids), dtype=bool)
+            free[live] = False
+            rings.masks[k % spec.depth, : len(rids)][free] = -1
+        if live:
+            fm = [matchers[rids[i]] for i in live]
+            batch.batch_fill_next_token_bitmask(fm, mask, live if len(live) < len(rids) else None)
+        slot_rids[k] = rids
+        rings.flags[MASKS] = k  # after the rows (x86 stores are seen in order; a Python call lies between)
+
     try:
         while True:
             try:
@@ -88,31 +186,12 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 break
             op = msg[0]
             if op == "step":
-                _, rids, tokens, fill_rids, slot = msg
-                rejected: list[str] = []
-                ended: list[str] = []
-                if rids:
-                    ms = [matchers[r] for r in rids]
-                    ok = xgr.BatchGrammarMatcher.batch_accept_token(ms, list(tokens))
-                    for r, m, good in zip(rids, ms, ok):
-                        if not good:
-                            rejected.append(r)
-                        elif m.is_terminated():
-                            ended.append(r)
-                mask = ring[slot]
-                live = [i for i, r in enumerate(fill_rids) if r not in ended and not matchers[r].is_terminated()]
-                if len(live) < len(fill_rids):  # rows not filled: every token allowed
-                    free = np.ones(len(fill_rids), dtype=bool)
-                    free[live] = False
-                    mask.numpy()[: len(fill_rids)][free] = -1
-                if live:
-                    fm = [matchers[fill_rids[i]] for i in live]
-                    batch.batch_fill_next_token_bitmask(fm, mask, live if len(live) < len(fill_rids) else None)
-                send(("filled", slot, rejected, ended))
-            elif op == "intake":  # tokens the masks allowed: no answer (the client infers ends from stop tokens)
-                _, rids, tokens = msg
-                if rids:
-                    xgr.BatchGrammarMatcher.batch_accept_token([matchers[r] for r in rids], list(tokens))
+                _, k, fill_rids, took = msg
+                if took is not None:
+                    take(took)
+                fill(k, fill_rids)
+            elif op == "take":
+                take(msg[1])
             elif op == "compile":
                 pool.submit(compile_one, msg[1], msg[2])
             elif op == "open":
@@ -122,7 +201,8 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                     feed(matchers[rid], replay)
             elif op == "feed":
                 _, rid, tokens = msg
-                err, ended_ = feed(matchers[rid], tokens)
+                m = matchers.get(rid)
+                err, ended_ = feed(m, tokens) if m is not None else ("structured_outputs: no grammar", False)
                 send(("fed", rid, err, ended_))
             elif op == "remove":
                 matchers.pop(msg[1], None)
@@ -130,30 +210,38 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 break
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        del ring
+        rings.release()
         shm.close()
 
 
 class GrammarClient:
-    """The engine's side of the grammar server: sends requests' grammars, tokens and fill orders, reads the masks
-    out of shared memory. Not thread-safe: the step loop alone calls it."""
+    """The engine's side of the grammar server: sends requests' grammars and step orders, reads the masks out of
+    shared memory. Not thread-safe: the step loop alone calls it."""
 
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
-        size = spec.depth * spec.rows * spec.words * 4
-        self._shm = SharedMemory(create=True, size=size)
-        self.masks = np.ndarray((spec.depth, spec.rows, spec.words), dtype=np.int32, buffer=self._shm.buf)
-        """The ring of step masks (slot, row, word), written by the server."""
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self._proc = mp.get_context("spawn").Process(
-            target=_serve, args=(child, spec, self._shm.name), name="grammar-server", daemon=True
+        self._shm = SharedMemory(create=True, size=SharedRings.nbytes(spec))
+        self.rings = SharedRings(spec, self._shm.buf)
+        self.rings.flags[:] = 0
+        # A plain subprocess, not multiprocessing's spawn: that re-imports the user's __main__ (a script without an
+        # `if __name__ == "__main__"` guard would start its engine again); a socket pair carries the messages.
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.structured_output.server", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
         )
-        self._proc.start()
-        child.close()
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send((spec, self._shm.name))
         self.compiled: dict[GrammarKey, str | None] = {}
         """Keys whose compile finished -> its error (None: compiled)."""
-        self._filled: dict[int, tuple[list[str], list[str]]] = {}
+        self.failed: dict[str, str] = {}
+        """Requests the server failed (`failed` answers not yet handled) -> the error."""
         self._fed: dict[str, tuple[str | None, bool]] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     # ---- asynchronous orders ---------------------------------------------------------------------------
     def compile(self, key: GrammarKey, params: StructuredOutputsParams) -> None:
@@ -163,19 +251,33 @@ class GrammarClient:
         """A matcher for the request (its key compiled), fed the tokens it already has."""
         self._conn.send(("open", rid, key, list(replay)))
 
-    def step(self, rids: Sequence[str], tokens: Sequence[int], fill_rids: Sequence[str], slot: int) -> None:
-        """The requests' next tokens into their matchers (one each), then the allowed-token rows of `fill_rids`,
-        in order, into ring slot `slot` (`filled` waits for it)."""
+    def step(self, k: int, fill_rids: Sequence[str], take: int | None) -> None:
+        """Mask k: first mask `take`'s sampled ids (once `publish(take, ...)` wrote them) into their matchers, then
+        the allowed-token rows of `fill_rids`, in order, into slot k % depth (`wait_mask` / the device's flag
+        wait tells when)."""
         if len(fill_rids) > self.spec.rows:
             raise ValueError(f"{len(fill_rids)} rows to fill, the ring holds {self.spec.rows}")
-        self._conn.send(("step", list(rids), list(tokens), list(fill_rids), slot))
+        self._conn.send(("step", k, list(fill_rids), take))
 
-    def intake(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
-        """The requests' next tokens (one each, allowed by their masks) into their matchers; no answer."""
-        self._conn.send(("intake", list(rids), list(tokens)))
+    def take(self, k: int) -> None:
+        """Mask k's sampled ids into their matchers now (before a `feed` that must follow them)."""
+        self._conn.send(("take", k))
 
     def remove(self, rid: str) -> None:
         self._conn.send(("remove", rid))
+
+    # ---- the shared rings, from the host (a CPU engine; a CUDA engine's stream does this itself) ---------------
+    def mask(self, k: int) -> np.ndarray:
+        """Slot k's mask rows (valid once `wait_mask(k)`)."""
+        return self.rings.masks[k % self.spec.depth]
+
+    def wait_mask(self, k: int, timeout: float | None = None) -> bool:
+        return wait_flag(self.rings.flags, MASKS, k, 0.0, self.spec.timeout_s if timeout is None else timeout)
+
+    def publish(self, k: int, ids: Sequence[int] | np.ndarray) -> None:
+        """Mask k's sampled ids, in its row order, for the server (and the flag that says they are there)."""
+        self.rings.tokens[k % self.spec.depth, : len(ids)] = ids
+        self.rings.flags[TOKENS] = k
 
     # ---- answers ------------------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> None:
@@ -188,18 +290,11 @@ class GrammarClient:
         op = msg[0]
         if op == "compiled":
             self.compiled[msg[1]] = msg[2]
-        elif op == "filled":
-            self._filled[msg[1]] = (msg[2], msg[3])
         elif op == "fed":
             self._fed[msg[1]] = (msg[2], msg[3])
-
-    def filled(self, slot: int) -> tuple[np.ndarray, list[str], list[str]]:
-        """(Blocking) slot's mask once filled: (the ring buffer's rows, requests whose token was rejected,
-        requests whose grammar ended with it)."""
-        while slot not in self._filled:
-            self._take(self._conn.recv())
-        rejected, ended = self._filled.pop(slot)
-        return self.masks[slot], rejected, ended
+        elif op == "failed":
+            for rid in msg[1]:
+                self.failed[rid] = msg[2]
 
     def feed(self, rid: str, tokens: Sequence[int]) -> tuple[str | None, bool]:
         """(Blocking) tokens into one request's matcher: (the error of a rejected token, whether it ended)."""
@@ -213,11 +308,13 @@ class GrammarClient:
             self._conn.send(("close",))
         except (BrokenPipeError, OSError):
             pass
-        self._proc.join(timeout=5)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
         self._conn.close()
-        del self.masks
+        self.rings.release()
         self._shm.close()
         self._shm.unlink()
 
@@ -230,3 +327,14 @@ def make_backend(
 
     tok = get_tokenizer(tokenizer, gguf_file=gguf_file) if gguf_file else get_tokenizer(tokenizer)
     return XgrammarBackend(tok, vocab_size, stop_token_ids, config)
+
+
+def main() -> None:
+    """`python -m pagedllm.structured_output.server FD`: the server on the socket FD (`GrammarClient` starts it)."""
+    conn = Connection(int(sys.argv[1]))
+    spec, shm_name = conn.recv()
+    _serve(conn, spec, shm_name)
+
+
+if __name__ == "__main__":
+    main()

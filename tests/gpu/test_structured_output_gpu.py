@@ -153,3 +153,17 @@ def test_async_deferred_sampling_dummy_model() -> None:
         torch.cuda.empty_cache()
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
     assert all(len(o.outputs[0].token_ids) > 3 for o in outs[True])
+
+
+def test_grammar_process_engine_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar server process on CUDA: the stream waits on the server's flag before the mask's upload and
+    writes the sampled ids' flag after their copy (`host_flags.py`); a stale or missing mask would let a token the
+    grammar forbids through (`grammar_process_case.py`)."""
+    import os
+
+    from tests.structured_output.grammar_process_case import run_engine_case
+
+    tok = os.environ.get("PAGEDLLM_SMOL_TOKENIZER", ".smol_tok")
+    if not os.path.isdir(tok):
+        pytest.skip(f"no SmolLM2 tokenizer directory at {tok}")
+    run_engine_case(monkeypatch, "cuda", tok)

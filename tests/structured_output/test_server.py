@@ -55,46 +55,91 @@ def test_server_masks_rejections_and_ends_equal_in_process() -> None:
             assert ref["r1"].accept_token(t)
         rids = ["r0", "r1", "r2"]
         want = xgr.allocate_token_bitmask(3, local.valid_vocab)
-        client.step([], [], rids, 0)
-        mask, _, _ = client.filled(0)
+        client.step(1, rids, None)
+        assert client.wait_mask(1, timeout=30)
         xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask([ref[r] for r in rids], want)
-        assert np.array_equal(mask[:3], want.numpy())
-        # Tokens the masks allow: '{' then '"' for r0, more string for r1, "yes" then EOS (its end) for r2.
+        assert np.array_equal(client.mask(1)[:3], want.numpy())
+        # Tokens the masks allow: '{' then '"' for r0, more string for r1, "yes" then EOS (its end) for r2; a row
+        # with id -1 was not sampled (its matcher stays).
         seq = {
             "r0": [tok.encode(t, add_special_tokens=False)[0] for t in ("{", '"')],
             "r1": [tok.encode(t, add_special_tokens=False)[0] for t in ("l", "lo")],
             "r2": [*tok.encode("yes", add_special_tokens=False), tok.eos_token_id],
         }
+        k = 1
         for i in range(max(len(v) for v in seq.values())):
-            live = [r for r in rids if i < len(seq[r])]
-            toks = [seq[r][i] for r in live]
-            slot = (i + 1) % spec.depth
-            client.step(live, toks, rids, slot)
-            for r, t in zip(live, toks):
-                assert ref[r].accept_token(t)
-            mask, rejected, ended = client.filled(slot)
-            assert rejected == [] and ended == [r for r in live if ref[r].is_terminated()]
-            for k, r in enumerate(rids):
+            ids = [seq[r][i] if i < len(seq[r]) else -1 for r in rids]
+            client.step(k + 1, rids, k)  # ordered before mask k's ids are there, as async scheduling does
+            time.sleep(0.05)
+            assert not client.wait_mask(k + 1, timeout=0.0)
+            client.publish(k, ids)
+            k += 1
+            for r, t in zip(rids, ids):
+                if t >= 0 and not ref[r].is_terminated():
+                    assert ref[r].accept_token(t)
+            assert client.wait_mask(k, timeout=30)
+            mask = client.mask(k)
+            for row, r in enumerate(rids):
                 if ref[r].is_terminated():  # an ended grammar's row allows everything
-                    assert (mask[k] == -1).all()
+                    assert (mask[row] == -1).all()
                 else:
                     one = xgr.allocate_token_bitmask(1, local.valid_vocab)
                     ref[r].fill_next_token_bitmask(one, 0)
-                    assert np.array_equal(mask[k], one.numpy()[0])
+                    assert np.array_equal(mask[row], one.numpy()[0])
         assert ref["r2"].is_terminated()
-        # A token the grammar does not allow: the synchronous feed says so.
-        err, done = client.feed("r0", [tok.encode("x", add_special_tokens=False)[0]])
+        client.poll()
+        assert client.failed == {}
+        # A token the grammar does not allow: the synchronous feed says so (after mask k's ids, taken first; none
+        # of its rows was sampled).
+        client.publish(k, [-1, -1, -1])
+        client.take(k)
+        x = tok.encode("x", add_special_tokens=False)[0]
+        err, done = client.feed("r0", [x])
         assert err and "not allowed" in err and not done
-        # A step's rejected token (the mask would not have allowed it) is named in the answer; the key "a" is fine.
+        # A step's rejected token (the mask would not have allowed it) fails its request; the others go on.
         client.remove("r1")
-        client.step(["r0"], [tok.encode("x", add_special_tokens=False)[0]], ["r0"], 1)
-        assert client.filled(1)[1] == ["r0"]
-        assert ref["r0"].accept_token(tok.encode("a", add_special_tokens=False)[0])
-        client.step(["r0"], [tok.encode("a", add_special_tokens=False)[0]], ["r0"], 2)
-        mask, rejected, _ = client.filled(2)
-        one = xgr.allocate_token_bitmask(1, local.valid_vocab)
-        ref["r0"].fill_next_token_bitmask(one, 0)
-        assert rejected == [] and np.array_equal(mask[0], one.numpy()[0])
+        client.step(k + 1, ["r0"], None)
+        assert client.wait_mask(k + 1, timeout=30)
+        client.publish(k + 1, [x])
+        client.step(k + 2, ["r0", "r2"], k + 1)
+        assert client.wait_mask(k + 2, timeout=30)
+        client.poll(5.0)
+        assert list(client.failed) == ["r0"] and "not allowed" in client.failed["r0"]
+        assert (client.mask(k + 2)[:2] == -1).all()  # r0 failed (no matcher), r2 ended
     finally:
         client.close()
-    assert not client._proc.is_alive()
+    assert not client.alive
+
+
+def test_server_step_ids_that_never_come_fail_their_requests() -> None:
+    """A step whose sampled ids are not published in `timeout_s` fails its requests; the mask flag is still set
+    (a device waiting on it goes on) and the server keeps serving."""
+    path = default_model_path()
+    tok = get_tokenizer(path)
+    cfg = StructuredOutputsConfig()
+    vocab = len(tok)
+    local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
+    spec = ServerSpec(
+        functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg),
+        rows=2,
+        words=-(-local.valid_vocab // 32),
+        timeout_s=0.5,
+    )
+    client = GrammarClient(spec)
+    try:
+        p = StructuredOutputsParams(choice=["yes", "no"])
+        key = grammar_key(p, cfg)
+        client.compile(key, p)
+        _wait_compiled(client, [key])
+        client.open("a", key)
+        client.step(1, ["a"], None)
+        assert client.wait_mask(1, timeout=30)
+        client.step(2, ["a"], 1)  # mask 1's ids are never published
+        assert client.wait_mask(2, timeout=30)
+        client.poll(5.0)
+        assert "did not reach" in client.failed["a"]
+        client.open("b", key)
+        client.step(3, ["b"], None)
+        assert client.wait_mask(3, timeout=30) and not (client.mask(3)[0] == -1).all()
+    finally:
+        client.close()
