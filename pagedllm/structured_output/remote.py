@@ -14,6 +14,7 @@ exactly when it is one of the grammar's stop tokens, so the scheduler learns a g
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedllm.logger import init_logger
 from pagedllm.structured_output.apply import apply_rows_cpu, launch_mask_kernel, upload_row_map
 from pagedllm.structured_output.backend import GrammarKey, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
@@ -36,8 +38,27 @@ if TYPE_CHECKING:
     from pagedllm.executor.abstract import StepFuture
     from pagedllm.reasoning import ReasoningParser
 
+logger = init_logger(__name__)
+
 _REMOTE = object()
 """`RequestGrammar.matcher` of a request whose matcher lives in the server."""
+
+
+class MaskRows:
+    """Where a mask's rows go in the step's logits: row k -> logit_of_row[k] (-1: not sampled)."""
+
+    __slots__ = ("all_sampled", "device_map", "identity", "key", "logit_of_row")
+
+    def __init__(self, key: tuple[Any, ...], logit_of_row: np.ndarray, n_logits: int, device: Any) -> None:
+        m = len(logit_of_row)
+        self.key = key
+        self.logit_of_row = logit_of_row
+        self.identity = n_logits >= m and bool((logit_of_row == np.arange(m)).all())
+        self.all_sampled = bool((logit_of_row >= 0).all())
+        self.device_map: torch.Tensor | None = None
+        """On a CUDA engine, the map on the device (None when the rows are the logits' first rows, in order)."""
+        if not self.identity and getattr(device, "type", "cpu") == "cuda":
+            self.device_map = upload_row_map(device, logit_of_row)
 
 
 class ServerMask:
@@ -49,69 +70,59 @@ class ServerMask:
 
     def __init__(self, mgr: ProcessGrammarManager, k: int, row_of_rid: dict[str, int]) -> None:
         self._mgr = mgr
+        assert mgr.link is not None
+        self._link = mgr.link
         self.k = k
         self.row_of_rid = row_of_rid
         self.rids = list(row_of_rid)
         self.published = False
         """Its sampled ids went to the server (the server takes them; `begin_update` counts them seen)."""
-        self._logit_of_row: np.ndarray | None = None
-        """Mask row -> its logits row (-1: not sampled); None: row i is logits row i."""
-        self._map_dev: torch.Tensor | None = None
+        self._rows: MaskRows
 
     def apply_to(self, logits: torch.Tensor, req_ids: Sequence[str], sample_idx: np.ndarray) -> None:
         """Mask the sampled rows' logits: on the device after a stream wait for the fill (CUDA), or once the
         host saw the fill (CPU)."""
-        mgr, m, k = self._mgr, len(self.rids), self.k
-        row_of = self.row_of_rid
-        logit_of_row = np.full(m, -1, dtype=np.int64)
-        for j, i in enumerate(sample_idx.tolist()):
-            r = row_of.get(req_ids[i])
-            if r is not None and r < m:
-                logit_of_row[r] = j
-        identity = logits.shape[0] >= m and bool((logit_of_row == np.arange(m)).all())
-        self._logit_of_row = None if identity else logit_of_row
-        vocab = min(logits.shape[-1], mgr.valid_vocab)
+        mgr, link, m, k = self._mgr, self._link, len(self.rids), self.k
+        rows = mgr.rows_for(self.rids, self.row_of_rid, req_ids, sample_idx, logits.shape[0], logits.device)
+        self._rows = rows
+        vocab = min(logits.shape[-1], link.valid_vocab)
         if logits.is_cuda:
-            import torch
-
-            flags = mgr.host_mem
+            flags = link.host_mem
             assert flags is not None
-            flags.wait_geq(mgr.flag_address(MASKS), k)
+            flags.wait_geq(link.flag_address(MASKS), k)
             dev = mgr.device_mask(logits.device, m)
-            dev.copy_(mgr.mask_views[k % mgr.depth][:m], non_blocking=True)
-            rows = None if identity else upload_row_map(logits.device, logit_of_row)
-            self._map_dev = rows
-            launch_mask_kernel(logits, dev, rows, vocab)
-            del torch
+            dev.copy_(link.mask_views[k % link.depth][:m], non_blocking=True)
+            launch_mask_kernel(logits, dev, rows.device_map, vocab)
             return
-        if not mgr.client.wait_mask(k):
+        if not link.client.wait_mask(k):
             mgr.fail_all(self.rids, "structured_outputs: the grammar server did not fill a step's mask in time")
             return
-        mask = mgr.mask_views[k % mgr.depth]
-        kept = [(int(j), r) for r, j in enumerate(logit_of_row.tolist()) if j >= 0]
+        mask = link.mask_views[k % link.depth]
+        kept = [(int(j), r) for r, j in enumerate(rows.logit_of_row.tolist()) if j >= 0]
         apply_rows_cpu(logits, mask, [j for j, _ in kept], [r for _, r in kept], vocab, None)
 
     def publish_sampled(self, sampled: torch.Tensor) -> None:
         """This step's sampled ids of the mask's rows to the server (int64 [n], the logits' rows)."""
-        mgr, m, k = self._mgr, len(self.rids), self.k
+        mgr, link, m, k, rows = self._mgr, self._link, len(self.rids), self.k, self._rows
+        host = link.token_views[k % link.depth][:m]
         if sampled.is_cuda:
             import torch
 
-            if self._logit_of_row is None:
-                ids = sampled[:m]
-            elif self._map_dev is not None and (self._logit_of_row >= 0).all():
-                ids = sampled.index_select(0, self._map_dev[:m])
+            if rows.device_map is None:
+                host.copy_(sampled[:m], non_blocking=True)
+            elif rows.all_sampled:
+                ids = mgr.device_ids(sampled.device, m)
+                torch.index_select(sampled, 0, rows.device_map, out=ids)
+                host.copy_(ids, non_blocking=True)
             else:  # rows the runner did not sample: -1
-                src = torch.from_numpy(self._logit_of_row).to(sampled.device, non_blocking=True)
-                ids = torch.where(src >= 0, sampled.index_select(0, src.clamp(min=0)), -1)
-            mgr.token_views[k % mgr.depth][:m].copy_(ids.to(torch.int32), non_blocking=True)
-            assert mgr.host_mem is not None
-            mgr.host_mem.write(mgr.flag_address(TOKENS), k)
+                src = rows.device_map
+                host.copy_(torch.where(src >= 0, sampled.index_select(0, src.clamp(min=0)), -1), non_blocking=True)
+            assert link.host_mem is not None
+            link.host_mem.write(link.flag_address(TOKENS), k)
         else:
             got = sampled.tolist()
-            lor = self._logit_of_row
-            ids_host = got[:m] if lor is None else [got[j] if j >= 0 else -1 for j in lor.tolist()]
-            mgr.client.publish(k, ids_host)
+            lor = rows.logit_of_row
+            link.client.publish(k, got[:m] if rows.identity else [got[j] if j >= 0 else -1 for j in lor.tolist()])
         self.published = True
         mgr.published(k)
 
@@ -119,36 +130,78 @@ class ServerMask:
     # manager (`engine.make_structured_output_manager`).
 
 
-class ProcessGrammarManager(StructuredOutputManager):
-    def __init__(
-        self,
-        config: StructuredOutputsConfig,
-        spec: ServerSpec,
-        vocab_size: int,
-        valid_vocab: int,
-        stop_token_ids: Sequence[int],
-        reasoning_parser_factory: Callable[[], ReasoningParser] | None = None,
-        cuda: bool = False,
-    ) -> None:
-        super().__init__(config, _no_backend, vocab_size, reasoning_parser_factory)
+class ServerLink:
+    """The started grammar server, seen from the engine: its client, the shared segment's views and (CUDA) its
+    registration as pinned, mapped memory, and a watchdog: a dead server would leave the device waiting on its
+    flag forever, so the watchdog releases every wait and marks the link dead (the requests fail)."""
+
+    def __init__(self, spec: ServerSpec, valid_vocab: int, stop_ids: frozenset[int], cuda: bool) -> None:
         import torch
 
-        self.valid_vocab = valid_vocab
-        self.stop_ids = frozenset(stop_token_ids)
         self.client = GrammarClient(spec)
+        self.valid_vocab = valid_vocab
+        self.stop_ids = stop_ids
         self.depth = spec.depth
         rings = self.client.rings
         self.mask_views = [torch.from_numpy(rings.masks[i]) for i in range(spec.depth)]
         self.token_views = [torch.from_numpy(rings.tokens[i]) for i in range(spec.depth)]
-        self.host_mem = None
-        if cuda:  # the segment as pinned, mapped memory: true async copies, and flags the stream waits on / writes
+        self.host_mem: Any = None
+        self._cuda = cuda
+        self.dead = False
+        self._closed = threading.Event()
+        self.last_k = 0
+        """(The step loop) the number of the last mask ordered: the watchdog releases the waits past it."""
+
+    def attach(self) -> None:
+        """(The step loop, once) the registration with the driver (in the thread whose CUDA context the runner
+        uses) and the watchdog."""
+        if self._cuda and self.host_mem is None:
             from pagedllm.structured_output.host_flags import RegisteredHostMemory
 
-            buf = rings.flags
-            self.host_mem = RegisteredHostMemory(buf.ctypes.data, self.client._shm.size)
-            self._watchdog = threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True)
-            self._watchdog.start()
+            self.host_mem = RegisteredHostMemory(self.client.rings.flags.ctypes.data, self.client._shm.size)
+            threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
+
+    def flag_address(self, index: int) -> int:
+        return int(self.client.rings.flags.ctypes.data) + 4 * index
+
+    def _watch(self) -> None:
+        while not self._closed.wait(1.0):
+            if not self.client.alive:
+                self.client.rings.flags[MASKS] = (self.last_k + (1 << 20)) & 0x7FFFFFFF
+                self.dead = True
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.host_mem is not None:
+            self.host_mem.unregister()
+        self.client.close()
+
+
+class ProcessGrammarManager(StructuredOutputManager):
+    """The scheduler's structured-output manager with the grammar work in the server process. The server starts
+    in a thread of its own at the first structured request (or the warm-up): the tokenizer load and the process
+    start never hold up the step loop; requests wait (`poll`) until it is up and their grammar compiled."""
+
+    def __init__(
+        self,
+        config: StructuredOutputsConfig,
+        start: Callable[[], ServerLink],
+        vocab_size: int,
+        reasoning_parser_factory: Callable[[], ReasoningParser] | None = None,
+    ) -> None:
+        super().__init__(config, _no_backend, vocab_size, reasoning_parser_factory)
+        self._start = start
+        self._starting: cf.Future[ServerLink] | None = None
+        self.link: ServerLink | None = None
+        self._start_error: str | None = None
+        self._to_compile: dict[GrammarKey, Any] = {}
+        """Compiles asked for before the server was up."""
+        self._warm = False
         self._device_masks: dict[Any, torch.Tensor] = {}
+        self._device_ids: dict[Any, torch.Tensor] = {}
+        self._rows: MaskRows | None = None
+        """The last mask's row places (`rows_for`)."""
         self._keys: dict[str, GrammarKey] = {}
         self._asked: set[GrammarKey] = set()
         self._k = 0
@@ -156,35 +209,89 @@ class ProcessGrammarManager(StructuredOutputManager):
         self._untaken: int | None = None
         """The last mask whose sampled ids were published and not yet ordered taken."""
         self._taking: frozenset[int] = frozenset()
-        self._closed = threading.Event()
         self.step_worker = False
 
-    # ---- shared memory -------------------------------------------------------------------------------
-    def flag_address(self, index: int) -> int:
-        return int(self.client.rings.flags.ctypes.data) + 4 * index
+    # ---- the server's start --------------------------------------------------------------------------
+    def _begin_start(self) -> None:
+        if self._starting is None:
+            self._starting = self.pool.submit(self._start)
 
+    def _up(self) -> ServerLink | None:
+        """The link once the server is up (sends what waited for it); None before (or when it failed)."""
+        if self.link is not None or self._starting is None or not self._starting.done():
+            return self.link
+        try:
+            link = self._starting.result()
+        except Exception as e:  # the requests fail; the engine serves the others
+            self._start_error = f"structured_outputs: the grammar server did not start: {type(e).__name__}: {e}"
+            logger.error("%s", self._start_error)
+            self._starting = cf.Future()  # never done: no second start
+            return None
+        link.attach()
+        self.link = link
+        if self._warm:
+            link.client.warm_up()
+        for key, params in self._to_compile.items():
+            link.client.compile(key, params)
+        self._to_compile.clear()
+        return link
+
+    def warm_up(self) -> Any:
+        self._warm = True
+        self._begin_start()
+        return self._starting
+
+    # ---- shared memory -------------------------------------------------------------------------------
     def device_mask(self, device: Any, m: int) -> torch.Tensor:
         import torch
 
         buf = self._device_masks.get(device)
         if buf is None:
-            buf = torch.empty((self.client.spec.rows, self.client.spec.words), dtype=torch.int32, device=device)
+            assert self.link is not None
+            spec = self.link.client.spec
+            buf = torch.empty((spec.rows, spec.words), dtype=torch.int32, device=device)
             self._device_masks[device] = buf
+        return buf[:m]
+
+    def device_ids(self, device: Any, m: int) -> torch.Tensor:
+        """A device buffer for m sampled ids in mask-row order."""
+        import torch
+
+        buf = self._device_ids.get(device)
+        if buf is None:
+            assert self.link is not None
+            buf = torch.empty(self.link.client.spec.rows, dtype=torch.int64, device=device)
+            self._device_ids[device] = buf
         return buf[:m]
 
     def published(self, k: int) -> None:
         self._untaken = k
 
-    def _watch(self) -> None:
-        """A dead server would leave the device waiting on its flag forever: release every wait and fail the
-        structured requests instead."""
-        while not self._closed.wait(1.0):
-            if not self.client.alive:
-                self.client.rings.flags[MASKS] = (self._k + (1 << 20)) & 0x7FFFFFFF
-                self._server_dead = True
-                return
-
-    _server_dead = False
+    def rows_for(
+        self,
+        rids: list[str],
+        row_of_rid: dict[str, int],
+        req_ids: Sequence[str],
+        sample_idx: np.ndarray,
+        n_logits: int,
+        device: Any,
+    ) -> MaskRows:
+        """The mask rows' places in the logits; in steady decoding the same as the step before (the same rows,
+        the same batch): then nothing is computed or uploaded."""
+        last = self._rows
+        if last is not None:
+            lrids, lreq, lidx = last.key
+            if lrids == rids and lreq == req_ids and np.array_equal(lidx, sample_idx):
+                return last
+        m = len(rids)
+        logit_of_row = np.full(m, -1, dtype=np.int64)
+        get = row_of_rid.get
+        for j, i in enumerate(sample_idx.tolist()):
+            r = get(req_ids[i])
+            if r is not None:
+                logit_of_row[r] = j
+        self._rows = rows = MaskRows((rids, list(req_ids), sample_idx.copy()), logit_of_row, n_logits, device)
+        return rows
 
     def fail_all(self, rids: Sequence[str], error: str) -> None:
         for rid in rids:
@@ -197,9 +304,13 @@ class ProcessGrammarManager(StructuredOutputManager):
         params = req.sampling_params.structured_outputs
         assert params is not None
         key = grammar_key(params, self.config)
-        if key not in self._asked or self.client.compiled.get(key, None) is not None:
-            self.client.compiled.pop(key, None)
-            self.client.compile(key, params)
+        self._begin_start()
+        link = self._up()
+        if link is None:
+            self._to_compile[key] = params
+        elif key not in self._asked or link.client.compiled.get(key, None) is not None:
+            link.client.compiled.pop(key, None)
+            link.client.compile(key, params)
             self._asked.add(key)
         self._keys[req.request_id] = key
         ended = self._reasoning_factory is None or self.config.enable_in_reasoning
@@ -209,28 +320,36 @@ class ProcessGrammarManager(StructuredOutputManager):
         st = self.states[req.request_id]
         if st.matcher is not None:
             return True
-        if self._server_dead:
-            return "structured_outputs: the grammar server process died"
-        self.client.poll()
-        key = self._keys[req.request_id]
-        if key not in self.client.compiled:
+        link = self._up()
+        if self._start_error is not None:
+            return self._start_error
+        if link is None:
             return False
-        err = self.client.compiled[key]
+        if link.dead:
+            return "structured_outputs: the grammar server process died"
+        client = link.client
+        client.poll()
+        key = self._keys[req.request_id]
+        if key not in client.compiled:
+            return False
+        self._asked.add(key)
+        err = client.compiled[key]
         if err is not None:
             return f"structured_outputs: the grammar failed to compile: {err}"
-        self.client.open(req.request_id, key, req.output_token_ids)
+        client.open(req.request_id, key, req.output_token_ids)
         st.matcher = _REMOTE  # type: ignore[assignment]
-        st.stop_ids = self.stop_ids
+        st.stop_ids = link.stop_ids
         st.num_seen = len(req.output_token_ids)
         if st.reasoning_ended:
             self._active[req.request_id] = st
         return True
 
     def wait_pending(self, timeout: float) -> None:
-        self.client.poll(timeout)
-
-    def warm_up(self) -> Any:
-        return None
+        link = self._up()
+        if link is not None:
+            link.client.poll(timeout)
+        elif self._starting is not None:
+            cf.wait([self._starting], timeout=timeout)
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput, requests: dict[str, Request]) -> None:
@@ -248,8 +367,10 @@ class ProcessGrammarManager(StructuredOutputManager):
         for rid in done:
             del self._active[rid]
         if ids:
-            self._k = k = (self._k + 1) & 0x7FFFFFFF or 1
-            self.client.step(k, list(ids), self._untaken)
+            link = self.link
+            assert link is not None  # a request is active only once its grammar compiled in the server
+            self._k = link.last_k = k = (self._k + 1) & 0x7FFFFFFF or 1
+            link.client.step(k, list(ids), self._untaken)
             self._untaken = None
             so.structured_output_request_ids = ids
             so.grammar_bitmask = ServerMask(self, k, ids)  # type: ignore[assignment]
@@ -258,7 +379,9 @@ class ProcessGrammarManager(StructuredOutputManager):
         """(Scheduler, before the step's tokens join their requests) the tokens sampled under the step's mask are
         the server's (`taking`); a stop token the mask allowed ends its grammar: the state says so before the
         scheduler looks. Failures the server reported mark their requests."""
-        client = self.client
+        if self.link is None:
+            return
+        client = self.link.client
         client.poll()
         if client.failed:
             failed, client.failed = client.failed, {}
@@ -307,10 +430,12 @@ class ProcessGrammarManager(StructuredOutputManager):
                 st.reasoning_ended = True
                 self._active[req.request_id] = st
             return False
+        assert self.link is not None
+        client = self.link.client
         if self._untaken is not None:  # the ids the server has not taken come first
-            self.client.take(self._untaken)
+            client.take(self._untaken)
             self._untaken = None
-        err, ended = self.client.feed(req.request_id, fresh)
+        err, ended = client.feed(req.request_id, fresh)
         if err is not None:
             st.error = err
             raise GrammarRejectedError(err)
@@ -318,17 +443,17 @@ class ProcessGrammarManager(StructuredOutputManager):
         return ended
 
     def remove(self, request_id: str) -> None:
-        if request_id in self.states and self.states[request_id].matcher is not None:
-            self.client.remove(request_id)
+        if self.link is not None and request_id in self.states and self.states[request_id].matcher is not None:
+            self.link.client.remove(request_id)
         self._keys.pop(request_id, None)
         super().remove(request_id)
 
     def shutdown(self) -> None:
-        self._closed.set()
         super().shutdown()
-        if self.host_mem is not None:
-            self.host_mem.unregister()
-        self.client.close()
+        if self.link is not None:
+            self.link.close()
+        elif self._starting is not None and self._starting.done() and self._starting.exception() is None:
+            self._starting.result().close()
 
 
 def _no_backend() -> Any:

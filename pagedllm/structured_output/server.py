@@ -9,7 +9,7 @@ The server owns xgrammar: the compiler (a thread pool of its own), the compiled 
 request. The client (the step loop's side, `remote.py`) talks to it over a pipe with small tuples; the data of a
 step goes through one shared-memory segment (which a CUDA engine registers as pinned, mapped memory):
 - `masks`: a ring of `depth` step masks (`rows` x `words` int32);
-- `tokens`: a ring of `depth` rows of sampled ids, mask k's sampled ids in its row order in slot k % depth;
+- `tokens`: a ring of `depth` rows of sampled ids (int64), mask k's in its row order in slot k % depth;
 - `flags`: [TOKENS] the number of the last mask whose sampled ids were written (by the device's stream, or the
   CPU engine's loop), [MASKS] the number of the last mask filled (by the server).
 
@@ -20,10 +20,11 @@ flags[MASKS] = k, which the device (or the loop) waits for before the mask's upl
 the intake: a token the mask allowed is never rejected, and it ends a grammar exactly when it is one of the
 grammar's stop tokens, so the loop knows a grammar's end without asking.
 
-Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("compile", key, params) ·
-("open", rid, key, replay_tokens) · ("feed", rid, tokens) · ("remove", rid) · ("close",). Answers: ("compiled",
-key, error | None) (from the compile pool, whenever done) · ("fed", rid, error | None, ended) · ("failed", rids,
-error) (a step's ids did not come in time, or a token was rejected: the requests fail, the engine goes on).
+Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("warmup",) · ("compile", key,
+params) · ("open", rid, key, replay_tokens) · ("feed", rid, tokens) · ("remove", rid) · ("close",). Answers:
+("compiled", key, error | None) (from the compile pool, whenever done) · ("fed", rid, error | None, ended) ·
+("failed", rids, error) (a step's ids did not come in time, or a token was rejected: the requests fail, the engine
+goes on).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class SharedRings:
         off = _FLAG_WORDS * 4
         self.masks = np.ndarray((d, r, w), dtype=np.int32, buffer=buf, offset=off)
         off += d * r * w * 4
-        self.tokens = np.ndarray((d, r), dtype=np.int32, buffer=buf, offset=off)
+        self.tokens = np.ndarray((d, r), dtype=np.int64, buffer=buf, offset=off)
+        """int64: the sampler's dtype (the device copies its ids without a cast)."""
 
     def release(self) -> None:
         """Drops the views (the segment closes only once none is left)."""
@@ -87,7 +89,7 @@ class SharedRings:
 
     @staticmethod
     def nbytes(spec: ServerSpec) -> int:
-        return _FLAG_WORDS * 4 + spec.depth * spec.rows * (spec.words + 1) * 4
+        return _FLAG_WORDS * 4 + spec.depth * spec.rows * (spec.words + 2) * 4
 
 
 def wait_flag(flags: np.ndarray, index: int, wanted: int, spin_s: float, timeout_s: float) -> bool:
@@ -122,6 +124,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
     matchers: dict[str, Any] = {}
     slot_rids: dict[int, list[str]] = {}
     """Mask number -> its rows' requests (until its sampled ids are taken)."""
+    last_rids: list[str] = []
     batch = xgr.BatchGrammarMatcher(1)
 
     def send(msg: tuple[Any, ...]) -> None:
@@ -134,6 +137,14 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
             send(("compiled", key, None))
         except Exception as e:  # the client fails the requests waiting for it
             send(("compiled", key, f"{type(e).__name__}: {e}"))
+
+    def warm_up() -> None:
+        """The common JSON field types' rules into xgrammar's cache (`manager.WARMUP_SCHEMAS`)."""
+        from pagedllm.structured_output.manager import WARMUP_SCHEMAS
+
+        for schema in WARMUP_SCHEMAS:
+            backend.compile(StructuredOutputsParams(json=schema))
+        backend.compile(StructuredOutputsParams(json_object=True))
 
     def feed(m: Any, tokens: Sequence[int]) -> tuple[str | None, bool]:
         for tok in tokens:
@@ -189,9 +200,14 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 _, k, fill_rids, took = msg
                 if took is not None:
                     take(took)
+                if fill_rids is None:  # the rows of the mask before
+                    fill_rids = last_rids
                 fill(k, fill_rids)
+                last_rids = fill_rids
             elif op == "take":
                 take(msg[1])
+            elif op == "warmup":
+                pool.submit(warm_up)
             elif op == "compile":
                 pool.submit(compile_one, msg[1], msg[2])
             elif op == "open":
@@ -238,6 +254,7 @@ class GrammarClient:
         self.failed: dict[str, str] = {}
         """Requests the server failed (`failed` answers not yet handled) -> the error."""
         self._fed: dict[str, tuple[str | None, bool]] = {}
+        self._last_rids: list[str] | None = None
 
     @property
     def alive(self) -> bool:
@@ -257,7 +274,14 @@ class GrammarClient:
         wait tells when)."""
         if len(fill_rids) > self.spec.rows:
             raise ValueError(f"{len(fill_rids)} rows to fill, the ring holds {self.spec.rows}")
-        self._conn.send(("step", k, list(fill_rids), take))
+        rows = None if fill_rids == self._last_rids else list(fill_rids)  # steady decoding: the same rows
+        if rows is not None:
+            self._last_rids = rows
+        self._conn.send(("step", k, rows, take))
+
+    def warm_up(self) -> None:
+        """The server compiles the common JSON field types' rules (a new schema then compiles in milliseconds)."""
+        self._conn.send(("warmup",))
 
     def take(self, k: int) -> None:
         """Mask k's sampled ids into their matchers now (before a `feed` that must follow them)."""
@@ -320,12 +344,18 @@ class GrammarClient:
 
 
 def make_backend(
-    tokenizer: str, vocab_size: int, stop_token_ids: Sequence[int], config: Any, gguf_file: str | None = None
+    tokenizer: str,
+    vocab_size: int,
+    stop_token_ids: Sequence[int],
+    config: Any,
+    gguf_file: str | None = None,
+    tokenizer_mode: str = "auto",
+    revision: str | None = None,
 ) -> XgrammarBackend:
     """A backend for the tokenizer at `tokenizer` (a `ServerSpec.make_backend` through `functools.partial`)."""
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    tok = get_tokenizer(tokenizer, gguf_file=gguf_file) if gguf_file else get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, gguf_file=gguf_file, tokenizer_mode=tokenizer_mode, revision=revision)
     return XgrammarBackend(tok, vocab_size, stop_token_ids, config)
 
 
