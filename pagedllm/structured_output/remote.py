@@ -345,11 +345,16 @@ class ProcessGrammarManager(StructuredOutputManager):
         return True
 
     def wait_pending(self, timeout: float) -> None:
+        """Nothing else to run: wait (briefly) for the server's start or a compile answer, if one is awaited."""
         link = self._up()
-        if link is not None:
+        if link is None:
+            if self._starting is not None:
+                cf.wait([self._starting], timeout=timeout)
+            return
+        compiled = link.client.compiled
+        keys = self._keys
+        if any(st.matcher is None and keys.get(rid) not in compiled for rid, st in self.states.items()):
             link.client.poll(timeout)
-        elif self._starting is not None:
-            cf.wait([self._starting], timeout=timeout)
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput, requests: dict[str, Request]) -> None:
