@@ -112,7 +112,7 @@ def _process_manager(
             mc.revision,
         )
         rows = config.scheduler_config.max_num_seqs
-        spec = ServerSpec(make, rows=rows, words=-(-valid // 32), spin_s=0.002 if cuda else 0.0)
+        spec = ServerSpec(make, rows=rows, words=-(-valid // 32))
         return ServerLink(spec, valid, frozenset(stops), cuda)
 
     return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning)

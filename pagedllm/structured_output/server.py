@@ -64,9 +64,10 @@ class ServerSpec:
     words: int
     """int32 words per row: ceil(the backend's valid vocabulary / 32)."""
     depth: int = 4
-    spin_s: float = 0.002
-    """How long the server spins on a flag before it sleeps between looks (a GPU step's ids land within a
-    forward's time; a CPU engine's forward is long, and spinning would take a core from it: 0 there)."""
+    spin_s: float = 0.0
+    """How long the server spins on a flag before it sleeps between looks (`wait_flag`). Spinning costs the step
+    loop: a host-bound loop whose core (or its hyperthread sibling) the server's spin shares runs slower, and
+    the fill has a forward's time (~1.5 ms) to land anyway; 50-100 us sleeps cost a few percent of a core."""
     timeout_s: float = 30.0
     """A step's ids that do not come in this long fail its requests (the device or the loop went wrong)."""
 
@@ -103,7 +104,7 @@ def wait_flag(flags: np.ndarray, index: int, wanted: int, spin_s: float, timeout
         if now > end:
             return False
         if now > spin_end:
-            time.sleep(0.0001)
+            time.sleep(0.00005)
     return True
 
 
