@@ -28,7 +28,7 @@ from pagedllm.structured_output.backend import GrammarKey, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
 from pagedllm.structured_output.manager import GrammarRejectedError, StructuredOutputManager
 from pagedllm.structured_output.matchers import RequestGrammar
-from pagedllm.structured_output.server import MASKS, TOKENS, GrammarClient, ServerSpec
+from pagedllm.structured_output.server import DIED, MASKS, TOKENS, GrammarClient, ServerSpec
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +147,7 @@ class ServerLink:
         self.token_views = [torch.from_numpy(rings.tokens[i]) for i in range(spec.depth)]
         self.host_mem: Any = None
         self._cuda = cuda
-        self.dead = False
+        self._dead = False
         self._closed = threading.Event()
         self.last_k = 0
         """(The step loop) the number of the last mask ordered: the watchdog releases the waits past it."""
@@ -164,11 +164,15 @@ class ServerLink:
     def flag_address(self, index: int) -> int:
         return int(self.client.rings.flags.ctypes.data) + 4 * index
 
+    @property
+    def dead(self) -> bool:
+        return self._dead or self.client.dead
+
     def _watch(self) -> None:
-        while not self._closed.wait(1.0):
+        while not self._closed.wait(0.5):
             if not self.client.alive:
                 self.client.rings.flags[MASKS] = (self.last_k + (1 << 20)) & 0x7FFFFFFF
-                self.dead = True
+                self._dead = True
                 return
 
     def close(self) -> None:
@@ -203,7 +207,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         self._rows: MaskRows | None = None
         """The last mask's row places (`rows_for`)."""
         self._keys: dict[str, GrammarKey] = {}
-        self._asked: set[GrammarKey] = set()
+        self._params: dict[str, Any] = {}
         self._k = 0
         """The number of the last mask ordered."""
         self._untaken: int | None = None
@@ -232,7 +236,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         if self._warm:
             link.client.warm_up()
         for key, params in self._to_compile.items():
-            link.client.compile(key, params)
+            self._compile(link, key, params)
         self._to_compile.clear()
         return link
 
@@ -308,11 +312,10 @@ class ProcessGrammarManager(StructuredOutputManager):
         link = self._up()
         if link is None:
             self._to_compile[key] = params
-        elif key not in self._asked or link.client.compiled.get(key, None) is not None:
-            link.client.compiled.pop(key, None)
-            link.client.compile(key, params)
-            self._asked.add(key)
+        else:
+            self._compile(link, key, params)
         self._keys[req.request_id] = key
+        self._params[req.request_id] = params
         ended = self._reasoning_factory is None or self.config.enable_in_reasoning
         self.states[req.request_id] = RequestGrammar(None, ended)  # type: ignore[arg-type]
 
@@ -326,14 +329,15 @@ class ProcessGrammarManager(StructuredOutputManager):
         if link is None:
             return False
         if link.dead:
-            return "structured_outputs: the grammar server process died"
+            return DIED
         client = link.client
         client.poll()
         key = self._keys[req.request_id]
-        if key not in client.compiled:
+        done, err = client.lookup(key)
+        if not done:
+            if key not in client.compiling:  # forgotten (cache full) before this request opened it
+                client.compile(key, self._params[req.request_id])
             return False
-        self._asked.add(key)
-        err = client.compiled[key]
         if err is not None:
             return f"structured_outputs: the grammar failed to compile: {err}"
         client.open(req.request_id, key, req.output_token_ids)
@@ -343,6 +347,14 @@ class ProcessGrammarManager(StructuredOutputManager):
         if st.reasoning_ended:
             self._active[req.request_id] = st
         return True
+
+    @staticmethod
+    def _compile(link: ServerLink, key: GrammarKey, params: Any) -> None:
+        """Compile unless compiled (a failed compile is tried again) or compiling."""
+        client = link.client
+        done, err = client.lookup(key)
+        if (not done and key not in client.compiling) or (done and err is not None):
+            client.compile(key, params)
 
     def wait_pending(self, timeout: float) -> None:
         """Nothing else to run: wait (briefly) for the server's start or a compile answer, if one is awaited."""
@@ -358,6 +370,9 @@ class ProcessGrammarManager(StructuredOutputManager):
 
     # ---- one step ------------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput, requests: dict[str, Request]) -> None:
+        link = self.link
+        if link is None or link.dead:  # (dead: its requests fail at the step's update; no mask to wait for)
+            return
         ids: dict[str, int] = {}
         done: list[str] = []
         scheduled = so.num_scheduled_tokens
@@ -372,8 +387,6 @@ class ProcessGrammarManager(StructuredOutputManager):
         for rid in done:
             del self._active[rid]
         if ids:
-            link = self.link
-            assert link is not None  # a request is active only once its grammar compiled in the server
             self._k = link.last_k = k = (self._k + 1) & 0x7FFFFFFF or 1
             link.client.step(k, list(ids), self._untaken)
             self._untaken = None
@@ -384,10 +397,13 @@ class ProcessGrammarManager(StructuredOutputManager):
         """(Scheduler, before the step's tokens join their requests) the tokens sampled under the step's mask are
         the server's (`taking`); a stop token the mask allowed ends its grammar: the state says so before the
         scheduler looks. Failures the server reported mark their requests."""
-        if self.link is None:
+        link = self.link
+        if link is None:
             return
-        client = self.link.client
+        client = link.client
         client.poll()
+        if link.dead:  # every structured request fails; the others go on
+            self.fail_all(list(self.states), DIED)
         if client.failed:
             failed, client.failed = client.failed, {}
             for rid, err in failed.items():
@@ -451,6 +467,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         if self.link is not None and request_id in self.states and self.states[request_id].matcher is not None:
             self.link.client.remove(request_id)
         self._keys.pop(request_id, None)
+        self._params.pop(request_id, None)
         super().remove(request_id)
 
     def shutdown(self) -> None:

@@ -21,10 +21,10 @@ the intake: a token the mask allowed is never rejected, and it ends a grammar ex
 grammar's stop tokens, so the loop knows a grammar's end without asking.
 
 Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("warmup",) · ("compile", key,
-params) · ("open", rid, key, replay_tokens) · ("feed", rid, tokens) · ("remove", rid) · ("close",). Answers:
-("compiled", key, error | None) (from the compile pool, whenever done) · ("fed", rid, error | None, ended) ·
-("failed", rids, error) (a step's ids did not come in time, or a token was rejected: the requests fail, the engine
-goes on).
+params) · ("forget", key) (out of the client's cache) · ("open", rid, key, replay_tokens) · ("feed", rid, tokens) ·
+("remove", rid) · ("close",). Answers: ("compiled", key, error | None) (from the compile pool, whenever done) ·
+("fed", rid, error | None, ended) · ("failed", rids, error) (a step's ids did not come in time, a token was
+rejected, a grammar was missing: the requests fail, the engine goes on).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -47,6 +48,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend
 from pagedllm.structured_output.host_flags import seq_reached
 
+DIED = "structured_outputs: the grammar server process died"
 TOKENS, MASKS = 0, 1
 """Indices of `flags`."""
 _FLAG_WORDS = 16
@@ -68,6 +70,8 @@ class ServerSpec:
     """How long the server spins on a flag before it sleeps between looks (`wait_flag`). Spinning costs the step
     loop: a host-bound loop whose core (or its hyperthread sibling) the server's spin shares runs slower, and
     the fill has a forward's time (~1.5 ms) to land anyway; 50-100 us sleeps cost a few percent of a core."""
+    cache_size: int = 256
+    """Compiled grammars the server keeps (least recently used out)."""
     timeout_s: float = 30.0
     """A step's ids that do not come in this long fail its requests (the device or the loop went wrong)."""
 
@@ -213,9 +217,15 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 pool.submit(compile_one, msg[1], msg[2])
             elif op == "open":
                 _, rid, key, replay = msg
-                matchers[rid] = xgr.GrammarMatcher(compiled[key])
+                grammar = compiled.get(key)
+                if grammar is None:  # not expected (the client forgets a key only after its opens)
+                    send(("failed", [rid], "structured_outputs: the grammar was not compiled"))
+                    continue
+                matchers[rid] = xgr.GrammarMatcher(grammar)
                 if replay:
                     feed(matchers[rid], replay)
+            elif op == "forget":
+                compiled.pop(msg[1], None)
             elif op == "feed":
                 _, rid, tokens = msg
                 m = matchers.get(rid)
@@ -250,8 +260,11 @@ class GrammarClient:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send((spec, self._shm.name))
-        self.compiled: dict[GrammarKey, str | None] = {}
-        """Keys whose compile finished -> its error (None: compiled)."""
+        self.compiled: OrderedDict[GrammarKey, str | None] = OrderedDict()
+        """Keys whose compile finished -> its error (None: compiled), least recently used first; past
+        `spec.cache_size` the oldest are forgotten here and in the server."""
+        self.compiling: set[GrammarKey] = set()
+        """Keys sent to compile, not answered yet."""
         self.failed: dict[str, str] = {}
         """Requests the server failed (`failed` answers not yet handled) -> the error."""
         self._fed: dict[str, tuple[str | None, bool]] = {}
@@ -261,13 +274,25 @@ class GrammarClient:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    dead = False
+    """The server's pipe broke or its process ended: every structured request fails (`DIED`)."""
+
     # ---- asynchronous orders ---------------------------------------------------------------------------
     def compile(self, key: GrammarKey, params: StructuredOutputsParams) -> None:
-        self._conn.send(("compile", key, params))
+        self.compiled.pop(key, None)
+        self.compiling.add(key)
+        self._send(("compile", key, params))
+
+    def lookup(self, key: GrammarKey) -> tuple[bool, str | None]:
+        """(Whether the key's compile finished, its error), marking the key used."""
+        if key not in self.compiled:
+            return False, None
+        self.compiled.move_to_end(key)
+        return True, self.compiled[key]
 
     def open(self, rid: str, key: GrammarKey, replay: Sequence[int] = ()) -> None:
         """A matcher for the request (its key compiled), fed the tokens it already has."""
-        self._conn.send(("open", rid, key, list(replay)))
+        self._send(("open", rid, key, list(replay)))
 
     def step(self, k: int, fill_rids: Sequence[str], take: int | None) -> None:
         """Mask k: first mask `take`'s sampled ids (once `publish(take, ...)` wrote them) into their matchers, then
@@ -278,18 +303,18 @@ class GrammarClient:
         rows = None if fill_rids == self._last_rids else list(fill_rids)  # steady decoding: the same rows
         if rows is not None:
             self._last_rids = rows
-        self._conn.send(("step", k, rows, take))
+        self._send(("step", k, rows, take))
 
     def warm_up(self) -> None:
         """The server compiles the common JSON field types' rules (a new schema then compiles in milliseconds)."""
-        self._conn.send(("warmup",))
+        self._send(("warmup",))
 
     def take(self, k: int) -> None:
         """Mask k's sampled ids into their matchers now (before a `feed` that must follow them)."""
-        self._conn.send(("take", k))
+        self._send(("take", k))
 
     def remove(self, rid: str) -> None:
-        self._conn.send(("remove", rid))
+        self._send(("remove", rid))
 
     # ---- the shared rings, from the host (a CPU engine; a CUDA engine's stream does this itself) ---------------
     def mask(self, k: int) -> np.ndarray:
@@ -297,7 +322,16 @@ class GrammarClient:
         return self.rings.masks[k % self.spec.depth]
 
     def wait_mask(self, k: int, timeout: float | None = None) -> bool:
-        return wait_flag(self.rings.flags, MASKS, k, 0.0, self.spec.timeout_s if timeout is None else timeout)
+        """(Blocking) until mask k is filled: False after `timeout` (default `spec.timeout_s`) or when the server
+        died."""
+        end = time.monotonic() + (self.spec.timeout_s if timeout is None else timeout)
+        while not wait_flag(self.rings.flags, MASKS, k, 0.0, min(0.05, max(0.0, end - time.monotonic()))):
+            if not self.alive:
+                self.dead = True
+                return False
+            if time.monotonic() >= end:
+                return False
+        return True
 
     def publish(self, k: int, ids: Sequence[int] | np.ndarray) -> None:
         """Mask k's sampled ids, in its row order, for the server (and the flag that says they are there)."""
@@ -307,14 +341,32 @@ class GrammarClient:
     # ---- answers ------------------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> None:
         """Takes the server's answers that have arrived (waits up to `timeout` s for the first)."""
-        while self._conn.poll(timeout):
-            self._take(self._conn.recv())
-            timeout = 0.0
+        if self.dead:
+            return
+        try:
+            while self._conn.poll(timeout):
+                self._take(self._conn.recv())
+                timeout = 0.0
+        except (EOFError, OSError):  # the server died: its requests fail (`dead`), the engine goes on
+            self.dead = True
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self.dead:
+            return
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self.dead = True
 
     def _take(self, msg: tuple[Any, ...]) -> None:
         op = msg[0]
         if op == "compiled":
-            self.compiled[msg[1]] = msg[2]
+            key = msg[1]
+            self.compiling.discard(key)
+            self.compiled[key] = msg[2]
+            while len(self.compiled) > self.spec.cache_size:
+                old, _ = self.compiled.popitem(last=False)
+                self._send(("forget", old))
         elif op == "fed":
             self._fed[msg[1]] = (msg[2], msg[3])
         elif op == "failed":
@@ -323,9 +375,14 @@ class GrammarClient:
 
     def feed(self, rid: str, tokens: Sequence[int]) -> tuple[str | None, bool]:
         """(Blocking) tokens into one request's matcher: (the error of a rejected token, whether it ended)."""
-        self._conn.send(("feed", rid, list(tokens)))
-        while rid not in self._fed:
-            self._take(self._conn.recv())
+        self._send(("feed", rid, list(tokens)))
+        try:
+            while rid not in self._fed and not self.dead:
+                self._take(self._conn.recv())
+        except (EOFError, OSError):
+            self.dead = True
+        if self.dead:
+            return DIED, False
         return self._fed.pop(rid)
 
     def close(self) -> None:

@@ -143,3 +143,39 @@ def test_server_step_ids_that_never_come_fail_their_requests() -> None:
         assert client.wait_mask(3, timeout=30) and not (client.mask(3)[0] == -1).all()
     finally:
         client.close()
+
+
+def test_server_cache_forgets_least_recently_used() -> None:
+    """Past `cache_size` compiled grammars the client forgets the least recently used (and tells the server): a
+    later open of a forgotten key fails that request alone instead of the server."""
+    path = default_model_path()
+    tok = get_tokenizer(path)
+    cfg = StructuredOutputsConfig()
+    vocab = len(tok)
+    local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
+    spec = ServerSpec(
+        functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg),
+        rows=2,
+        words=-(-local.valid_vocab // 32),
+        cache_size=2,
+    )
+    client = GrammarClient(spec)
+    try:
+        ps = [StructuredOutputsParams(choice=[w]) for w in ("one", "two", "three")]
+        keys = [grammar_key(p, cfg) for p in ps]
+        for k, p in zip(keys[:2], ps[:2]):
+            client.compile(k, p)
+        _wait_compiled(client, keys[:2])
+        assert client.lookup(keys[0]) == (True, None)  # used: keys[1] is now the oldest
+        client.compile(keys[2], ps[2])
+        _wait_compiled(client, [keys[2]])
+        assert list(client.compiled) == [keys[0], keys[2]] and client.lookup(keys[1]) == (False, None)
+        client.open("gone", keys[1])
+        client.open("kept", keys[0])
+        client.step(1, ["gone", "kept"], None)
+        assert client.wait_mask(1, timeout=30)
+        client.poll(5.0)
+        assert list(client.failed) == ["gone"]
+        assert (client.mask(1)[0] == -1).all() and not (client.mask(1)[1] == -1).all()
+    finally:
+        client.close()
