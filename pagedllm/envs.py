@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_GRAMMAR_DEFER: bool
+    PAGEDLLM_GRAMMAR_PROCESS: bool | None
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
     PAGEDLLM_STRUCTURED_WARMUP: bool
     PAGEDLLM_GIL_SWITCH_INTERVAL_US: float
@@ -106,6 +107,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Async scheduling, in-process executor: a structured step's sampling waits until the engine has read the
     # previous step's results (model_runner.complete_launch), so the mask's fill overlaps them. "0": inline.
     "PAGEDLLM_GRAMMAR_DEFER": _flag("PAGEDLLM_GRAMMAR_DEFER"),
+    # Structured outputs' grammar work in a process of its own, the device waiting for each step's mask
+    # (structured_output/remote.py): "1" / "0"; unset: on for a one-device CUDA engine without speculation.
+    "PAGEDLLM_GRAMMAR_PROCESS": lambda: (
+        None
+        if os.environ.get("PAGEDLLM_GRAMMAR_PROCESS") in (None, "")
+        else os.environ["PAGEDLLM_GRAMMAR_PROCESS"] == "1"
+    ),
     # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
     # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
     "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),

@@ -412,6 +412,8 @@ class Scheduler:
         if self.spec is not None:
             self.spec.update(self.requests, sched, result)
         grammars = self.structured.states if self.structured is not None and self.structured.states else None
+        if grammars is not None:
+            self.structured.begin_update(sched, result)  # type: ignore[union-attr]
         taking = self.structured.taking() if grammars is not None else frozenset()  # type: ignore[union-attr]
         rejected: dict[str, str] = {}
         for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):

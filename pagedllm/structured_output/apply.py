@@ -30,6 +30,10 @@ def apply_grammar_bitmask(
     row_of_req = so.structured_output_request_ids
     if source is None or not row_of_req:
         return
+    apply_to = getattr(source, "apply_to", None)
+    if apply_to is not None:  # a mask that applies itself (the grammar server's, `remote.ServerMask`)
+        apply_to(logits, req_ids, sample_idx)
+        return
     if isinstance(source, np.ndarray):  # a full-vocabulary mask given as is
         mask, constrained, valid = torch.from_numpy(source), None, source.shape[1] * 32
     else:  # the tokenizer's ids only; the model's padded ids are disallowed in the constrained rows below
@@ -41,7 +45,6 @@ def apply_grammar_bitmask(
     if not logit_rows:
         return
     mask_rows = [r for r in rows_of_logits if r is not None]
-    n = logits.shape[0]
     vocab = min(logits.shape[-1], valid)
     if logits.is_cuda:
         uploaded = _apply_cuda(logits, mask, vocab, logit_rows, mask_rows, constrained)
@@ -50,6 +53,24 @@ def apply_grammar_bitmask(
             if uploaded:
                 source.uploaded()
         return
+    apply_rows_cpu(logits, mask, logit_rows, mask_rows, vocab, constrained)
+
+
+def apply_rows_cpu(
+    logits: torch.Tensor,
+    mask: torch.Tensor | np.ndarray,
+    logit_rows: list[int],
+    mask_rows: list[int],
+    vocab: int,
+    constrained: set[int] | None,
+) -> None:
+    """(CPU) mask row mask_rows[i] onto logits row logit_rows[i]; the model's padded ids past `vocab` are never
+    allowed in a constrained row (`constrained`: the mask rows that are; None: all)."""
+    if not logit_rows:
+        return
+    if isinstance(mask, np.ndarray):
+        mask = torch.from_numpy(mask)
+    n = logits.shape[0]
     if mask_rows != logit_rows or mask.shape[0] != n:
         full = torch.full((n, mask.shape[1]), -1, dtype=torch.int32)  # all bits set: rows without a grammar
         full[logit_rows] = mask[mask_rows]
@@ -61,6 +82,26 @@ def apply_grammar_bitmask(
             logits[:, vocab:] = float("-inf")
         elif pad_rows:
             logits[pad_rows, vocab:] = float("-inf")
+
+
+def upload_row_map(device: torch.device, logit_of_row: np.ndarray) -> torch.Tensor:
+    """Mask row k -> its logits row (-1: none) on the device, for `launch_mask_kernel` (through a pinned ring:
+    the upload does not wait for the stream)."""
+    m = len(logit_of_row)
+    host_map, slot = _ROW_MAPS.take(m, 1)
+    host_map.numpy().reshape(-1)[:] = logit_of_row
+    rows = _device_buffer(device, m, 1, "map").view(-1)
+    rows.copy_(host_map.view(-1), non_blocking=True)
+    _ROW_MAPS.uploaded(slot)
+    return rows
+
+
+def launch_mask_kernel(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None, valid: int) -> None:
+    """The mask kernel over mask's rows (device int32, `valid` tokenizer ids): row k onto logits row rows[k]
+    (or k when `rows` is None)."""
+    vocab = logits.shape[-1]
+    grid = (mask.shape[0], triton.cdiv(vocab, _BLOCK), 1)
+    _launch(grid, logits, mask, rows if rows is not None else mask, valid, vocab)
 
 
 if HAS_TRITON:
@@ -114,17 +155,12 @@ def _apply_cuda(
         rows = None
     else:  # mask row k -> its logits row (-1: none), read by the kernel: no gather of mask rows on the host
         m = mask.shape[0]
-        host_map, slot = _ROW_MAPS.take(m, 1)
-        flat = host_map.numpy().reshape(-1)
-        flat.fill(-1)
-        flat[mask_rows] = logit_rows
-        rows = _device_buffer(device, m, 1, "map").view(-1)
-        rows.copy_(host_map.view(-1), non_blocking=True)
-        _ROW_MAPS.uploaded(slot)
+        logit_of_row = np.full(m, -1, dtype=np.int64)
+        logit_of_row[mask_rows] = logit_rows
+        rows = upload_row_map(device, logit_of_row)
     dev = _device_buffer(device, m, mask.shape[1], "mask")
     dev.copy_(mask[:m], non_blocking=True)
-    vocab = logits.shape[-1]
-    _launch((m, triton.cdiv(vocab, _BLOCK), 1), logits, dev, rows if rows is not None else dev, valid, vocab)
+    launch_mask_kernel(logits, dev, rows, valid)
     return True
 
 

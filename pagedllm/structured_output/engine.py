@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pagedllm import envs
@@ -53,6 +54,8 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         def reasoning():  # type: ignore[no-untyped-def]  # noqa: ANN202
             return parser_cls(_load_tokenizer(config))
 
+    if grammar_process_default(config):
+        return _process_manager(config, so_config, reasoning)
     return StructuredOutputManager(
         so_config,
         backend,
@@ -61,3 +64,55 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         pin_masks=str(config.device).startswith("cuda"),
         fill_threads=envs.PAGEDLLM_GRAMMAR_FILL_THREADS or FILL_THREADS,
     )
+
+
+def grammar_process_default(config: EngineConfig) -> bool:
+    """Whether the grammar work runs in the grammar server process (`remote.py`): on a CUDA engine whose runner
+    is in this process (one device, no pipeline stages) without speculative decoding; PAGEDLLM_GRAMMAR_PROCESS
+    ("1" / "0") decides otherwise. Elsewhere a worker thread does it (`manager.py`): the multiprocess executor
+    ships each step's mask to its workers, and speculation verifies several tokens a step."""
+    forced = envs.PAGEDLLM_GRAMMAR_PROCESS
+    if forced is not None:
+        return forced
+    pc = config.parallel_config
+    return (
+        str(config.device).startswith("cuda")
+        and pc.backend == "uni"
+        and pc.pipeline_parallel_size == 1
+        and config.speculative_config is None
+    )
+
+
+def _process_manager(
+    config: EngineConfig, so_config: StructuredOutputsConfig, reasoning: Any
+) -> StructuredOutputManager:
+    from pagedllm.structured_output.remote import ProcessGrammarManager, ServerLink
+    from pagedllm.structured_output.server import ServerSpec, make_backend
+
+    mc = config.model_config
+    cuda = str(config.device).startswith("cuda")
+
+    def start() -> ServerLink:  # in a compile thread: the tokenizer, then the server process
+        tokenizer = _load_tokenizer(config)
+        stops = list(mc.eos_token_ids)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in stops:
+            stops.insert(0, int(eos))
+        same = mc.tokenizer == mc.model
+        path = mc.model_dir if same else mc.tokenizer
+        valid = min(mc.vocab_size, len(tokenizer))
+        make = functools.partial(
+            make_backend,
+            path,
+            mc.vocab_size,
+            stops,
+            so_config,
+            mc.gguf_file if same else None,
+            mc.tokenizer_mode,
+            mc.revision,
+        )
+        rows = config.scheduler_config.max_num_seqs
+        spec = ServerSpec(make, rows=rows, words=-(-valid // 32))
+        return ServerLink(spec, valid, frozenset(stops), cuda)
+
+    return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning)

@@ -309,6 +309,9 @@ class StructuredOutputManager:
         elif batch_states:
             self._feed(batch_states[0], batch_tokens)
 
+    def begin_update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Scheduler hook before a step's tokens join their requests (the grammar server's intake, `remote.py`)."""
+
     def taking(self) -> AbstractSet[int]:
         """(Scheduler, before a step's tokens join their requests) the states (by `id`) whose intake of that step's
         token runs on the worker and is not published yet. Such a state needs no `advance` for a token that is not

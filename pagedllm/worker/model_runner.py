@@ -275,7 +275,8 @@ class ModelRunner:
         while the engine reads the previous step's results instead of holding up the step loop."""
         if self.spec is not None:  # speculation under async scheduling (n-gram): `spec_decode/async_ngram.py`
             return self.spec.launch(self, so)
-        defer = defer_grammar and so.grammar_bitmask is not None and envs.PAGEDLLM_GRAMMAR_DEFER
+        bm = so.grammar_bitmask
+        defer = defer_grammar and bm is not None and getattr(bm, "defer_sampling", True) and envs.PAGEDLLM_GRAMMAR_DEFER
         return self._launch(so, ahead=True, defer=defer)
 
     @torch.inference_mode()
@@ -337,6 +338,9 @@ class ModelRunner:
                 apply_grammar_bitmask(logits, so, x.req_ids, sample_idx)
             out = self.sampler(logits, md)
             sampled_gpu = out.sampled_token_ids
+            publish = getattr(so.grammar_bitmask, "publish_sampled", None)
+            if publish is not None:  # the grammar server's mask: the sampled ids go back to it (`remote.py`)
+                publish(sampled_gpu)
             if out.failed_rows:
                 step.failed = {x.req_ids[sample_idx[r]]: msg for r, msg in out.failed_rows.items()}
             if ahead:

@@ -86,7 +86,8 @@ def test_apply_padded_vocab_and_terminated_rows(order: str) -> None:
     assert so.grammar_bitmask.uploads == 3
 
 
-def test_async_engine_valid_and_equal_to_sync(smollm2_path: str) -> None:
+def test_async_engine_valid_and_equal_to_sync(smollm2_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "0")  # the worker thread's path (the deferred sampling)
     sps = [
         SamplingParams(
             temperature=0.0,
@@ -118,12 +119,15 @@ def test_async_engine_valid_and_equal_to_sync(smollm2_path: str) -> None:
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
 
 
-def test_async_deferred_sampling_dummy_model() -> None:
+def test_async_deferred_sampling_dummy_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the real checkpoint: SmolLM2's shape with dummy weights and its tokenizer (`.smol_tok`, a
-    save_pretrained copy, or PAGEDLLM_SMOL_TOKENIZER), 8 JSON requests. With async scheduling each
-    constrained step's sampling is launched after the engine read the previous step (deferred), and the
-    greedy tokens equal those of a synchronous engine, whose sampling follows the forward directly."""
+    save_pretrained copy, or PAGEDLLM_SMOL_TOKENIZER), 8 JSON requests. With async scheduling and the grammar
+    worker thread (the multiprocess executor's path) each constrained step's sampling is launched after the
+    engine read the previous step (deferred), and the greedy tokens equal those of a synchronous engine, whose
+    sampling follows the forward directly."""
     import os
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "0")
 
     tok = os.environ.get("PAGEDLLM_SMOL_TOKENIZER", ".smol_tok")
     if not os.path.isdir(tok):
@@ -153,3 +157,17 @@ def test_async_deferred_sampling_dummy_model() -> None:
         torch.cuda.empty_cache()
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
     assert all(len(o.outputs[0].token_ids) > 3 for o in outs[True])
+
+
+def test_grammar_process_engine_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar server process on CUDA: the stream waits on the server's flag before the mask's upload and
+    writes the sampled ids' flag after their copy (`host_flags.py`); a stale or missing mask would let a token the
+    grammar forbids through (`grammar_process_case.py`)."""
+    import os
+
+    from tests.structured_output.grammar_process_case import run_engine_case
+
+    tok = os.environ.get("PAGEDLLM_SMOL_TOKENIZER", ".smol_tok")
+    if not os.path.isdir(tok):
+        pytest.skip(f"no SmolLM2 tokenizer directory at {tok}")
+    run_engine_case(monkeypatch, "cuda", tok)
