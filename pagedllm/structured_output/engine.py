@@ -86,7 +86,8 @@ def grammar_process_default(config: EngineConfig) -> bool:
 def _process_manager(
     config: EngineConfig, so_config: StructuredOutputsConfig, reasoning: Any
 ) -> StructuredOutputManager:
-    from pagedllm.structured_output.remote import ProcessGrammarManager, ServerLink
+    from pagedllm.structured_output.link import ServerLink
+    from pagedllm.structured_output.remote import ProcessGrammarManager
     from pagedllm.structured_output.server import ServerSpec, make_backend
 
     mc = config.model_config

@@ -1,5 +1,5 @@
-"""Structured outputs with the grammar work in the grammar server process (`server.py`), opt-in:
-PAGEDLLM_GRAMMAR_PROCESS=1.
+"""Structured outputs with the grammar work in the grammar server process (`server.py`): the scheduler's manager
+(`engine.grammar_process_default` says where it is used; the link and the step masks are `link.py`).
 
 The step loop's part: when the scheduler schedules a step with constrained requests (`prepare`), one message
 orders its mask from the server (after the previous mask's sampled ids). The runner does not wait for the mask:
@@ -15,24 +15,19 @@ exactly when it is one of the grammar's stop tokens, so the scheduler learns a g
 from __future__ import annotations
 
 import concurrent.futures as cf
-import threading
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from pagedllm.logger import init_logger
-from pagedllm.structured_output.apply import apply_rows_cpu, launch_mask_kernel, upload_row_map
 from pagedllm.structured_output.backend import GrammarKey, grammar_key
 from pagedllm.structured_output.config import StructuredOutputsConfig
+from pagedllm.structured_output.link import ServerLink, ServerMask
 from pagedllm.structured_output.manager import GrammarRejectedError, StructuredOutputManager
 from pagedllm.structured_output.matchers import RequestGrammar
-from pagedllm.structured_output.server import DIED, MASKS, TOKENS, GrammarClient, ServerSpec
+from pagedllm.structured_output.server import DIED
 
 if TYPE_CHECKING:
-    import torch
-
     from pagedllm.core.request import Request
     from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from pagedllm.executor.abstract import StepFuture
@@ -42,144 +37,6 @@ logger = init_logger(__name__)
 
 _REMOTE = object()
 """`RequestGrammar.matcher` of a request whose matcher lives in the server."""
-
-
-class MaskRows:
-    """Where a mask's rows go in the step's logits: row k -> logit_of_row[k] (-1: not sampled)."""
-
-    __slots__ = ("all_sampled", "device_map", "identity", "key", "logit_of_row")
-
-    def __init__(self, key: tuple[Any, ...], logit_of_row: np.ndarray, n_logits: int, device: Any) -> None:
-        m = len(logit_of_row)
-        self.key = key
-        self.logit_of_row = logit_of_row
-        self.identity = n_logits >= m and bool((logit_of_row == np.arange(m)).all())
-        self.all_sampled = bool((logit_of_row >= 0).all())
-        self.device_map: torch.Tensor | None = None
-        """On a CUDA engine, the map on the device (None when the rows are the logits' first rows, in order)."""
-        if not self.identity and getattr(device, "type", "cpu") == "cuda":
-            self.device_map = upload_row_map(device, logit_of_row)
-
-
-class ServerMask:
-    """Step mask number `k`, filled by the server into its ring slot (rows: `rids`, in order). The runner calls
-    `apply_to` and, after sampling, `publish_sampled`."""
-
-    defer_sampling = False
-    """The runner launches the sampling with the forward (the wait for the mask is on the device)."""
-
-    def __init__(self, mgr: ProcessGrammarManager, k: int, row_of_rid: dict[str, int]) -> None:
-        self._mgr = mgr
-        assert mgr.link is not None
-        self._link = mgr.link
-        self.k = k
-        self.row_of_rid = row_of_rid
-        self.rids = list(row_of_rid)
-        self.published = False
-        """Its sampled ids went to the server (the server takes them; `begin_update` counts them seen)."""
-        self._rows: MaskRows
-
-    def apply_to(self, logits: torch.Tensor, req_ids: Sequence[str], sample_idx: np.ndarray) -> None:
-        """Mask the sampled rows' logits: on the device after a stream wait for the fill (CUDA), or once the
-        host saw the fill (CPU)."""
-        mgr, link, m, k = self._mgr, self._link, len(self.rids), self.k
-        rows = mgr.rows_for(self.rids, self.row_of_rid, req_ids, sample_idx, logits.shape[0], logits.device)
-        self._rows = rows
-        vocab = min(logits.shape[-1], link.valid_vocab)
-        if logits.is_cuda:
-            flags = link.host_mem
-            assert flags is not None
-            flags.wait_geq(link.flag_address(MASKS), k)
-            dev = mgr.device_mask(logits.device, m)
-            dev.copy_(link.mask_views[k % link.depth][:m], non_blocking=True)
-            launch_mask_kernel(logits, dev, rows.device_map, vocab)
-            return
-        if not link.client.wait_mask(k):
-            mgr.fail_all(self.rids, "structured_outputs: the grammar server did not fill a step's mask in time")
-            return
-        mask = link.mask_views[k % link.depth]
-        kept = [(int(j), r) for r, j in enumerate(rows.logit_of_row.tolist()) if j >= 0]
-        apply_rows_cpu(logits, mask, [j for j, _ in kept], [r for _, r in kept], vocab, None)
-
-    def publish_sampled(self, sampled: torch.Tensor) -> None:
-        """This step's sampled ids of the mask's rows to the server (int64 [n], the logits' rows)."""
-        mgr, link, m, k, rows = self._mgr, self._link, len(self.rids), self.k, self._rows
-        host = link.token_views[k % link.depth][:m]
-        if sampled.is_cuda:
-            import torch
-
-            if rows.device_map is None:
-                host.copy_(sampled[:m], non_blocking=True)
-            elif rows.all_sampled:
-                ids = mgr.device_ids(sampled.device, m)
-                torch.index_select(sampled, 0, rows.device_map, out=ids)
-                host.copy_(ids, non_blocking=True)
-            else:  # rows the runner did not sample: -1
-                src = rows.device_map
-                host.copy_(torch.where(src >= 0, sampled.index_select(0, src.clamp(min=0)), -1), non_blocking=True)
-            assert link.host_mem is not None
-            link.host_mem.write(link.flag_address(TOKENS), k)
-        else:
-            got = sampled.tolist()
-            lor = rows.logit_of_row
-            link.client.publish(k, got[:m] if rows.identity else [got[j] if j >= 0 else -1 for j in lor.tolist()])
-        self.published = True
-        mgr.published(k)
-
-    # A runner that asks for the mask on the host (no `apply_to`): the multiprocess executor does not use this
-    # manager (`engine.make_structured_output_manager`).
-
-
-class ServerLink:
-    """The started grammar server, seen from the engine: its client, the shared segment's views and (CUDA) its
-    registration as pinned, mapped memory, and a watchdog: a dead server would leave the device waiting on its
-    flag forever, so the watchdog releases every wait and marks the link dead (the requests fail)."""
-
-    def __init__(self, spec: ServerSpec, valid_vocab: int, stop_ids: frozenset[int], cuda: bool) -> None:
-        import torch
-
-        self.client = GrammarClient(spec)
-        self.valid_vocab = valid_vocab
-        self.stop_ids = stop_ids
-        self.depth = spec.depth
-        rings = self.client.rings
-        self.mask_views = [torch.from_numpy(rings.masks[i]) for i in range(spec.depth)]
-        self.token_views = [torch.from_numpy(rings.tokens[i]) for i in range(spec.depth)]
-        self.host_mem: Any = None
-        self._cuda = cuda
-        self._dead = False
-        self._closed = threading.Event()
-        self.last_k = 0
-        """(The step loop) the number of the last mask ordered: the watchdog releases the waits past it."""
-
-    def attach(self) -> None:
-        """(The step loop, once) the registration with the driver (in the thread whose CUDA context the runner
-        uses) and the watchdog."""
-        if self._cuda and self.host_mem is None:
-            from pagedllm.structured_output.host_flags import RegisteredHostMemory
-
-            self.host_mem = RegisteredHostMemory(self.client.rings.flags.ctypes.data, self.client._shm.size)
-            threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
-
-    def flag_address(self, index: int) -> int:
-        return int(self.client.rings.flags.ctypes.data) + 4 * index
-
-    @property
-    def dead(self) -> bool:
-        return self._dead or self.client.dead
-
-    def _watch(self) -> None:
-        while not self._closed.wait(0.5):
-            if not self.client.alive:
-                self.client.rings.flags[MASKS] = (self.last_k + (1 << 20)) & 0x7FFFFFFF
-                self._dead = True
-                return
-
-    def close(self) -> None:
-        self._closed.set()
-        if self.host_mem is not None:
-            self.host_mem.unregister()
-        self.client.close()
 
 
 class ProcessGrammarManager(StructuredOutputManager):
@@ -202,10 +59,6 @@ class ProcessGrammarManager(StructuredOutputManager):
         self._to_compile: dict[GrammarKey, Any] = {}
         """Compiles asked for before the server was up."""
         self._warm = False
-        self._device_masks: dict[Any, torch.Tensor] = {}
-        self._device_ids: dict[Any, torch.Tensor] = {}
-        self._rows: MaskRows | None = None
-        """The last mask's row places (`rows_for`)."""
         self._keys: dict[str, GrammarKey] = {}
         self._params: dict[str, Any] = {}
         self._k = 0
@@ -236,7 +89,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         if self._warm:
             link.client.warm_up()
         for key, params in self._to_compile.items():
-            self._compile(link, key, params)
+            self._order_compile(link, key, params)
         self._to_compile.clear()
         return link
 
@@ -245,57 +98,8 @@ class ProcessGrammarManager(StructuredOutputManager):
         self._begin_start()
         return self._starting
 
-    # ---- shared memory -------------------------------------------------------------------------------
-    def device_mask(self, device: Any, m: int) -> torch.Tensor:
-        import torch
-
-        buf = self._device_masks.get(device)
-        if buf is None:
-            assert self.link is not None
-            spec = self.link.client.spec
-            buf = torch.empty((spec.rows, spec.words), dtype=torch.int32, device=device)
-            self._device_masks[device] = buf
-        return buf[:m]
-
-    def device_ids(self, device: Any, m: int) -> torch.Tensor:
-        """A device buffer for m sampled ids in mask-row order."""
-        import torch
-
-        buf = self._device_ids.get(device)
-        if buf is None:
-            assert self.link is not None
-            buf = torch.empty(self.link.client.spec.rows, dtype=torch.int64, device=device)
-            self._device_ids[device] = buf
-        return buf[:m]
-
     def published(self, k: int) -> None:
         self._untaken = k
-
-    def rows_for(
-        self,
-        rids: list[str],
-        row_of_rid: dict[str, int],
-        req_ids: Sequence[str],
-        sample_idx: np.ndarray,
-        n_logits: int,
-        device: Any,
-    ) -> MaskRows:
-        """The mask rows' places in the logits; in steady decoding the same as the step before (the same rows,
-        the same batch): then nothing is computed or uploaded."""
-        last = self._rows
-        if last is not None:
-            lrids, lreq, lidx = last.key
-            if lrids == rids and lreq == req_ids and np.array_equal(lidx, sample_idx):
-                return last
-        m = len(rids)
-        logit_of_row = np.full(m, -1, dtype=np.int64)
-        get = row_of_rid.get
-        for j, i in enumerate(sample_idx.tolist()):
-            r = get(req_ids[i])
-            if r is not None:
-                logit_of_row[r] = j
-        self._rows = rows = MaskRows((rids, list(req_ids), sample_idx.copy()), logit_of_row, n_logits, device)
-        return rows
 
     def fail_all(self, rids: Sequence[str], error: str) -> None:
         for rid in rids:
@@ -313,7 +117,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         if link is None:
             self._to_compile[key] = params
         else:
-            self._compile(link, key, params)
+            self._order_compile(link, key, params)
         self._keys[req.request_id] = key
         self._params[req.request_id] = params
         ended = self._reasoning_factory is None or self.config.enable_in_reasoning
@@ -349,7 +153,7 @@ class ProcessGrammarManager(StructuredOutputManager):
         return True
 
     @staticmethod
-    def _compile(link: ServerLink, key: GrammarKey, params: Any) -> None:
+    def _order_compile(link: ServerLink, key: GrammarKey, params: Any) -> None:
         """Compile unless compiled (a failed compile is tried again) or compiling."""
         client = link.client
         done, err = client.lookup(key)
@@ -391,7 +195,7 @@ class ProcessGrammarManager(StructuredOutputManager):
             link.client.step(k, list(ids), self._untaken)
             self._untaken = None
             so.structured_output_request_ids = ids
-            so.grammar_bitmask = ServerMask(self, k, ids)  # type: ignore[assignment]
+            so.grammar_bitmask = ServerMask(link, k, ids, self.published, self.fail_all)  # type: ignore[assignment]
 
     def begin_update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """(Scheduler, before the step's tokens join their requests) the tokens sampled under the step's mask are

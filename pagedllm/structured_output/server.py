@@ -6,8 +6,9 @@ requests decoded 18 % slower a step than plain ones (median over processes), ~6 
 work (`structured_overhead.py --fake-grammar`, benchmarks/NOTES.md session 26).
 
 The server owns xgrammar: the compiler (a thread pool of its own), the compiled grammars by key and one matcher per
-request. The client (the step loop's side, `remote.py`) talks to it over a pipe with small tuples; the data of a
-step goes through one shared-memory segment (which a CUDA engine registers as pinned, mapped memory):
+request. The client (`client.py`; the step loop's side is `remote.py` and `link.py`) talks to it over a socket
+with small tuples; the data of a step goes through one shared-memory segment (which a CUDA engine registers as
+pinned, mapped memory):
 - `masks`: a ring of `depth` step masks (`rows` x `words` int32);
 - `tokens`: a ring of `depth` rows of sampled ids (int64), mask k's in its row order in slot k % depth;
 - `flags`: [TOKENS] the number of the last mask whose sampled ids were written (by the device's stream, or the
@@ -30,12 +31,9 @@ rejected, a grammar was missing: the requests fail, the engine goes on).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
-import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -239,166 +237,6 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
         pool.shutdown(wait=False, cancel_futures=True)
         rings.release()
         shm.close()
-
-
-class GrammarClient:
-    """The engine's side of the grammar server: sends requests' grammars and step orders, reads the masks out of
-    shared memory. Not thread-safe: the step loop alone calls it."""
-
-    def __init__(self, spec: ServerSpec) -> None:
-        self.spec = spec
-        self._shm = SharedMemory(create=True, size=SharedRings.nbytes(spec))
-        self.rings = SharedRings(spec, self._shm.buf)
-        self.rings.flags[:] = 0
-        # A plain subprocess, not multiprocessing's spawn: that re-imports the user's __main__ (a script without an
-        # `if __name__ == "__main__"` guard would start its engine again); a socket pair carries the messages.
-        ours, theirs = socket.socketpair()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.structured_output.server", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-        )
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        self._conn.send((spec, self._shm.name))
-        self.compiled: OrderedDict[GrammarKey, str | None] = OrderedDict()
-        """Keys whose compile finished -> its error (None: compiled), least recently used first; past
-        `spec.cache_size` the oldest are forgotten here and in the server."""
-        self.compiling: set[GrammarKey] = set()
-        """Keys sent to compile, not answered yet."""
-        self.failed: dict[str, str] = {}
-        """Requests the server failed (`failed` answers not yet handled) -> the error."""
-        self._fed: dict[str, tuple[str | None, bool]] = {}
-        self._last_rids: list[str] | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    dead = False
-    """The server's pipe broke or its process ended: every structured request fails (`DIED`)."""
-
-    # ---- asynchronous orders ---------------------------------------------------------------------------
-    def compile(self, key: GrammarKey, params: StructuredOutputsParams) -> None:
-        self.compiled.pop(key, None)
-        self.compiling.add(key)
-        self._send(("compile", key, params))
-
-    def lookup(self, key: GrammarKey) -> tuple[bool, str | None]:
-        """(Whether the key's compile finished, its error), marking the key used."""
-        if key not in self.compiled:
-            return False, None
-        self.compiled.move_to_end(key)
-        return True, self.compiled[key]
-
-    def open(self, rid: str, key: GrammarKey, replay: Sequence[int] = ()) -> None:
-        """A matcher for the request (its key compiled), fed the tokens it already has."""
-        self._send(("open", rid, key, list(replay)))
-
-    def step(self, k: int, fill_rids: Sequence[str], take: int | None) -> None:
-        """Mask k: first mask `take`'s sampled ids (once `publish(take, ...)` wrote them) into their matchers, then
-        the allowed-token rows of `fill_rids`, in order, into slot k % depth (`wait_mask` / the device's flag
-        wait tells when)."""
-        if len(fill_rids) > self.spec.rows:
-            raise ValueError(f"{len(fill_rids)} rows to fill, the ring holds {self.spec.rows}")
-        rows = None if fill_rids == self._last_rids else list(fill_rids)  # steady decoding: the same rows
-        if rows is not None:
-            self._last_rids = rows
-        self._send(("step", k, rows, take))
-
-    def warm_up(self) -> None:
-        """The server compiles the common JSON field types' rules (a new schema then compiles in milliseconds)."""
-        self._send(("warmup",))
-
-    def take(self, k: int) -> None:
-        """Mask k's sampled ids into their matchers now (before a `feed` that must follow them)."""
-        self._send(("take", k))
-
-    def remove(self, rid: str) -> None:
-        self._send(("remove", rid))
-
-    # ---- the shared rings, from the host (a CPU engine; a CUDA engine's stream does this itself) ---------------
-    def mask(self, k: int) -> np.ndarray:
-        """Slot k's mask rows (valid once `wait_mask(k)`)."""
-        return self.rings.masks[k % self.spec.depth]
-
-    def wait_mask(self, k: int, timeout: float | None = None) -> bool:
-        """(Blocking) until mask k is filled: False after `timeout` (default `spec.timeout_s`) or when the server
-        died."""
-        end = time.monotonic() + (self.spec.timeout_s if timeout is None else timeout)
-        while not wait_flag(self.rings.flags, MASKS, k, 0.0, min(0.05, max(0.0, end - time.monotonic()))):
-            if not self.alive:
-                self.dead = True
-                return False
-            if time.monotonic() >= end:
-                return False
-        return True
-
-    def publish(self, k: int, ids: Sequence[int] | np.ndarray) -> None:
-        """Mask k's sampled ids, in its row order, for the server (and the flag that says they are there)."""
-        self.rings.tokens[k % self.spec.depth, : len(ids)] = ids
-        self.rings.flags[TOKENS] = k
-
-    # ---- answers ------------------------------------------------------------------------------------------
-    def poll(self, timeout: float = 0.0) -> None:
-        """Takes the server's answers that have arrived (waits up to `timeout` s for the first)."""
-        if self.dead:
-            return
-        try:
-            while self._conn.poll(timeout):
-                self._take(self._conn.recv())
-                timeout = 0.0
-        except (EOFError, OSError):  # the server died: its requests fail (`dead`), the engine goes on
-            self.dead = True
-
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        if self.dead:
-            return
-        try:
-            self._conn.send(msg)
-        except OSError:
-            self.dead = True
-
-    def _take(self, msg: tuple[Any, ...]) -> None:
-        op = msg[0]
-        if op == "compiled":
-            key = msg[1]
-            self.compiling.discard(key)
-            self.compiled[key] = msg[2]
-            while len(self.compiled) > self.spec.cache_size:
-                old, _ = self.compiled.popitem(last=False)
-                self._send(("forget", old))
-        elif op == "fed":
-            self._fed[msg[1]] = (msg[2], msg[3])
-        elif op == "failed":
-            for rid in msg[1]:
-                self.failed[rid] = msg[2]
-
-    def feed(self, rid: str, tokens: Sequence[int]) -> tuple[str | None, bool]:
-        """(Blocking) tokens into one request's matcher: (the error of a rejected token, whether it ended)."""
-        self._send(("feed", rid, list(tokens)))
-        try:
-            while rid not in self._fed and not self.dead:
-                self._take(self._conn.recv())
-        except (EOFError, OSError):
-            self.dead = True
-        if self.dead:
-            return DIED, False
-        return self._fed.pop(rid)
-
-    def close(self) -> None:
-        try:
-            self._conn.send(("close",))
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._conn.close()
-        self.rings.release()
-        self._shm.close()
-        self._shm.unlink()
 
 
 def make_backend(
