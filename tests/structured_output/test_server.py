@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ xgr = pytest.importorskip("xgrammar")
 
 from pagedllm.sampling_params import StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.backend import XgrammarBackend, grammar_key  # noqa: E402
+from pagedllm.structured_output.client import GrammarClient  # noqa: E402
 from pagedllm.structured_output.config import StructuredOutputsConfig  # noqa: E402
-from pagedllm.structured_output.server import GrammarClient, ServerSpec, make_backend  # noqa: E402
+from pagedllm.structured_output.server import ServerSpec, make_backend  # noqa: E402
 from pagedllm.transformers_utils.config import default_model_path  # noqa: E402
 from pagedllm.transformers_utils.tokenizer import get_tokenizer  # noqa: E402
 
@@ -111,21 +113,21 @@ def test_server_masks_rejections_and_ends_equal_in_process() -> None:
     assert not client.alive
 
 
-def test_server_step_ids_that_never_come_fail_their_requests() -> None:
-    """A step whose sampled ids are not published in `timeout_s` fails its requests; the mask flag is still set
-    (a device waiting on it goes on) and the server keeps serving."""
+def _small_server(**spec_args: Any) -> tuple[GrammarClient, StructuredOutputsConfig]:
+    """A server of two rows for the built-in model's tokenizer."""
     path = default_model_path()
     tok = get_tokenizer(path)
     cfg = StructuredOutputsConfig()
     vocab = len(tok)
-    local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
-    spec = ServerSpec(
-        functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg),
-        rows=2,
-        words=-(-local.valid_vocab // 32),
-        timeout_s=0.5,
-    )
-    client = GrammarClient(spec)
+    words = -(-XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg).valid_vocab // 32)
+    make = functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg)
+    return GrammarClient(ServerSpec(make, rows=2, words=words, **spec_args)), cfg
+
+
+def test_server_step_ids_that_never_come_fail_their_requests() -> None:
+    """A step whose sampled ids are not published in `timeout_s` fails its requests; the mask flag is still set
+    (a device waiting on it goes on) and the server keeps serving."""
+    client, cfg = _small_server(timeout_s=0.5)
     try:
         p = StructuredOutputsParams(choice=["yes", "no"])
         key = grammar_key(p, cfg)
@@ -148,18 +150,7 @@ def test_server_step_ids_that_never_come_fail_their_requests() -> None:
 def test_server_cache_forgets_least_recently_used() -> None:
     """Past `cache_size` compiled grammars the client forgets the least recently used (and tells the server): a
     later open of a forgotten key fails that request alone instead of the server."""
-    path = default_model_path()
-    tok = get_tokenizer(path)
-    cfg = StructuredOutputsConfig()
-    vocab = len(tok)
-    local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
-    spec = ServerSpec(
-        functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg),
-        rows=2,
-        words=-(-local.valid_vocab // 32),
-        cache_size=2,
-    )
-    client = GrammarClient(spec)
+    client, cfg = _small_server(cache_size=2)
     try:
         ps = [StructuredOutputsParams(choice=[w]) for w in ("one", "two", "three")]
         keys = [grammar_key(p, cfg) for p in ps]
