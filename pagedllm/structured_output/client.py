@@ -4,6 +4,7 @@ segment itself."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+import pagedllm
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarKey
 from pagedllm.structured_output.server import DIED, MASKS, TOKENS, ServerSpec, SharedRings, wait_flag
@@ -33,9 +35,13 @@ class GrammarClient:
         # A plain subprocess, not multiprocessing's spawn: that re-imports the user's __main__ (a script without an
         # `if __name__ == "__main__"` guard would start its engine again); a socket pair carries the messages.
         ours, theirs = socket.socketpair()
+        # The child imports this very package, even where it is not installed (a checkout on sys.path).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.structured_output.server", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
+            env=env,
         )
         theirs.close()
         self._conn = Connection(ours.detach())
