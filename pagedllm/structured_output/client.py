@@ -5,7 +5,10 @@ segment itself."""
 from __future__ import annotations
 
 import os
+import pickle
+import select
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -45,6 +48,9 @@ class GrammarClient:
         )
         theirs.close()
         self._conn = Connection(ours.detach())
+        self._fd = self._conn.fileno()
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLIN)
         self._conn.send((spec, self._shm.name))
         self.compiled: OrderedDict[GrammarKey, str | None] = OrderedDict()
         """Keys whose compile finished -> its error (None: compiled), least recently used first; past
@@ -129,18 +135,23 @@ class GrammarClient:
         """Takes the server's answers that have arrived (waits up to `timeout` s for the first)."""
         if self.dead:
             return
+        # A poll object kept for the socket: `Connection.poll` builds a selector per call (~30 us a step).
+        ms = int(timeout * 1000)
         try:
-            while self._conn.poll(timeout):
+            while self._poller.poll(ms):
                 self._take(self._conn.recv())
-                timeout = 0.0
+                ms = 0
         except (EOFError, OSError):  # the server died: its requests fail (`dead`), the engine goes on
             self.dead = True
 
     def _send(self, msg: tuple[Any, ...]) -> None:
+        """`Connection.send`'s framing (a 4-byte big-endian length, then the pickle) in one write, with a plain
+        pickle: ~3x cheaper than its ForkingPickler and two writes, on the step loop every structured step."""
         if self.dead:
             return
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
         try:
-            self._conn.send(msg)
+            os.write(self._fd, struct.pack("!i", len(data)) + data) if len(data) < 16384 else self._conn.send(msg)
         except OSError:
             self.dead = True
 

@@ -65,7 +65,6 @@ class ProcessGrammarManager(StructuredOutputManager):
         """The number of the last mask ordered."""
         self._untaken: int | None = None
         """The last mask whose sampled ids were published and not yet ordered taken."""
-        self._taking: frozenset[int] = frozenset()
         self.step_worker = False
 
     # ---- the server's start --------------------------------------------------------------------------
@@ -199,8 +198,8 @@ class ProcessGrammarManager(StructuredOutputManager):
 
     def begin_update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """(Scheduler, before the step's tokens join their requests) the tokens sampled under the step's mask are
-        the server's (`taking`); a stop token the mask allowed ends its grammar: the state says so before the
-        scheduler looks. Failures the server reported mark their requests."""
+        the server's; a stop token the mask allowed ends its grammar: the state says so before the scheduler
+        looks. Failures the server reported mark their requests."""
         link = self.link
         if link is None:
             return
@@ -214,24 +213,20 @@ class ProcessGrammarManager(StructuredOutputManager):
                 self.fail_all([rid], err)
         mask = sched.grammar_bitmask
         if not isinstance(mask, ServerMask) or not mask.published:
-            self._taking = frozenset()
             return
+        # The server takes every token sampled under the mask: they count as seen (so the scheduler's check
+        # finds nothing unseen and calls no `advance`), and an allowed stop token ends its grammar.
         rows = mask.row_of_rid
-        taken: list[int] = []
         active = self._active
         bad = result.failed
         for rid, toks in zip(result.req_ids, result.sampled_token_ids):
-            st = active.get(rid)
-            if st is None or len(toks) != 1 or rid not in rows or (bad and rid in bad):
-                continue
-            taken.append(id(st))
-            st.num_seen += 1
-            if toks[0] in st.stop_ids:
-                st.terminated = True
-        self._taking = frozenset(taken)
+            if rid in rows and len(toks) == 1 and (st := active.get(rid)) is not None and not (bad and rid in bad):
+                st.num_seen += 1
+                if toks[0] in st.stop_ids:
+                    st.terminated = True
 
     def taking(self) -> AbstractSet[int]:
-        return self._taking
+        return frozenset()
 
     def chain(self, so: SchedulerOutput, previous: StepFuture) -> StepFuture:
         return previous
