@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-import pagedllm
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarKey
 from pagedllm.structured_output.server import DIED, MASKS, TOKENS, ServerSpec, SharedRings, wait_flag
@@ -39,7 +38,7 @@ class GrammarClient:
         # `if __name__ == "__main__"` guard would start its engine again); a socket pair carries the messages.
         ours, theirs = socket.socketpair()
         # The child imports this very package, even where it is not installed (a checkout on sys.path).
-        root = os.path.dirname(os.path.dirname(os.path.abspath(pagedllm.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.structured_output.server", str(theirs.fileno())],
