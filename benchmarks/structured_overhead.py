@@ -67,7 +67,10 @@ class StepLoopTimers:
     Parts do not nest: `intake` (the previous step's tokens into the matchers, async scheduling) and the wait
     for that step's result are taken out of `fill`, and the whole fill out of `apply`."""
 
-    PARTS = ("prepare", "intake", "fill", "apply", "advance")
+    PARTS = ("prepare", "intake", "fill", "apply", "advance", "srv_prepare", "srv_update", "srv_publish")
+    """The srv_ parts: the grammar server's mode (`structured_output/remote.py`): the step order (`prepare`, its
+    message included), the update's token pass (`begin_update`) and the sampled ids' copy back (`publish_sampled`,
+    inside the runner's sampling, not inside `apply`)."""
     CPU = ("apply_incl_fill_cpu", "apply_incl_fill_wall", "advance_cpu", "apply_cuda_cpu", "apply_cuda_wall")
     """The loop thread's CPU time (`time.thread_time`) in the whole apply (fill wait included) and in `advance`,
     against the wall time of the same calls: wall far above CPU is time the loop thread did not run (the GIL
@@ -139,6 +142,12 @@ class StepLoopTimers:
             return real_chain(mgr, so, StepFuture(waited))
 
         so_mgr.chain = chain  # type: ignore[method-assign]
+        from pagedllm.structured_output.link import ServerMask
+        from pagedllm.structured_output.remote import ProcessGrammarManager as pgm
+
+        pgm.prepare = timed("srv_prepare", pgm.prepare)  # type: ignore[method-assign]
+        pgm.begin_update = timed("srv_update", pgm.begin_update)  # type: ignore[method-assign]
+        ServerMask.publish_sampled = timed("srv_publish", ServerMask.publish_sampled)  # type: ignore[method-assign]
         try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
             from pagedllm.structured_output.overlap import StepJobs
         except ImportError:
