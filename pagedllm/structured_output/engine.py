@@ -17,18 +17,32 @@ string on two H100 hosts took 0.38 / 0.57 ms with 1 thread, 0.39 / 0.95 with 4 a
 session 12). Overridden by PAGEDLLM_GRAMMAR_FILL_THREADS."""
 
 
-def _load_tokenizer(config: EngineConfig) -> Any:
-    """The engine's tokenizer (as the front end loads it; cached per process by `get_tokenizer`)."""
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
-
+def _tokenizer_args(config: EngineConfig) -> dict[str, Any]:
+    """`get_tokenizer`'s arguments for the engine's tokenizer (as the front end loads it)."""
     mc = config.model_config
     same = mc.tokenizer == mc.model
-    return get_tokenizer(
-        mc.model_dir if same else mc.tokenizer,
-        gguf_file=mc.gguf_file if same else None,
-        tokenizer_mode=mc.tokenizer_mode,
-        revision=mc.revision,
-    )
+    return {
+        "tokenizer_name_or_path": mc.model_dir if same else mc.tokenizer,
+        "gguf_file": mc.gguf_file if same else None,
+        "tokenizer_mode": mc.tokenizer_mode,
+        "revision": mc.revision,
+    }
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    """The engine's tokenizer (cached per process by `get_tokenizer`)."""
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    return get_tokenizer(**_tokenizer_args(config))
+
+
+def _stop_ids(config: EngineConfig, tokenizer: Any) -> list[int]:
+    """The grammars' stop tokens: the model's EOS ids, the tokenizer's first."""
+    stops = list(config.model_config.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in stops:
+        stops.insert(0, int(eos))
+    return stops
 
 
 def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
@@ -39,11 +53,7 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
 
     def backend() -> XgrammarBackend:
         tokenizer = _load_tokenizer(config)
-        stops = list(mc.eos_token_ids)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in stops:
-            stops.insert(0, int(eos))
-        return XgrammarBackend(tokenizer, mc.vocab_size, stops, so_config)
+        return XgrammarBackend(tokenizer, mc.vocab_size, _stop_ids(config, tokenizer), so_config)
 
     reasoning = None
     if so_config.reasoning_parser:
@@ -95,25 +105,10 @@ def _process_manager(
 
     def start() -> ServerLink:  # in a compile thread: the tokenizer, then the server process
         tokenizer = _load_tokenizer(config)
-        stops = list(mc.eos_token_ids)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in stops:
-            stops.insert(0, int(eos))
-        same = mc.tokenizer == mc.model
-        path = mc.model_dir if same else mc.tokenizer
-        valid = min(mc.vocab_size, len(tokenizer))
-        make = functools.partial(
-            make_backend,
-            path,
-            mc.vocab_size,
-            stops,
-            so_config,
-            mc.gguf_file if same else None,
-            mc.tokenizer_mode,
-            mc.revision,
-        )
-        rows = config.scheduler_config.max_num_seqs
-        spec = ServerSpec(make, rows=rows, words=-(-valid // 32))
+        stops = _stop_ids(config, tokenizer)
+        valid = min(mc.vocab_size, len(tokenizer))  # XgrammarBackend.valid_vocab
+        make = functools.partial(make_backend, _tokenizer_args(config), mc.vocab_size, stops, so_config)
+        spec = ServerSpec(make, rows=config.scheduler_config.max_num_seqs, words=-(-valid // 32))
         return ServerLink(spec, valid, frozenset(stops), cuda)
 
     return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning)

@@ -42,19 +42,6 @@ def _check(rc: int, what: str) -> None:
         raise CudaDriverError(f"{what} failed with CUDA driver error {rc}")
 
 
-def stream_memops_available() -> bool:
-    """Whether this process can use stream waits on host memory (a CUDA device and its driver's entry points)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        lib = _libcuda()
-        return all(hasattr(lib, n) for n in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"))
-    except (OSError, AttributeError):
-        return False
-
-
 class RegisteredHostMemory:
     """Host memory (e.g. a shared-memory segment's buffer) registered with the driver as pinned and mapped into
     the device's address space: copies from and to it are true asynchronous DMA (run when the stream reaches them,

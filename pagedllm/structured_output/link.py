@@ -78,9 +78,9 @@ class ServerMask:
         if not link.client.wait_mask(k):
             self._on_failed(self.rids, "structured_outputs: the grammar server did not fill a step's mask in time")
             return
-        mask = link.mask_views[k % link.depth]
-        kept = [(int(j), r) for r, j in enumerate(rows.logit_of_row.tolist()) if j >= 0]
-        apply_rows_cpu(logits, mask, [j for j, _ in kept], [r for _, r in kept], vocab, None)
+        lor = rows.logit_of_row
+        kept = np.nonzero(lor >= 0)[0]
+        apply_rows_cpu(logits, link.mask_views[k % link.depth], lor[kept].tolist(), kept.tolist(), vocab, None)
 
     def publish_sampled(self, sampled: torch.Tensor) -> None:
         """This step's sampled ids of the mask's rows to the server (int64 [n], the logits' rows)."""
@@ -106,9 +106,6 @@ class ServerMask:
             link.client.publish(k, got[:m] if rows.identity else [got[j] if j >= 0 else -1 for j in lor.tolist()])
         self.published = True
         self._on_published(k)
-
-    # A runner that asks for the mask on the host (no `apply_to`): the multiprocess executor does not use this
-    # manager (`engine.make_structured_output_manager`).
 
 
 class ServerLink:

@@ -59,8 +59,8 @@ class ProcessGrammarManager(StructuredOutputManager):
         self._to_compile: dict[GrammarKey, Any] = {}
         """Compiles asked for before the server was up."""
         self._warm = False
-        self._keys: dict[str, GrammarKey] = {}
-        self._params: dict[str, Any] = {}
+        self._grammars: dict[str, tuple[GrammarKey, Any]] = {}
+        """Request id -> its grammar's key and parameters (a key the cache forgot compiles again from them)."""
         self._k = 0
         """The number of the last mask ordered."""
         self._untaken: int | None = None
@@ -117,8 +117,7 @@ class ProcessGrammarManager(StructuredOutputManager):
             self._to_compile[key] = params
         else:
             self._order_compile(link, key, params)
-        self._keys[req.request_id] = key
-        self._params[req.request_id] = params
+        self._grammars[req.request_id] = (key, params)
         ended = self._reasoning_factory is None or self.config.enable_in_reasoning
         self.states[req.request_id] = RequestGrammar(None, ended)  # type: ignore[arg-type]
 
@@ -135,11 +134,11 @@ class ProcessGrammarManager(StructuredOutputManager):
             return DIED
         client = link.client
         client.poll()
-        key = self._keys[req.request_id]
+        key, params = self._grammars[req.request_id]
         done, err = client.lookup(key)
         if not done:
             if key not in client.compiling:  # forgotten (cache full) before this request opened it
-                client.compile(key, self._params[req.request_id])
+                client.compile(key, params)
             return False
         if err is not None:
             return f"structured_outputs: the grammar failed to compile: {err}"
@@ -166,9 +165,8 @@ class ProcessGrammarManager(StructuredOutputManager):
             if self._starting is not None:
                 cf.wait([self._starting], timeout=timeout)
             return
-        compiled = link.client.compiled
-        keys = self._keys
-        if any(st.matcher is None and keys.get(rid) not in compiled for rid, st in self.states.items()):
+        compiled, grammars = link.client.compiled, self._grammars
+        if any(st.matcher is None and grammars[rid][0] not in compiled for rid, st in self.states.items()):
             link.client.poll(timeout)
 
     # ---- one step ------------------------------------------------------------------------------------
@@ -265,8 +263,7 @@ class ProcessGrammarManager(StructuredOutputManager):
     def remove(self, request_id: str) -> None:
         if self.link is not None and request_id in self.states and self.states[request_id].matcher is not None:
             self.link.client.remove(request_id)
-        self._keys.pop(request_id, None)
-        self._params.pop(request_id, None)
+        self._grammars.pop(request_id, None)
         super().remove(request_id)
 
     def shutdown(self) -> None:

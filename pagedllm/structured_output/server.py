@@ -240,19 +240,13 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
 
 
 def make_backend(
-    tokenizer: str,
-    vocab_size: int,
-    stop_token_ids: Sequence[int],
-    config: Any,
-    gguf_file: str | None = None,
-    tokenizer_mode: str = "auto",
-    revision: str | None = None,
+    tokenizer_args: dict[str, Any], vocab_size: int, stop_token_ids: Sequence[int], config: Any
 ) -> XgrammarBackend:
-    """A backend for the tokenizer at `tokenizer` (a `ServerSpec.make_backend` through `functools.partial`)."""
+    """A backend for the tokenizer `get_tokenizer(**tokenizer_args)` loads (a `ServerSpec.make_backend` through
+    `functools.partial`)."""
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    tok = get_tokenizer(tokenizer, gguf_file=gguf_file, tokenizer_mode=tokenizer_mode, revision=revision)
-    return XgrammarBackend(tok, vocab_size, stop_token_ids, config)
+    return XgrammarBackend(get_tokenizer(**tokenizer_args), vocab_size, stop_token_ids, config)
 
 
 def main() -> None:

@@ -36,7 +36,8 @@ def test_server_masks_rejections_and_ends_equal_in_process() -> None:
     vocab = len(tok)
     local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
     words = -(-local.valid_vocab // 32)
-    spec = ServerSpec(functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg), rows=4, words=words)
+    make = functools.partial(make_backend, {"tokenizer_name_or_path": path}, vocab, [tok.eos_token_id], cfg)
+    spec = ServerSpec(make, rows=4, words=words)
     client = GrammarClient(spec)
     try:
         schema = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
@@ -120,7 +121,7 @@ def _small_server(**spec_args: Any) -> tuple[GrammarClient, StructuredOutputsCon
     cfg = StructuredOutputsConfig()
     vocab = len(tok)
     words = -(-XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg).valid_vocab // 32)
-    make = functools.partial(make_backend, path, vocab, [tok.eos_token_id], cfg)
+    make = functools.partial(make_backend, {"tokenizer_name_or_path": path}, vocab, [tok.eos_token_id], cfg)
     return GrammarClient(ServerSpec(make, rows=2, words=words, **spec_args)), cfg
 
 
