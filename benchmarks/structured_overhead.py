@@ -76,10 +76,16 @@ class StepLoopTimers:
     against the wall time of the same calls: wall far above CPU is time the loop thread did not run (the GIL
     held by another thread, or descheduled; a blocking wait for the fill counts there too)."""
 
+    EVERY = ("loop_wait", "flag_wait")
+    """Every case: the step loop blocked for a step's sampled ids (the device behind the host: the loop waits
+    ~ the step's slack; ~0 when the loop is host-bound), and the device stalled on the grammar server's mask flag
+    (CUDA events around the stream wait; the server late)."""
+
     def __init__(self) -> None:
-        self.total = dict.fromkeys(self.PARTS + self.CPU, 0.0)
+        self.total = dict.fromkeys(self.PARTS + self.CPU + self.EVERY, 0.0)
         self._inner = 0.0
         self._wait = 0.0
+        self._flag_events: list[tuple[Any, Any]] = []
 
     def install(self) -> None:
         import pagedllm.worker.model_runner as mr
@@ -148,13 +154,48 @@ class StepLoopTimers:
         pgm.prepare = timed("srv_prepare", pgm.prepare)  # type: ignore[method-assign]
         pgm.begin_update = timed("srv_update", pgm.begin_update)  # type: ignore[method-assign]
         ServerMask.publish_sampled = timed("srv_publish", ServerMask.publish_sampled)  # type: ignore[method-assign]
+        self._install_waits()
         try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
             from pagedllm.structured_output.overlap import StepJobs
         except ImportError:
             return
         StepJobs.sampled = timed("intake", StepJobs.sampled)  # type: ignore[method-assign]
 
+    def _install_waits(self) -> None:
+        from pagedllm.worker.async_output import PendingStep
+
+        real_ids = PendingStep.sampled_ids
+
+        def sampled_ids(step: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return real_ids(step)
+            finally:
+                self.total["loop_wait"] += time.perf_counter() - t
+
+        PendingStep.sampled_ids = sampled_ids  # type: ignore[method-assign]
+        try:
+            from pagedllm.structured_output.host_flags import RegisteredHostMemory
+        except ImportError:
+            return
+        real_wait = RegisteredHostMemory.wait_geq
+
+        def wait_geq(mem: Any, *a: Any, **k: Any) -> None:
+            import torch
+
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            real_wait(mem, *a, **k)
+            after.record()
+            self._flag_events.append((before, after))
+
+        RegisteredHostMemory.wait_geq = wait_geq  # type: ignore[method-assign]
+
     def snapshot(self) -> dict[str, float]:
+        for before, after in self._flag_events:
+            after.synchronize()
+            self.total["flag_wait"] += before.elapsed_time(after) / 1e3
+        self._flag_events.clear()
         return dict(self.total)
 
 
@@ -180,6 +221,8 @@ def time_decode(
     if PIN:  # the step loop and the grammar worker on cores of their own (--pin)
         _pin_threads(*PIN)
     times, min_batch = [], len(ids)
+    link = getattr(sched.structured, "link", None)
+    srv0 = link.client.request_stats() if link is not None else None
     before = timers.snapshot() if timers is not None else {}
     cpu = time.thread_time()
     with around if around is not None else contextlib.nullcontext():  # (a profiler: the timed steps only)
@@ -190,6 +233,9 @@ def time_decode(
             times.append(time.perf_counter() - t)
     cpu = time.thread_time() - cpu
     parts = {k: v - before[k] for k, v in timers.snapshot().items()} if timers is not None else {}
+    srv1 = link.client.request_stats() if link is not None else None
+    if srv0 and srv1:  # the grammar server's time over the timed steps, by part
+        parts.update({f"server_{k}": v - srv0[k] for k, v in srv1.items() if k != "steps"})
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -521,6 +567,8 @@ def main() -> None:
                 times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
             runs.setdefault(f"step_ms_{name}", []).append(statistics.median(times) * 1e3)
             runs.setdefault(f"step_cpu_ms_{name}", []).append(cpu / args.steps * 1e3)
+            for p in StepLoopTimers.EVERY + tuple(k for k in used if k.startswith("server_")):
+                runs.setdefault(f"{p}_ms_{name}", []).append(used.get(p, 0.0) / args.steps * 1e3)
             res[f"min_batch_{name}"] = min(min_batch, res.get(f"min_batch_{name}", min_batch))
             if name in ("structured", "structured_inline"):
                 for p, v in used.items():

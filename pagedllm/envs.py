@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_GRAMMAR_DEFER: bool
     PAGEDLLM_GRAMMAR_PROCESS: bool | None
+    PAGEDLLM_GRAMMAR_SERVER_CPUS: str | None
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
     PAGEDLLM_STRUCTURED_WARMUP: bool
     PAGEDLLM_GIL_SWITCH_INTERVAL_US: float
@@ -114,6 +115,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         if os.environ.get("PAGEDLLM_GRAMMAR_PROCESS") in (None, "")
         else os.environ["PAGEDLLM_GRAMMAR_PROCESS"] == "1"
     ),
+    # CPUs the grammar server process runs on ("8-15,20"; unset: the OS's choice), for placement experiments.
+    "PAGEDLLM_GRAMMAR_SERVER_CPUS": lambda: os.environ.get("PAGEDLLM_GRAMMAR_SERVER_CPUS"),
     # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
     # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
     "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),

@@ -59,6 +59,8 @@ class GrammarClient:
         self.failed: dict[str, str] = {}
         """Requests the server failed (`failed` answers not yet handled) -> the error."""
         self._fed: dict[str, tuple[str | None, bool]] = {}
+        self.stats: dict[str, float] | None = None
+        """The server's last `stats` answer (`request_stats`)."""
         self._last_rids: list[str] | None = None
 
     @property
@@ -165,9 +167,20 @@ class GrammarClient:
                 self._send(("forget", old))
         elif op == "fed":
             self._fed[msg[1]] = (msg[2], msg[3])
+        elif op == "stats":
+            self.stats = msg[1]
         elif op == "failed":
             for rid in msg[1]:
                 self.failed[rid] = msg[2]
+
+    def request_stats(self, timeout: float = 5.0) -> dict[str, float] | None:
+        """(Blocking) where the server's time went so far (seconds by part, and its step count)."""
+        self.stats = None
+        self._send(("stats",))
+        end = time.monotonic() + timeout
+        while self.stats is None and not self.dead and time.monotonic() < end:
+            self.poll(0.05)
+        return self.stats
 
     def feed(self, rid: str, tokens: Sequence[int]) -> tuple[str | None, bool]:
         """(Blocking) tokens into one request's matcher: (the error of a rejected token, whether it ended)."""

@@ -23,14 +23,16 @@ grammar's stop tokens, so the loop knows a grammar's end without asking.
 
 Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("warmup",) · ("compile", key,
 params) · ("forget", key) (out of the client's cache) · ("open", rid, key, replay_tokens) · ("feed", rid, tokens) ·
-("remove", rid) · ("close",). Answers: ("compiled", key, error | None) (from the compile pool, whenever done) ·
-("fed", rid, error | None, ended) · ("failed", rids, error) (a step's ids did not come in time, a token was
-rejected, a grammar was missing: the requests fail, the engine goes on).
+("remove", rid) · ("stats",) · ("close",). Answers: ("compiled", key, error | None) (from the compile pool,
+whenever done) · ("fed", rid, error | None, ended) · ("stats", {part: seconds}) · ("failed", rids, error) (a
+step's ids did not come in time, a token was rejected, a grammar was missing: the requests fail, the engine goes
+on).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import sys
 import threading
 import time
@@ -129,6 +131,9 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
     """Mask number -> its rows' requests (until its sampled ids are taken)."""
     last_rids: list[str] = []
     batch = xgr.BatchGrammarMatcher(1)
+    stats = dict.fromkeys(("steps", "idle", "wait_ids", "take", "fill"), 0.0)
+    """Where the server's time goes, in seconds (the `stats` message answers it): blocked for a message, waiting
+    for a step's sampled ids, taking them, filling masks."""
 
     def send(msg: tuple[Any, ...]) -> None:
         with send_lock:
@@ -160,7 +165,10 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
     def take(k: int) -> None:
         """Mask k's sampled ids into its rows' matchers."""
         rids = slot_rids.pop(k, [])
-        if not wait_flag(rings.flags, TOKENS, k, spec.spin_s, spec.timeout_s):
+        t = time.perf_counter()
+        reached = wait_flag(rings.flags, TOKENS, k, spec.spin_s, spec.timeout_s)
+        stats["wait_ids"] += time.perf_counter() - t
+        if not reached:
             live = [r for r in rids if r in matchers]
             send(("failed", live, f"structured_outputs: the sampled ids of step {k} did not reach the grammars"))
             for r in live:
@@ -192,20 +200,29 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
         slot_rids[k] = rids
         rings.flags[MASKS] = k  # after the rows (x86 stores are seen in order; a Python call lies between)
 
+    clock = time.perf_counter
     try:
         while True:
+            t0 = clock()
             try:
                 msg = conn.recv()
             except EOFError:  # the engine went away without closing
                 break
+            t1 = clock()
+            stats["idle"] += t1 - t0
             op = msg[0]
             if op == "step":
                 _, k, fill_rids, took = msg
+                waited = stats["wait_ids"]
                 if took is not None:
                     take(took)
                 if fill_rids is None:  # the rows of the mask before
                     fill_rids = last_rids
+                t2 = clock()
                 fill(k, fill_rids)
+                stats["fill"] += clock() - t2
+                stats["take"] += t2 - t1 - (stats["wait_ids"] - waited)
+                stats["steps"] += 1
                 last_rids = fill_rids
             elif op == "take":
                 take(msg[1])
@@ -231,6 +248,8 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 send(("fed", rid, err, ended_))
             elif op == "remove":
                 matchers.pop(msg[1], None)
+            elif op == "stats":
+                send(("stats", dict(stats)))
             elif op == "close":
                 break
     finally:
@@ -253,7 +272,21 @@ def main() -> None:
     """`python -m pagedllm.structured_output.server FD`: the server on the socket FD (`GrammarClient` starts it)."""
     conn = Connection(int(sys.argv[1]))
     spec, shm_name = conn.recv()
+    from pagedllm import envs
+
+    cpus = envs.PAGEDLLM_GRAMMAR_SERVER_CPUS
+    if cpus:  # (a placement experiment's knob)
+        os.sched_setaffinity(0, _cpu_list(cpus))
     _serve(conn, spec, shm_name)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A CPU list ("0-3,8") as a set."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 if __name__ == "__main__":
