@@ -200,10 +200,17 @@ class StepLoopTimers:
 
 
 def time_decode(
-    llm: Any, prompts: list[list[int]], sp: Any, steps: int, timers: StepLoopTimers | None = None, around: Any = None
+    llm: Any,
+    prompts: list[list[int]],
+    sp: Any,
+    steps: int,
+    timers: StepLoopTimers | None = None,
+    around: Any = None,
+    server_tune: tuple[list[int] | None, float] | None = None,
 ) -> tuple[list[float], int, float, dict[str, float]]:
     """Per-step wall times (s) of `steps` decode steps with every request running; the smallest batch seen;
-    the step loop's CPU time over them (s); the structured code's time on the step loop over them (s)."""
+    the step loop's CPU time over them (s); the structured code's time on the step loop over them (s).
+    `server_tune`: the grammar server's CPUs and message polling for these steps (`GrammarClient.tune`)."""
     from pagedllm import TokensPrompt
 
     engine = llm.llm_engine
@@ -222,6 +229,8 @@ def time_decode(
         _pin_threads(*PIN)
     times, min_batch = [], len(ids)
     link = getattr(sched.structured, "link", None)
+    if link is not None and server_tune is not None:
+        link.client.tune(*server_tune)
     srv0 = link.client.request_stats() if link is not None else None
     before = timers.snapshot() if timers is not None else {}
     cpu = time.thread_time()
@@ -396,6 +405,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the compile and first-token timings")
     ap.add_argument("--pin", default=None, help="LOOP,WORKER: pin the step loop and the grammar worker threads")
     ap.add_argument("--fake-grammar", action="store_true", help="structured steps without xgrammar's work")
+    ap.add_argument(
+        "--server-variants",
+        default="",
+        help="grammar server mode: more structured cases, NAME:CPUS:POLL_US,... (CPUS '8-15' or empty: all; "
+        "POLL_US 0: the server blocks for messages), each run with the server so tuned",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
     if args.tiny:
@@ -549,13 +564,22 @@ def main() -> None:
         ("plain", plain, True, {}),
         ("structured", constrained, True, {}),
     ]
+    tunes: dict[str, tuple[list[int] | None, float]] = {}
+    if args.server_variants:
+        from pagedllm.structured_output.server import _cpu_list
+
+        tunes["structured"] = (None, 0.0)
+        for item in args.server_variants.split(","):
+            vname, cpus, poll_us = item.split(":")
+            tunes[f"structured_{vname}"] = (sorted(_cpu_list(cpus)) if cpus else None, float(poll_us))
+            cases.append((f"structured_{vname}", constrained, True, {}))
     if hasattr(manager, "step_worker"):
         cases.append(("structured_inline", constrained, False, {}))
     if args.async_scheduling or (args.async_scheduling is None and on_gpu):
         cases.append(("structured_nodefer", constrained, True, {"PAGEDLLM_GRAMMAR_DEFER": "0"}))
     cases.append(("plain_again", plain, True, {}))
     if args.cases:
-        keep = set(args.cases.split(","))
+        keep = set(args.cases.split(",")) | set(tunes)
         cases = [c for c in cases if c[0] in keep]
     spy = _pyspy(args.pyspy) if args.pyspy else contextlib.nullcontext()
     spy.__enter__()
@@ -564,7 +588,9 @@ def main() -> None:
             if hasattr(manager, "step_worker"):
                 manager.step_worker = worker
             with _env(**env):
-                times, min_batch, cpu, used = time_decode(llm, prompts, sp, args.steps, timers)
+                times, min_batch, cpu, used = time_decode(
+                    llm, prompts, sp, args.steps, timers, server_tune=tunes.get(name)
+                )
             runs.setdefault(f"step_ms_{name}", []).append(statistics.median(times) * 1e3)
             runs.setdefault(f"step_cpu_ms_{name}", []).append(cpu / args.steps * 1e3)
             for p in StepLoopTimers.EVERY + tuple(k for k in used if k.startswith("server_")):
@@ -589,7 +615,7 @@ def main() -> None:
     plains = [k for k in ("plain", "plain_again") if f"step_ms_{k}" in res]
     base = statistics.mean(res[f"step_ms_{k}"] for k in plains) if plains else None
     base_cpu = statistics.mean(res[f"step_cpu_ms_{k}"] for k in plains) if plains else None
-    for name in ("structured", "structured_inline", "structured_nodefer"):
+    for name in [c[0] for c in cases if c[0].startswith("structured")]:
         if f"step_ms_{name}" in res and base is not None and base_cpu is not None:
             res[f"{name}_overhead_pct"] = (res[f"step_ms_{name}"] / base - 1) * 100
             res[f"{name}_cpu_overhead_pct"] = (res[f"step_cpu_ms_{name}"] / base_cpu - 1) * 100

@@ -23,16 +23,17 @@ grammar's stop tokens, so the loop knows a grammar's end without asking.
 
 Other messages (client -> server): ("take", k) (mask k's ids now, before a feed) · ("warmup",) · ("compile", key,
 params) · ("forget", key) (out of the client's cache) · ("open", rid, key, replay_tokens) · ("feed", rid, tokens) ·
-("remove", rid) · ("stats",) · ("close",). Answers: ("compiled", key, error | None) (from the compile pool,
-whenever done) · ("fed", rid, error | None, ended) · ("stats", {part: seconds}) · ("failed", rids, error) (a
-step's ids did not come in time, a token was rejected, a grammar was missing: the requests fail, the engine goes
-on).
+("remove", rid) · ("stats",) · ("tune", (cpus, poll_us)) · ("close",). Answers: ("compiled", key, error | None)
+(from the compile pool, whenever done) · ("fed", rid, error | None, ended) · ("stats", {part: seconds}) ·
+("failed", rids, error) (a step's ids did not come in time, a token was rejected, a grammar was missing: the
+requests fail, the engine goes on).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import select
 import sys
 import threading
 import time
@@ -49,6 +50,8 @@ from pagedllm.structured_output.backend import GrammarKey, XgrammarBackend
 from pagedllm.structured_output.host_flags import seq_reached
 
 DIED = "structured_outputs: the grammar server process died"
+_BUSY_S = 0.05
+"""A server told to poll (`tune`) polls until this long after the last step order, then blocks again."""
 TOKENS, MASKS = 0, 1
 """Indices of `flags`."""
 _FLAG_WORDS = 16
@@ -201,9 +204,19 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
         rings.flags[MASKS] = k  # after the rows (x86 stores are seen in order; a Python call lies between)
 
     clock = time.perf_counter
+    all_cpus = os.sched_getaffinity(0)
+    poll_s = 0.0
+    """> 0: while steps come (the last within `_BUSY_S`), look for the next message every poll_s instead of
+    blocking in `recv` (a blocked reader is woken by the loop's write, which Linux may run on the loop's CPU)."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    last_step = 0.0
     try:
         while True:
             t0 = clock()
+            if poll_s > 0:
+                while not poller.poll(0) and clock() - last_step < _BUSY_S:
+                    time.sleep(poll_s)
             try:
                 msg = conn.recv()
             except EOFError:  # the engine went away without closing
@@ -224,6 +237,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 stats["take"] += t2 - t1 - (stats["wait_ids"] - waited)
                 stats["steps"] += 1
                 last_rids = fill_rids
+                last_step = clock()
             elif op == "take":
                 take(msg[1])
             elif op == "warmup":
@@ -250,6 +264,10 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
                 matchers.pop(msg[1], None)
             elif op == "stats":
                 send(("stats", dict(stats)))
+            elif op == "tune":  # placement and polling experiments (benchmarks/structured_overhead.py)
+                cpus, poll_us = msg[1]
+                os.sched_setaffinity(0, set(cpus) if cpus else all_cpus)
+                poll_s = poll_us / 1e6
             elif op == "close":
                 break
     finally:
