@@ -206,7 +206,7 @@ def time_decode(
     steps: int,
     timers: StepLoopTimers | None = None,
     around: Any = None,
-    server_tune: tuple[list[int] | None, float] | None = None,
+    server_tune: tuple[list[int] | None, float | None] | None = None,
 ) -> tuple[list[float], int, float, dict[str, float]]:
     """Per-step wall times (s) of `steps` decode steps with every request running; the smallest batch seen;
     the step loop's CPU time over them (s); the structured code's time on the step loop over them (s).
@@ -564,11 +564,11 @@ def main() -> None:
         ("plain", plain, True, {}),
         ("structured", constrained, True, {}),
     ]
-    tunes: dict[str, tuple[list[int] | None, float]] = {}
+    tunes: dict[str, tuple[list[int] | None, float | None]] = {}
     if args.server_variants:
         from pagedllm.structured_output.server import _cpu_list
 
-        tunes["structured"] = (None, 0.0)
+        tunes["structured"] = (None, None)  # the defaults
         for item in args.server_variants.split(","):
             vname, cpus, poll_us = item.split(":")
             tunes[f"structured_{vname}"] = (sorted(_cpu_list(cpus)) if cpus else None, float(poll_us))

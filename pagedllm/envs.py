@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GRAMMAR_DEFER: bool
     PAGEDLLM_GRAMMAR_PROCESS: bool | None
     PAGEDLLM_GRAMMAR_SERVER_CPUS: str | None
+    PAGEDLLM_GRAMMAR_SERVER_POLL_US: float | None
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
     PAGEDLLM_STRUCTURED_WARMUP: bool
     PAGEDLLM_GIL_SWITCH_INTERVAL_US: float
@@ -117,6 +118,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # CPUs the grammar server process runs on ("8-15,20"; unset: the OS's choice), for placement experiments.
     "PAGEDLLM_GRAMMAR_SERVER_CPUS": lambda: os.environ.get("PAGEDLLM_GRAMMAR_SERVER_CPUS"),
+    # How often the grammar server looks for its next message while steps come, in us (0: it blocks on the socket);
+    # unset: 50 where the process may use >= 4 CPUs, else 0 (structured_output/server.py, `ServerSpec.poll_s`).
+    "PAGEDLLM_GRAMMAR_SERVER_POLL_US": lambda: (
+        float(os.environ["PAGEDLLM_GRAMMAR_SERVER_POLL_US"])
+        if os.environ.get("PAGEDLLM_GRAMMAR_SERVER_POLL_US")
+        else None
+    ),
     # xgrammar's compiler cache (MiB; 0: off): a new JSON schema reuses the token masks of the rules it shares
     # with earlier ones (strings, numbers, ...), so its compile takes milliseconds instead of the whole vocabulary pass.
     "PAGEDLLM_XGRAMMAR_CACHE_MB": lambda: int(os.environ.get("PAGEDLLM_XGRAMMAR_CACHE_MB", "512")),

@@ -173,9 +173,9 @@ class GrammarClient:
             for rid in msg[1]:
                 self.failed[rid] = msg[2]
 
-    def tune(self, cpus: Sequence[int] | None, poll_us: float) -> None:
+    def tune(self, cpus: Sequence[int] | None, poll_us: float | None) -> None:
         """(Experiments) the server's CPUs (None: all it was started with) and its polling for messages while
-        steps come (0: it blocks)."""
+        steps come (0: it blocks; None: `spec.poll_s`)."""
         self._send(("tune", (list(cpus) if cpus else None, poll_us)))
 
     def request_stats(self, timeout: float = 5.0) -> dict[str, float] | None:

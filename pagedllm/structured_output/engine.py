@@ -98,7 +98,7 @@ def _process_manager(
 ) -> StructuredOutputManager:
     from pagedllm.structured_output.link import ServerLink
     from pagedllm.structured_output.remote import ProcessGrammarManager
-    from pagedllm.structured_output.server import ServerSpec, make_backend
+    from pagedllm.structured_output.server import ServerSpec, make_backend, server_poll_s
 
     mc = config.model_config
     cuda = str(config.device).startswith("cuda")
@@ -108,7 +108,8 @@ def _process_manager(
         stops = _stop_ids(config, tokenizer)
         valid = min(mc.vocab_size, len(tokenizer))  # XgrammarBackend.valid_vocab
         make = functools.partial(make_backend, _tokenizer_args(config), mc.vocab_size, stops, so_config)
-        spec = ServerSpec(make, rows=config.scheduler_config.max_num_seqs, words=-(-valid // 32))
+        rows, words = config.scheduler_config.max_num_seqs, -(-valid // 32)
+        spec = ServerSpec(make, rows=rows, words=words, poll_s=server_poll_s())
         return ServerLink(spec, valid, frozenset(stops), cuda)
 
     return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning)

@@ -73,6 +73,13 @@ class ServerSpec:
     """How long the server spins on a flag before it sleeps between looks (`wait_flag`). Spinning costs the step
     loop: a host-bound loop whose core (or its hyperthread sibling) the server's spin shares runs slower, and
     the fill has a forward's time (~1.5 ms) to land anyway; 50-100 us sleeps cost a few percent of a core."""
+    poll_s: float = 0.0
+    """> 0: while steps come (the last order within `_BUSY_S`), the server looks for its next message every poll_s
+    instead of blocking in `recv`. A reader blocked on the socket is woken by the step loop's write, and Linux
+    places a task woken that way (a synchronous wake-up) on the writer's CPU: the server then competes with the
+    loop for its core every step (on an H100 host with the loop pinned, +3.5-10 % a step against +2-3 % when
+    polling, benchmarks/NOTES.md session 28). A polling server wakes from its own timer, on its own CPU.
+    `server_poll_s` gives the default."""
     cache_size: int = 256
     """Compiled grammars the server keeps (least recently used out)."""
     timeout_s: float = 30.0
@@ -98,6 +105,18 @@ class SharedRings:
     @staticmethod
     def nbytes(spec: ServerSpec) -> int:
         return _FLAG_WORDS * 4 + spec.depth * spec.rows * (spec.words + 2) * 4
+
+
+def server_poll_s() -> float:
+    """`ServerSpec.poll_s`'s default: PAGEDLLM_GRAMMAR_SERVER_POLL_US, else 50 us where the process may use at least
+    4 CPUs (on fewer, a polling server takes CPU time from the step loop and the forward's threads: blocking is
+    cheaper there)."""
+    from pagedllm import envs
+
+    us = envs.PAGEDLLM_GRAMMAR_SERVER_POLL_US
+    if us is None:
+        us = 50.0 if len(os.sched_getaffinity(0)) >= 4 else 0.0
+    return us / 1e6
 
 
 def wait_flag(flags: np.ndarray, index: int, wanted: int, spin_s: float, timeout_s: float) -> bool:
@@ -205,9 +224,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
 
     clock = time.perf_counter
     all_cpus = os.sched_getaffinity(0)
-    poll_s = 0.0
-    """> 0: while steps come (the last within `_BUSY_S`), look for the next message every poll_s instead of
-    blocking in `recv` (a blocked reader is woken by the loop's write, which Linux may run on the loop's CPU)."""
+    poll_s = spec.poll_s
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     last_step = 0.0
@@ -267,7 +284,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
             elif op == "tune":  # placement and polling experiments (benchmarks/structured_overhead.py)
                 cpus, poll_us = msg[1]
                 os.sched_setaffinity(0, set(cpus) if cpus else all_cpus)
-                poll_s = poll_us / 1e6
+                poll_s = spec.poll_s if poll_us is None else poll_us / 1e6
             elif op == "close":
                 break
     finally:

@@ -29,7 +29,10 @@ def _wait_compiled(client: GrammarClient, keys: list, timeout: float = 60.0) -> 
         client.poll(0.1)
 
 
-def test_server_masks_rejections_and_ends_equal_in_process() -> None:
+@pytest.mark.parametrize("poll_s", [0.0, 5e-5], ids=["blocking", "polling"])
+def test_server_masks_rejections_and_ends_equal_in_process(poll_s: float) -> None:
+    """The server's masks equal in-process matchers' step by step, whether it blocks for its messages or polls
+    for them while steps come (`ServerSpec.poll_s`)."""
     path = default_model_path()
     tok = get_tokenizer(path)
     cfg = StructuredOutputsConfig()
@@ -37,7 +40,7 @@ def test_server_masks_rejections_and_ends_equal_in_process() -> None:
     local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
     words = -(-local.valid_vocab // 32)
     make = functools.partial(make_backend, {"tokenizer_name_or_path": path}, vocab, [tok.eos_token_id], cfg)
-    spec = ServerSpec(make, rows=4, words=words)
+    spec = ServerSpec(make, rows=4, words=words, poll_s=poll_s)
     client = GrammarClient(spec)
     try:
         schema = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
@@ -92,6 +95,8 @@ def test_server_masks_rejections_and_ends_equal_in_process() -> None:
         assert ref["r2"].is_terminated()
         client.poll()
         assert client.failed == {}
+        stats = client.request_stats()
+        assert stats is not None and stats["steps"] == k and stats["fill"] > 0
         # A token the grammar does not allow: the synchronous feed says so (after mask k's ids, taken first; none
         # of its rows was sampled).
         client.publish(k, [-1, -1, -1])
