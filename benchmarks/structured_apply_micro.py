@@ -45,6 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     m, words = args.rows, -(-args.valid // 32)
     dev = torch.device("cuda")
+    torch.zeros(1, device=dev)  # the context current on this thread (the driver's registration needs one)
     shm = SharedMemory(create=True, size=64 + m * words * 4 + m * 8)
     try:
         flags = np.ndarray((16,), dtype=np.int32, buffer=shm.buf)

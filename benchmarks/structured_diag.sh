@@ -5,4 +5,4 @@
 nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node0"; cat /sys/devices/system/cpu/cpu2/topology/thread_siblings_list /sys/devices/system/cpu/cpu5/topology/thread_siblings_list
 mkdir -p "$OUT/ab"
 OUT=$OUT/ab bash benchmarks/structured_ab_env.sh
-for f in "$OUT"/ab/*.log; do echo "${f##*/}: $(grep -E '^(step_ms_|loop_wait_ms_|flag_wait_ms_|server_[a-z_]+_ms_|so_srv_[a-z]+_ms_per_step:|so_apply_ms_per_step:|structured.*overhead_pct)' "$f" | grep -v "_runs:\|_min_\|cpu_overhead" | sed "s/_ms_per_step//" | tr "\n" " ")"; done
+for f in "$OUT"/ab/*.log; do echo "${f##*/}: $(grep -E '^(step_ms_|loop_wait_ms_|flag_wait_ms_|server_[a-z_]+_ms_|so_srv_[a-z]+_ms_per_step:|so_apply[a-z_]*_ms_per_step:|structured.*overhead_pct)' "$f" | grep -v "_runs:\|_min_\|cpu_overhead" | sed "s/_ms_per_step//" | tr "\n" " ")"; done

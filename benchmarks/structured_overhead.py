@@ -76,13 +76,16 @@ class StepLoopTimers:
     against the wall time of the same calls: wall far above CPU is time the loop thread did not run (the GIL
     held by another thread, or descheduled; a blocking wait for the fill counts there too)."""
 
+    INSIDE_APPLY = ("apply_rows", "apply_wait", "apply_launch")
+    """The grammar server mode's apply (`link.ServerMask.apply_to`), by call: the rows' places, the flag wait's
+    enqueue (with this timer's two CUDA event records), the mask kernel's launch; the mask's upload is the rest."""
     EVERY = ("loop_wait", "flag_wait")
     """Every case: the step loop blocked for a step's sampled ids (the device behind the host: the loop waits
     ~ the step's slack; ~0 when the loop is host-bound), and the device stalled on the grammar server's mask flag
     (CUDA events around the stream wait; the server late)."""
 
     def __init__(self) -> None:
-        self.total = dict.fromkeys(self.PARTS + self.CPU + self.EVERY, 0.0)
+        self.total = dict.fromkeys(self.PARTS + self.CPU + self.EVERY + self.INSIDE_APPLY, 0.0)
         self._inner = 0.0
         self._wait = 0.0
         self._flag_events: list[tuple[Any, Any]] = []
@@ -155,6 +158,20 @@ class StepLoopTimers:
         pgm.begin_update = timed("srv_update", pgm.begin_update)  # type: ignore[method-assign]
         ServerMask.publish_sampled = timed("srv_publish", ServerMask.publish_sampled)  # type: ignore[method-assign]
         self._install_waits()
+        import pagedllm.structured_output.link as link_mod
+
+        def plain_timed(part: str, fn: Any) -> Any:
+            def wrapper(*a: Any, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.total[part] += time.perf_counter() - t
+
+            return wrapper
+
+        link_mod.ServerLink.rows_for = plain_timed("apply_rows", link_mod.ServerLink.rows_for)  # type: ignore[method-assign]
+        link_mod.launch_mask_kernel = plain_timed("apply_launch", link_mod.launch_mask_kernel)  # type: ignore[attr-defined]
         try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
             from pagedllm.structured_output.overlap import StepJobs
         except ImportError:
@@ -183,11 +200,13 @@ class StepLoopTimers:
         def wait_geq(mem: Any, *a: Any, **k: Any) -> None:
             import torch
 
+            t = time.perf_counter()
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
             real_wait(mem, *a, **k)
             after.record()
             self._flag_events.append((before, after))
+            self.total["apply_wait"] += time.perf_counter() - t
 
         RegisteredHostMemory.wait_geq = wait_geq  # type: ignore[method-assign]
 
