@@ -65,9 +65,9 @@ def main() -> None:
         req_ids, idx = list(rids), np.arange(m)
         res = {
             "current_stream": per_call_us(torch.cuda.current_stream),
-            "stream_handle": per_call_us(lambda: _stream_handle(None)),
+            "stream_handle": per_call_us(lambda: _stream_handle(None, 0)),
             "wait_geq": per_call_us(lambda: mem.wait_geq(flag, 5)),
-            "wait_raw_ctypes": per_call_us(lambda: lib.cuStreamWaitValue32_v2(_stream_handle(None), dptr, 5, 0)),
+            "wait_raw_ctypes": per_call_us(lambda: lib.cuStreamWaitValue32_v2(_stream_handle(None, 0), dptr, 5, 0)),
             "mask_upload": per_call_us(lambda: mask_dev.copy_(mask_host, non_blocking=True)),
             "mask_kernel": per_call_us(lambda: launch_mask_kernel(logits, mask_dev, None, args.valid)),
             "ids_copy_back": per_call_us(lambda: ids_host.copy_(sampled, non_blocking=True)),

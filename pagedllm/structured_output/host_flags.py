@@ -57,6 +57,7 @@ class RegisteredHostMemory:
         dptr = ctypes.c_uint64()
         _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), address, 0), "cuMemHostGetDevicePointer")
         self.device_address = dptr.value
+        self._device_index = torch.cuda.current_device()
         self._registered = True
 
     def device_pointer(self, host_address: int) -> int:
@@ -66,7 +67,10 @@ class RegisteredHostMemory:
         """The current (or given) stream waits until the int32 at `host_address` is >= value (cyclically)."""
         _check(
             _libcuda().cuStreamWaitValue32_v2(
-                _stream_handle(stream), self.device_pointer(host_address), value & 0xFFFFFFFF, _WAIT_GEQ
+                _stream_handle(stream, self._device_index),
+                self.device_pointer(host_address),
+                value & 0xFFFFFFFF,
+                _WAIT_GEQ,
             ),
             "cuStreamWaitValue32",
         )
@@ -76,7 +80,10 @@ class RegisteredHostMemory:
         before it has run."""
         _check(
             _libcuda().cuStreamWriteValue32_v2(
-                _stream_handle(stream), self.device_pointer(host_address), value & 0xFFFFFFFF, _WRITE_DEFAULT
+                _stream_handle(stream, self._device_index),
+                self.device_pointer(host_address),
+                value & 0xFFFFFFFF,
+                _WRITE_DEFAULT,
             ),
             "cuStreamWriteValue32",
         )
@@ -87,11 +94,17 @@ class RegisteredHostMemory:
             _libcuda().cuMemHostUnregister(self.address)
 
 
-def _stream_handle(stream: Any) -> int:
+def _stream_handle(stream: Any, device_index: int) -> int:
+    """The given stream's handle, or the device's current stream's: through the raw getter Triton's launcher uses
+    (~1 us; `torch.cuda.current_stream()` builds a Stream object, ~8 us on a GPU host, twice a structured step)."""
     import torch
 
-    s = stream if stream is not None else torch.cuda.current_stream()
-    return int(s.cuda_stream)
+    if stream is not None:
+        return int(stream.cuda_stream)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
 def seq_reached(current: int, wanted: int) -> bool:
