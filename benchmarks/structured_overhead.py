@@ -90,7 +90,9 @@ class StepLoopTimers:
         self._wait = 0.0
         self._flag_events: list[tuple[Any, Any]] = []
 
-    def install(self) -> None:
+    def install(self, breakdown: bool = False) -> None:
+        """`breakdown`: also the device's stall on the mask flag (two CUDA event records around each flag wait,
+        ~20-40 us of host work a structured step on a GPU host: not in the plain A/B) and the apply by call."""
         import pagedllm.worker.model_runner as mr
         from pagedllm.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
@@ -157,7 +159,16 @@ class StepLoopTimers:
         pgm.prepare = timed("srv_prepare", pgm.prepare)  # type: ignore[method-assign]
         pgm.begin_update = timed("srv_update", pgm.begin_update)  # type: ignore[method-assign]
         ServerMask.publish_sampled = timed("srv_publish", ServerMask.publish_sampled)  # type: ignore[method-assign]
-        self._install_waits()
+        self._install_waits(breakdown)
+        if breakdown:
+            self._install_apply_parts()
+        try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
+            from pagedllm.structured_output.overlap import StepJobs
+        except ImportError:
+            return
+        StepJobs.sampled = timed("intake", StepJobs.sampled)  # type: ignore[method-assign]
+
+    def _install_apply_parts(self) -> None:
         import pagedllm.structured_output.link as link_mod
 
         def plain_timed(part: str, fn: Any) -> Any:
@@ -172,13 +183,8 @@ class StepLoopTimers:
 
         link_mod.ServerLink.rows_for = plain_timed("apply_rows", link_mod.ServerLink.rows_for)  # type: ignore[method-assign]
         link_mod.launch_mask_kernel = plain_timed("apply_launch", link_mod.launch_mask_kernel)  # type: ignore[attr-defined]
-        try:  # the intake on a worker thread (async scheduling): what the step loop spends starting it
-            from pagedllm.structured_output.overlap import StepJobs
-        except ImportError:
-            return
-        StepJobs.sampled = timed("intake", StepJobs.sampled)  # type: ignore[method-assign]
 
-    def _install_waits(self) -> None:
+    def _install_waits(self, flag_events: bool) -> None:
         from pagedllm.worker.async_output import PendingStep
 
         real_ids = PendingStep.sampled_ids
@@ -191,6 +197,8 @@ class StepLoopTimers:
                 self.total["loop_wait"] += time.perf_counter() - t
 
         PendingStep.sampled_ids = sampled_ids  # type: ignore[method-assign]
+        if not flag_events:
+            return
         try:
             from pagedllm.structured_output.host_flags import RegisteredHostMemory
         except ImportError:
@@ -430,6 +438,11 @@ def main() -> None:
         help="grammar server mode: more structured cases, NAME:CPUS:POLL_US,... (CPUS '8-15' or empty: all; "
         "POLL_US 0: the server blocks for messages), each run with the server so tuned",
     )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="the device's stall on the grammar server's flag (CUDA events: adds host work) and the apply by call",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="plain / structured / plain runs of the decode steps")
     args = ap.parse_args()
     if args.tiny:
@@ -571,7 +584,7 @@ def main() -> None:
     constrained = plain.clone(structured_outputs=so)
     time_decode(llm, prompts[:8], plain, 5)  # warm-up
     timers = StepLoopTimers()
-    timers.install()
+    timers.install(breakdown=args.breakdown)
     runs: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {"": {}, "inline_": {}}
     manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
