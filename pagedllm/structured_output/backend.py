@@ -119,23 +119,44 @@ def _short(e: BaseException) -> str:
     return msg.splitlines()[0] if msg else type(e).__name__
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the tokenizer, over the ids it has text for: min(the model's vocabulary, the tokenizer's).
+    The rest of the model's (padded) vocabulary is never allowed under a grammar; xgrammar is given only these, since
+    padding ids it cannot read make its fill ~150x slower (64 rows inside a JSON string: 20 ms instead of 0.13 ms
+    with a 49k tokenizer on a 152k model)."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=min(vocab_size, len(tokenizer)), stop_token_ids=list(stop_token_ids)
+    )
+
+
 class XgrammarBackend:
     """Compiles constraints for one tokenizer (thread-safe: xgrammar's compiler may be called concurrently)."""
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], config: StructuredOutputsConfig
     ) -> None:
+        self._setup(tokenizer_info(tokenizer, vocab_size, stop_token_ids), vocab_size, config)
+
+    @classmethod
+    def from_tokenizer_info(cls, info_json: str, vocab_size: int, config: StructuredOutputsConfig) -> XgrammarBackend:
+        """A backend from `tokenizer_info(...).serialize_json()`: no tokenizer loaded (the grammar server's start;
+        a GGUF's tokenizer takes seconds to build)."""
+        import xgrammar as xgr
+
+        self = cls.__new__(cls)
+        self._setup(xgr.TokenizerInfo.deserialize_json(info_json), vocab_size, config)
+        return self
+
+    def _setup(self, info: xgr.TokenizerInfo, vocab_size: int, config: StructuredOutputsConfig) -> None:
         import xgrammar as xgr
 
         self.config = config
         self.vocab_size = vocab_size
-        self.valid_vocab = min(vocab_size, len(tokenizer))
-        """Ids the tokenizer has text for. The rest of the model's (padded) vocabulary is never allowed under a
-        grammar; xgrammar is given only these, since padding ids it cannot read make its fill ~150x slower
-        (64 rows inside a JSON string: 20 ms instead of 0.13 ms with a 49k tokenizer on a 152k model)."""
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.valid_vocab, stop_token_ids=list(stop_token_ids)
-        )
+        self.valid_vocab = info.vocab_size
+        """Ids the tokenizer has text for (`tokenizer_info`)."""
+        self.tokenizer_info = info
         # A grammar's per-state token masks are computed in parallel: a new schema's first token waits for it.
         # xgrammar's cache (besides the manager's, by request key) keeps the token masks of the rules a grammar
         # is built from: a new JSON schema whose fields are strings, numbers, arrays, ... like an earlier one's
@@ -143,7 +164,7 @@ class XgrammarBackend:
         threads = min(16, os.cpu_count() or 1)
         cache_mb = envs.PAGEDLLM_XGRAMMAR_CACHE_MB
         self.compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=threads, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
+            info, max_threads=threads, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
         )
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

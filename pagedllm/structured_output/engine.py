@@ -7,7 +7,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.structured_output.backend import XgrammarBackend
+from pagedllm.structured_output.backend import XgrammarBackend, tokenizer_info
 from pagedllm.structured_output.config import StructuredOutputsConfig
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -103,11 +103,12 @@ def _process_manager(
     mc = config.model_config
     cuda = str(config.device).startswith("cuda")
 
-    def start() -> ServerLink:  # in a compile thread: the tokenizer, then the server process
+    def start() -> ServerLink:  # in a compile thread: the tokenizer, xgrammar's view of it, the server process
         tokenizer = _load_tokenizer(config)
         stops = _stop_ids(config, tokenizer)
-        valid = min(mc.vocab_size, len(tokenizer))  # XgrammarBackend.valid_vocab
-        make = functools.partial(make_backend, _tokenizer_args(config), mc.vocab_size, stops, so_config)
+        info = tokenizer_info(tokenizer, mc.vocab_size, stops)
+        valid = info.vocab_size
+        make = functools.partial(make_backend, info.serialize_json(), mc.vocab_size, so_config)
         rows, words = config.scheduler_config.max_num_seqs, -(-valid // 32)
         spec = ServerSpec(make, rows=rows, words=words, poll_s=server_poll_s())
         return ServerLink(spec, valid, frozenset(stops), cuda)

@@ -293,14 +293,11 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
         shm.close()
 
 
-def make_backend(
-    tokenizer_args: dict[str, Any], vocab_size: int, stop_token_ids: Sequence[int], config: Any
-) -> XgrammarBackend:
-    """A backend for the tokenizer `get_tokenizer(**tokenizer_args)` loads (a `ServerSpec.make_backend` through
-    `functools.partial`)."""
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
-
-    return XgrammarBackend(get_tokenizer(**tokenizer_args), vocab_size, stop_token_ids, config)
+def make_backend(tokenizer_info_json: str, vocab_size: int, config: Any) -> XgrammarBackend:
+    """A backend from xgrammar's serialized tokenizer info (`backend.tokenizer_info`), built by the engine, which
+    has the tokenizer: the server loads none (a GGUF's tokenizer takes seconds to build). A `ServerSpec.make_backend`
+    through `functools.partial`."""
+    return XgrammarBackend.from_tokenizer_info(tokenizer_info_json, vocab_size, config)
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def test_server_masks_rejections_and_ends_equal_in_process(poll_s: float) -> Non
     vocab = len(tok)
     local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
     words = -(-local.valid_vocab // 32)
-    make = functools.partial(make_backend, {"tokenizer_name_or_path": path}, vocab, [tok.eos_token_id], cfg)
+    make = functools.partial(make_backend, local.tokenizer_info.serialize_json(), vocab, cfg)
     spec = ServerSpec(make, rows=4, words=words, poll_s=poll_s)
     client = GrammarClient(spec)
     try:
@@ -125,8 +125,9 @@ def _small_server(**spec_args: Any) -> tuple[GrammarClient, StructuredOutputsCon
     tok = get_tokenizer(path)
     cfg = StructuredOutputsConfig()
     vocab = len(tok)
-    words = -(-XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg).valid_vocab // 32)
-    make = functools.partial(make_backend, {"tokenizer_name_or_path": path}, vocab, [tok.eos_token_id], cfg)
+    local = XgrammarBackend(tok, vocab, [tok.eos_token_id], cfg)
+    words = -(-local.valid_vocab // 32)
+    make = functools.partial(make_backend, local.tokenizer_info.serialize_json(), vocab, cfg)
     return GrammarClient(ServerSpec(make, rows=2, words=words, **spec_args)), cfg
 
 
