@@ -25,28 +25,48 @@ from pagedllm.structured_output.backend import GrammarKey
 from pagedllm.structured_output.server import DIED, MASKS, TOKENS, ServerSpec, SharedRings, wait_flag
 
 
-class GrammarClient:
-    """The engine's side of the grammar server: sends requests' grammars and step orders, reads the masks out of
-    shared memory. Not thread-safe: the step loop alone calls it."""
+class ServerProcess:
+    """A started grammar server process that has not been given its spec yet: it imports torch and xgrammar at once
+    (~2 s on this project's CPU box) and then waits, so an engine that starts one with itself does not make its
+    first structured request wait for those imports (`engine.py`)."""
 
-    def __init__(self, spec: ServerSpec) -> None:
-        self.spec = spec
-        self._shm = SharedMemory(create=True, size=SharedRings.nbytes(spec))
-        self.rings = SharedRings(spec, self._shm.buf)
-        self.rings.flags[:] = 0
+    def __init__(self) -> None:
         # A plain subprocess, not multiprocessing's spawn: that re-imports the user's __main__ (a script without an
         # `if __name__ == "__main__"` guard would start its engine again); a socket pair carries the messages.
         ours, theirs = socket.socketpair()
         # The child imports this very package, even where it is not installed (a checkout on sys.path).
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen(
+        self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.structured_output.server", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             env=env,
         )
         theirs.close()
-        self._conn = Connection(ours.detach())
+        self.conn = Connection(ours.detach())
+
+    def close(self) -> None:
+        """(One never given a spec) its socket closed, so it exits."""
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class GrammarClient:
+    """The engine's side of the grammar server: sends requests' grammars and step orders, reads the masks out of
+    shared memory. Not thread-safe: the step loop alone calls it."""
+
+    def __init__(self, spec: ServerSpec, process: ServerProcess | None = None) -> None:
+        """`process`: a server process started earlier (`ServerProcess`); None starts one."""
+        self.spec = spec
+        self._shm = SharedMemory(create=True, size=SharedRings.nbytes(spec))
+        self.rings = SharedRings(spec, self._shm.buf)
+        self.rings.flags[:] = 0
+        process = process or ServerProcess()
+        self._proc, self._conn = process.proc, process.conn
         self._fd = self._conn.fileno()
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)

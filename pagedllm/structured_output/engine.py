@@ -96,6 +96,7 @@ def grammar_process_default(config: EngineConfig) -> bool:
 def _process_manager(
     config: EngineConfig, so_config: StructuredOutputsConfig, reasoning: Any
 ) -> StructuredOutputManager:
+    from pagedllm.structured_output.client import ServerProcess
     from pagedllm.structured_output.link import ServerLink
     from pagedllm.structured_output.remote import ProcessGrammarManager
     from pagedllm.structured_output.server import ServerSpec, make_backend, server_poll_s
@@ -103,14 +104,22 @@ def _process_manager(
     mc = config.model_config
     cuda = str(config.device).startswith("cuda")
 
-    def start() -> ServerLink:  # in a compile thread: the tokenizer, xgrammar's view of it, the server process
-        tokenizer = _load_tokenizer(config)
-        stops = _stop_ids(config, tokenizer)
-        info = tokenizer_info(tokenizer, mc.vocab_size, stops)
+    # The server process starts with the engine and does its imports (~2 s) meanwhile; it idles (blocked on its
+    # socket) until the first structured request, which then waits only for the tokenizer's info and its compile.
+    process = ServerProcess()
+
+    def start() -> ServerLink:  # in a compile thread: the tokenizer, xgrammar's view of it, the server's spec
+        try:
+            tokenizer = _load_tokenizer(config)
+            stops = _stop_ids(config, tokenizer)
+            info = tokenizer_info(tokenizer, mc.vocab_size, stops)
+        except Exception:  # the requests fail (`ProcessGrammarManager._up`); the idle server goes
+            process.close()
+            raise
         valid = info.vocab_size
         make = functools.partial(make_backend, info.serialize_json(), mc.vocab_size, so_config)
         rows, words = config.scheduler_config.max_num_seqs, -(-valid // 32)
         spec = ServerSpec(make, rows=rows, words=words, poll_s=server_poll_s())
-        return ServerLink(spec, valid, frozenset(stops), cuda)
+        return ServerLink(spec, valid, frozenset(stops), cuda, process)
 
-    return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning)
+    return ProcessGrammarManager(so_config, start, mc.vocab_size, reasoning, unused=process.close)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pagedllm.structured_output.apply import apply_rows_cpu, launch_mask_kernel, upload_row_map
-from pagedllm.structured_output.client import GrammarClient
+from pagedllm.structured_output.client import GrammarClient, ServerProcess
 from pagedllm.structured_output.server import MASKS, TOKENS, ServerSpec
 
 if TYPE_CHECKING:
@@ -113,10 +113,17 @@ class ServerLink:
     registration as pinned, mapped memory, and a watchdog: a dead server would leave the device waiting on its
     flag forever, so the watchdog releases every wait and marks the link dead (the requests fail)."""
 
-    def __init__(self, spec: ServerSpec, valid_vocab: int, stop_ids: frozenset[int], cuda: bool) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        valid_vocab: int,
+        stop_ids: frozenset[int],
+        cuda: bool,
+        process: ServerProcess | None = None,
+    ) -> None:
         import torch
 
-        self.client = GrammarClient(spec)
+        self.client = GrammarClient(spec, process)
         self.valid_vocab = valid_vocab
         self.stop_ids = stop_ids
         self.depth = spec.depth

@@ -50,9 +50,13 @@ class ProcessGrammarManager(StructuredOutputManager):
         start: Callable[[], ServerLink],
         vocab_size: int,
         reasoning_parser_factory: Callable[[], ReasoningParser] | None = None,
+        unused: Callable[[], None] | None = None,
     ) -> None:
+        """`unused`: called at shutdown when the server was never started (a server process started with the
+        engine and never given its spec is closed by it)."""
         super().__init__(config, _no_backend, vocab_size, reasoning_parser_factory)
         self._start = start
+        self._unused = unused
         self._starting: cf.Future[ServerLink] | None = None
         self.link: ServerLink | None = None
         self._start_error: str | None = None
@@ -272,6 +276,8 @@ class ProcessGrammarManager(StructuredOutputManager):
             self.link.close()
         elif self._starting is not None and self._starting.done() and self._starting.exception() is None:
             self._starting.result().close()
+        elif self._starting is None and self._unused is not None:
+            self._unused()
 
 
 def _no_backend() -> Any:

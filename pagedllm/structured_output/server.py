@@ -301,9 +301,21 @@ def make_backend(tokenizer_info_json: str, vocab_size: int, config: Any) -> Xgra
 
 
 def main() -> None:
-    """`python -m pagedllm.structured_output.server FD`: the server on the socket FD (`GrammarClient` starts it)."""
+    """`python -m pagedllm.structured_output.server FD`: the server on the socket FD (`client.ServerProcess` starts
+    it). The heavy imports come first, before the spec: a server started with the engine has them done by the
+    time its first structured request sends the spec. Ctrl-C's SIGINT (sent to the whole foreground process group)
+    is the engine's to handle: the server ends when the engine closes it or goes away."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch  # noqa: F401
+    import xgrammar  # noqa: F401
+
     conn = Connection(int(sys.argv[1]))
-    spec, shm_name = conn.recv()
+    try:
+        spec, shm_name = conn.recv()
+    except EOFError:  # the engine closed it unused (or went away)
+        return
     from pagedllm import envs
 
     cpus = envs.PAGEDLLM_GRAMMAR_SERVER_CPUS

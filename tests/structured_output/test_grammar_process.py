@@ -49,3 +49,36 @@ def test_grammar_server_death_fails_structured_requests_only(
         assert o.outputs[0].finish_reason == "error"
     for o in (outs[1], outs[3]):
         assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 8
+
+
+def test_idle_grammar_server_started_with_the_engine_closes_with_it(
+    monkeypatch: pytest.MonkeyPatch, smollm2_path: str
+) -> None:
+    """The server process starts with the engine (its imports done before the first structured request); an engine
+    that never saw a structured request closes it at shutdown, and one that did closes the running server."""
+    from pagedllm import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt
+    from pagedllm.benchmarks.workloads import TINY_OVERRIDES
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "1")
+    for structured in (False, True):
+        llm = LLM(
+            "benchmarks/workloads/smollm2-135m",
+            tokenizer=smollm2_path,
+            load_format="dummy",
+            dtype="float32",
+            device="cpu",
+            hf_overrides=TINY_OVERRIDES,
+            max_model_len=256,
+            kv_cache_memory_bytes=64 << 20,
+        )
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
+        proc = manager._unused.__self__.proc  # the ServerProcess started with the engine
+        assert proc.poll() is None
+        if structured:
+            so = StructuredOutputsParams(choice=["a", "b"])
+            sp = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=so)
+            out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], sp, use_tqdm=False)[0]
+            assert out.outputs[0].text in ("a", "b")
+            assert manager.link.client._proc is proc
+        manager.shutdown()
+        assert proc.wait(timeout=10) == 0
