@@ -51,7 +51,7 @@ from pagedllm.structured_output.host_flags import seq_reached
 
 DIED = "structured_outputs: the grammar server process died"
 _BUSY_S = 0.05
-"""A server told to poll (`tune`) polls until this long after the last step order, then blocks again."""
+"""A polling server (`ServerSpec.poll_s`) polls until this long after the last step order, then blocks again."""
 TOKENS, MASKS = 0, 1
 """Indices of `flags`."""
 _FLAG_WORDS = 16
@@ -227,7 +227,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
     poll_s = spec.poll_s
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
-    last_step = 0.0
+    last_step = float("-inf")
     try:
         while True:
             t0 = clock()
