@@ -3,11 +3,32 @@ host): see `grammar_process_case.py`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("xgrammar")
 
 from tests.structured_output.grammar_process_case import run_engine_case  # noqa: E402
+
+
+def _server_mode_llm(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> Any:
+    """A tiny SmolLM2-shaped engine on the CPU with the grammar server process (forced: the CPU's default is the
+    worker thread)."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.workloads import TINY_OVERRIDES
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "1")
+    return LLM(
+        "benchmarks/workloads/smollm2-135m",
+        tokenizer=smollm2_path,
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        hf_overrides=TINY_OVERRIDES,
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+    )
 
 
 def test_grammar_process_engine_cpu(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> None:
@@ -21,20 +42,9 @@ def test_grammar_server_death_fails_structured_requests_only(
     ones in the same batch finish as usual, and nothing hangs."""
     import time
 
-    from pagedllm import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt
-    from pagedllm.benchmarks.workloads import TINY_OVERRIDES
+    from pagedllm import SamplingParams, StructuredOutputsParams, TokensPrompt
 
-    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "1")
-    llm = LLM(
-        "benchmarks/workloads/smollm2-135m",
-        tokenizer=smollm2_path,
-        load_format="dummy",
-        dtype="float32",
-        device="cpu",
-        hf_overrides=TINY_OVERRIDES,
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-    )
+    llm = _server_mode_llm(monkeypatch, smollm2_path)
     so = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     prompt = [TokensPrompt(prompt_token_ids=[5, 6, 7])]
     assert llm.generate(prompt, so, use_tqdm=False)[0].outputs[0].finish_reason == "stop"
@@ -56,21 +66,10 @@ def test_idle_grammar_server_started_with_the_engine_closes_with_it(
 ) -> None:
     """The server process starts with the engine (its imports done before the first structured request); an engine
     that never saw a structured request closes it at shutdown, and one that did closes the running server."""
-    from pagedllm import LLM, SamplingParams, StructuredOutputsParams, TokensPrompt
-    from pagedllm.benchmarks.workloads import TINY_OVERRIDES
+    from pagedllm import SamplingParams, StructuredOutputsParams, TokensPrompt
 
-    monkeypatch.setenv("PAGEDLLM_GRAMMAR_PROCESS", "1")
     for structured in (False, True):
-        llm = LLM(
-            "benchmarks/workloads/smollm2-135m",
-            tokenizer=smollm2_path,
-            load_format="dummy",
-            dtype="float32",
-            device="cpu",
-            hf_overrides=TINY_OVERRIDES,
-            max_model_len=256,
-            kv_cache_memory_bytes=64 << 20,
-        )
+        llm = _server_mode_llm(monkeypatch, smollm2_path)
         manager = llm.llm_engine.engine_core.engine_core.scheduler.structured
         proc = manager._unused.__self__.proc  # the ServerProcess started with the engine
         assert proc.poll() is None
