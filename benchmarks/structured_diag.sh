@@ -2,7 +2,7 @@
 # Issue 16 acceptance 5, diagnosis: structured_ab_env.sh (A_ENV / B_ENV / B_ARGS as there), then per process the
 # step times, the loop's wait for sampled ids, the device's stall on the mask flag and the server's time by part.
 # (the device's flag stall and the apply by call need A_ARGS / B_ARGS --breakdown, whose CUDA events add host work)
-#   OUT=... B_ENV=PAGEDLLM_GRAMMAR_SERVER_CPUS=5 B_ARGS="--pin 2,3" ROUNDS=4 bash benchmarks/structured_diag.sh
+#   OUT=... B_ARGS="--pin 2,3 --server-variants pin:15:0,poll:0-15:50" ROUNDS=4 bash benchmarks/structured_diag.sh
 nproc; lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node0"; cat /sys/devices/system/cpu/cpu2/topology/thread_siblings_list /sys/devices/system/cpu/cpu5/topology/thread_siblings_list
 mkdir -p "$OUT/ab"
 OUT=$OUT/ab bash benchmarks/structured_ab_env.sh

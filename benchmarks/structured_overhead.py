@@ -598,8 +598,6 @@ def main() -> None:
     ]
     tunes: dict[str, tuple[list[int] | None, float | None]] = {}
     if args.server_variants:
-        from pagedllm.structured_output.server import _cpu_list
-
         tunes["structured"] = (None, None)  # the defaults
         for item in args.server_variants.split(","):
             vname, cpus, poll_us = item.split(":")
@@ -734,6 +732,15 @@ def _pyspy(path: str) -> Iterator[None]:
     finally:
         proc.send_signal(2)  # SIGINT: py-spy writes what it has
         proc.wait(timeout=60)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A CPU list ("0-3,8") as a set."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def _report(res: dict[str, Any], path: str | None) -> None:

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
     PAGEDLLM_GRAMMAR_DEFER: bool
     PAGEDLLM_GRAMMAR_PROCESS: bool | None
-    PAGEDLLM_GRAMMAR_SERVER_CPUS: str | None
     PAGEDLLM_GRAMMAR_SERVER_POLL_US: float | None
     PAGEDLLM_XGRAMMAR_CACHE_MB: int
     PAGEDLLM_STRUCTURED_WARMUP: bool
@@ -116,8 +115,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
         if os.environ.get("PAGEDLLM_GRAMMAR_PROCESS") in (None, "")
         else os.environ["PAGEDLLM_GRAMMAR_PROCESS"] == "1"
     ),
-    # CPUs the grammar server process runs on ("8-15,20"; unset: the OS's choice), for placement experiments.
-    "PAGEDLLM_GRAMMAR_SERVER_CPUS": lambda: os.environ.get("PAGEDLLM_GRAMMAR_SERVER_CPUS"),
     # How often the grammar server looks for its next message while steps come, in us (0: it blocks on the socket);
     # unset: 50 where the process may use >= 4 CPUs, else 0 (structured_output/server.py, `ServerSpec.poll_s`).
     "PAGEDLLM_GRAMMAR_SERVER_POLL_US": lambda: (

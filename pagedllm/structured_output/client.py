@@ -46,7 +46,8 @@ class ServerProcess:
         self.conn = Connection(ours.detach())
 
     def close(self) -> None:
-        """(One never given a spec) its socket closed, so it exits."""
+        """Its socket closed (a server never given its spec then exits; a running one is told `close` first by
+        `GrammarClient.close`), then the process waited for (killed after 5 s)."""
         self.conn.close()
         try:
             self.proc.wait(timeout=5)
@@ -65,8 +66,8 @@ class GrammarClient:
         self._shm = SharedMemory(create=True, size=SharedRings.nbytes(spec))
         self.rings = SharedRings(spec, self._shm.buf)
         self.rings.flags[:] = 0
-        process = process or ServerProcess()
-        self._proc, self._conn = process.proc, process.conn
+        self._process = process or ServerProcess()
+        self._proc, self._conn = self._process.proc, self._process.conn
         self._fd = self._conn.fileno()
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
@@ -138,7 +139,7 @@ class GrammarClient:
         """(Blocking) until mask k is filled: False after `timeout` (default `spec.timeout_s`) or when the server
         died."""
         end = time.monotonic() + (self.spec.timeout_s if timeout is None else timeout)
-        while not wait_flag(self.rings.flags, MASKS, k, 0.0, min(0.05, max(0.0, end - time.monotonic()))):
+        while not wait_flag(self.rings.flags, MASKS, k, min(0.05, max(0.0, end - time.monotonic()))):
             if not self.alive:
                 self.dead = True
                 return False
@@ -224,12 +225,7 @@ class GrammarClient:
             self._conn.send(("close",))
         except (BrokenPipeError, OSError):
             pass
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._conn.close()
+        self._process.close()
         self.rings.release()
         self._shm.close()
         self._shm.unlink()

@@ -17,23 +17,18 @@ string on two H100 hosts took 0.38 / 0.57 ms with 1 thread, 0.39 / 0.95 with 4 a
 session 12). Overridden by PAGEDLLM_GRAMMAR_FILL_THREADS."""
 
 
-def _tokenizer_args(config: EngineConfig) -> dict[str, Any]:
-    """`get_tokenizer`'s arguments for the engine's tokenizer (as the front end loads it)."""
-    mc = config.model_config
-    same = mc.tokenizer == mc.model
-    return {
-        "tokenizer_name_or_path": mc.model_dir if same else mc.tokenizer,
-        "gguf_file": mc.gguf_file if same else None,
-        "tokenizer_mode": mc.tokenizer_mode,
-        "revision": mc.revision,
-    }
-
-
 def _load_tokenizer(config: EngineConfig) -> Any:
-    """The engine's tokenizer (cached per process by `get_tokenizer`)."""
+    """The engine's tokenizer (as the front end loads it; cached per process by `get_tokenizer`)."""
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    return get_tokenizer(**_tokenizer_args(config))
+    mc = config.model_config
+    same = mc.tokenizer == mc.model
+    return get_tokenizer(
+        mc.model_dir if same else mc.tokenizer,
+        gguf_file=mc.gguf_file if same else None,
+        tokenizer_mode=mc.tokenizer_mode,
+        revision=mc.revision,
+    )
 
 
 def _stop_ids(config: EngineConfig, tokenizer: Any) -> list[int]:

@@ -131,6 +131,8 @@ class ServerLink:
         self.mask_views = [torch.from_numpy(rings.masks[i]) for i in range(spec.depth)]
         self.token_views = [torch.from_numpy(rings.tokens[i]) for i in range(spec.depth)]
         self.host_mem: Any = None
+        self._flags_address = int(rings.flags.ctypes.data)
+        """(Read twice a structured step: `ndarray.ctypes` builds an object per access.)"""
         self._cuda = cuda
         self._dead = False
         self._closed = threading.Event()
@@ -147,7 +149,7 @@ class ServerLink:
         if self._cuda and self.host_mem is None:
             from pagedllm.structured_output.host_flags import RegisteredHostMemory
 
-            self.host_mem = RegisteredHostMemory(self.client.rings.flags.ctypes.data, self.client._shm.size)
+            self.host_mem = RegisteredHostMemory(self._flags_address, self.client._shm.size)
             threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
 
     def device_mask(self, device: Any, m: int) -> torch.Tensor:
@@ -197,7 +199,7 @@ class ServerLink:
         return rows
 
     def flag_address(self, index: int) -> int:
-        return int(self.client.rings.flags.ctypes.data) + 4 * index
+        return self._flags_address + 4 * index
 
     @property
     def dead(self) -> bool:

@@ -274,10 +274,15 @@ class ProcessGrammarManager(StructuredOutputManager):
         super().shutdown()
         if self.link is not None:
             self.link.close()
-        elif self._starting is not None and self._starting.done() and self._starting.exception() is None:
-            self._starting.result().close()
-        elif self._starting is None and self._unused is not None:
+        elif self._starting is not None:  # up but not yet taken, or still starting: closed once started
+            self._starting.add_done_callback(_close_started)
+        elif self._unused is not None:
             self._unused()
+
+
+def _close_started(started: cf.Future[ServerLink]) -> None:
+    if started.exception() is None:
+        started.result().close()
 
 
 def _no_backend() -> Any:

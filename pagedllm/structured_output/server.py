@@ -69,10 +69,6 @@ class ServerSpec:
     words: int
     """int32 words per row: ceil(the backend's valid vocabulary / 32)."""
     depth: int = 4
-    spin_s: float = 0.0
-    """How long the server spins on a flag before it sleeps between looks (`wait_flag`). Spinning costs the step
-    loop: a host-bound loop whose core (or its hyperthread sibling) the server's spin shares runs slower, and
-    the fill has a forward's time (~1.5 ms) to land anyway; 50-100 us sleeps cost a few percent of a core."""
     poll_s: float = 0.0
     """> 0: while steps come (the last order within `_BUSY_S`), the server looks for its next message every poll_s
     instead of blocking in `recv`. A reader blocked on the socket is woken by the step loop's write, and Linux
@@ -119,18 +115,15 @@ def server_poll_s() -> float:
     return us / 1e6
 
 
-def wait_flag(flags: np.ndarray, index: int, wanted: int, spin_s: float, timeout_s: float) -> bool:
-    """Until flags[index] reaches `wanted` (cyclically): spin `spin_s`, then sleep between looks. False on timeout."""
-    if seq_reached(int(flags[index]), wanted):
-        return True
-    now = time.monotonic()
-    spin_end, end = now + spin_s, now + timeout_s
+def wait_flag(flags: np.ndarray, index: int, wanted: int, timeout_s: float) -> bool:
+    """Until flags[index] reaches `wanted` (cyclically), sleeping 50 us between looks. False on timeout. Not a spin:
+    a spinning server can share the host-bound step loop's core (+34 % a step in one H200 process, NOTES session
+    27), and the fill has a forward's time (~1.5 ms) to land anyway."""
+    end = time.monotonic() + timeout_s
     while not seq_reached(int(flags[index]), wanted):
-        now = time.monotonic()
-        if now > end:
+        if time.monotonic() > end:
             return False
-        if now > spin_end:
-            time.sleep(0.00005)
+        time.sleep(0.00005)
     return True
 
 
@@ -188,7 +181,7 @@ def _serve(conn: Connection, spec: ServerSpec, shm_name: str) -> None:
         """Mask k's sampled ids into its rows' matchers."""
         rids = slot_rids.pop(k, [])
         t = time.perf_counter()
-        reached = wait_flag(rings.flags, TOKENS, k, spec.spin_s, spec.timeout_s)
+        reached = wait_flag(rings.flags, TOKENS, k, spec.timeout_s)
         stats["wait_ids"] += time.perf_counter() - t
         if not reached:
             live = [r for r in rids if r in matchers]
@@ -316,21 +309,7 @@ def main() -> None:
         spec, shm_name = conn.recv()
     except EOFError:  # the engine closed it unused (or went away)
         return
-    from pagedllm import envs
-
-    cpus = envs.PAGEDLLM_GRAMMAR_SERVER_CPUS
-    if cpus:  # (a placement experiment's knob)
-        os.sched_setaffinity(0, _cpu_list(cpus))
     _serve(conn, spec, shm_name)
-
-
-def _cpu_list(text: str) -> set[int]:
-    """A CPU list ("0-3,8") as a set."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
 
 
 if __name__ == "__main__":
