@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.benchmarks import floors
-from pagedllm.model_executor.layers.fused_moe import configs, triton_moe
+from pagedllm.model_executor.layers.fused_moe import configs, triton_moe, triton_routing
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
@@ -75,7 +75,7 @@ def main() -> None:
     for t in [int(x) for x in a.batches.split(",")]:
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         logits = torch.randn(t, e, device=dev, dtype=torch.bfloat16)
-        weights, ids = triton_moe.fused_topk(logits, k, True)
+        weights, ids = triton_routing.fused_topk(logits, k, True)
         touched = int(torch.unique(ids).numel())
         floor_ms = touched * 3 * i * h * 2 / (gbps * 1e9) * 1e3
         inter = torch.empty(t * k, 2 * i, device=dev, dtype=torch.bfloat16)
@@ -86,7 +86,7 @@ def main() -> None:
         def gemms(up: configs.Config, down: configs.Config, bufs: tuple = (x, ids, inter, act, out, wflat)) -> tuple:
             """(up ms, down ms) with these tiles (the buffers bound now: called within this iteration)."""
             xb, idb, interb, actb, outb, wb = bufs
-            s, eids, npp = triton_moe.moe_align_block_size(idb, up["BLOCK_M"], e)
+            s, eids, npp = triton_routing.moe_align_block_size(idb, up["BLOCK_M"], e)
             if triton_moe.fused_silu():  # the up GEMM writes silu(gate) * up
                 t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, actb, None, s, eids, npp, k, up, True))
             else:

@@ -138,6 +138,8 @@ class EagleProposer(DraftModelProposer):
 
             def hook(_m: nn.Module, args: tuple, i: int = i) -> None:
                 hidden, residual = args[1], args[2]
+                if residual is not None and hidden.dim() > residual.dim():  # a MoE block's unsummed experts
+                    hidden = hidden.sum(dim=-2)
                 self._aux[i] = hidden if residual is None else hidden + residual
 
             layers[i].register_forward_pre_hook(hook)

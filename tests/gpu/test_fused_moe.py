@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 require_triton_device()
 
-from pagedllm.model_executor.layers.fused_moe import triton_moe  # noqa: E402
+from pagedllm.model_executor.layers.fused_moe import triton_moe, triton_routing  # noqa: E402
 from pagedllm.model_executor.layers.fused_moe.routing import torch_select_experts  # noqa: E402
 from pagedllm.model_executor.layers.fused_moe.torch_moe import torch_moe  # noqa: E402
 
@@ -56,7 +56,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_fused_experts_match_torch(shape: tuple, dtype: torch.dtype) -> None:
     t, e, h, i, k, renorm = shape
     x, w13, w2, logits = _problem(t, e, h, i, dtype, seed=t)
-    weights, ids = triton_moe.fused_topk(logits, k, renorm)
+    weights, ids = triton_routing.fused_topk(logits, k, renorm)
     ref_w, ref_ids = torch_select_experts(logits, k, renorm)
     # bf16 logits tie often (128 experts); among exact ties the pick is implementation-defined: the
     # weights must agree, the ids wherever the reference's values are distinct.
@@ -73,7 +73,7 @@ def test_routing_ties_pick_the_lowest_expert() -> None:
     on the CPU it is not the lowest); the weights equal the reference's."""
     logits = torch.zeros(4, 8, device=DEVICE)
     logits[:, 5] = 1.0
-    weights, ids = triton_moe.fused_topk(logits, 3, True)
+    weights, ids = triton_routing.fused_topk(logits, 3, True)
     ref_w, _ = torch_select_experts(logits, 3, True)
     assert ids.tolist() == [[5, 0, 1]] * 4
     torch.testing.assert_close(weights, ref_w)
@@ -103,7 +103,7 @@ def test_moe_sum_matches_torch(t: int, k: int, h: int, dtype: torch.dtype) -> No
 
 def test_align_block_size_layout() -> None:
     ids = torch.tensor([[3, 1], [3, 0], [1, 3]], device=DEVICE)
-    sorted_ids, expert_ids, num_post = triton_moe.moe_align_block_size(ids, 4, 5)
+    sorted_ids, expert_ids, num_post = triton_routing.moe_align_block_size(ids, 4, 5)
     # expert 0: pair 3; expert 1: pairs 1, 4; expert 3: pairs 0, 2, 5; each run padded to 4 with sentinel 6
     # (the order inside a run is arbitrary).
     assert int(num_post) == 12
@@ -112,14 +112,71 @@ def test_align_block_size_layout() -> None:
     assert expert_ids[:3].tolist() == [0, 1, 3]
 
 
+# (tokens, experts, top_k, BLOCK_M): W6's decode sizes, a non-power-of-two expert count and top-k, one token,
+# and 520 tokens x 8 = 4,160 pairs (past ONE_PROGRAM_MAX_PAIRS: the multi-launch way on both sides).
+ROUTE_SHAPES = [(1, 128, 8, 16), (3, 8, 2, 4), (37, 60, 6, 16), (256, 128, 8, 16), (512, 128, 8, 64), (520, 128, 8, 16)]
+if INTERPRET:
+    ROUTE_SHAPES = ROUTE_SHAPES[:3]
+
+
+@pytest.mark.parametrize("shape", ROUTE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_and_align_matches_the_launches(shape: tuple, renorm: bool) -> None:
+    """The one-program routing gives the multi-launch way's top-k and layout; each expert's run lists its
+    pairs in pair order (deterministic), the runs padded with the sentinel T*k."""
+    t, e, k, bm = shape
+    g = torch.Generator(device=DEVICE).manual_seed(t)
+    logits = torch.randn(t, e, device=DEVICE, generator=g)
+    logits[: t // 2, : e // 2] = 0.0  # exact ties in half the rows
+    weights, ids, sorted_ids, expert_ids, num_post = triton_routing.route_and_align(logits, k, renorm, bm)
+    ref_w, ref_ids = triton_routing.fused_topk(logits, k, renorm)
+    ref_sorted, ref_experts, ref_post = triton_routing.moe_align_block_size(ref_ids, bm, e)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    total = int(ref_post)
+    assert int(num_post) == total
+    assert torch.equal(expert_ids[: total // bm], ref_experts[: total // bm])
+    flat = ids.view(-1).tolist()
+    runs, ref_runs = sorted_ids[:total].view(-1, bm).tolist(), ref_sorted[:total].view(-1, bm).tolist()
+    assert [sorted(r) for r in runs] == [sorted(r) for r in ref_runs]
+    n = t * k
+    for block, run in zip(expert_ids[: total // bm].tolist(), runs):
+        real = [p for p in run if p != n]
+        assert all(flat[p] == block for p in real) and real == sorted(real)
+        assert run == real + [n] * (bm - len(real))
+    if n <= triton_routing.ONE_PROGRAM_MAX_PAIRS:  # stable: pair order across an expert's blocks too
+        order = [p for p in sorted_ids[:total].tolist() if p != n]
+        assert order == sorted(range(n), key=lambda p: (flat[p], p))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_moe_from_router_logits(dtype: torch.dtype) -> None:
+    """`fused_moe` (routing inside) against the reference; unsummed, its parts sum to the same output, and
+    the residual add + RMSNorm that sums them equals moe_sum then the same norm, bit for bit."""
+    from pagedllm.model_executor.layers import triton_ops
+
+    t, e, h, i, k = 24, 16, 96, 48, 4
+    x, w13, w2, logits = _problem(t, e, h, i, dtype, seed=11)
+    ref_w, ref_ids = torch_select_experts(logits, k, True)
+    out = triton_moe.fused_moe(x, w13, w2, logits, k, True)
+    _check(out, torch_moe(x, w13, w2, ref_w, ref_ids))
+    parts = triton_moe.fused_moe(x, w13, w2, logits, k, True, sum_experts=False)
+    assert parts.shape == (t, k, h)
+    assert torch.equal(triton_moe.moe_sum(parts), out)
+    residual = torch.randn(t, h, device=DEVICE).to(dtype)
+    weight = torch.rand(h, device=DEVICE).to(dtype)
+    fused = triton_ops.fused_add_rms_norm(parts, residual, weight, 1e-6)
+    two_pass = triton_ops.fused_add_rms_norm(out, residual, weight, 1e-6)
+    assert torch.equal(fused[0], two_pass[0]) and torch.equal(fused[1], two_pass[1])
+    assert triton_moe.fused_moe(x[:0], w13, w2, logits[:0], k, True, sum_experts=False).shape == (0, k, h)
+
+
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
 def test_fused_moe_captures_in_a_cuda_graph() -> None:
     t, e, h, i, k = 16, 128, 256, 96, 8
     x, w13, w2, logits = _problem(t, e, h, i, torch.bfloat16, seed=5)
 
     def run() -> torch.Tensor:
-        weights, ids = triton_moe.fused_topk(logits, k, True)
-        return triton_moe.fused_experts(x, w13, w2, weights, ids)
+        return triton_moe.fused_moe(x, w13, w2, logits, k, True)
 
     run()  # compile outside the capture
     torch.cuda.synchronize()

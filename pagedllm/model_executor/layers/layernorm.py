@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
 
     `forward(x)` returns the normalized tensor; `forward(x, residual)` first forms
     `new_residual = x + residual` (in the input dtype, like HF's residual stream) and returns
-    `(norm(new_residual), new_residual)`.
+    `(norm(new_residual), new_residual)`. There x may be [..., P, H] against a [..., H] residual: the P parts
+    are summed first (a MoE block's k expert outputs, left unsummed so that this pass does the sum).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -37,6 +38,8 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return triton_ops.rms_norm(x, self.weight, self.variance_epsilon)
             return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        if residual is not None and x.dim() == residual.dim() + 1:
+            x = x.sum(dim=-2)
         if cpu_ops.usable(x):
             fused = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
             if fused is not None:  # one C pass; the residual is updated in place (as on the GPU)

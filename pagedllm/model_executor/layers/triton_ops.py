@@ -2,7 +2,8 @@
 
 Each kernel replaces a chain of small PyTorch kernels with one launch and one read/write of its tensors:
 
-* `rms_norm` / `fused_add_rms_norm`: RMSNorm, optionally after the residual add (`x + residual`),
+* `rms_norm` / `fused_add_rms_norm`: RMSNorm, optionally after the residual add (`x + residual`, x optionally
+  the unsummed parts of a MoE block's output),
 * `silu_and_mul`: `silu(x[:, :d]) * x[:, d:]`,
 
 (RoPE with the KV-cache write, which the attention backend uses, lives in `attention/ops/triton_rope_cache.py`.)
@@ -49,11 +50,17 @@ if HAS_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PARTS: tl.constexpr = 1,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if PARTS > 1:  # x holds PARTS rows per token (a MoE block's k expert outputs): their sum, rounded
+            xs = x.to(tl.float32)
+            for p in tl.static_range(1, PARTS):
+                xs += tl.load(x_ptr + row * stride_x + p * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+            x = xs.to(x_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
             # The reference adds in the activation dtype: round the sum before using it.
@@ -126,12 +133,17 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * norm(x + residual), x + residual)`: one read of x and residual, two writes.
 
-    The outputs are fresh tensors (inputs are left untouched), so callers may still hold x or residual.
+    x may carry one more dim than the residual, [..., P, H]: its P parts are summed first (float32, rounded to
+    x's dtype, as `triton_moe.moe_sum` does), so a MoE block's unsummed expert outputs need no launch of their
+    own. The outputs are fresh tensors (inputs are left untouched), so callers may still hold x or residual.
     """
     require_triton()
-    x2 = _rows(x)
+    parts = x.shape[-2] if x.dim() == residual.dim() + 1 else 1
     r2 = _rows(residual)
-    n_rows, n_cols = x2.shape
+    x2 = x.reshape(-1, parts * x.shape[-1]) if parts > 1 else _rows(x)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n_rows, n_cols = r2.shape
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     res_out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows:
@@ -150,9 +162,10 @@ def fused_add_rms_norm(
             eps,
             HAS_RESIDUAL=True,
             BLOCK=block,
+            PARTS=parts,
             num_warps=_norm_warps(block),
         )
-    return out.view(x.shape), res_out.view(x.shape)
+    return out.view(residual.shape), res_out.view(residual.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

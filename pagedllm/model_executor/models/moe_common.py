@@ -11,6 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import envs
+from pagedllm.distributed.parallel_state import (
+    get_pipeline_model_parallel_world_size,
+    get_tensor_model_parallel_world_size,
+)
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.fused_moe.layer import (
     EXPERT_NAMES_GATE_UP_DOWN,
@@ -23,7 +28,9 @@ from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 
 class SparseMoeBlock(nn.Module):
     """`gate` (router, replicated) -> `experts` (FusedMoE); plus, where `shared_intermediate_size` is
-    set, a dense `shared_expert` scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE)."""
+    set, a dense `shared_expert` scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE). On CUDA the output
+    may be [T, k, H], the experts' outputs unsummed (`defer_sum`), which only a decoder layer's residual add +
+    RMSNorm reads."""
 
     def __init__(
         self,
@@ -49,9 +56,18 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(hidden, shared_intermediate_size, prefix=f"{prefix}.shared_expert")
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+        # The sum over the k experts left to the next layer's residual add + RMSNorm (one launch less per layer)
+        # where nothing else reads the block's output first: no shared expert to add, no all-reduce, and no
+        # pipeline stage boundary after a layer.
+        self.defer_sum = (
+            envs.PAGEDLLM_MOE_DEFER_SUM
+            and self.shared_expert is None
+            and get_tensor_model_parallel_world_size() == 1
+            and get_pipeline_model_parallel_world_size() == 1
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x), sum_experts=not self.defer_sum)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

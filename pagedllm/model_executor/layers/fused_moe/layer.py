@@ -121,13 +121,25 @@ class FusedMoE(nn.Module):
             )
         dst.copy_(src)
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+    def forward(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, sum_experts: bool = True
+    ) -> torch.Tensor:
+        """[T, H]; with `sum_experts=False` the CUDA path without tensor parallelism returns each token's k
+        weighted expert outputs unsummed, [T, k, H] (`RMSNorm` with a residual sums them in its pass)."""
         if triton_ops.use_triton_ops(hidden_states):
-            from pagedllm.model_executor.layers.fused_moe.triton_moe import fused_experts
+            from pagedllm.model_executor.layers.fused_moe.triton_moe import fused_moe
 
-            out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_moe(
+                hidden_states,
+                self.w13_weight,
+                self.w2_weight,
+                router_logits,
+                self.top_k,
+                self.renormalize,
+                sum_experts=sum_experts or (self.reduce_results and self.tp_size > 1),
+            )
         else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
             out = torch_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

@@ -1,6 +1,6 @@
 """Top-k expert selection: softmax over the router logits in float32, the k largest probabilities, and
 (`renormalize`, HF's `norm_topk_prob`) their rescaling to sum to one. On CUDA one Triton launch does it
-all (`triton_moe.fused_topk`); elsewhere the PyTorch ops HF uses, in HF's order."""
+all (`triton_routing.fused_topk`); elsewhere the PyTorch ops HF uses, in HF's order."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def torch_select_experts(
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing for `router_logits` [T, E]: the fused Triton kernel on CUDA (ids int32), else PyTorch."""
     if triton_ops.use_triton_ops(router_logits):
-        from pagedllm.model_executor.layers.fused_moe import triton_moe
+        from pagedllm.model_executor.layers.fused_moe import triton_routing
 
-        return triton_moe.fused_topk(router_logits, top_k, renormalize)
+        return triton_routing.fused_topk(router_logits, top_k, renormalize)
     return torch_select_experts(router_logits, top_k, renormalize)

@@ -1,17 +1,15 @@
-"""Fused MoE on CUDA in Triton: routing, token sort, two grouped GEMMs (CUDA only; import guarded).
+"""Fused MoE on CUDA in Triton: two grouped GEMMs and the sum over k (CUDA only; import guarded).
 
-`fused_experts` runs, with no host synchronisation and no Python loop over experts (so a decode batch
-can be captured in a CUDA graph):
+`fused_moe` (router logits in) and `fused_experts` (top-k given) run, with no host synchronisation and no
+Python loop over experts (so a decode batch can be captured in a CUDA graph):
 
-1. `moe_align_block_size`: the (token, k) pairs grouped by expert (an atomic count per expert, then
-   every pair placed at its expert's offset + its rank), each expert's run padded to a multiple of
-   BLOCK_M with a sentinel id, and the expert of every BLOCK_M block (fixed-size outputs sized for the
-   worst case; `num_tokens_post_padded` tells the kernel where the real blocks end);
+1. routing and the expert-sorted, BLOCK_M-aligned order of the (token, k) pairs (`triton_routing.py`);
 2. grouped GEMM `x @ w13[e].T` for every block (rows gathered from x by token id), with
 3. SiLU-and-mul in its epilogue (each program computes matching gate and up columns);
 4. grouped GEMM `act @ w2[e].T` times the routing weight, written per (token, k) pair;
 5. the sum over the k experts of each token (one launch reading each token's k rows once, float32 sums in
-   expert-slot order: cheaper than torch's generic reduction, ~7 us per layer at 256 tokens on the H200).
+   expert-slot order: cheaper than torch's generic reduction, ~7 us per layer at 256 tokens on the H200),
+   or, with `sum_experts=False`, left to the consumer (the next residual add + RMSNorm sums in its pass).
 
 Float32 inputs multiply in IEEE float32 (`input_precision="ieee"`), 16-bit inputs accumulate in float32.
 Kernel tile sizes come from `configs.get_config` (a table tuned for the W6 shapes on H100/H200).
@@ -26,6 +24,7 @@ import torch
 from pagedllm import envs
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
+from pagedllm.model_executor.layers.fused_moe.triton_routing import moe_align_block_size, route_and_align
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
@@ -36,99 +35,9 @@ def fused_silu() -> bool:
     return bool(envs.PAGEDLLM_MOE_FUSED_SILU)
 
 
-@functools.cache
-def place_block() -> int:
-    """Pairs per program of the placement kernel (PAGEDLLM_MOE_PLACE_BLOCK; 256 in the first measured version)."""
-    return int(envs.PAGEDLLM_MOE_PLACE_BLOCK)
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def _topk_softmax_kernel(
-        logits_ptr,
-        weights_ptr,
-        ids_ptr,
-        stride_l,
-        num_experts,
-        TOP_K: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        RENORMALIZE: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK_E)
-        mask = offs < num_experts
-        x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = tl.where(mask, p, 0.0)
-        p = p / tl.sum(p, axis=0)
-        koffs = tl.arange(0, BLOCK_K)
-        top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for i in tl.static_range(TOP_K):
-            best = tl.max(p, axis=0)
-            # Ties go to the lowest expert id, as torch.topk's do.
-            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
-            top_w = tl.where(koffs == i, best, top_w)
-            top_i = tl.where(koffs == i, idx, top_i)
-            p = tl.where(offs == idx, -1.0, p)
-        if RENORMALIZE:
-            top_w = top_w / tl.sum(top_w, axis=0)
-        kmask = koffs < TOP_K
-        tl.store(weights_ptr + row * TOP_K + koffs, top_w, mask=kmask)
-        tl.store(ids_ptr + row * TOP_K + koffs, top_i, mask=kmask)
-
-    @triton.jit
-    def _count_experts_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
-        """counts[e] += 1 per pair routed to e; the pair's rank among them (order within an expert is
-        arbitrary: every pair's output row depends on its own row only)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        e = tl.load(ids_ptr + offs, mask=mask, other=0)
-        rank = tl.atomic_add(counts_ptr + e, 1, mask=mask)
-        tl.store(rank_ptr + offs, rank, mask=mask)
-
-    @triton.jit
-    def _place_pairs_kernel(
-        ids_ptr,
-        counts_ptr,
-        rank_ptr,
-        sorted_ptr,
-        expert_ids_ptr,
-        npp_ptr,
-        n,
-        num_experts,
-        num_blocks,
-        BLOCK_M: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        """Every program recomputes the experts' padded offsets from the counts (E is small) and places
-        its BLOCK pairs at offset[e] + rank, and labels its BLOCK blocks with their expert; program 0
-        also writes the sentinel n into each expert's padding and the padded total."""
-        pid = tl.program_id(0)
-        eo = tl.arange(0, BLOCK_E)
-        emask = eo < num_experts
-        counts = tl.load(counts_ptr + eo, mask=emask, other=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        pmask = offs < n
-        e = tl.load(ids_ptr + offs, mask=pmask, other=0)
-        rank = tl.load(rank_ptr + offs, mask=pmask, other=0)
-        start_of_e = tl.sum(tl.where(eo[None, :] < e[:, None], padded[None, :], 0), axis=1)
-        tl.store(sorted_ptr + start_of_e + rank, offs, mask=pmask)
-        blk = pid * BLOCK + tl.arange(0, BLOCK)
-        owner = tl.sum(((ends[None, :] <= blk[:, None] * BLOCK_M) & emask[None, :]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1), mask=blk < num_blocks)
-        if pid == 0:
-            tl.store(npp_ptr, tl.sum(padded, axis=0))
-            po = tl.arange(0, BLOCK_M)
-            pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
-            tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
 
     @triton.jit
     def _grouped_gemm_kernel(
@@ -235,68 +144,6 @@ def moe_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax + top-k (+ renormalization) in one launch: (weights [T, k] float32, ids [T, k] int32)."""
-    t, e = router_logits.shape
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
-    if t:
-        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-        _topk_softmax_kernel[(t,)](
-            logits,
-            weights,
-            ids,
-            logits.stride(0),
-            e,
-            TOP_K=top_k,
-            BLOCK_E=next_pow2(e),
-            BLOCK_K=next_pow2(top_k),
-            RENORMALIZE=renormalize,
-            num_warps=1 if e <= 64 else 2,
-        )
-    return weights, ids
-
-
-def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pair ids grouped by expert [max_padded] int32, each expert's run padded to a multiple of
-    BLOCK_M with the sentinel T*k; the expert of every BLOCK_M block [max_padded / BLOCK_M] int32; the
-    number of real padded slots [1] int32). Two launches and a memset, no host sync, shapes fixed by T
-    (capturable); slots past the padded total are left unwritten (the GEMMs stop before them)."""
-    flat = topk_ids.reshape(-1)
-    if flat.dtype != torch.int32:
-        flat = flat.to(torch.int32)
-    n = flat.numel()
-    device = flat.device
-    max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    num_blocks = max_padded // block_m
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    rank = torch.empty(n, dtype=torch.int32, device=device)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    num_post = torch.empty(1, dtype=torch.int32, device=device)
-    _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
-    block = place_block()  # small: each program does [block x E] comparisons, many programs in parallel
-    grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
-    _place_pairs_kernel[grid](
-        flat,
-        counts,
-        rank,
-        sorted_ids,
-        expert_ids,
-        num_post,
-        n,
-        num_experts,
-        num_blocks,
-        BLOCK_M=block_m,
-        BLOCK=block,
-        BLOCK_E=next_pow2(num_experts),
-        num_warps=4,
-    )
-    return sorted_ids, expert_ids, num_post
-
-
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -357,15 +204,59 @@ def fused_experts(
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H] in x's dtype. `configs` (the
     up and down GEMMs' tiles, same BLOCK_M) overrides the tuned table (used by the tuning script)."""
-    t, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    if t == 0:
+    if x.shape[0] == 0:
         return torch.zeros_like(x)
-    up_cfg, down_cfg = configs or get_config(num_experts, two_inter // 2, hidden, t, top_k)
+    up_cfg, down_cfg = configs or _configs(x, w13, topk_ids.shape[1])
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, up_cfg["BLOCK_M"], w13.shape[0])
+    out = _expert_mlps(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, (up_cfg, down_cfg))
+    return moe_sum(out)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    sum_experts: bool = True,
+) -> torch.Tensor:
+    """Routing (`triton_routing.route_and_align`) and the experts for x [T, H] and router logits [T, E]:
+    [T, H], or with `sum_experts=False` each token's k weighted expert outputs [T, k, H] unsummed (for a
+    consumer that sums them in its own pass: `RMSNorm` with a residual does)."""
+    t = x.shape[0]
+    if t == 0:
+        return torch.zeros_like(x) if sum_experts else x.new_zeros((0, top_k, x.shape[1]))
+    cfgs = _configs(x, w13, top_k)
+    weights, _, sorted_ids, expert_ids, num_post = route_and_align(
+        router_logits, top_k, renormalize, cfgs[0]["BLOCK_M"]
+    )
+    out = _expert_mlps(x, w13, w2, weights, sorted_ids, expert_ids, num_post, cfgs)
+    return moe_sum(out) if sum_experts else out
+
+
+def _configs(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict[str, int], dict[str, int]]:
+    up_cfg, down_cfg = get_config(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.shape[0], top_k)
     assert up_cfg["BLOCK_M"] == down_cfg["BLOCK_M"], "both GEMMs walk the same BLOCK_M-aligned order"
+    return up_cfg, down_cfg
+
+
+def _expert_mlps(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post: torch.Tensor,
+    configs: tuple[dict[str, int], dict[str, int]],
+) -> torch.Tensor:
+    """The two grouped GEMMs over the expert-sorted pairs: [T, k, H], each pair's output times its weight."""
+    t, hidden = x.shape
+    two_inter = w13.shape[1]
+    top_k = topk_weights.shape[1]
+    up_cfg, down_cfg = configs
     x = x if x.stride(-1) == 1 else x.contiguous()
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, up_cfg["BLOCK_M"], num_experts)
     if fused_silu():
         act = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
         _grouped_gemm(x, w13, act, None, sorted_ids, expert_ids, num_post, top_k, up_cfg, fuse_silu=True)
@@ -375,4 +266,4 @@ def fused_experts(
         act = triton_ops.silu_and_mul(inter)
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, num_post, 1, down_cfg)
-    return moe_sum(out.view(t, top_k, hidden))
+    return out.view(t, top_k, hidden)
