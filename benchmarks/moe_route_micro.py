@@ -3,14 +3,13 @@
 Each variant is captured in ONE CUDA graph repeated for `--layers` layers (W6: 48), so that the replay time
 includes the gaps between the kernels, which is what launches cost inside a decode step's graph:
 
-* `route_old` / `route_new[wN]`: top-k + the expert-sorted layout; the old way's four launches and memset
-  (`fused_topk`, `moe_align_block_size`) against `route_and_align`'s one program (N warps);
-* `block_old` / `block_new`: a whole MoE block and the next residual add + RMSNorm: router GEMM, routing,
-  grouped GEMMs, then `moe_sum` + `fused_add_rms_norm` (old) or the norm summing the k parts (new).
+* `route_old` / `route_new`: top-k + the expert-sorted layout; `fused_topk` + `moe_align_block_size` (a memset and
+  three launches) against `route_and_align` (the count in the top-k launch: a memset and two);
+* `block_old` / `block_count` / `block_new`: a whole MoE block and the next residual add + RMSNorm (router GEMM,
+  routing, grouped GEMMs, `moe_sum` + `fused_add_rms_norm`): old routing; the count in the top-k launch; that and
+  the norm summing the k parts (no `moe_sum` launch).
 
 Per batch size, microseconds per layer. W6 shape by default (E=128, I=768, H=2048, top-8, bf16).
-
-    python3 benchmarks/moe_route_micro.py --out $OUT/route_micro.json
 """
 
 from __future__ import annotations
@@ -55,17 +54,20 @@ def measure(t: int, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, top
         out = triton_moe.fused_moe(x, w13, w2, x @ gate.T, top_k, True, sum_experts=not defer)
         triton_ops.fused_add_rms_norm(out, residual, norm_w, 1e-6)
 
-    row = {"route_old": graph_us_per_layer(route_old, layers)}
-    for warps in (4, 8, 16):
-        row[f"route_new_w{warps}"] = graph_us_per_layer(
-            lambda w=warps: triton_routing.route_and_align(logits, top_k, True, bm, num_warps=w), layers
-        )
-    for name, one_program, defer in (("block_old", False, False), ("block_new", True, True)):
-        os.environ["PAGEDLLM_MOE_ONE_PROGRAM_ROUTE"] = "1" if one_program else "0"
-        triton_routing.one_program_routing.cache_clear()
+    row = {
+        "route_old": graph_us_per_layer(route_old, layers),
+        "route_new": graph_us_per_layer(lambda: triton_routing.route_and_align(logits, top_k, True, bm), layers),
+    }
+    for name, count_in_topk, defer in (
+        ("block_old", False, False),
+        ("block_count", True, False),
+        ("block_new", True, True),
+    ):
+        os.environ["PAGEDLLM_MOE_COUNT_IN_TOPK"] = "1" if count_in_topk else "0"
+        triton_routing.count_in_topk.cache_clear()
         row[name] = graph_us_per_layer(lambda d=defer: block(d), layers)
-    os.environ.pop("PAGEDLLM_MOE_ONE_PROGRAM_ROUTE")
-    triton_routing.one_program_routing.cache_clear()
+    os.environ.pop("PAGEDLLM_MOE_COUNT_IN_TOPK")
+    triton_routing.count_in_topk.cache_clear()
     return row
 
 

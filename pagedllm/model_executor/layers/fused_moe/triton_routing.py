@@ -1,18 +1,18 @@
 """The fused MoE's routing on CUDA in Triton: softmax + top-k, and the (token, k) pairs sorted by expert in
 BLOCK_M-aligned runs for the grouped GEMMs (`triton_moe.py`). CUDA only; the import is guarded.
 
-Two ways, same layout:
+`route_and_align` takes router logits to the sorted order in two launches and a memset: the top-k kernel
+also counts each expert's pairs (an atomic add per pair, whose old value is the pair's rank among them), then
+one placement kernel. `fused_topk` + `moe_align_block_size` are the same steps apart (top-k given by the caller),
+with the count in a launch of its own.
 
-* `route_and_align` (decode-sized batches, up to `ONE_PROGRAM_MAX_PAIRS` pairs): ONE program does the
-  softmax, the top-k, each pair's rank among its expert's pairs, the placement, the blocks' experts and the
-  padding. It replaces four launches and a memset (top-k, zeroed counts, atomic count, placement) whose
-  kernels are a few microseconds each at W6's decode sizes, so that the launches and the gaps between them
-  were most of the routing's time. Ranks follow pair order, so the sorted order is deterministic.
-* `fused_topk` then `moe_align_block_size` (prefill-sized batches): many programs, atomics for the counts.
+Layout of the sorted order: the pair ids grouped by expert (in no particular order inside an expert: every
+pair's output row depends on its own row only), each expert's run padded to a multiple of BLOCK_M with the
+sentinel T*k; the expert of every BLOCK_M block; the padded total (the grouped GEMMs stop there). Output
+shapes depend on T only, so a decode batch captures in a CUDA graph.
 
-Layout of the sorted order (both ways): the pair ids grouped by expert, each expert's run padded to a
-multiple of BLOCK_M with the sentinel T*k; the expert of every BLOCK_M block; the padded total (the grouped
-GEMMs stop there). Output shapes depend on T only, so a decode batch captures in a CUDA graph.
+(Tried and dropped, session 29: the whole routing in ONE program, to save the launches. It costs 101 us a
+layer at 256 tokens against 11.5 for the launches on an H200: one SM doing the top-k and the ranks serially.)
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from pagedllm import envs
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
-ONE_PROGRAM_MAX_PAIRS = 4096
-"""Batches of up to this many (token, k) pairs are routed by one program (W6: up to 512 tokens)."""
-
 
 @functools.cache
 def place_block() -> int:
@@ -36,9 +33,9 @@ def place_block() -> int:
 
 
 @functools.cache
-def one_program_routing() -> bool:
-    """`route_and_align` for decode-sized batches (PAGEDLLM_MOE_ONE_PROGRAM_ROUTE=0: the multi-launch way)."""
-    return bool(envs.PAGEDLLM_MOE_ONE_PROGRAM_ROUTE)
+def count_in_topk() -> bool:
+    """`route_and_align` counts in the top-k kernel (PAGEDLLM_MOE_COUNT_IN_TOPK=0: a count launch of its own)."""
+    return bool(envs.PAGEDLLM_MOE_COUNT_IN_TOPK)
 
 
 def padded_sizes(num_pairs: int, block_m: int, num_experts: int) -> tuple[int, int]:
@@ -75,13 +72,17 @@ if HAS_TRITON:
         logits_ptr,
         weights_ptr,
         ids_ptr,
+        counts_ptr,
+        rank_ptr,
         stride_l,
         num_experts,
         TOP_K: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
         RENORMALIZE: tl.constexpr,
+        COUNT: tl.constexpr,
     ):
+        """One token's top-k; with COUNT, each pair also counted for its expert, the old count its rank."""
         row = tl.program_id(0)
         eo = tl.arange(0, BLOCK_E)
         emask = eo < num_experts
@@ -91,6 +92,9 @@ if HAS_TRITON:
         kmask = ko[None, :] < TOP_K
         tl.store(weights_ptr + row * TOP_K + ko[None, :], top_w, mask=kmask)
         tl.store(ids_ptr + row * TOP_K + ko[None, :], top_i, mask=kmask)
+        if COUNT:
+            rank = tl.atomic_add(counts_ptr + top_i, 1, mask=kmask)
+            tl.store(rank_ptr + row * TOP_K + ko[None, :], rank, mask=kmask)
 
     @triton.jit
     def _count_experts_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
@@ -174,105 +178,40 @@ if HAS_TRITON:
             BLOCK,
         )
 
-    @triton.jit
-    def _route_align_kernel(
-        logits_ptr,
-        weights_ptr,
-        ids_ptr,
-        rank_ptr,
-        sorted_ptr,
-        expert_ids_ptr,
-        npp_ptr,
-        n_tokens,
-        stride_l,
-        num_experts,
-        num_blocks,
-        TOP_K: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        ROWS: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        RENORMALIZE: tl.constexpr,
-    ):
-        """One program: ROWS tokens at a time, the top-k and each pair's rank among the earlier pairs of its
-        expert (stored), the counts carried in registers; then every pair placed at its expert's padded
-        start + rank, and the blocks labelled."""
-        eo = tl.arange(0, BLOCK_E)
-        emask = eo < num_experts
-        ko = tl.arange(0, BLOCK_K)
-        ro = tl.arange(0, ROWS)
-        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for r0 in range(0, n_tokens, ROWS):
-            rows = r0 + ro
-            rmask = rows < n_tokens
-            x = tl.load(
-                logits_ptr + rows[:, None] * stride_l + eo[None, :],
-                mask=rmask[:, None] & emask[None, :],
-                other=-float("inf"),
-            ).to(tl.float32)
-            x = tl.where(rmask[:, None] | ~emask[None, :], x, 0.0)  # rows past the batch: finite, unused
-            top_w, top_i = _softmax_topk(x, emask, eo, ko, TOP_K, BLOCK_E, RENORMALIZE)
-            pair = rows[:, None] * TOP_K + ko[None, :]
-            pmask = rmask[:, None] & (ko[None, :] < TOP_K)
-            tl.store(weights_ptr + pair, top_w, mask=pmask)
-            tl.store(ids_ptr + pair, top_i, mask=pmask)
-            # Pairs in pair order; a pair's rank = its expert's count so far + the earlier hits in this chunk.
-            e = tl.reshape(tl.where(pmask, top_i, BLOCK_E), [ROWS * BLOCK_K])
-            hit = (e[:, None] == eo[None, :]).to(tl.int32)
-            before = tl.cumsum(hit, axis=0) - hit + counts[None, :]
-            rank = tl.sum(hit * before, axis=1)
-            tl.store(rank_ptr + tl.reshape(pair, [ROWS * BLOCK_K]), rank, mask=tl.reshape(pmask, [ROWS * BLOCK_K]))
-            counts += tl.sum(hit, axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        starts = tl.cumsum(padded, axis=0) - padded
-        tl.debug_barrier()  # the ids and ranks stored above are read back by other threads of the program
-        n = n_tokens * TOP_K
-        for p0 in range(0, n, CHUNK):
-            offs = p0 + tl.arange(0, CHUNK)
-            pm = offs < n
-            e = tl.load(ids_ptr + offs, mask=pm, other=0)
-            rank = tl.load(rank_ptr + offs, mask=pm, other=0)
-            start_of_e = tl.sum(tl.where(eo[None, :] == e[:, None], starts[None, :], 0), axis=1)
-            tl.store(sorted_ptr + start_of_e + rank, offs, mask=pm)
-        for b0 in range(0, num_blocks, BLOCK_B):
-            _label_blocks(
-                counts,
-                emask,
-                b0 // BLOCK_B,
-                expert_ids_ptr,
-                sorted_ptr,
-                npp_ptr,
-                n,
-                num_experts,
-                num_blocks,
-                b0 == 0,
-                BLOCK_M,
-                BLOCK_B,
-            )
-
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax + top-k (+ renormalization) in one launch: (weights [T, k] float32, ids [T, k] int32)."""
+    weights, ids, _ = _topk(router_logits, top_k, renormalize, None)
+    return weights, ids
+
+
+def _topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weights, ids, each pair's rank in its expert where `counts` (zeroed, [E] int32) is given: counted)."""
     t, e = router_logits.shape
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    device = router_logits.device
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
+    rank = None if counts is None else torch.empty(t * top_k, dtype=torch.int32, device=device)
     if t:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         _topk_softmax_kernel[(t,)](
             logits,
             weights,
             ids,
+            ids if counts is None else counts,
+            ids if rank is None else rank,
             logits.stride(0),
             e,
             TOP_K=top_k,
             BLOCK_E=next_pow2(e),
             BLOCK_K=next_pow2(top_k),
             RENORMALIZE=renormalize,
+            COUNT=counts is not None,
             num_warps=1 if e <= 64 else 2,
         )
-    return weights, ids
+    return weights, ids, rank
 
 
 def moe_align_block_size(
@@ -286,18 +225,25 @@ def moe_align_block_size(
     if flat.dtype != torch.int32:
         flat = flat.to(torch.int32)
     n = flat.numel()
-    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    rank = torch.empty(n, dtype=torch.int32, device=flat.device)
+    _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
+    return _place(flat, counts, rank, block_m)
+
+
+def _place(
+    flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The placement launch: pairs to their slots, blocks labelled, padding and the padded total written."""
+    n, num_experts, device = flat_ids.numel(), counts.numel(), flat_ids.device
     max_padded, num_blocks = padded_sizes(n, block_m, num_experts)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    rank = torch.empty(n, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
-    _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
     block = place_block()  # small: each program does [block x E] comparisons, many programs in parallel
     grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
     _place_pairs_kernel[grid](
-        flat,
+        flat_ids,
         counts,
         rank,
         sorted_ids,
@@ -315,48 +261,15 @@ def moe_align_block_size(
 
 
 def route_and_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, num_warps: int = 8
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, ids [T, k] int32, sorted pair ids, the blocks' experts, the padded total) for
-    router logits [T, E]: `fused_topk` + `moe_align_block_size`'s results, in one launch while T * k is at most
-    `ONE_PROGRAM_MAX_PAIRS` (and `one_program_routing()`), else those two. (`num_warps`: the one program's,
-    for `benchmarks/moe_route_micro.py`.)"""
-    t, num_experts = router_logits.shape
-    n = t * top_k
-    if n == 0 or n > ONE_PROGRAM_MAX_PAIRS or not one_program_routing():
+    router logits [T, E] (T > 0): `fused_topk` + `moe_align_block_size`'s results with the count in the top-k
+    launch (unless PAGEDLLM_MOE_COUNT_IN_TOPK=0)."""
+    if not count_in_topk():
         weights, ids = fused_topk(router_logits, top_k, renormalize)
-        return (weights, ids, *moe_align_block_size(ids, block_m, num_experts))
-    device = router_logits.device
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    max_padded, num_blocks = padded_sizes(n, block_m, num_experts)
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
-    rank = torch.empty(n, dtype=torch.int32, device=device)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    num_post = torch.empty(1, dtype=torch.int32, device=device)
-    block_k = next_pow2(top_k)
-    rows = max(1, min(next_pow2(t), 128 // block_k))  # a chunk of ROWS * BLOCK_K pairs per pass
-    _route_align_kernel[(1,)](
-        logits,
-        weights,
-        ids,
-        rank,
-        sorted_ids,
-        expert_ids,
-        num_post,
-        t,
-        logits.stride(0),
-        num_experts,
-        num_blocks,
-        TOP_K=top_k,
-        BLOCK_K=block_k,
-        BLOCK_E=next_pow2(num_experts),
-        ROWS=rows,
-        CHUNK=128,
-        BLOCK_M=block_m,
-        BLOCK_B=64,
-        RENORMALIZE=renormalize,
-        num_warps=num_warps,
-    )
-    return weights, ids, sorted_ids, expert_ids, num_post
+        return (weights, ids, *moe_align_block_size(ids, block_m, router_logits.shape[1]))
+    counts = torch.zeros(router_logits.shape[1], dtype=torch.int32, device=router_logits.device)
+    weights, ids, rank = _topk(router_logits, top_k, renormalize, counts)
+    assert rank is not None
+    return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
