@@ -59,6 +59,7 @@ for spec in $W; do  # "none": the correctness part alone
     case $w in
         W1) args=(--workload W1 --max-model-len 2048) ;;
         W2) args=(--workload W2 --max-model-len 2048) ;;
+        W6) args=(--workload W6 --max-model-len 2048) ;;
         W3) args=() ;;
         W4) args=(--workload W4 --max-model-len 4096) ;;
         W3P) args=() ;;

@@ -73,6 +73,26 @@ def test_long_rows_seed_and_ties() -> None:
     assert not torch.equal(fresh[0], fresh[1])  # no base key: a fresh one per call
 
 
+def test_rows_split_into_chunks_draw_the_same() -> None:
+    """The noise of a column depends on its row's key and its index only: one program per row or a row cut into
+    chunks (the last one partial) gives the same ids, ties and all -inf rows included."""
+    vocab = 5 * 4096 + 77
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, vocab, generator=g) * 3
+    x[2] = float("-inf")  # no finite logit: index 0, as one program reports it
+    x[3] = 1.0  # all tied
+    x[4, :8192] = float("-inf")  # the first two chunks' programs see nothing finite
+    x = x.to(DEVICE)
+    t = torch.tensor([0.7, 1.0, 1.0, 1.0, 1.3, 2.0], device=DEVICE)
+    keys = _keys(6, 99)
+    one = triton_sample.gumbel_sample(x, t, keys, split=1).cpu()
+    for split in (2, 3, 6):
+        assert torch.equal(triton_sample.gumbel_sample(x, t, keys, split=split).cpu(), one), split
+    assert torch.equal(triton_sample.gumbel_sample(x, t, None, base_key=5, split=4).cpu(),
+                       triton_sample.gumbel_sample(x, t, None, base_key=5, split=1).cpu())  # fmt: skip
+    assert one[2] == 0
+
+
 @pytest.mark.skipif(INTERPRET, reason="the sampler dispatches to the kernel on CUDA tensors only")
 def test_sampler_uses_one_pass_for_unseeded_random_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm import SamplingParams
