@@ -26,6 +26,7 @@ from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
 logger = init_logger(__name__)
 
 _BLOCK_V = 4096
+_MAX_SPLIT = 32  # programs per row at most
 _ROW_STRIDE = 0x9E3779B97  # unseeded rows' keys base + row * stride: distinct for every row
 _MAX_BASE = 2**62  # base + row * stride < 2^63 up to 2^20 rows (stride < 2^42)
 
@@ -46,7 +47,7 @@ if HAS_TRITON:
         return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
     # base_key is a fresh random number every step: no "== 1" / "divisible by 16" variants of it.
-    @triton.jit(do_not_specialize=["base_key"])
+    @triton.jit(do_not_specialize=["base_key", "split"])
     def _gumbel_argmax_kernel(
         logits_ptr,
         temp_ptr,
@@ -59,16 +60,17 @@ if HAS_TRITON:
         vocab,
         stride_row,
         chunk,
+        split,
         HAS_KEYS: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        SPLIT: tl.constexpr,
-        SPLIT_P: tl.constexpr,
+        MAX_SPLIT: tl.constexpr,
     ):
         """Program (row, s) races columns [s * chunk, (s + 1) * chunk) of its row (chunk: a multiple of BLOCK_V),
         with the row's Philox key (HAS_KEYS: from keys_ptr, else `base_key + row * _ROW_STRIDE`, distinct per
         row); each Philox call gives 4 uniforms (`rand4x`), one for each quarter of a BLOCK_V tile, counted by
-        the tile's absolute column, so the noise of a column does not depend on SPLIT. With SPLIT > 1 the last
-        program of a row to finish (an atomic counter it resets) reduces the chunks' (best score, index)."""
+        the tile's absolute column, so the noise of a column does not depend on `split`. With split > 1 the last
+        program of a row to finish (an atomic counter it resets) reduces the chunks' (best score, index). `split` is
+        a runtime value (at most MAX_SPLIT): one compiled kernel for every batch size."""
         Q: tl.constexpr = BLOCK_V // 4
         row = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
@@ -91,18 +93,18 @@ if HAS_TRITON:
         top = tl.max(best, axis=0)
         # The lowest column among the lanes holding the maximum (ties: the first index, as argmax).
         idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
-        if SPLIT == 1:
+        if split == 1:
             tl.store(out_ptr + row, idx.to(tl.int64))
         else:
-            tl.store(val_ptr + row * SPLIT + s, top)
-            tl.store(idx_ptr + row * SPLIT + s, idx)
+            tl.store(val_ptr + row * split + s, top)
+            tl.store(idx_ptr + row * split + s, idx)
             tl.debug_barrier()  # the partials are written before the counter moves
             done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
-            if done == SPLIT - 1:
-                so = tl.arange(0, SPLIT_P)
-                ok = so < SPLIT
-                vals = tl.load(val_ptr + row * SPLIT + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                idxs = tl.load(idx_ptr + row * SPLIT + so, mask=ok, other=2147483647, cache_modifier=".cg")
+            if done == split - 1:
+                so = tl.arange(0, MAX_SPLIT)
+                ok = so < split
+                vals = tl.load(val_ptr + row * split + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                idxs = tl.load(idx_ptr + row * split + so, mask=ok, other=2147483647, cache_modifier=".cg")
                 top = tl.max(vals, axis=0)
                 # Chunks in column order, each reporting its lowest tied column: the lowest of those tied.
                 idx = tl.min(tl.where(vals == top, idxs, 2147483647), axis=0)
@@ -113,7 +115,7 @@ if HAS_TRITON:
 def split_of(rows: int, vocab: int, sms: int) -> int:
     """Programs per row: enough for ~8 per SM in all (one per row left the H200 latency-bound: 145 us for 256
     rows x 152k columns, ~4x the read's time), each at least two BLOCK_V tiles."""
-    return max(1, min(-(-8 * sms // max(1, rows)), -(-vocab // (2 * _BLOCK_V))))
+    return max(1, min(-(-8 * sms // max(1, rows)), -(-vocab // (2 * _BLOCK_V)), _MAX_SPLIT))
 
 
 def row_seeds(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -186,10 +188,11 @@ def gumbel_sample(
         split = split_of(n, vocab, num_sms(logits.device) if logits.is_cuda else 16)
     chunk = triton.cdiv(triton.cdiv(vocab, split), _BLOCK_V) * _BLOCK_V
     split = triton.cdiv(vocab, chunk)
+    assert 1 <= split <= _MAX_SPLIT
     try:
         if keys is None and base_key is None:
             base_key = step_key()
-        vals = idxs = cnt = out  # SPLIT == 1 never reads them
+        vals = idxs = cnt = out  # split == 1 never reads them
         if split > 1:
             vals = torch.empty(n * split, dtype=torch.float32, device=logits.device)
             idxs = torch.empty(n * split, dtype=torch.int32, device=logits.device)
@@ -207,10 +210,10 @@ def gumbel_sample(
             vocab,
             logits.stride(0),
             chunk,
+            split,
             HAS_KEYS=keys is not None,
             BLOCK_V=_BLOCK_V,
-            SPLIT=split,
-            SPLIT_P=triton.next_power_of_2(split),
+            MAX_SPLIT=_MAX_SPLIT,
             num_warps=8,
         )
     except Exception as e:  # noqa: BLE001 - a failed first build: keep serving on the unfused path
