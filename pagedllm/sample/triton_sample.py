@@ -192,11 +192,10 @@ def gumbel_sample(
     try:
         if keys is None and base_key is None:
             base_key = step_key()
-        vals = idxs = cnt = out  # split == 1 never reads them
-        if split > 1:
-            vals = torch.empty(n * split, dtype=torch.float32, device=logits.device)
-            idxs = torch.empty(n * split, dtype=torch.int32, device=logits.device)
-            cnt = split_counters(logits.device, n, owner="gumbel")
+        # Typed as the kernel's split > 1 branch uses them also where split == 1 (one compiled variant).
+        vals = torch.empty(n * split, dtype=torch.float32, device=logits.device)
+        idxs = torch.empty(n * split, dtype=torch.int32, device=logits.device)
+        cnt = split_counters(logits.device, n, owner="gumbel")
         # Without keys the kernel never reads keys_ptr (HAS_KEYS=False): any int64 tensor will do.
         _gumbel_argmax_kernel[(n, split)](
             logits,
