@@ -214,7 +214,9 @@ class ModelRunner:
         """Compiles the attention and sampling launch variants at start-up (GPU only)."""
         if self.device.type == "cuda" and self.pp is None:  # (pipeline stages: compiled on first use)
             t0 = time.perf_counter()
-            warmup.warm_up_kernels(self.run_dummy_batches(), self.device, t0)
+            logits = self.run_dummy_batches()
+            assert self.model is not None
+            warmup.warm_up_kernels(logits, self.device, t0, self.model, self.max_num_tokens)
 
     def capture_cuda_graphs(self) -> None:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend that supports them."""

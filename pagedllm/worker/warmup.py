@@ -99,9 +99,16 @@ def run_dummy_batches(
     return logits
 
 
-def warm_up_kernels(logits: torch.Tensor | None, device: torch.device, t0: float) -> None:
+def warm_up_kernels(
+    logits: torch.Tensor | None, device: torch.device, t0: float, model: torch.nn.Module, max_num_tokens: int
+) -> None:
     """After `run_dummy_batches` on a GPU: the one-pass sampler's variants too (seeded rows present, and
-    keys made in the kernel)."""
+    keys made in the kernel), and every module's own `warm_up_kernels(max_num_tokens)` where it has one (launch
+    variants that the dummy batches' few tokens do not reach, e.g. the fused MoE's prefill-sized tiles)."""
+    for module in model.modules():
+        hook = getattr(module, "warm_up_kernels", None)
+        if callable(hook):
+            hook(max_num_tokens)
     if logits is not None and triton_sample.usable(logits := logits.float()):
         n = logits.shape[0]
         keys = torch.zeros(n, dtype=torch.int64, device=device)

@@ -186,3 +186,25 @@ def test_fused_moe_captures_in_a_cuda_graph() -> None:
     graph.replay()
     ref_w, ref_ids = torch_select_experts(logits, k, True)
     _check(out, torch_moe(x, w13, w2, ref_w, ref_ids))
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton compiles")
+def test_warm_up_leaves_nothing_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `warm_up` for batches of up to 300 tokens, batches of any size up to 300 compile nothing (a compile
+    inside a running step is a stall): one variant per tile configuration, the batch-sized ints unspecialized."""
+    from triton import knobs
+
+    t_max, e, h, i, k = 300, 16, 128, 64, 4
+    x, w13, w2, logits = _problem(t_max, e, h, i, torch.bfloat16, seed=21)
+    triton_moe.warm_up(w13, w2, k, True, t_max)
+    compiled: list[str] = []
+
+    def hook(**kw: object) -> bool:
+        compiled.append(str(kw["repr"])[:120])
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    for t in (1, 3, 17, 48, 49, 64, 99, 250, 300):
+        triton_moe.fused_moe(x[:t], w13, w2, logits[:t], k, True, sum_experts=False)
+    torch.cuda.synchronize()
+    assert compiled == []

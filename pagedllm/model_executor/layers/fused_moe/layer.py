@@ -145,6 +145,16 @@ class FusedMoE(nn.Module):
             out = tensor_model_parallel_all_reduce(out)
         return out
 
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compiles the fused kernels for every tile configuration a batch of up to `max_num_tokens` tokens can
+        pick (`worker/warmup.py` calls it at start-up). The dummy batches reach only decode-sized ones; a
+        prefill-sized configuration compiled inside a running step stalled it ~0.8 s on a cold cache (W6 on
+        an H200: five such compiles, benchmarks/NOTES.md, session 29)."""
+        if triton_ops.use_triton_ops(self.w13_weight):
+            from pagedllm.model_executor.layers.fused_moe.triton_moe import warm_up
+
+            warm_up(self.w13_weight, self.w2_weight, self.top_k, self.renormalize, max_num_tokens)
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "

@@ -39,7 +39,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # EM and num_valid_tokens follow the batch's token count: not specialized on ("divisible by 16"), so that one
+    # compiled variant per tile configuration serves every batch (`warm_up` compiles them all at start-up).
+    @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
     def _grouped_gemm_kernel(
         a_ptr,
         b_ptr,
@@ -267,3 +269,27 @@ def _expert_mlps(
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, num_post, 1, down_cfg)
     return out.view(t, top_k, hidden)
+
+
+_WARMED: set[tuple] = set()
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, max_num_tokens: int) -> None:
+    """Runs `fused_moe` once per distinct tile configuration of batches of 1..`max_num_tokens` tokens (once per
+    weight shape and process; the routing and the grouped GEMMs compile one variant per configuration)."""
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, w13.device, top_k, renormalize, max_num_tokens)
+    if key in _WARMED:
+        return
+    _WARMED.add(key)
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    sizes = sorted({min(1 << i, max_num_tokens) for i in range(max(1, max_num_tokens).bit_length() + 1)})
+    seen: set[str] = set()
+    for t in sizes:
+        x = torch.zeros(t, hidden, dtype=w13.dtype, device=w13.device)
+        cfgs = _configs(x, w13, top_k)
+        sig = repr(cfgs)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        logits = torch.zeros(t, num_experts, dtype=w13.dtype, device=w13.device)
+        fused_moe(x, w13, w2, logits, top_k, renormalize, sum_experts=False)

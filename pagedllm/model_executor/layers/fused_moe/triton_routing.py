@@ -96,7 +96,8 @@ if HAS_TRITON:
             rank = tl.atomic_add(counts_ptr + top_i, 1, mask=kmask)
             tl.store(rank_ptr + row * TOP_K + ko[None, :], rank, mask=kmask)
 
-    @triton.jit
+    # Pair and block counts follow the batch: not specialized on, one variant for every batch.
+    @triton.jit(do_not_specialize=["n"])
     def _count_experts_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
         """counts[e] += 1 per pair routed to e; the pair's rank among them (order within an expert is
         arbitrary: every pair's output row depends on its own row only)."""
@@ -134,7 +135,7 @@ if HAS_TRITON:
             pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
             tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "num_blocks"])
     def _place_pairs_kernel(
         ids_ptr,
         counts_ptr,
