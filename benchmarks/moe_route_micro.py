@@ -5,9 +5,11 @@ includes the gaps between the kernels, which is what launches cost inside a deco
 
 * `route_old` / `route_new`: top-k + the expert-sorted layout; `fused_topk` + `moe_align_block_size` (a memset and
   three launches) against `route_and_align` (the count in the top-k launch: a memset and two);
-* `block_old` / `block_count` / `block_new`: a whole MoE block and the next residual add + RMSNorm (router GEMM,
-  routing, grouped GEMMs, `moe_sum` + `fused_add_rms_norm`): old routing; the count in the top-k launch; that and
-  the norm summing the k parts (no `moe_sum` launch).
+* `mm+route_new` / `route_gate`: the router GEMM (torch) and then the routing, against the routing given the router
+  weight (its split-K GEMM in a launch of its own that also zeroes the counts, the partials summed by the top-k);
+* `block_old` / `block_count_defer` / `block_new`: a whole MoE block and the next residual add + RMSNorm (router
+  GEMM, routing, grouped GEMMs, `moe_sum` + `fused_add_rms_norm`): session 28's kernels; the count in the top-k
+  launch and the norm summing the k parts (no `moe_sum` launch); that and the router GEMM in the routing.
 
 Per batch size, microseconds per layer. W6 shape by default (E=128, I=768, H=2048, top-8, bf16).
 """
@@ -50,22 +52,33 @@ def measure(t: int, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, top
         _, ids = triton_routing.fused_topk(logits, top_k, True)
         triton_routing.moe_align_block_size(ids, bm, e)
 
-    def block(defer: bool) -> None:
-        out = triton_moe.fused_moe(x, w13, w2, x @ gate.T, top_k, True, sum_experts=not defer)
+    def block(defer: bool, fused_router: bool) -> None:
+        if fused_router:
+            out = triton_moe.fused_moe(x, w13, w2, None, top_k, True, sum_experts=not defer, gate_weight=gate)
+        else:
+            out = triton_moe.fused_moe(x, w13, w2, x @ gate.T, top_k, True, sum_experts=not defer)
         triton_ops.fused_add_rms_norm(out, residual, norm_w, 1e-6)
+
+    def route_mm() -> None:
+        triton_routing.route_and_align(x @ gate.T, top_k, True, bm)
 
     row = {
         "route_old": graph_us_per_layer(route_old, layers),
         "route_new": graph_us_per_layer(lambda: triton_routing.route_and_align(logits, top_k, True, bm), layers),
+        "mm+route_new": graph_us_per_layer(route_mm, layers),
+        "route_gate": graph_us_per_layer(
+            lambda: triton_routing.route_and_align(None, top_k, True, bm, gate=(x, gate)), layers
+        ),
     }
-    for name, count_in_topk, defer in (
-        ("block_old", False, False),
-        ("block_count", True, False),
-        ("block_new", True, True),
-    ):
+    variants = (
+        ("block_old", False, False, False),
+        ("block_count_defer", True, True, False),
+        ("block_new", True, True, True),
+    )
+    for name, count_in_topk, defer, fused_router in variants:
         os.environ["PAGEDLLM_MOE_COUNT_IN_TOPK"] = "1" if count_in_topk else "0"
         triton_routing.count_in_topk.cache_clear()
-        row[name] = graph_us_per_layer(lambda d=defer: block(d), layers)
+        row[name] = graph_us_per_layer(lambda d=defer, f=fused_router: block(d, f), layers)
     os.environ.pop("PAGEDLLM_MOE_COUNT_IN_TOPK")
     triton_routing.count_in_topk.cache_clear()
     return row

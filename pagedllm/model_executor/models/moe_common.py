@@ -67,7 +67,7 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), sum_experts=not self.defer_sum)
+        out = self.experts(x, self.gate, sum_experts=not self.defer_sum)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

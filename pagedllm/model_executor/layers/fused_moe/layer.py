@@ -13,10 +13,10 @@ from pagedllm.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers import triton_ops
+from pagedllm.model_executor.layers import batch_invariant, triton_ops
 from pagedllm.model_executor.layers.fused_moe.routing import select_experts
 from pagedllm.model_executor.layers.fused_moe.torch_moe import torch_moe
-from pagedllm.model_executor.layers.linear import divide, set_weight_attrs
+from pagedllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod, divide, set_weight_attrs
 
 # Checkpoint names of the per-expert projections: (gate, up, down) per model family.
 EXPERT_NAMES_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
@@ -122,23 +122,36 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, sum_experts: bool = True
+        self,
+        hidden_states: torch.Tensor,
+        router: torch.Tensor | ReplicatedLinear,
+        sum_experts: bool = True,
     ) -> torch.Tensor:
-        """[T, H]; with `sum_experts=False` the CUDA path without tensor parallelism returns each token's k
-        weighted expert outputs unsummed, [T, k, H] (`RMSNorm` with a residual sums them in its pass)."""
+        """`router`: the router logits [T, E], or the router layer itself (on CUDA its GEMM then runs inside the
+        routing's launches where it is a plain unquantized linear, `fusable_router`). [T, H]; with
+        `sum_experts=False` the CUDA path without tensor parallelism returns each token's k weighted expert
+        outputs unsummed, [T, k, H] (`RMSNorm` with a residual sums them in its pass)."""
         if triton_ops.use_triton_ops(hidden_states):
             from pagedllm.model_executor.layers.fused_moe.triton_moe import fused_moe
 
+            gate_weight = None
+            if isinstance(router, ReplicatedLinear):
+                if fusable_router(router, hidden_states):
+                    gate_weight = router.weight
+                else:
+                    router = router(hidden_states)
             out = fused_moe(
                 hidden_states,
                 self.w13_weight,
                 self.w2_weight,
-                router_logits,
+                None if gate_weight is not None else router,
                 self.top_k,
                 self.renormalize,
                 sum_experts=sum_experts or (self.reduce_results and self.tp_size > 1),
+                gate_weight=gate_weight,
             )
         else:
+            router_logits = router(hidden_states) if isinstance(router, ReplicatedLinear) else router
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
             out = torch_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
@@ -160,6 +173,21 @@ class FusedMoE(nn.Module):
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate_per_partition={self.intermediate_size_per_partition}, renormalize={self.renormalize}"
         )
+
+
+def fusable_router(gate: ReplicatedLinear, x: torch.Tensor) -> bool:
+    """Whether the router's x @ W^T may run in the fused routing's own kernel: a plain unquantized linear without
+    bias, hooks (LoRA) or batch-invariant mode, in x's dtype."""
+    return (
+        type(gate.quant_method) is UnquantizedLinearMethod
+        and gate.bias is None
+        and gate.weight.dtype == x.dtype
+        and gate.weight.stride(-1) == 1
+        and not gate._forward_hooks
+        and not gate._forward_pre_hooks
+        and getattr(gate, "row_gemv_lora", None) is None
+        and not batch_invariant.enabled()
+    )
 
 
 def num_experts_of(config: Any) -> int:

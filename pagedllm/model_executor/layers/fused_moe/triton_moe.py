@@ -218,20 +218,25 @@ def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     top_k: int,
     renormalize: bool,
     sum_experts: bool = True,
+    gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routing (`triton_routing.route_and_align`) and the experts for x [T, H] and router logits [T, E]:
-    [T, H], or with `sum_experts=False` each token's k weighted expert outputs [T, k, H] unsummed (for a
-    consumer that sums them in its own pass: `RMSNorm` with a residual does)."""
+    """Routing (`triton_routing.route_and_align`) and the experts for x [T, H] and router logits [T, E] (or,
+    with `gate_weight` [E, H] and no logits, the router GEMM done here too): [T, H], or with
+    `sum_experts=False` each token's k weighted expert outputs [T, k, H] unsummed (for a consumer that sums them
+    in its own pass: `RMSNorm` with a residual does)."""
     t = x.shape[0]
     if t == 0:
         return torch.zeros_like(x) if sum_experts else x.new_zeros((0, top_k, x.shape[1]))
     cfgs = _configs(x, w13, top_k)
+    gate = None
+    if gate_weight is not None:
+        gate = (x if x.stride(-1) == 1 else x.contiguous(), gate_weight)
     weights, _, sorted_ids, expert_ids, num_post = route_and_align(
-        router_logits, top_k, renormalize, cfgs[0]["BLOCK_M"]
+        router_logits, top_k, renormalize, cfgs[0]["BLOCK_M"], gate
     )
     out = _expert_mlps(x, w13, w2, weights, sorted_ids, expert_ids, num_post, cfgs)
     return moe_sum(out) if sum_experts else out
@@ -293,3 +298,5 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, 
         seen.add(sig)
         logits = torch.zeros(t, num_experts, dtype=w13.dtype, device=w13.device)
         fused_moe(x, w13, w2, logits, top_k, renormalize, sum_experts=False)
+        gate = torch.zeros(num_experts, hidden, dtype=w13.dtype, device=w13.device)
+        fused_moe(x, w13, w2, None, top_k, renormalize, sum_experts=False, gate_weight=gate)

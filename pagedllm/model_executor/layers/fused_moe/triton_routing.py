@@ -22,7 +22,7 @@ import functools
 import torch
 
 from pagedllm import envs
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON, num_sms
 from pagedllm.utils import next_pow2
 
 
@@ -47,6 +47,8 @@ def padded_sizes(num_pairs: int, block_m: int, num_experts: int) -> tuple[int, i
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def _softmax_topk(x, emask, eo, ko, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
@@ -75,19 +77,31 @@ if HAS_TRITON:
         counts_ptr,
         rank_ptr,
         stride_l,
+        stride_part,
         num_experts,
         TOP_K: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         COUNT: tl.constexpr,
+        PARTS: tl.constexpr,
+        LOGITS_DTYPE: tl.constexpr,
     ):
-        """One token's top-k; with COUNT, each pair also counted for its expert, the old count its rank."""
+        """One token's top-k; with COUNT, each pair also counted for its expert, the old count its rank. With
+        PARTS > 0 the logits are the router GEMM's float32 split-K partials (`_router_kernel`, PARTS slices
+        `stride_part` apart), summed in slice order and rounded to LOGITS_DTYPE, as the router's linear layer
+        would have returned them."""
         row = tl.program_id(0)
         eo = tl.arange(0, BLOCK_E)
         emask = eo < num_experts
         ko = tl.arange(0, BLOCK_K)
-        x = tl.load(logits_ptr + row * stride_l + eo[None, :], mask=emask[None, :], other=-float("inf"))
+        if PARTS > 0:
+            x = tl.zeros([1, BLOCK_E], dtype=tl.float32)
+            for p in tl.static_range(PARTS):
+                x += tl.load(logits_ptr + p * stride_part + row * stride_l + eo[None, :], mask=emask[None, :])
+            x = tl.where(emask[None, :], x.to(LOGITS_DTYPE).to(tl.float32), -float("inf"))
+        else:
+            x = tl.load(logits_ptr + row * stride_l + eo[None, :], mask=emask[None, :], other=-float("inf"))
         top_w, top_i = _softmax_topk(x.to(tl.float32), emask, eo, ko, TOP_K, BLOCK_E, RENORMALIZE)
         kmask = ko[None, :] < TOP_K
         tl.store(weights_ptr + row * TOP_K + ko[None, :], top_w, mask=kmask)
@@ -95,6 +109,49 @@ if HAS_TRITON:
         if COUNT:
             rank = tl.atomic_add(counts_ptr + top_i, 1, mask=kmask)
             tl.store(rank_ptr + row * TOP_K + ko[None, :], rank, mask=kmask)
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def _router_kernel(
+        x_ptr,
+        w_ptr,
+        part_ptr,
+        counts_ptr,
+        n_tokens,
+        num_experts,
+        stride_x,
+        stride_w,
+        K: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Router logits x [T, K] @ w [E, K]^T as float32 partials: program (i, s) writes rows i * BLOCK_T.. of
+        slice s (its K_SPLIT-wide part of K) to part[s]. Program (0, 0) also zeroes the per-expert counts that
+        the top-k kernel then adds to (no memset launch)."""
+        pid_t = tl.program_id(0)
+        s = tl.program_id(1)
+        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < n_tokens
+        eo = tl.arange(0, BLOCK_E)
+        emask = eo < num_experts
+        ko = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for k0 in tl.static_range(0, K_SPLIT, BLOCK_K):
+            k = s * K_SPLIT + k0 + ko
+            kmask = k < K
+            a_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :])
+            b = tl.load(w_ptr + eo[None, :] * stride_w + k[:, None], mask=emask[None, :] & kmask[:, None])
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        out = part_ptr + (s.to(tl.int64) * n_tokens + rows[:, None].to(tl.int64)) * num_experts + eo[None, :]
+        tl.store(out, acc, mask=rmask[:, None] & emask[None, :])
+        if (pid_t == 0) & (s == 0):
+            tl.store(counts_ptr + eo, tl.zeros([BLOCK_E], dtype=tl.int32), mask=emask)
 
     # Pair and block counts follow the batch: not specialized on, one variant for every batch.
     @triton.jit(do_not_specialize=["n"])
@@ -187,10 +244,16 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 def _topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, counts: torch.Tensor | None
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor | None,
+    parts: int = 0,
+    logits_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weights, ids, each pair's rank in its expert where `counts` (zeroed, [E] int32) is given: counted)."""
-    t, e = router_logits.shape
+    """(weights, ids, each pair's rank in its expert where `counts` (zeroed, [E] int32) is given: counted).
+    `parts` > 0: `router_logits` is [parts, T, E] float32 partials to sum and round to `logits_dtype`."""
+    t, e = router_logits.shape[-2:]
     device = router_logits.device
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
@@ -203,16 +266,51 @@ def _topk(
             ids,
             ids if counts is None else counts,
             ids if rank is None else rank,
-            logits.stride(0),
+            logits.stride(-2),
+            logits.stride(0) if parts else 0,
             e,
             TOP_K=top_k,
             BLOCK_E=next_pow2(e),
             BLOCK_K=next_pow2(top_k),
             RENORMALIZE=renormalize,
             COUNT=counts is not None,
+            PARTS=parts,
+            LOGITS_DTYPE=_TL_DTYPES[logits_dtype or router_logits.dtype],
             num_warps=1 if e <= 64 else 2,
         )
     return weights, ids, rank
+
+
+def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ gate_weight [E, H]^T as [S, T, E] float32 split-K partials (one launch; S by T: ~2 programs per
+    SM at decode sizes, 1 for prefill-sized batches), zeroing `counts` [E] int32 on the way."""
+    t, k = x.shape
+    e = gate_weight.shape[0]
+    block_t = 16 if t <= 64 else 64
+    t_blocks = triton.cdiv(t, block_t)
+    block_k = 128 if k >= 128 else max(16, next_pow2(k))
+    splits = max(1, min(8, triton.cdiv(k, block_k), (2 * (num_sms(x.device) if x.is_cuda else 16)) // t_blocks))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    part = torch.empty((splits, t, e), dtype=torch.float32, device=x.device)
+    _router_kernel[(t_blocks, splits)](
+        x,
+        gate_weight,
+        part,
+        counts,
+        t,
+        e,
+        x.stride(0),
+        gate_weight.stride(0),
+        K=k,
+        K_SPLIT=k_split,
+        BLOCK_T=block_t,
+        BLOCK_E=max(16, next_pow2(e)),
+        BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=4,
+    )
+    return part
 
 
 def moe_align_block_size(
@@ -262,15 +360,27 @@ def _place(
 
 
 def route_and_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+    router_logits: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, ids [T, k] int32, sorted pair ids, the blocks' experts, the padded total) for
     router logits [T, E] (T > 0): `fused_topk` + `moe_align_block_size`'s results with the count in the top-k
-    launch (unless PAGEDLLM_MOE_COUNT_IN_TOPK=0)."""
-    if not count_in_topk():
-        weights, ids = fused_topk(router_logits, top_k, renormalize)
-        return (weights, ids, *moe_align_block_size(ids, block_m, router_logits.shape[1]))
-    counts = torch.zeros(router_logits.shape[1], dtype=torch.int32, device=router_logits.device)
-    weights, ids, rank = _topk(router_logits, top_k, renormalize, counts)
+    launch (unless PAGEDLLM_MOE_COUNT_IN_TOPK=0). With `gate` = (x [T, H], router weight [E, H]) instead of
+    logits, the router GEMM runs here too (`router_partials`, which also zeroes the counts)."""
+    if gate is not None:
+        x, weight = gate
+        counts = torch.empty(weight.shape[0], dtype=torch.int32, device=x.device)
+        part = router_partials(x, weight, counts)
+        weights, ids, rank = _topk(part, top_k, renormalize, counts, parts=part.shape[0], logits_dtype=x.dtype)
+    else:
+        assert router_logits is not None
+        if not count_in_topk():
+            weights, ids = fused_topk(router_logits, top_k, renormalize)
+            return (weights, ids, *moe_align_block_size(ids, block_m, router_logits.shape[1]))
+        counts = torch.zeros(router_logits.shape[1], dtype=torch.int32, device=router_logits.device)
+        weights, ids, rank = _topk(router_logits, top_k, renormalize, counts)
     assert rank is not None
     return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
