@@ -88,6 +88,7 @@ if HAS_TRITON:
         HEAD_SIZE: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        BLOCK_KH: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         HAS_NORM: tl.constexpr,
         WRITE_CACHE: tl.constexpr,
@@ -105,18 +106,21 @@ if HAS_TRITON:
         sin = sin.to(dt).to(tl.float32)
         cos = cos[None, :]
         sin = sin[None, :]
+        # Program (t, 0) rotates the token's q heads, (t, 1) its k heads and writes the cache: two short
+        # dependent chains side by side instead of one long one (W6 at 256 tokens: 4.5 us a layer in one).
+        if tl.program_id(1) == 0:
+            q_row = q_ptr + t * stride_qt
+            _rope_heads(q_row, qw_ptr, num_q_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+            return
         _rope_heads(
-            q_ptr + t * stride_qt, qw_ptr, num_q_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM
-        )
-        _rope_heads(
-            k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM
+            k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM
         )
         if WRITE_CACHE:  # the token's rotated k and its v go to their paged-cache slot, as reshape_and_cache
             slot = tl.load(slot_ptr + t, mask=t < n_cache, other=-1).to(tl.int64)
             if slot >= 0:  # slot -1: padding (CUDA graphs), nothing written
                 # Whole heads (partial rotary leaves the tail as is): re-read k after this program's stores.
                 tl.debug_barrier()
-                offs_h = tl.arange(0, BLOCK_H)
+                offs_h = tl.arange(0, BLOCK_KH)
                 offs_e = tl.arange(0, BLOCK_D)
                 mask = (offs_h[:, None] < num_kv_heads) & (offs_e[None, :] < HEAD_SIZE)
                 row = offs_h[:, None] * HEAD_SIZE + offs_e[None, :]
@@ -177,7 +181,7 @@ def rotary_embedding_(
     num_q_heads = q2.shape[1] // head_size
     num_kv_heads = k2.shape[1] // head_size
     half = rotary_dim // 2
-    block_h = next_pow2(max(num_q_heads, num_kv_heads))
+    block_h = next_pow2(num_q_heads)
     block_half = next_pow2(half)
     if cache is not None:
         v2 = cache.value.view(n_tokens, -1)
@@ -199,7 +203,7 @@ def rotary_embedding_(
     else:
         cache_args = (k2, k2, k2, k2, 0, 0, 0, 0, 0)  # unused (WRITE_CACHE=False)
         block_size = 1
-    _rope_kernel[(n_tokens,)](
+    _rope_kernel[(n_tokens, 2)](
         q2,
         k2,
         positions,
@@ -216,6 +220,7 @@ def rotary_embedding_(
         HEAD_SIZE=head_size,
         HALF=half,
         BLOCK_H=block_h,
+        BLOCK_KH=next_pow2(num_kv_heads),
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
         WRITE_CACHE=cache is not None,
