@@ -24,8 +24,8 @@ import torch
 from pagedllm import envs
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
-from pagedllm.model_executor.layers.fused_moe.triton_routing import moe_align_block_size, route_and_align
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.model_executor.layers.fused_moe.triton_routing import moe_align_block_size, route_and_align, router_tiles
+from pagedllm.triton_utils import HAS_TRITON, num_sms
 from pagedllm.utils import next_pow2
 
 
@@ -291,8 +291,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, 
     seen: set[str] = set()
     for t in sizes:
         x = torch.zeros(t, hidden, dtype=w13.dtype, device=w13.device)
-        cfgs = _configs(x, w13, top_k)
-        sig = repr(cfgs)
+        sms = num_sms(w13.device) if w13.is_cuda else 16
+        sig = repr((_configs(x, w13, top_k), router_tiles(t, hidden, sms)))
         if sig in seen:
             continue
         seen.add(sig)

@@ -281,16 +281,25 @@ def _topk(
     return weights, ids, rank
 
 
+def router_tiles(t: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, K_SPLIT) of `router_partials` for T tokens of width K: K cut into a power of two of
+    splits (at most 8) for ~2 programs per SM. Few compiled variants, each reached by a power-of-two batch, so
+    that `triton_moe.warm_up` compiles them all (a split of 3 at 5,000 tokens compiled inside W6's run)."""
+    block_t = 16 if t <= 64 else 64
+    block_k = 128 if k >= 128 else max(16, next_pow2(k))
+    room = max(1, min(8, -(-k // block_k), (2 * sms) // -(-t // block_t)))
+    splits = 1 << (room.bit_length() - 1)
+    per_split = -(-k // splits)
+    return block_t, block_k, -(-per_split // block_k) * block_k
+
+
 def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [T, H] @ gate_weight [E, H]^T as [S, T, E] float32 split-K partials (one launch; S by T: ~2 programs per
     SM at decode sizes, 1 for prefill-sized batches), zeroing `counts` [E] int32 on the way."""
     t, k = x.shape
     e = gate_weight.shape[0]
-    block_t = 16 if t <= 64 else 64
+    block_t, block_k, k_split = router_tiles(t, k, num_sms(x.device) if x.is_cuda else 16)
     t_blocks = triton.cdiv(t, block_t)
-    block_k = 128 if k >= 128 else max(16, next_pow2(k))
-    splits = max(1, min(8, triton.cdiv(k, block_k), (2 * (num_sms(x.device) if x.is_cuda else 16)) // t_blocks))
-    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     part = torch.empty((splits, t, e), dtype=torch.float32, device=x.device)
     _router_kernel[(t_blocks, splits)](
