@@ -134,17 +134,19 @@ class FusedMoE(nn.Module):
         if triton_ops.use_triton_ops(hidden_states):
             from pagedllm.model_executor.layers.fused_moe.triton_moe import fused_moe
 
-            gate_weight = None
-            if isinstance(router, ReplicatedLinear):
-                if fusable_router(router, hidden_states):
-                    gate_weight = router.weight
-                else:
-                    router = router(hidden_states)
+            gate_weight: torch.Tensor | None = None
+            logits: torch.Tensor | None = None
+            if not isinstance(router, ReplicatedLinear):
+                logits = router
+            elif fusable_router(router, hidden_states):
+                gate_weight = router.weight
+            else:
+                logits = router(hidden_states)
             out = fused_moe(
                 hidden_states,
                 self.w13_weight,
                 self.w2_weight,
-                None if gate_weight is not None else router,
+                logits,
                 self.top_k,
                 self.renormalize,
                 sum_experts=sum_experts or (self.reduce_results and self.tp_size > 1),
