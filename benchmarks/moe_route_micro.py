@@ -1,22 +1,24 @@
-"""The fused MoE's routing on the GPU (issue 18, W6's decode step), microseconds per layer.
+"""The fused MoE's routing and sum over k, old way against new, on the GPU (issue 18, W6's decode step).
 
 Each variant is captured in ONE CUDA graph repeated for `--layers` layers (W6: 48), so that the replay time
 includes the gaps between the kernels, which is what launches cost inside a decode step's graph:
 
-* `route_logits`: a memset and the top-k launch that also lists each expert's pairs (`triton_routing.route`);
-* `mm+route_logits` / `route_gate`: the router GEMM by torch then that, against the router GEMM in the routing's
-  own launch (`router_partials`, which also zeroes the counts);
-* `block_logits` / `block_gate`: a whole MoE block (the same two ways) with its grouped GEMMs, and the next
-  residual add + RMSNorm summing the k expert outputs.
+* `route_old` / `route_new`: top-k + the expert-sorted layout; `fused_topk` + `moe_align_block_size` (a memset and
+  three launches) against `route_and_align` (the count in the top-k launch: a memset and two);
+* `mm+route_new` / `route_gate`: the router GEMM (torch) and then the routing, against the routing given the router
+  weight (its split-K GEMM in a launch of its own that also zeroes the counts, the partials summed by the top-k);
+* `block_old` / `block_count_defer` / `block_new`: a whole MoE block and the next residual add + RMSNorm (router
+  GEMM, routing, grouped GEMMs, `moe_sum` + `fused_add_rms_norm`): session 28's kernels; the count in the top-k
+  launch and the norm summing the k parts (no `moe_sum` launch); that and the router GEMM in the routing.
 
-Session 29's figures for the earlier layouts (a placement launch, `moe_sum`) are in benchmarks/NOTES.md.
-W6 shape by default (E=128, I=768, H=2048, top-8, bf16).
+Per batch size, microseconds per layer. W6 shape by default (E=128, I=768, H=2048, top-8, bf16).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 
 import torch
@@ -39,26 +41,47 @@ def graph_us_per_layer(fn: Callable[[], object], layers: int) -> float:
 
 def measure(t: int, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, top_k: int, layers: int) -> dict:
     """us per layer of each variant at batch size t."""
-    h, dev, dt = w13.shape[2], w13.device, w13.dtype
+    e, h, dev, dt = w13.shape[0], w13.shape[2], w13.device, w13.dtype
     x = torch.randn(t, h, device=dev, dtype=dt)
     residual = torch.randn(t, h, device=dev, dtype=dt)
     norm_w = torch.ones(h, device=dev, dtype=dt)
     logits = x @ gate.T
+    bm = triton_moe._configs(x, w13, top_k)[0]["BLOCK_M"]
 
-    def block(fused_router: bool) -> None:
+    def route_old() -> None:
+        _, ids = triton_routing.fused_topk(logits, top_k, True)
+        triton_routing.moe_align_block_size(ids, bm, e)
+
+    def block(defer: bool, fused_router: bool) -> None:
         if fused_router:
-            out = triton_moe.fused_moe(x, w13, w2, None, top_k, True, sum_experts=False, gate_weight=gate)
+            out = triton_moe.fused_moe(x, w13, w2, None, top_k, True, sum_experts=not defer, gate_weight=gate)
         else:
-            out = triton_moe.fused_moe(x, w13, w2, x @ gate.T, top_k, True, sum_experts=False)
+            out = triton_moe.fused_moe(x, w13, w2, x @ gate.T, top_k, True, sum_experts=not defer)
         triton_ops.fused_add_rms_norm(out, residual, norm_w, 1e-6)
 
-    return {
-        "route_logits": graph_us_per_layer(lambda: triton_routing.route(logits, top_k, True), layers),
-        "mm+route_logits": graph_us_per_layer(lambda: triton_routing.route(x @ gate.T, top_k, True), layers),
-        "route_gate": graph_us_per_layer(lambda: triton_routing.route(None, top_k, True, gate=(x, gate)), layers),
-        "block_logits": graph_us_per_layer(lambda: block(False), layers),
-        "block_gate": graph_us_per_layer(lambda: block(True), layers),
+    def route_mm() -> None:
+        triton_routing.route_and_align(x @ gate.T, top_k, True, bm)
+
+    row = {
+        "route_old": graph_us_per_layer(route_old, layers),
+        "route_new": graph_us_per_layer(lambda: triton_routing.route_and_align(logits, top_k, True, bm), layers),
+        "mm+route_new": graph_us_per_layer(route_mm, layers),
+        "route_gate": graph_us_per_layer(
+            lambda: triton_routing.route_and_align(None, top_k, True, bm, gate=(x, gate)), layers
+        ),
     }
+    variants = (
+        ("block_old", False, False, False),
+        ("block_count_defer", True, True, False),
+        ("block_new", True, True, True),
+    )
+    for name, count_in_topk, defer, fused_router in variants:
+        os.environ["PAGEDLLM_MOE_COUNT_IN_TOPK"] = "1" if count_in_topk else "0"
+        triton_routing.count_in_topk.cache_clear()
+        row[name] = graph_us_per_layer(lambda d=defer, f=fused_router: block(d, f), layers)
+    os.environ.pop("PAGEDLLM_MOE_COUNT_IN_TOPK")
+    triton_routing.count_in_topk.cache_clear()
+    return row
 
 
 def main() -> None:

@@ -86,12 +86,12 @@ def main() -> None:
         def gemms(up: configs.Config, down: configs.Config, bufs: tuple = (x, ids, inter, act, out, wflat)) -> tuple:
             """(up ms, down ms) with these tiles (the buffers bound now: called within this iteration)."""
             xb, idb, interb, actb, outb, wb = bufs
-            s = triton_routing.expert_slots(idb, e)
+            s, eids, npp = triton_routing.moe_align_block_size(idb, up["BLOCK_M"], e)
             if triton_moe.fused_silu():  # the up GEMM writes silu(gate) * up
-                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, actb, None, s, k, up, True))
+                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, actb, None, s, eids, npp, k, up, True))
             else:
-                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, interb, None, s, k, up))
-            t_dn = graph_ms(lambda: triton_moe._grouped_gemm(actb, w2, outb, wb, s, 1, down))
+                t_up = graph_ms(lambda: triton_moe._grouped_gemm(xb, w13, interb, None, s, eids, npp, k, up))
+            t_dn = graph_ms(lambda: triton_moe._grouped_gemm(actb, w2, outb, wb, s, eids, npp, 1, down))
             return t_up, t_dn
 
         d_up, d_dn = gemms(*configs.default_config(e, t * k))

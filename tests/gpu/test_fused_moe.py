@@ -101,43 +101,48 @@ def test_moe_sum_matches_torch(t: int, k: int, h: int, dtype: torch.dtype) -> No
     assert ((out.float() - ref).abs() <= tol * ref.abs().clamp_min(1.0)).all()
 
 
-def _expert_lists(slots: triton_routing.ExpertSlots) -> list[list[int]]:
-    """Each expert's pair ids, sorted (the order inside an expert is arbitrary)."""
-    counts = slots.counts.tolist()
-    table = slots.slots.view(len(counts), slots.cap).tolist()
-    return [sorted(table[e][: counts[e]]) for e in range(len(counts))]
-
-
-def test_expert_slots_layout() -> None:
+def test_align_block_size_layout() -> None:
     ids = torch.tensor([[3, 1], [3, 0], [1, 3]], device=DEVICE)
-    slots = triton_routing.expert_slots(ids, 5)
-    # expert 0: pair 3; expert 1: pairs 1, 4; expert 3: pairs 0, 2, 5; one row of cap = 3 slots per expert.
-    assert slots.cap == 3 and slots.counts.tolist() == [1, 2, 0, 3, 0]
-    assert _expert_lists(slots) == [[3], [1, 4], [], [0, 2, 5], []]
+    sorted_ids, expert_ids, num_post = triton_routing.moe_align_block_size(ids, 4, 5)
+    # expert 0: pair 3; expert 1: pairs 1, 4; expert 3: pairs 0, 2, 5; each run padded to 4 with sentinel 6
+    # (the order inside a run is arbitrary).
+    assert int(num_post) == 12
+    runs = sorted_ids[:12].view(3, 4).tolist()
+    assert [sorted(r) for r in runs] == [[3, 6, 6, 6], [1, 4, 6, 6], [0, 2, 5, 6]]
+    assert expert_ids[:3].tolist() == [0, 1, 3]
 
 
-# (tokens, experts, top_k): W6's decode sizes, a non-power-of-two expert count and top-k, one token.
-ROUTE_SHAPES = [(1, 128, 8), (3, 8, 2), (37, 60, 6), (256, 128, 8), (512, 128, 8)]
+# (tokens, experts, top_k, BLOCK_M): W6's decode sizes, a non-power-of-two expert count and top-k, one token.
+ROUTE_SHAPES = [(1, 128, 8, 16), (3, 8, 2, 4), (37, 60, 6, 16), (256, 128, 8, 16), (512, 128, 8, 64)]
 if INTERPRET:
     ROUTE_SHAPES = ROUTE_SHAPES[:3]
 
 
 @pytest.mark.parametrize("shape", ROUTE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("renorm", [True, False])
-def test_route_lists_every_pair_once(shape: tuple, renorm: bool) -> None:
-    """`route` (each pair listed for its expert in the top-k launch) gives `fused_topk`'s top-k, and every expert
-    lists exactly its pairs, as `expert_slots` of that top-k does."""
-    t, e, k = shape
+def test_route_and_align_matches_the_launches(shape: tuple, renorm: bool) -> None:
+    """`route_and_align` (the count in the top-k launch) gives `fused_topk` + `moe_align_block_size`'s top-k and
+    layout: the same padded total and block experts, every run holding its expert's pairs, padded with T*k."""
+    t, e, k, bm = shape
     g = torch.Generator(device=DEVICE).manual_seed(t)
     logits = torch.randn(t, e, device=DEVICE, generator=g)
     logits[: t // 2, : e // 2] = 0.0  # exact ties in half the rows
-    weights, ids, slots = triton_routing.route(logits, k, renorm)
+    weights, ids, sorted_ids, expert_ids, num_post = triton_routing.route_and_align(logits, k, renorm, bm)
     ref_w, ref_ids = triton_routing.fused_topk(logits, k, renorm)
+    ref_sorted, ref_experts, ref_post = triton_routing.moe_align_block_size(ref_ids, bm, e)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
-    flat = ids.view(-1).tolist()
-    lists = _expert_lists(slots)
-    assert lists == [[p for p in range(t * k) if flat[p] == x] for x in range(e)]
-    assert lists == _expert_lists(triton_routing.expert_slots(ids, e))
+    total = int(ref_post)
+    assert int(num_post) == total
+    blocks = expert_ids[: total // bm].tolist()
+    assert blocks == ref_experts[: total // bm].tolist()
+    flat, n = ids.view(-1).tolist(), t * k
+    runs: dict[int, list[int]] = {}
+    for block, run in zip(blocks, sorted_ids[:total].view(-1, bm).tolist()):
+        runs.setdefault(block, []).extend(run)
+    for expert, run in runs.items():
+        real = sorted(p for p in run if p != n)
+        assert real == [p for p in range(n) if flat[p] == expert]
+        assert run == [p for p in run if p != n] + [n] * (len(run) - len(real))  # padding at the run's end
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -222,9 +227,7 @@ def test_router_gemm_in_the_routing(t: int, dtype: torch.dtype) -> None:
     assert counts.eq(0).all()
     ref_logits = (x.float() @ gate.float().T).to(dtype).float()
     assert (part.sum(0).to(dtype).float() - ref_logits).abs().max() <= (1e-5 if dtype == torch.float32 else 0.05)
-    w_fused, ids_fused, slots = triton_routing.route(None, k, True, gate=(x, gate))
-    flat = ids_fused.view(-1).tolist()
-    assert _expert_lists(slots) == [[p for p in range(t * k) if flat[p] == j] for j in range(e)]
+    w_fused, ids_fused, *_ = triton_routing.route_and_align(None, k, True, 16, gate=(x, gate))
     w_ref, ids_ref = triton_routing.fused_topk(logits, k, True)
     if dtype == torch.float32:
         assert torch.equal(ids_fused, ids_ref)

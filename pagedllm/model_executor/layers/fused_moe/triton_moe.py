@@ -3,7 +3,7 @@
 `fused_moe` (router logits in) and `fused_experts` (top-k given) run, with no host synchronisation and no
 Python loop over experts (so a decode batch can be captured in a CUDA graph):
 
-1. routing and each expert's list of its (token, k) pairs (`triton_routing.py`);
+1. routing and the expert-sorted, BLOCK_M-aligned order of the (token, k) pairs (`triton_routing.py`);
 2. grouped GEMM `x @ w13[e].T` for every block (rows gathered from x by token id), with
 3. SiLU-and-mul in its epilogue (each program computes matching gate and up columns);
 4. grouped GEMM `act @ w2[e].T` times the routing weight, written per (token, k) pair;
@@ -24,7 +24,7 @@ import torch
 from pagedllm import envs
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe.configs import get_config
-from pagedllm.model_executor.layers.fused_moe.triton_routing import ExpertSlots, expert_slots, route, router_tiles
+from pagedllm.model_executor.layers.fused_moe.triton_routing import moe_align_block_size, route_and_align, router_tiles
 from pagedllm.triton_utils import HAS_TRITON, num_sms
 from pagedllm.utils import next_pow2
 
@@ -41,19 +41,19 @@ if HAS_TRITON:
 
     # EM and num_valid_tokens follow the batch's token count: not specialized on ("divisible by 16"), so that one
     # compiled variant per tile configuration serves every batch (`warm_up` compiles them all at start-up).
-    @triton.jit(do_not_specialize=["EM", "cap"])
+    @triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
     def _grouped_gemm_kernel(
         a_ptr,
         b_ptr,
         c_ptr,
         topk_weights_ptr,
-        counts_ptr,
-        slots_ptr,
-        cap,
-        num_experts,
+        sorted_token_ids_ptr,
+        expert_ids_ptr,
+        num_tokens_post_padded_ptr,
         N,
         K: tl.constexpr,
         EM,
+        num_valid_tokens,
         stride_am,
         stride_ak,
         stride_be,
@@ -69,13 +69,11 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
-        BLOCK_E: tl.constexpr,
     ):
-        """C[pair] = A[pair // A_ROW_DIV] @ B[expert(pair)].T (times the pair's routing weight). Row block m is
-        block j of expert e, where the experts' blocks (ceil(counts[e] / BLOCK_M) each) are taken in expert order:
-        its rows are e's pairs j * BLOCK_M.. in `slots` (`triton_routing.ExpertSlots`), past counts[e] masked.
-        Blocks past the last expert's return at once (EM bounds them: T * k / BLOCK_M + E). K is a compile-time
-        constant (one of the model's two widths), which also keeps the K loop runnable under the interpreter."""
+        """C[pair] = A[pair // A_ROW_DIV] @ B[expert(pair)].T (times the pair's routing weight), for the
+        pairs of each BLOCK_M block of the expert-sorted order; sentinel ids (>= num_valid_tokens) are
+        padding and are neither read nor written. K is a compile-time constant (one of the model's two
+        widths), which also keeps the K loop runnable under the Triton interpreter."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(EM, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -84,18 +82,11 @@ if HAS_TRITON:
         group_size = min(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + ((pid % group) % group_size)
         pid_n = (pid % group) // group_size
-        eo = tl.arange(0, BLOCK_E)
-        counts = tl.load(counts_ptr + eo, mask=eo < num_experts, other=0)
-        blocks = (counts + BLOCK_M - 1) // BLOCK_M
-        ends = tl.cumsum(blocks, axis=0)
-        if pid_m >= tl.sum(blocks, axis=0):
+        if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
             return
-        owner = tl.sum((ends <= pid_m).to(tl.int32), axis=0)  # the expert whose blocks hold block pid_m
-        j = pid_m - tl.sum(tl.where(eo < owner, blocks, 0), axis=0)
-        rows = j * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok_mask = rows < tl.sum(tl.where(eo == owner, counts, 0), axis=0)
-        expert = owner.to(tl.int64)
-        offs_tok = tl.load(slots_ptr + expert * cap + rows, mask=tok_mask, other=0)
+        offs_tok = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        tok_mask = offs_tok < num_valid_tokens
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_k = tl.arange(0, BLOCK_K)
         a_rows = (offs_tok // A_ROW_DIV).to(tl.int64)
@@ -160,30 +151,31 @@ def _grouped_gemm(
     b: torch.Tensor,
     c: torch.Tensor,
     topk_weights: torch.Tensor | None,
-    slots: ExpertSlots,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor,
     a_row_div: int,
     config: dict[str, int],
     fuse_silu: bool = False,
 ) -> None:
     """c[pair] = a[pair // a_row_div] @ b[e].T (x the routing weight if given); with `fuse_silu`, b holds
     gate rows then up rows and c = silu(gate) * up, half b's rows wide."""
-    num_experts = b.shape[0]
+    em = sorted_ids.numel()
     n, k = b.shape[1] // (2 if fuse_silu else 1), b.shape[2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    em = (triton.cdiv(c.shape[0], bm) + num_experts) * bm  # at most one partial block per expert
     grid = (triton.cdiv(em, bm) * triton.cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a,
         b,
         c,
         topk_weights if topk_weights is not None else c,
-        slots.counts,
-        slots.slots,
-        slots.cap,
-        num_experts,
+        sorted_ids,
+        expert_ids,
+        num_post_padded,
         n,
         k,
         em,
+        c.shape[0],
         a.stride(0),
         a.stride(1),
         b.stride(0),
@@ -199,7 +191,6 @@ def _grouped_gemm(
         BLOCK_N=bn,
         BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"],
-        BLOCK_E=next_pow2(num_experts),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
@@ -217,8 +208,9 @@ def fused_experts(
     up and down GEMMs' tiles, same BLOCK_M) overrides the tuned table (used by the tuning script)."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    cfgs = configs or _configs(x, w13, topk_ids.shape[1])
-    out = _expert_mlps(x, w13, w2, topk_weights, expert_slots(topk_ids, w13.shape[0]), cfgs)
+    up_cfg, down_cfg = configs or _configs(x, w13, topk_ids.shape[1])
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, up_cfg["BLOCK_M"], w13.shape[0])
+    out = _expert_mlps(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, (up_cfg, down_cfg))
     return moe_sum(out)
 
 
@@ -232,7 +224,7 @@ def fused_moe(
     sum_experts: bool = True,
     gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routing (`triton_routing.route`) and the experts for x [T, H] and router logits [T, E] (or,
+    """Routing (`triton_routing.route_and_align`) and the experts for x [T, H] and router logits [T, E] (or,
     with `gate_weight` [E, H] and no logits, the router GEMM done here too): [T, H], or with
     `sum_experts=False` each token's k weighted expert outputs [T, k, H] unsummed (for a consumer that sums them
     in its own pass: `RMSNorm` with a residual does)."""
@@ -243,13 +235,17 @@ def fused_moe(
     gate = None
     if gate_weight is not None:
         gate = (x if x.stride(-1) == 1 else x.contiguous(), gate_weight)
-    weights, _, slots = route(router_logits, top_k, renormalize, gate)
-    out = _expert_mlps(x, w13, w2, weights, slots, cfgs)
+    weights, _, sorted_ids, expert_ids, num_post = route_and_align(
+        router_logits, top_k, renormalize, cfgs[0]["BLOCK_M"], gate
+    )
+    out = _expert_mlps(x, w13, w2, weights, sorted_ids, expert_ids, num_post, cfgs)
     return moe_sum(out) if sum_experts else out
 
 
 def _configs(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> tuple[dict[str, int], dict[str, int]]:
-    return get_config(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.shape[0], top_k)
+    up_cfg, down_cfg = get_config(w13.shape[0], w13.shape[1] // 2, x.shape[1], x.shape[0], top_k)
+    assert up_cfg["BLOCK_M"] == down_cfg["BLOCK_M"], "both GEMMs walk the same BLOCK_M-aligned order"
+    return up_cfg, down_cfg
 
 
 def _expert_mlps(
@@ -257,10 +253,12 @@ def _expert_mlps(
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
-    slots: ExpertSlots,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post: torch.Tensor,
     configs: tuple[dict[str, int], dict[str, int]],
 ) -> torch.Tensor:
-    """The two grouped GEMMs over each expert's pairs: [T, k, H], each pair's output times its weight."""
+    """The two grouped GEMMs over the expert-sorted pairs: [T, k, H], each pair's output times its weight."""
     t, hidden = x.shape
     two_inter = w13.shape[1]
     top_k = topk_weights.shape[1]
@@ -268,13 +266,13 @@ def _expert_mlps(
     x = x if x.stride(-1) == 1 else x.contiguous()
     if fused_silu():
         act = torch.empty((t * top_k, two_inter // 2), dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, act, None, slots, top_k, up_cfg, fuse_silu=True)
+        _grouped_gemm(x, w13, act, None, sorted_ids, expert_ids, num_post, top_k, up_cfg, fuse_silu=True)
     else:
         inter = torch.empty((t * top_k, two_inter), dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, inter, None, slots, top_k, up_cfg)
+        _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, top_k, up_cfg)
         act = triton_ops.silu_and_mul(inter)
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, out, topk_weights.reshape(-1), slots, 1, down_cfg)
+    _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, num_post, 1, down_cfg)
     return out.view(t, top_k, hidden)
 
 

@@ -1,47 +1,47 @@
-"""The fused MoE's routing on CUDA in Triton: the router GEMM, softmax + top-k, and each expert's pairs listed
-for the grouped GEMMs (`triton_moe.py`). CUDA only; the import is guarded.
+"""The fused MoE's routing on CUDA in Triton: softmax + top-k, and the (token, k) pairs sorted by expert in
+BLOCK_M-aligned runs for the grouped GEMMs (`triton_moe.py`). CUDA only; the import is guarded.
 
-The layout, `ExpertSlots`: `counts[e]`, the number of (token, k) pairs routed to expert e, and `slots[e * cap + r]`,
-the id (token * k + slot) of e's r-th pair, for r < counts[e] (cap = T: top-k experts are distinct, so an expert
-gets at most one pair per token). The pairs' order inside an expert is arbitrary: every pair's output row
-depends on its own row only. The top-k kernel fills it: an atomic add per pair counts the pair for its expert,
-and the old count is the pair's rank, where the pair is written. A grouped GEMM program finds its expert and rows
-from the counts (`triton_moe._grouped_gemm_kernel`), so no prefix sum over the experts and no placement launch
-are needed. Given the router's weight, the routing is two launches (`router_partials`, which also zeroes the
-counts, and the top-k); given logits, a memset and the top-k; given the top-k (`expert_slots`), a memset and a
-count launch. Output shapes depend on T only, so a decode batch captures in a CUDA graph.
+`route_and_align` takes router logits to the sorted order in two launches and a memset: the top-k kernel
+also counts each expert's pairs (an atomic add per pair, whose old value is the pair's rank among them), then
+one placement kernel. `fused_topk` + `moe_align_block_size` are the same steps apart (top-k given by the caller),
+with the count in a launch of its own.
 
-Tried and dropped (session 29, H200):
-- the whole routing in ONE program, to save the launches: 101 us a layer at 256 tokens against 11.5 for the
-  launches (one SM doing the top-k and the ranks serially);
-- a placement launch after the counts, writing the pairs in BLOCK_M-padded runs: ~4.4 us a layer.
+Layout of the sorted order: the pair ids grouped by expert (in no particular order inside an expert: every
+pair's output row depends on its own row only), each expert's run padded to a multiple of BLOCK_M with the
+sentinel T*k; the expert of every BLOCK_M block; the padded total (the grouped GEMMs stop there). Output
+shapes depend on T only, so a decode batch captures in a CUDA graph.
+
+(Tried and dropped, session 29: the whole routing in ONE program, to save the launches. It costs 101 us a
+layer at 256 tokens against 11.5 for the launches on an H200: one SM doing the top-k and the ranks serially.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 
+from pagedllm import envs
 from pagedllm.triton_utils import HAS_TRITON, num_sms
 from pagedllm.utils import next_pow2
 
 
-@dataclass
-class ExpertSlots:
-    """Each expert's pairs (see the module docstring): `counts` [E] int32, `slots` [E * cap] int32."""
+@functools.cache
+def place_block() -> int:
+    """Pairs per program of the placement kernel (PAGEDLLM_MOE_PLACE_BLOCK; 256 in the first measured version)."""
+    return int(envs.PAGEDLLM_MOE_PLACE_BLOCK)
 
-    counts: torch.Tensor
-    slots: torch.Tensor
-    cap: int
 
-    @classmethod
-    def empty(cls, num_experts: int, num_tokens: int, device: torch.device, zero_counts: bool) -> ExpertSlots:
-        """Unwritten slots; the counts zeroed here (a memset) or left for the router kernel to zero."""
-        make = torch.zeros if zero_counts else torch.empty
-        counts = make(num_experts, dtype=torch.int32, device=device)
-        slots = torch.empty(num_experts * num_tokens, dtype=torch.int32, device=device)
-        return cls(counts, slots, num_tokens)
+@functools.cache
+def count_in_topk() -> bool:
+    """`route_and_align` counts in the top-k kernel (PAGEDLLM_MOE_COUNT_IN_TOPK=0: a count launch of its own)."""
+    return bool(envs.PAGEDLLM_MOE_COUNT_IN_TOPK)
+
+
+def padded_sizes(num_pairs: int, block_m: int, num_experts: int) -> tuple[int, int]:
+    """(slots of the sorted order, BLOCK_M blocks) in the worst case: every expert's run padded."""
+    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    return max_padded, max_padded // block_m
 
 
 if HAS_TRITON:
@@ -69,14 +69,13 @@ if HAS_TRITON:
             top_w = top_w / tl.sum(top_w, axis=1)[:, None]
         return top_w, top_i
 
-    @triton.jit(do_not_specialize=["cap"])
+    @triton.jit
     def _topk_softmax_kernel(
         logits_ptr,
         weights_ptr,
         ids_ptr,
         counts_ptr,
-        slots_ptr,
-        cap,
+        rank_ptr,
         stride_l,
         stride_part,
         num_experts,
@@ -88,8 +87,7 @@ if HAS_TRITON:
         PARTS: tl.constexpr,
         LOGITS_DTYPE: tl.constexpr,
     ):
-        """One token's top-k; with COUNT, each pair also counted for its expert and written to the expert's slot of
-        that rank (the old count). With
+        """One token's top-k; with COUNT, each pair also counted for its expert, the old count its rank. With
         PARTS > 0 the logits are the router GEMM's float32 split-K partials (`_router_kernel`, PARTS slices
         `stride_part` apart), summed in slice order and rounded to LOGITS_DTYPE, as the router's linear layer
         would have returned them."""
@@ -110,7 +108,7 @@ if HAS_TRITON:
         tl.store(ids_ptr + row * TOP_K + ko[None, :], top_i, mask=kmask)
         if COUNT:
             rank = tl.atomic_add(counts_ptr + top_i, 1, mask=kmask)
-            tl.store(slots_ptr + top_i.to(tl.int64) * cap + rank, row * TOP_K + ko[None, :], mask=kmask)
+            tl.store(rank_ptr + row * TOP_K + ko[None, :], rank, mask=kmask)
 
     @triton.jit(do_not_specialize=["n_tokens"])
     def _router_kernel(
@@ -155,45 +153,119 @@ if HAS_TRITON:
         if (pid_t == 0) & (s == 0):
             tl.store(counts_ptr + eo, tl.zeros([BLOCK_E], dtype=tl.int32), mask=emask)
 
-    # The pair count and the capacity follow the batch: not specialized on, one variant for every batch.
-    @triton.jit(do_not_specialize=["n", "cap"])
-    def _count_experts_kernel(ids_ptr, counts_ptr, slots_ptr, n, cap, BLOCK: tl.constexpr):
-        """Each pair counted for its expert e (an atomic add) and written to e's slot of that rank."""
+    # Pair and block counts follow the batch: not specialized on, one variant for every batch.
+    @triton.jit(do_not_specialize=["n"])
+    def _count_experts_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
+        """counts[e] += 1 per pair routed to e; the pair's rank among them (order within an expert is
+        arbitrary: every pair's output row depends on its own row only)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         e = tl.load(ids_ptr + offs, mask=mask, other=0)
         rank = tl.atomic_add(counts_ptr + e, 1, mask=mask)
-        tl.store(slots_ptr + e.to(tl.int64) * cap + rank, offs, mask=mask)
+        tl.store(rank_ptr + offs, rank, mask=mask)
+
+    @triton.jit
+    def _label_blocks(
+        counts,
+        emask,
+        pid,
+        expert_ids_ptr,
+        sorted_ptr,
+        npp_ptr,
+        n,
+        num_experts,
+        num_blocks,
+        write_padding,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Labels blocks [pid * BLOCK, (pid + 1) * BLOCK) with their expert; where `write_padding`, also writes
+        the sentinel n into every expert's padding and the padded total."""
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        blk = pid * BLOCK + tl.arange(0, BLOCK)
+        owner = tl.sum(((ends[None, :] <= blk[:, None] * BLOCK_M) & emask[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1), mask=blk < num_blocks)
+        if write_padding:
+            tl.store(npp_ptr, tl.sum(padded, axis=0))
+            po = tl.arange(0, BLOCK_M)
+            pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
+            tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
+
+    @triton.jit(do_not_specialize=["n", "num_blocks"])
+    def _place_pairs_kernel(
+        ids_ptr,
+        counts_ptr,
+        rank_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        npp_ptr,
+        n,
+        num_experts,
+        num_blocks,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """Every program recomputes the experts' padded offsets from the counts (E is small) and places
+        its BLOCK pairs at offset[e] + rank, and labels its BLOCK blocks with their expert; program 0
+        also writes the sentinel n into each expert's padding and the padded total."""
+        pid = tl.program_id(0)
+        eo = tl.arange(0, BLOCK_E)
+        emask = eo < num_experts
+        counts = tl.load(counts_ptr + eo, mask=emask, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        pmask = offs < n
+        e = tl.load(ids_ptr + offs, mask=pmask, other=0)
+        rank = tl.load(rank_ptr + offs, mask=pmask, other=0)
+        start_of_e = tl.sum(tl.where(eo[None, :] < e[:, None], padded[None, :], 0), axis=1)
+        tl.store(sorted_ptr + start_of_e + rank, offs, mask=pmask)
+        _label_blocks(
+            counts,
+            emask,
+            pid,
+            expert_ids_ptr,
+            sorted_ptr,
+            npp_ptr,
+            n,
+            num_experts,
+            num_blocks,
+            pid == 0,
+            BLOCK_M,
+            BLOCK,
+        )
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax + top-k (+ renormalization) in one launch: (weights [T, k] float32, ids [T, k] int32)."""
-    return _topk(router_logits, top_k, renormalize, None)
+    weights, ids, _ = _topk(router_logits, top_k, renormalize, None)
+    return weights, ids
 
 
 def _topk(
     router_logits: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    slots: ExpertSlots | None,
+    counts: torch.Tensor | None,
     parts: int = 0,
     logits_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids); where `slots` (zeroed counts) is given, every pair is also counted and written to it.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weights, ids, each pair's rank in its expert where `counts` (zeroed, [E] int32) is given: counted).
     `parts` > 0: `router_logits` is [parts, T, E] float32 partials to sum and round to `logits_dtype`."""
     t, e = router_logits.shape[-2:]
     device = router_logits.device
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
+    rank = None if counts is None else torch.empty(t * top_k, dtype=torch.int32, device=device)
     if t:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         _topk_softmax_kernel[(t,)](
             logits,
             weights,
             ids,
-            ids if slots is None else slots.counts,
-            ids if slots is None else slots.slots,
-            0 if slots is None else slots.cap,
+            ids if counts is None else counts,
+            ids if rank is None else rank,
             logits.stride(-2),
             logits.stride(0) if parts else 0,
             e,
@@ -201,12 +273,12 @@ def _topk(
             BLOCK_E=next_pow2(e),
             BLOCK_K=next_pow2(top_k),
             RENORMALIZE=renormalize,
-            COUNT=slots is not None,
+            COUNT=counts is not None,
             PARTS=parts,
             LOGITS_DTYPE=_TL_DTYPES[logits_dtype or router_logits.dtype],
             num_warps=1 if e <= 64 else 2,
         )
-    return weights, ids
+    return weights, ids, rank
 
 
 def router_tiles(t: int, k: int, sms: int) -> tuple[int, int, int]:
@@ -250,35 +322,74 @@ def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, counts: torch.Te
     return part
 
 
-def expert_slots(topk_ids: torch.Tensor, num_experts: int) -> ExpertSlots:
-    """Each expert's pairs for a given top-k [T, k] (a memset and one launch, no host sync, capturable)."""
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair ids grouped by expert [max_padded] int32, each expert's run padded to a multiple of
+    BLOCK_M with the sentinel T*k; the expert of every BLOCK_M block [max_padded / BLOCK_M] int32; the
+    number of real padded slots [1] int32). Two launches and a memset, no host sync, shapes fixed by T
+    (capturable); slots past the padded total are left unwritten (the GEMMs stop before them)."""
     flat = topk_ids.reshape(-1)
     if flat.dtype != torch.int32:
         flat = flat.to(torch.int32)
     n = flat.numel()
-    slots = ExpertSlots.empty(num_experts, topk_ids.shape[0], flat.device, zero_counts=True)
-    if n:
-        _count_experts_kernel[(triton.cdiv(n, 256),)](flat, slots.counts, slots.slots, n, slots.cap, BLOCK=256)
-    return slots
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    rank = torch.empty(n, dtype=torch.int32, device=flat.device)
+    _count_experts_kernel[(triton.cdiv(n, 256),)](flat, counts, rank, n, BLOCK=256)
+    return _place(flat, counts, rank, block_m)
 
 
-def route(
+def _place(
+    flat_ids: torch.Tensor, counts: torch.Tensor, rank: torch.Tensor, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The placement launch: pairs to their slots, blocks labelled, padding and the padded total written."""
+    n, num_experts, device = flat_ids.numel(), counts.numel(), flat_ids.device
+    max_padded, num_blocks = padded_sizes(n, block_m, num_experts)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    block = place_block()  # small: each program does [block x E] comparisons, many programs in parallel
+    grid = (max(triton.cdiv(n, block), triton.cdiv(num_blocks, block)),)
+    _place_pairs_kernel[grid](
+        flat_ids,
+        counts,
+        rank,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        n,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK=block,
+        BLOCK_E=next_pow2(num_experts),
+        num_warps=4,
+    )
+    return sorted_ids, expert_ids, num_post
+
+
+def route_and_align(
     router_logits: torch.Tensor | None,
     top_k: int,
     renormalize: bool,
+    block_m: int,
     gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, ExpertSlots]:
-    """(weights [T, k] float32, ids [T, k] int32, each expert's pairs) for router logits [T, E] (T > 0), or with
-    `gate` = (x [T, H], router weight [E, H]) instead of logits, the router GEMM run here too (`router_partials`,
-    which also zeroes the counts)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int32, sorted pair ids, the blocks' experts, the padded total) for
+    router logits [T, E] (T > 0): `fused_topk` + `moe_align_block_size`'s results with the count in the top-k
+    launch (unless PAGEDLLM_MOE_COUNT_IN_TOPK=0). With `gate` = (x [T, H], router weight [E, H]) instead of
+    logits, the router GEMM runs here too (`router_partials`, which also zeroes the counts)."""
     if gate is not None:
         x, weight = gate
-        slots = ExpertSlots.empty(weight.shape[0], x.shape[0], x.device, zero_counts=False)
-        part = router_partials(x, weight, slots.counts)
-        weights, ids = _topk(part, top_k, renormalize, slots, parts=part.shape[0], logits_dtype=x.dtype)
+        counts = torch.empty(weight.shape[0], dtype=torch.int32, device=x.device)
+        part = router_partials(x, weight, counts)
+        weights, ids, rank = _topk(part, top_k, renormalize, counts, parts=part.shape[0], logits_dtype=x.dtype)
     else:
         assert router_logits is not None
-        t, e = router_logits.shape
-        slots = ExpertSlots.empty(e, t, router_logits.device, zero_counts=True)
-        weights, ids = _topk(router_logits, top_k, renormalize, slots)
-    return weights, ids, slots
+        if not count_in_topk():
+            weights, ids = fused_topk(router_logits, top_k, renormalize)
+            return (weights, ids, *moe_align_block_size(ids, block_m, router_logits.shape[1]))
+        counts = torch.zeros(router_logits.shape[1], dtype=torch.int32, device=router_logits.device)
+        weights, ids, rank = _topk(router_logits, top_k, renormalize, counts)
+    assert rank is not None
+    return (weights, ids, *_place(ids.view(-1), counts, rank, block_m))
