@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.moe_tune import add_shape_args
 from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_moe import triton_moe, triton_routing
@@ -86,10 +87,7 @@ def measure(t: int, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, top
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--top-k", type=int, default=8)
+    add_shape_args(p)
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--batches", default="1,8,32,64,128,256,512")
     p.add_argument("--out", default=None)

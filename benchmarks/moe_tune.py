@@ -55,12 +55,17 @@ def candidates() -> list[configs.Config]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The MoE shape's options (default W6: Qwen3-30B-A3B's E=128, I=768, H=2048, top-8)."""
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_shape_args(p)
     p.add_argument("--batches", default="1,8,32,64,128,256,512,2048,8192")
     p.add_argument("--out", default=None)
     a = p.parse_args()

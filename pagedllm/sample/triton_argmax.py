@@ -45,21 +45,29 @@ if HAS_TRITON:
             best_i = tl.where(better, cols, best_i)
         m = tl.max(best, axis=0)
         i = tl.min(tl.where(best == m, best_i, _NO_INDEX), axis=0)
-        if SPLIT == 1:
-            tl.store(out_ptr + row, i.to(tl.int64))
+        store_row_argmax(m, i, row, s, SPLIT, out_ptr, val_ptr, idx_ptr, cnt_ptr, SPLIT_P)
+
+    @triton.jit
+    def store_row_argmax(top, idx, row, s, split, out_ptr, val_ptr, idx_ptr, cnt_ptr, SPLIT_P: tl.constexpr):
+        """A split row's chunk s reports its (maximum, first index of it); with one chunk that is the row's
+        answer, else the row's last chunk to finish (an atomic counter it resets, so launches and graph replays
+        need no zeroing) takes the largest, ties to the lowest index (chunks are in column order). Shared by the
+        split-row kernels (this argmax, `triton_sample`'s Gumbel race). `split` <= SPLIT_P, a power of two."""
+        if split == 1:
+            tl.store(out_ptr + row, idx.to(tl.int64))
         else:
-            tl.store(val_ptr + row * SPLIT + s, m)
-            tl.store(idx_ptr + row * SPLIT + s, i)
+            tl.store(val_ptr + row * split + s, top)
+            tl.store(idx_ptr + row * split + s, idx)
             tl.debug_barrier()  # the partials are written before the counter moves
             done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
-            if done == SPLIT - 1:
+            if done == split - 1:
                 so = tl.arange(0, SPLIT_P)
-                ok = so < SPLIT
-                vals = tl.load(val_ptr + row * SPLIT + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                idxs = tl.load(idx_ptr + row * SPLIT + so, mask=ok, other=_NO_INDEX, cache_modifier=".cg")
-                m = tl.max(vals, axis=0)
-                i = tl.min(tl.where(vals == m, idxs, _NO_INDEX), axis=0)
-                tl.store(out_ptr + row, i.to(tl.int64))
+                ok = so < split
+                vals = tl.load(val_ptr + row * split + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                idxs = tl.load(idx_ptr + row * split + so, mask=ok, other=_NO_INDEX, cache_modifier=".cg")
+                top = tl.max(vals, axis=0)
+                idx = tl.min(tl.where(vals == top, idxs, _NO_INDEX), axis=0)
+                tl.store(out_ptr + row, idx.to(tl.int64))
                 tl.atomic_xchg(cnt_ptr + row, 0)
 
 

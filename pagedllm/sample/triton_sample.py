@@ -34,6 +34,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedllm.sample.triton_argmax import store_row_argmax
+
     _ROW_STRIDE_C = tl.constexpr(_ROW_STRIDE)
 
     @triton.jit
@@ -93,23 +95,7 @@ if HAS_TRITON:
         top = tl.max(best, axis=0)
         # The lowest column among the lanes holding the maximum (ties: the first index, as argmax).
         idx = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
-        if split == 1:
-            tl.store(out_ptr + row, idx.to(tl.int64))
-        else:
-            tl.store(val_ptr + row * split + s, top)
-            tl.store(idx_ptr + row * split + s, idx)
-            tl.debug_barrier()  # the partials are written before the counter moves
-            done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
-            if done == split - 1:
-                so = tl.arange(0, MAX_SPLIT)
-                ok = so < split
-                vals = tl.load(val_ptr + row * split + so, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                idxs = tl.load(idx_ptr + row * split + so, mask=ok, other=2147483647, cache_modifier=".cg")
-                top = tl.max(vals, axis=0)
-                # Chunks in column order, each reporting its lowest tied column: the lowest of those tied.
-                idx = tl.min(tl.where(vals == top, idxs, 2147483647), axis=0)
-                tl.store(out_ptr + row, idx.to(tl.int64))
-                tl.atomic_xchg(cnt_ptr + row, 0)
+        store_row_argmax(top, idx, row, s, split, out_ptr, val_ptr, idx_ptr, cnt_ptr, MAX_SPLIT)
 
 
 def split_of(rows: int, vocab: int, sms: int) -> int:

@@ -164,34 +164,6 @@ if HAS_TRITON:
         rank = tl.atomic_add(counts_ptr + e, 1, mask=mask)
         tl.store(rank_ptr + offs, rank, mask=mask)
 
-    @triton.jit
-    def _label_blocks(
-        counts,
-        emask,
-        pid,
-        expert_ids_ptr,
-        sorted_ptr,
-        npp_ptr,
-        n,
-        num_experts,
-        num_blocks,
-        write_padding,
-        BLOCK_M: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """Labels blocks [pid * BLOCK, (pid + 1) * BLOCK) with their expert; where `write_padding`, also writes
-        the sentinel n into every expert's padding and the padded total."""
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        blk = pid * BLOCK + tl.arange(0, BLOCK)
-        owner = tl.sum(((ends[None, :] <= blk[:, None] * BLOCK_M) & emask[None, :]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1), mask=blk < num_blocks)
-        if write_padding:
-            tl.store(npp_ptr, tl.sum(padded, axis=0))
-            po = tl.arange(0, BLOCK_M)
-            pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
-            tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
-
     @triton.jit(do_not_specialize=["n", "num_blocks"])
     def _place_pairs_kernel(
         ids_ptr,
@@ -221,20 +193,15 @@ if HAS_TRITON:
         rank = tl.load(rank_ptr + offs, mask=pmask, other=0)
         start_of_e = tl.sum(tl.where(eo[None, :] < e[:, None], padded[None, :], 0), axis=1)
         tl.store(sorted_ptr + start_of_e + rank, offs, mask=pmask)
-        _label_blocks(
-            counts,
-            emask,
-            pid,
-            expert_ids_ptr,
-            sorted_ptr,
-            npp_ptr,
-            n,
-            num_experts,
-            num_blocks,
-            pid == 0,
-            BLOCK_M,
-            BLOCK,
-        )
+        ends = tl.cumsum(padded, axis=0)
+        blk = pid * BLOCK + tl.arange(0, BLOCK)
+        owner = tl.sum(((ends[None, :] <= blk[:, None] * BLOCK_M) & emask[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(owner, num_experts - 1), mask=blk < num_blocks)
+        if pid == 0:
+            tl.store(npp_ptr, tl.sum(padded, axis=0))
+            po = tl.arange(0, BLOCK_M)
+            pad = emask[:, None] & (po[None, :] < (padded - counts)[:, None])
+            tl.store(sorted_ptr + (ends - padded + counts)[:, None] + po[None, :], n, mask=pad)
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
