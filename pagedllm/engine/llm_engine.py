@@ -17,20 +17,12 @@ from pagedllm.messages import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sample.logits_processor import LogitsProcessor
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.transformers_utils.tokenizer import get_tokenizer
+from pagedllm.transformers_utils.tokenizer import model_tokenizer
 
 
 def load_tokenizer(config: EngineConfig) -> Any | None:
-    mc = config.model_config
-    if mc.skip_tokenizer_init:
-        return None
-    same = mc.tokenizer == mc.model
-    return get_tokenizer(
-        mc.model_dir if same else mc.tokenizer,
-        gguf_file=mc.gguf_file if same else None,
-        tokenizer_mode=mc.tokenizer_mode,
-        revision=mc.revision,
-    )
+    """The front end's tokenizer; None with `skip_tokenizer_init`."""
+    return None if config.model_config.skip_tokenizer_init else model_tokenizer(config.model_config)
 
 
 class LLMEngine:

@@ -19,16 +19,9 @@ session 12). Overridden by PAGEDLLM_GRAMMAR_FILL_THREADS."""
 
 def _load_tokenizer(config: EngineConfig) -> Any:
     """The engine's tokenizer (as the front end loads it; cached per process by `get_tokenizer`)."""
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+    from pagedllm.transformers_utils.tokenizer import model_tokenizer
 
-    mc = config.model_config
-    same = mc.tokenizer == mc.model
-    return get_tokenizer(
-        mc.model_dir if same else mc.tokenizer,
-        gguf_file=mc.gguf_file if same else None,
-        tokenizer_mode=mc.tokenizer_mode,
-        revision=mc.revision,
-    )
+    return model_tokenizer(config.model_config)
 
 
 def _stop_ids(config: EngineConfig, tokenizer: Any) -> list[int]:

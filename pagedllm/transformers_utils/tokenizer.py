@@ -54,6 +54,19 @@ def get_tokenizer(
     return _load_tokenizer(directory, gguf_name, tokenizer_mode, revision)
 
 
+def model_tokenizer(model_config: Any) -> PreTrainedTokenizerBase:
+    """The tokenizer of an engine's `ModelConfig`: its `tokenizer` path, or the model's own directory (and GGUF
+    file, whose metadata then carries the tokenizer) when no separate tokenizer was given."""
+    mc = model_config
+    same = mc.tokenizer == mc.model
+    return get_tokenizer(
+        mc.model_dir if same else mc.tokenizer,
+        gguf_file=mc.gguf_file if same else None,
+        tokenizer_mode=mc.tokenizer_mode,
+        revision=mc.revision,
+    )
+
+
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(
     directory: str, gguf_name: str | None, tokenizer_mode: str, revision: str | None
