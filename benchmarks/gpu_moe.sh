@@ -4,7 +4,7 @@
 # (benchmarks/moe_tune.py), and W1 again (no-regression check). Carry the cp312 wheels (msgspec, gguf) in
 # .whl (or MOE_WHL). Stages: MOE_STAGES="tests W6 tune W1" (default, in that order); also `W6T` (W6 with the
 # table just tuned, PAGEDLLM_MOE_CONFIG=$OUT/E128_N768_K2048.json), `split` (benchmarks/moe_step_split.py), W3,
-# `route` (benchmarks/moe_route_micro.py) and `W6OFF` (W6 with the count in the top-k kernel and the deferred sum off).
+# `route` (benchmarks/moe_route_micro.py) and `W6OFF` (W6 with the deferred sum off).
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_gpu_moe}
 mkdir -p "$OUT"
@@ -30,11 +30,11 @@ for stage in ${MOE_STAGES:-tests W6 tune W1}; do
             timeout 200 python3 benchmarks/moe_route_micro.py --out "$OUT/route_micro.json" 2>&1 | grep -v "^INFO" \
                 | tee "$OUT/route.log" | tail -12
             grep -E '^T=' "$OUT/route.log" >> "$summary" ;;
-        W6OFF)  # A/B in the same lease: the count its own launch, the sum over k its own launch (session 28's tree)
-            PAGEDLLM_MOE_COUNT_IN_TOPK=0 PAGEDLLM_MOE_DEFER_SUM=0 timeout 300 python3 -m pagedllm bench throughput \
+        W6OFF)  # A/B in the same lease: the sum over k in a launch of its own
+            PAGEDLLM_MOE_DEFER_SUM=0 timeout 300 python3 -m pagedllm bench throughput \
                 --workload W6 --max-model-len 2048 --load-format dummy --output-json "$OUT/W6OFF_$(date +%s).json" 2>&1 \
                 | grep -v "^INFO" | tail -5 | tee -a "$OUT/bench.log"
-            echo "W6 (count in top-k and deferred sum off): $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary" ;;
+            echo "W6 (deferred sum off): $(grep Throughput "$OUT/bench.log" | tail -1)" >> "$summary" ;;
         W6OLD)  # A/B in the same lease: the fused-MoE options as first measured (call 3)
             PAGEDLLM_MOE_FUSED_SILU=0 PAGEDLLM_MOE_PLACE_BLOCK=256 timeout 300 python3 -m pagedllm bench throughput \
                 --workload W6 --max-model-len 2048 --load-format dummy --output-json "$OUT/W6OLD.json" 2>&1 \

@@ -7,9 +7,9 @@ includes the gaps between the kernels, which is what launches cost inside a deco
   three launches) against `route_and_align` (the count in the top-k launch: a memset and two);
 * `mm+route_new` / `route_gate`: the router GEMM (torch) and then the routing, against the routing given the router
   weight (its split-K GEMM in a launch of its own that also zeroes the counts, the partials summed by the top-k);
-* `block_old` / `block_count_defer` / `block_new`: a whole MoE block and the next residual add + RMSNorm (router
-  GEMM, routing, grouped GEMMs, `moe_sum` + `fused_add_rms_norm`): session 28's kernels; the count in the top-k
-  launch and the norm summing the k parts (no `moe_sum` launch); that and the router GEMM in the routing.
+* `block_sum` / `block_defer` / `block_new`: a whole MoE block and the next residual add + RMSNorm: router GEMM by
+  torch with `moe_sum` then the norm; the norm summing the k parts instead (no `moe_sum` launch); that and the router
+  GEMM in the routing. (Session 29's `block_old`, with the count in a launch of its own, is in benchmarks/NOTES.md.)
 
 Per batch size, microseconds per layer. W6 shape by default (E=128, I=768, H=2048, top-8, bf16).
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 
 import torch
@@ -71,17 +70,9 @@ def measure(t: int, w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, top
             lambda: triton_routing.route_and_align(None, top_k, True, bm, gate=(x, gate)), layers
         ),
     }
-    variants = (
-        ("block_old", False, False, False),
-        ("block_count_defer", True, True, False),
-        ("block_new", True, True, True),
-    )
-    for name, count_in_topk, defer, fused_router in variants:
-        os.environ["PAGEDLLM_MOE_COUNT_IN_TOPK"] = "1" if count_in_topk else "0"
-        triton_routing.count_in_topk.cache_clear()
+    variants = (("block_sum", False, False), ("block_defer", True, False), ("block_new", True, True))
+    for name, defer, fused_router in variants:
         row[name] = graph_us_per_layer(lambda d=defer, f=fused_router: block(d, f), layers)
-    os.environ.pop("PAGEDLLM_MOE_COUNT_IN_TOPK")
-    triton_routing.count_in_topk.cache_clear()
     return row
 
 

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     PAGEDLLM_MOE_FUSED_SILU: bool
     PAGEDLLM_MOE_PLACE_BLOCK: int
-    PAGEDLLM_MOE_COUNT_IN_TOPK: bool
     PAGEDLLM_MOE_DEFER_SUM: bool
     PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
     PAGEDLLM_STEP_TRACE: str | None
@@ -152,8 +151,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_MOE_FUSED_SILU": _flag("PAGEDLLM_MOE_FUSED_SILU"),
     # (token, expert) pairs per program of the fused MoE placement kernel.
     "PAGEDLLM_MOE_PLACE_BLOCK": lambda: int(os.environ.get("PAGEDLLM_MOE_PLACE_BLOCK", "64")),
-    # The fused MoE's per-expert counts taken in its top-k kernel (0: a count launch of their own).
-    "PAGEDLLM_MOE_COUNT_IN_TOPK": _flag("PAGEDLLM_MOE_COUNT_IN_TOPK"),
     # The MoE's sum over its k experts done by the next residual add + RMSNorm (0: its own launch).
     "PAGEDLLM_MOE_DEFER_SUM": _flag("PAGEDLLM_MOE_DEFER_SUM"),
     # Where `start_profile` / `stop_profile` write torch-profiler traces when --profiler-config names none.

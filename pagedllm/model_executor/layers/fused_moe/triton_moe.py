@@ -287,16 +287,16 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, 
         return
     _WARMED.add(key)
     num_experts, hidden = w13.shape[0], w13.shape[2]
+    sms = num_sms(w13.device) if w13.is_cuda else 16
+    gate = torch.zeros(num_experts, hidden, dtype=w13.dtype, device=w13.device)
     sizes = sorted({min(1 << i, max_num_tokens) for i in range(max(1, max_num_tokens).bit_length() + 1)})
     seen: set[str] = set()
     for t in sizes:
         x = torch.zeros(t, hidden, dtype=w13.dtype, device=w13.device)
-        sms = num_sms(w13.device) if w13.is_cuda else 16
         sig = repr((_configs(x, w13, top_k), router_tiles(t, hidden, sms)))
         if sig in seen:
             continue
         seen.add(sig)
         logits = torch.zeros(t, num_experts, dtype=w13.dtype, device=w13.device)
         fused_moe(x, w13, w2, logits, top_k, renormalize, sum_experts=False)
-        gate = torch.zeros(num_experts, hidden, dtype=w13.dtype, device=w13.device)
         fused_moe(x, w13, w2, None, top_k, renormalize, sum_experts=False, gate_weight=gate)

@@ -32,18 +32,6 @@ def place_block() -> int:
     return int(envs.PAGEDLLM_MOE_PLACE_BLOCK)
 
 
-@functools.cache
-def count_in_topk() -> bool:
-    """`route_and_align` counts in the top-k kernel (PAGEDLLM_MOE_COUNT_IN_TOPK=0: a count launch of its own)."""
-    return bool(envs.PAGEDLLM_MOE_COUNT_IN_TOPK)
-
-
-def padded_sizes(num_pairs: int, block_m: int, num_experts: int) -> tuple[int, int]:
-    """(slots of the sorted order, BLOCK_M blocks) in the worst case: every expert's run padded."""
-    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    return max_padded, max_padded // block_m
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -311,7 +299,8 @@ def _place(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The placement launch: pairs to their slots, blocks labelled, padding and the padded total written."""
     n, num_experts, device = flat_ids.numel(), counts.numel(), flat_ids.device
-    max_padded, num_blocks = padded_sizes(n, block_m, num_experts)
+    max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m  # every expert's run padded
+    num_blocks = max_padded // block_m
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post = torch.empty(1, dtype=torch.int32, device=device)
@@ -344,7 +333,7 @@ def route_and_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, ids [T, k] int32, sorted pair ids, the blocks' experts, the padded total) for
     router logits [T, E] (T > 0): `fused_topk` + `moe_align_block_size`'s results with the count in the top-k
-    launch (unless PAGEDLLM_MOE_COUNT_IN_TOPK=0). With `gate` = (x [T, H], router weight [E, H]) instead of
+    launch. With `gate` = (x [T, H], router weight [E, H]) instead of
     logits, the router GEMM runs here too (`router_partials`, which also zeroes the counts)."""
     if gate is not None:
         x, weight = gate
@@ -353,9 +342,6 @@ def route_and_align(
         weights, ids, rank = _topk(part, top_k, renormalize, counts, parts=part.shape[0], logits_dtype=x.dtype)
     else:
         assert router_logits is not None
-        if not count_in_topk():
-            weights, ids = fused_topk(router_logits, top_k, renormalize)
-            return (weights, ids, *moe_align_block_size(ids, block_m, router_logits.shape[1]))
         counts = torch.zeros(router_logits.shape[1], dtype=torch.int32, device=router_logits.device)
         weights, ids, rank = _topk(router_logits, top_k, renormalize, counts)
     assert rank is not None
