@@ -21,13 +21,16 @@ if HAS_TRITON:
 MAX_ROWS = 64  # above this, one block per row already fills the GPU
 _BLOCK = 1024
 _MIN_CHUNK = 2048
+_MAX_SPLIT = 256  # chunks per row at most (a 512k vocabulary at the minimum chunk)
 
 if HAS_TRITON:
     _NO_INDEX = tl.constexpr(2147483647)
 
-    @triton.jit
-    def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, cnt_ptr, n_cols, stride_row, chunk,
-                       SPLIT: tl.constexpr, SPLIT_P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # The split follows the row count: a runtime value, so one compiled kernel serves every batch size (as a
+    # constexpr, each greedy batch size that warm-up did not meet compiled a variant while serving).
+    @triton.jit(do_not_specialize=["chunk", "split"])
+    def _argmax_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, cnt_ptr, n_cols, stride_row, chunk, split,
+                       MAX_SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         s = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -45,7 +48,7 @@ if HAS_TRITON:
             best_i = tl.where(better, cols, best_i)
         m = tl.max(best, axis=0)
         i = tl.min(tl.where(best == m, best_i, _NO_INDEX), axis=0)
-        store_row_argmax(m, i, row, s, SPLIT, out_ptr, val_ptr, idx_ptr, cnt_ptr, SPLIT_P)
+        store_row_argmax(m, i, row, s, split, out_ptr, val_ptr, idx_ptr, cnt_ptr, MAX_SPLIT)
 
     @triton.jit
     def store_row_argmax(top, idx, row, s, split, out_ptr, val_ptr, idx_ptr, cnt_ptr, SPLIT_P: tl.constexpr):
@@ -93,15 +96,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def split_argmax(logits: torch.Tensor, sms: int) -> torch.Tensor:
     """The kernel on [rows, vocab] logits (unit column stride), rows x chunks programs for about 2 * `sms`."""
     rows, n = logits.shape
-    split = max(1, min(triton.cdiv(n, _MIN_CHUNK), triton.cdiv(2 * sms, rows)))
+    split = max(1, min(triton.cdiv(n, _MIN_CHUNK), triton.cdiv(2 * sms, rows), _MAX_SPLIT))
     chunk = triton.cdiv(triton.cdiv(n, split), _BLOCK) * _BLOCK
     split = triton.cdiv(n, chunk)
+    assert split <= _MAX_SPLIT
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     vals = torch.empty(rows * split, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows * split, dtype=torch.int32, device=logits.device)
     cnt = split_counters(logits.device, rows, owner="argmax")
     _argmax_kernel[(rows, split)](
-        logits, vals, idxs, out, cnt, n, logits.stride(0), chunk,
-        SPLIT=split, SPLIT_P=triton.next_power_of_2(split), BLOCK=_BLOCK, num_warps=4,
+        logits, vals, idxs, out, cnt, n, logits.stride(0), chunk, split,
+        MAX_SPLIT=_MAX_SPLIT, BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
     return out

@@ -46,3 +46,23 @@ def test_argmax_rows_replays_in_a_cuda_graph() -> None:
         x.copy_(torch.randn(2, 128256, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         assert torch.equal(out.cpu(), torch.argmax(x, dim=-1).cpu())
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton compiles")
+def test_one_compiled_variant_serves_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split follows the row count at run time: after one launch, other row counts compile nothing (a compile
+    while serving is a stall)."""
+    from triton import knobs
+
+    x = torch.randn(64, 151_936, device=DEVICE)
+    triton_argmax.argmax_rows(x[:1])
+    compiled: list[str] = []
+
+    def hook(**kw: object) -> bool:
+        compiled.append(str(kw["repr"])[:120])
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    for rows in (2, 3, 5, 17, 33, 64):
+        assert torch.equal(triton_argmax.argmax_rows(x[:rows]), x[:rows].argmax(dim=-1))
+    assert compiled == []
