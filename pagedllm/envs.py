@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
     PAGEDLLM_FUSED_ROPE_CACHE: bool
+    PAGEDLLM_ATTN_LONGEST_FIRST: bool
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
     PAGEDLLM_WORKLOADS_DIR: str | None
     PAGEDLLM_MOE_CONFIG: str | None
@@ -141,6 +142,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_ROW_GEMV": _flag("PAGEDLLM_ROW_GEMV"),
     # RoPE fused with the KV-cache write in the Triton attention backend.
     "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
+    # Decode attention launches run the longest requests first (triton_paged_attn.wants_request_order).
+    "PAGEDLLM_ATTN_LONGEST_FIRST": _flag("PAGEDLLM_ATTN_LONGEST_FIRST"),
     # A file to log every Triton compile to, with the engine's phase (worker/compile_log.py).
     "PAGEDLLM_LOG_TRITON_COMPILES": lambda: os.environ.get("PAGEDLLM_LOG_TRITON_COMPILES"),
     # Where the benchmark workload configs live (default: the repo's benchmarks/workloads).

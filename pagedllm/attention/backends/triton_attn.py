@@ -33,7 +33,9 @@ from pagedllm.attention.ops.triton_paged_attn import (
     HAS_TRITON,
     choose_num_splits,
     paged_attention,
+    request_order,
     reshape_and_cache,
+    wants_request_order,
 )
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
 
@@ -58,6 +60,11 @@ class TritonAttentionMetadata:
     num_splits: int | None = None  # split-KV segments; None = choose per layer from the batch shape
     workspace: dict = field(default_factory=dict)  # split-KV scratch, shared by the step's layers
     key_limit: torch.Tensor | None = None  # [num_tokens] int32: see CommonAttentionMetadata.key_limit
+    # Longest-first request order for the decode launch, computed on the device by the first layer that runs
+    # with this metadata (`order_owner`, an impl's id) in every forward, so that a CUDA graph captures the sort
+    # and replays it on the replayed lengths; later layers reuse it. Any permutation gives the same output.
+    req_order: torch.Tensor | None = None
+    order_owner: int | None = None
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -117,6 +124,15 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         num_splits = md.num_splits
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
+        req_order = None
+        if envs.PAGEDLLM_ATTN_LONGEST_FIRST and wants_request_order(
+            md.num_reqs, self.num_kv_heads, md.num_decodes or 0, num_splits, query.device
+        ):
+            if md.order_owner is None:
+                md.order_owner = id(self)
+            if md.order_owner == id(self):
+                md.req_order = request_order(md.seq_lens, md.num_reqs)
+            req_order = md.req_order
         paged_attention(
             query,
             k_cache,
@@ -137,6 +153,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             logits_soft_cap=self.logits_soft_cap,
             kv_scales=kv_scales,
             key_limit=md.key_limit,
+            req_order=req_order,
         )
         return output
 

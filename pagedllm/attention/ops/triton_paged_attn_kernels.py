@@ -148,6 +148,7 @@ def _paged_attn_kernel(
     k_scale_ptr,
     v_scale_ptr,
     key_limit_ptr,
+    order_ptr,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -164,9 +165,16 @@ def _paged_attn_kernel(
     SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,
     KEY_LIMIT: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
+        pair = tl.program_id(0)
+        num_kvh = num_heads // GROUP
+        pid_q = tl.load(order_ptr + pair // num_kvh).to(tl.int32)
+        kvh = pair % num_kvh
+    else:
+        pid_q = tl.program_id(0)
+        kvh = tl.program_id(1)
     seg = tl.program_id(2)
 
     if DIRECT:  # one program per request: every request this launch computes fits one tile

@@ -1,0 +1,78 @@
+"""Decode attention with its (request, kv head) programs in batch order against longest request first (GPU only).
+
+The question (issue 18, W6): with one 128-key-tile program per SM, the launch order is the schedule, and a long
+request that starts last is the launch's tail. Does `request_order` (one device sort per step, shared by every
+layer) close part of the kernel's gap to its K/V bytes? Prints microseconds per launch (CUDA-graph replays),
+the ratio to the K/V-bytes floor at the measured copy bandwidth, the sort's own time, and a few tile
+configurations under the sorted order; checks the outputs are identical.
+
+    PYTHONPATH=. python3 benchmarks/attn_order_ab.py --out $OUT/attn_order.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import benchmarks.attn_microbench as mb
+from pagedllm.attention.ops.triton_paged_attn import request_order
+from pagedllm.benchmarks import floors
+
+# (name, q heads, kv heads, batch, context range)
+CASES = [
+    ("W6 b256", 32, 4, 256, (100, 1100)),
+    ("W6 b128", 32, 4, 128, (300, 1500)),
+    ("W6 b64", 32, 4, 64, (500, 2000)),
+    ("W1 b256", 16, 8, 256, (100, 1100)),
+]
+# (TILE_N, num_warps, num_stages) tried under the sorted order; the default is (128, 4, 2).
+TILES = [(64, 4, 2), (64, 4, 3), (128, 8, 2)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    gbps = floors.copy_bandwidth_gbps("cuda")
+    report = {}
+    for name, h, kvh, batch, (lo, hi) in CASES:
+        mb.H, mb.KVH = h, kvh
+        g = torch.Generator().manual_seed(batch)
+        seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        b = mb.DecodeBatch(seq, 16)
+        floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
+        plain = b.run().clone()
+        t_plain = mb.bench(lambda b=b: b.run()) * 1e3
+        order = request_order(b.seq_lens, batch)
+        t_sort = mb.bench(lambda b=b, n=batch: request_order(b.seq_lens, n)) * 1e3
+        ordered = b.run(req_order=order).clone()
+        t_ord = mb.bench(lambda b=b, o=order: b.run(req_order=o)) * 1e3
+        row = {
+            "floor_us": floor_us,
+            "plain_us": t_plain,
+            "ordered_us": t_ord,
+            "sort_us": t_sort,
+            "same_output": torch.equal(plain, ordered),
+            "tiles": {},
+        }
+        print(
+            f"{name}: batch order {t_plain:6.1f} us ({t_plain / floor_us:.2f}x)  longest first {t_ord:6.1f} us"
+            f" ({t_ord / floor_us:.2f}x)  sort {t_sort:.1f} us  floor {floor_us:.1f} us  same: {row['same_output']}",
+            flush=True,
+        )
+        for tn, nw, ns in TILES:
+            cfg = {"block_m": 16 if h // kvh <= 16 else 32, "tile_n": tn, "num_warps": nw, "num_stages": ns}
+            t_plain_c = mb.bench(lambda b=b, c=cfg: b.run(**c)) * 1e3
+            t_c = mb.bench(lambda b=b, o=order, c=cfg: b.run(req_order=o, **c)) * 1e3
+            row["tiles"][f"{tn}/{nw}/{ns}"] = {"plain_us": t_plain_c, "ordered_us": t_c}
+            print(f"    tile {tn} warps {nw} stages {ns}: batch order {t_plain_c:6.1f} us, longest first {t_c:6.1f} us")
+        report[name] = row
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": gbps, "cases": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
