@@ -23,12 +23,19 @@ from pagedllm.benchmarks import floors
 # (name, q heads, kv heads, batch, context range)
 CASES = [
     ("W6 b256", 32, 4, 256, (100, 1100)),
+    ("W6 b256 long", 32, 4, 256, (500, 2000)),
+    ("W6 b224", 32, 4, 224, (100, 1500)),
+    ("W6 b192", 32, 4, 192, (100, 1500)),
+    ("W6 b160", 32, 4, 160, (200, 1500)),
     ("W6 b128", 32, 4, 128, (300, 1500)),
+    ("W6 b96", 32, 4, 96, (300, 1800)),
     ("W6 b64", 32, 4, 64, (500, 2000)),
     ("W1 b256", 16, 8, 256, (100, 1100)),
+    ("W1 b128", 16, 8, 128, (300, 1500)),
 ]
-# (TILE_N, num_warps, num_stages) tried under the sorted order; the default is (128, 4, 2).
-TILES = [(64, 4, 2), (64, 4, 3), (128, 8, 2)]
+# (TILE_N, num_warps, num_stages) tried under the sorted order; the defaults are (128, 4, 2), and (64, 4, 2) for
+# longest-first launches of at least SMALL_TILE_WAVES programs per SM.
+TILES = [(128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)]
 
 
 def main() -> None:

@@ -78,18 +78,20 @@ def test_split_launches_ignore_the_order() -> None:
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="the order is used on CUDA devices only")
-def test_backend_sorts_once_per_forward_inside_a_graph() -> None:
+@pytest.mark.parametrize("waves", [1, 6])
+def test_backend_sorts_once_per_forward_inside_a_graph(waves: int) -> None:
     """Two layers sharing one step's metadata, captured in a CUDA graph as the decode graphs are (a warm-up
     forward, then the capture): the first layer owns the sort, the graph replays it on the replayed lengths,
-    and both layers' outputs equal the unordered launch's."""
+    and both layers' outputs equal the unordered launch's with the same tiles (`waves` programs per SM: from
+    SMALL_TILE_WAVES on, the ordered launch takes 64-key tiles)."""
     from pagedllm.attention.backends.abstract import AttentionType, CommonAttentionMetadata
     from pagedllm.attention.backends.triton_attn import TritonAttentionBackend
-    from pagedllm.attention.ops.triton_paged_attn import wants_request_order
+    from pagedllm.attention.ops.triton_paged_attn import launch_config, ordered_tile_n, wants_request_order
     from pagedllm.triton_utils import num_sms
 
     dev = torch.device("cuda")
     h, kvh, d, bs = 16, 4, 128, 16
-    n = num_sms(dev) // kvh + 8  # more (request, kv head) pairs than SMs
+    n = waves * num_sms(dev) // kvh + 8  # more (request, kv head) pairs than SMs
     assert wants_request_order(n, kvh, n, 1, dev)
     g = torch.Generator().manual_seed(0)
     max_blocks = 64
@@ -143,9 +145,13 @@ def test_backend_sorts_once_per_forward_inside_a_graph() -> None:
         assert md.req_order is not None
         assert lens[md.req_order.cpu()].tolist() == sorted(lens.tolist(), reverse=True)
         plain = torch.empty_like(q)
+        bm, tn, nw, ns = launch_config(d, h // kvh, q.dtype, 1)
+        tn = ordered_tile_n(tn, n * kvh, dev)
+        assert tn == (64 if waves >= 6 else 128)
         paged_attention(
             q, kv[0], kv[1], plain, block_table, seq_lens, qsl.to(dev),
             num_actual_tokens=n, num_reqs=n, max_query_len=1, scale=d**-0.5,
+            block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns,
         )  # fmt: skip
         for out in outs:
             assert torch.equal(out, plain)

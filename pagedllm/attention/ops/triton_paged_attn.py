@@ -79,6 +79,20 @@ def wants_request_order(
     return num_decodes > 0 and num_splits == 1 and device.type == "cuda" and num_reqs * num_kv_heads > num_sms(device)
 
 
+SMALL_TILE_WAVES = 6
+"""Longest-first decode launches of at least this many (request, kv head) programs per SM use 64-key tiles."""
+
+
+def ordered_tile_n(tile_n: int, pairs: int, device: torch.device) -> int:
+    """The key tile of a longest-first decode launch: 64 keys (two stages of K and V in 64 KB, three programs per
+    SM, so one program's start and end overlap the others' loads) where there are at least `SMALL_TILE_WAVES`
+    programs per SM. Fewer programs do better with 128-key tiles (H200, attn_order_ab.py: W6's 32/4 heads at
+    batch 256, 82.2 -> 75.0 us; at batch 128, 63.2 -> 69.1 us; benchmarks/NOTES.md, session 30)."""
+    if device.type != "cuda" or pairs < SMALL_TILE_WAVES * num_sms(device):
+        return tile_n
+    return min(tile_n, 64)
+
+
 def request_order(seq_lens: torch.Tensor, num_reqs: int) -> torch.Tensor:
     """Request indices by descending context length (stable; one device sort, no host sync, graph-capturable)."""
     return torch.argsort(seq_lens[:num_reqs], descending=True, stable=True)
@@ -216,6 +230,8 @@ def paged_attention(
         direct = filt == 1 or (one_tile_rows(max_query_len, group) is not None and max_query_len <= block_q)
         num_q_tiles = num_reqs if direct else num_actual_tokens // block_q + num_reqs
         ordered = req_order is not None and direct and num_splits == 1
+        if ordered and not overridden and not batch_invariant.enabled():
+            tn = ordered_tile_n(tn, num_reqs * num_kv_heads, query.device)
         grid = (num_q_tiles * num_kv_heads, 1, 1) if ordered else (num_q_tiles, num_kv_heads, num_splits)
         kern._paged_attn_kernel[grid](
             output,
