@@ -10,11 +10,13 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.ops.triton_paged_attn import SMALL_TILE_WAVES
 from pagedllm.core.kv_cache_utils import KVCacheGroup
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.models.interfaces import CausalLM
 from pagedllm.sample import triton_sample
+from pagedllm.triton_utils import num_sms
 from pagedllm.utils import cdiv
 from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer
 
@@ -80,6 +82,8 @@ def run_dummy_batches(
         # beside a decode. (Before the decode batches, so that the last batch, whose logits warm up the sampler,
         # stays the largest decode batch.)
         shapes += [s for q in (4, 8, 16, 32) for s in (([q], [0]), ([1, q], [16, 0]))]
+    if device.type == "cuda":
+        shapes += _longest_first_shapes(groups, max_num_reqs, c, device)
     shapes += [([1] * k, [16] * k) for k in (1, 2, 4, 8, 16, 32, 64) if k <= max_num_reqs]
     # Models whose image tokens see their whole image: the attention's key-limit variants too (first two shapes).
     limited = bool(getattr(model, "requires_whole_mm_items", False))
@@ -97,6 +101,25 @@ def run_dummy_batches(
         commons = build_commons(cu, seq, np.array(ctx), tables, slots, max(q_lens), device, key_limit=limit)
         logits = _forward(model, q_lens, ctx, metadata_by_layer(builders, groups, commons), device)
     return logits
+
+
+def _longest_first_shapes(
+    groups: list[KVCacheGroup], max_num_reqs: int, chunk: int, device: torch.device
+) -> list[tuple[list[int], list[int]]]:
+    """Batches at the first size of each longest-first decode launch (`triton_paged_attn.wants_request_order`
+    and `ordered_tile_n`: more (request, kv head) programs than SMs; SMALL_TILE_WAVES per SM), as decodes alone
+    and beside a chunk (the mixed step's decode launch, a variant of its own). Without them W6 compiled two
+    variants in its first mixed steps (benchmarks/NOTES.md, session 30)."""
+    sms = num_sms(device)
+    sizes: set[int] = set()
+    for g in groups:
+        kvh = int(getattr(g.spec, "num_kv_heads", 0) or 0)
+        if kvh:
+            sizes |= {sms // kvh + 1, -(-SMALL_TILE_WAVES * sms // kvh)}
+    shapes = []
+    for k in sorted(k for k in sizes if 1 < k <= max_num_reqs):
+        shapes += [([1] * k, [16] * k), ([1] * (k - 1) + [chunk], [16] * (k - 1) + [0])]
+    return shapes
 
 
 def warm_up_kernels(
