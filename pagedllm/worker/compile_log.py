@@ -34,8 +34,8 @@ def install() -> None:
 
     def hook(*, key: Any, repr: str, fn: Any, compile: Any, is_manual_warmup: bool, already_compiled: bool) -> bool:
         with open(path, "a") as f:
-            # The whole key on one line: the argument types and constexprs that tell two variants apart.
-            f.write(f"{time.perf_counter() - _T0:9.3f}s {_phase}: {' '.join(repr.split())[:6000]}\n")
+            # The key on the same line: the argument types and constexprs that tell two variants apart.
+            f.write(f"{time.perf_counter() - _T0:9.3f}s {_phase}: {' '.join(repr.split())[:400]} key={key}\n")
         return False  # go on compiling
 
     knobs.runtime.jit_cache_hook = hook

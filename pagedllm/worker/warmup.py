@@ -15,7 +15,7 @@ from pagedllm.core.kv_cache_utils import KVCacheGroup
 from pagedllm.forward_context import set_forward_context
 from pagedllm.logger import init_logger
 from pagedllm.model_executor.models.interfaces import CausalLM
-from pagedllm.sample import triton_sample
+from pagedllm.sample import triton_argmax, triton_sample
 from pagedllm.triton_utils import num_sms
 from pagedllm.utils import cdiv
 from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer
@@ -125,13 +125,18 @@ def _longest_first_shapes(
 def warm_up_kernels(
     logits: torch.Tensor | None, device: torch.device, t0: float, model: torch.nn.Module, max_num_tokens: int
 ) -> None:
-    """After `run_dummy_batches` on a GPU: the one-pass sampler's variants too (seeded rows present, and
-    keys made in the kernel), and every module's own `warm_up_kernels(max_num_tokens)` where it has one (launch
-    variants that the dummy batches' few tokens do not reach, e.g. the fused MoE's prefill-sized tiles)."""
+    """After `run_dummy_batches` on a GPU: the greedy argmax's and the one-pass sampler's variants too (seeded
+    rows present, and keys made in the kernel), and every module's own `warm_up_kernels(max_num_tokens)` where it
+    has one (launch variants that the dummy batches' few tokens do not reach, e.g. the fused MoE's prefill-sized
+    tiles)."""
     for module in model.modules():
         hook = getattr(module, "warm_up_kernels", None)
         if callable(hook):
             hook(max_num_tokens)
+    if logits is not None:  # the greedy rows' split argmax: one variant for every row count, per logits dtype
+        for x in (logits, logits.float()):
+            if triton_argmax.usable(x):
+                triton_argmax.argmax_rows(x)
     if logits is not None and triton_sample.usable(logits := logits.float()):
         n = logits.shape[0]
         keys = torch.zeros(n, dtype=torch.int64, device=device)
