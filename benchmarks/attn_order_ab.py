@@ -36,15 +36,43 @@ CASES = [
 # (TILE_N, num_warps, num_stages) tried under the sorted order; the defaults are (128, 4, 2), and (64, 4, 2) for
 # longest-first launches of at least SMALL_TILE_WAVES programs per SM.
 TILES = [(128, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)]
+# Batches of one or two waves of programs (`--splits`): the split-KV launch at 2 and 4 segments, by tile.
+SPLIT_CASES = [
+    ("W6 b40", 32, 4, 40, (500, 2000)),
+    ("W6 b64", 32, 4, 64, (500, 2000)),
+    ("W6 b96", 32, 4, 96, (300, 1800)),
+    ("W6 b128", 32, 4, 128, (300, 1500)),
+]
+
+
+def split_sweep(gbps: float) -> dict:
+    """us per launch of each (segments, tile) against the default launch, for SPLIT_CASES."""
+    report = {}
+    for name, h, kvh, batch, (lo, hi) in SPLIT_CASES:
+        mb.H, mb.KVH = h, kvh
+        g = torch.Generator().manual_seed(batch)
+        seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+        b = mb.DecodeBatch(seq, 16)
+        floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
+        order = request_order(b.seq_lens, batch)
+        row = {"floor_us": floor_us, "default_us": mb.bench(lambda b=b, o=order: b.run(req_order=o)) * 1e3}
+        for splits in (2, 4):
+            for tn in (128, 64):
+                cfg = {"block_m": 16, "tile_n": tn, "num_warps": 4, "num_stages": 2}
+                row[f"split{splits}/tile{tn}"] = mb.bench(lambda b=b, s=splits, c=cfg: b.run(num_splits=s, **c)) * 1e3
+        print(name, f"floor {floor_us:.1f}", {k: round(v, 1) for k, v in row.items()}, flush=True)
+        report[name] = row
+    return report
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--splits", action="store_true", help="the split-KV sweep (SPLIT_CASES) only")
     a = ap.parse_args()
     gbps = floors.copy_bandwidth_gbps("cuda")
     report = {}
-    for name, h, kvh, batch, (lo, hi) in CASES:
+    for name, h, kvh, batch, (lo, hi) in [] if a.splits else CASES:
         mb.H, mb.KVH = h, kvh
         g = torch.Generator().manual_seed(batch)
         seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
@@ -76,6 +104,8 @@ def main() -> None:
             row["tiles"][f"{tn}/{nw}/{ns}"] = {"plain_us": t_plain_c, "ordered_us": t_c}
             print(f"    tile {tn} warps {nw} stages {ns}: batch order {t_plain_c:6.1f} us, longest first {t_c:6.1f} us")
         report[name] = row
+    if a.splits:
+        report = split_sweep(gbps)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_GBps": gbps, "cases": report}, f, indent=1)
