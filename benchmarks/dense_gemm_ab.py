@@ -50,10 +50,35 @@ def time_us(fn) -> float:
     return tt.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
+def blas_variants(out: str | None) -> None:
+    """`F.linear` under each of torch's BLAS back ends, and the transposed product W @ x^T (other heuristics)."""
+    report: dict = {"gpu": torch.cuda.get_device_name(), "cases": {}}
+    w1 = [("W1 qkv", 4096, 1024), ("W1 o", 1024, 2048), ("W1 gate_up", 6144, 1024), ("W1 down", 1024, 3072)]
+    shapes = SHAPES + w1
+    for (name, n, k), m in itertools.product(shapes, BATCHES):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        row = {}
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            row[lib] = time_us(lambda x=x, w=w: F.linear(x, w))
+        torch.backends.cuda.preferred_blas_library("cublas")
+        row["W@xT"] = time_us(lambda x=x, w=w: torch.mm(w, x.t()))
+        print(f"{name} M={m}: " + ", ".join(f"{k} {v:.2f} us" for k, v in row.items()), flush=True)
+        report["cases"][f"{name} M={m}"] = row
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--blas", action="store_true", help="cuBLAS against cuBLASLt and the transposed product only")
     a = ap.parse_args()
+    if a.blas:
+        blas_variants(a.out)
+        return
     gbps = floors.copy_bandwidth_gbps("cuda")
     tflops = floors.matmul_tflops("cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(), "copy_GBps": gbps, "matmul_TFLOPs": tflops, "cases": {}}

@@ -69,6 +69,16 @@ def test_any_order_same_output(dtype: torch.dtype, q_lens: list[int], ctx_lens: 
     assert rel < REL_TOL[dtype], rel
 
 
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 300])
+def test_request_order_is_a_stable_descending_sort(n: int) -> None:
+    """Many ties (lengths from a few values) and sizes across the kernel's 64-row blocks: torch's stable sort."""
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32) * 100
+    got = request_order(lens.to(DEVICE), n).cpu()
+    assert got.dtype == torch.int32
+    assert torch.equal(got.long(), torch.argsort(lens, descending=True, stable=True))
+
+
 def test_split_launches_ignore_the_order() -> None:
     """A split-KV launch runs its own grid; an order passed with it changes nothing."""
     b = Batch([1] * 4, [900, 3, 300, 64], 8, 2, 64, 16, torch.float32, seed=3)

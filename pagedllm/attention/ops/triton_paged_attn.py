@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 if HAS_TRITON:
+    import triton
+
     from pagedllm.attention.ops import triton_paged_attn_kernels as kern
 
 _LOG2E = 1.4426950408889634
@@ -94,8 +96,14 @@ def ordered_tile_n(tile_n: int, pairs: int, device: torch.device) -> int:
 
 
 def request_order(seq_lens: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    """Request indices by descending context length (stable; one device sort, no host sync, graph-capturable)."""
-    return torch.argsort(seq_lens[:num_reqs], descending=True, stable=True)
+    """[num_reqs] int32 request indices by descending context length, ties in index order: one launch, no host
+    sync, graph-capturable (torch's stable argsort took 18.5 us at 256 requests on the H200, several launches)."""
+    require_triton()
+    order = torch.empty(num_reqs, dtype=torch.int32, device=seq_lens.device)
+    if num_reqs:
+        block = 64
+        kern._longest_first_kernel[(triton.cdiv(num_reqs, block),)](seq_lens, order, num_reqs, BLOCK=block)
+    return order
 
 
 def one_tile_rows(max_query_len: int, group: int) -> int | None:

@@ -360,3 +360,21 @@ def _merge_segments_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
     dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _longest_first_kernel(seq_lens_ptr, order_ptr, n, BLOCK: tl.constexpr):
+    """order[rank(i)] = i, rank(i) = #{j: len_j > len_i} + #{j < i: len_j == len_i}: request indices by
+    descending length, ties in index order (a stable sort by counting; n is a batch, a few hundred at most)."""
+    offs_i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i_ok = offs_i < n
+    len_i = tl.load(seq_lens_ptr + offs_i, mask=i_ok, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, n, BLOCK):
+        offs_j = j0 + tl.arange(0, BLOCK)
+        len_j = tl.load(seq_lens_ptr + offs_j, mask=offs_j < n, other=-1)
+        before = (len_j[None, :] > len_i[:, None]) | (
+            (len_j[None, :] == len_i[:, None]) & (offs_j[None, :] < offs_i[:, None])
+        )
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, offs_i, mask=i_ok)
