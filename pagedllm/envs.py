@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     PAGEDLLM_ROW_GEMV: bool
     PAGEDLLM_FUSED_ROPE_CACHE: bool
     PAGEDLLM_ATTN_LONGEST_FIRST: bool
-    PAGEDLLM_BLAS: str | None
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
     PAGEDLLM_WORKLOADS_DIR: str | None
     PAGEDLLM_MOE_CONFIG: str | None
@@ -145,8 +144,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
     # Decode attention launches run the longest requests first (triton_paged_attn.wants_request_order).
     "PAGEDLLM_ATTN_LONGEST_FIRST": _flag("PAGEDLLM_ATTN_LONGEST_FIRST"),
-    # torch's BLAS back end for the dense GEMMs on CUDA ("cublas" or "cublaslt"; unset: torch's default).
-    "PAGEDLLM_BLAS": lambda: os.environ.get("PAGEDLLM_BLAS"),
     # A file to log every Triton compile to, with the engine's phase (worker/compile_log.py).
     "PAGEDLLM_LOG_TRITON_COMPILES": lambda: os.environ.get("PAGEDLLM_LOG_TRITON_COMPILES"),
     # Where the benchmark workload configs live (default: the repo's benchmarks/workloads).

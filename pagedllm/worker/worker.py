@@ -34,8 +34,6 @@ class Worker:
         else:
             torch.cuda.set_device(self.device)
             compile_log.install()
-            if envs.PAGEDLLM_BLAS:
-                torch.backends.cuda.preferred_blas_library(envs.PAGEDLLM_BLAS)
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
         batch_invariant.set_enabled(bool(config.extra.get("batch_invariant")))
