@@ -4,7 +4,7 @@ The question (issue 18, W6): with one 128-key-tile program per SM, the launch or
 request that starts last is the launch's tail. Does `request_order` (one device sort per step, shared by every
 layer) close part of the kernel's gap to its K/V bytes? Prints microseconds per launch (CUDA-graph replays),
 the ratio to the K/V-bytes floor at the measured copy bandwidth, the sort's own time, and a few tile
-configurations under the sorted order; checks the outputs are identical.
+configurations under the sorted order; checks that each configuration's output is the same in either order.
 
     PYTHONPATH=. python3 benchmarks/attn_order_ab.py --out $OUT/attn_order.json
 """
@@ -78,31 +78,32 @@ def main() -> None:
         seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
         b = mb.DecodeBatch(seq, 16)
         floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
-        plain = b.run().clone()
         t_plain = mb.bench(lambda b=b: b.run()) * 1e3
         order = request_order(b.seq_lens, batch)
         t_sort = mb.bench(lambda b=b, n=batch: request_order(b.seq_lens, n)) * 1e3
-        ordered = b.run(req_order=order).clone()
         t_ord = mb.bench(lambda b=b, o=order: b.run(req_order=o)) * 1e3
         row = {
             "floor_us": floor_us,
             "plain_us": t_plain,
             "ordered_us": t_ord,
             "sort_us": t_sort,
-            "same_output": torch.equal(plain, ordered),
+            "same_output": True,  # per tile configuration below: ordered against batch order
             "tiles": {},
         }
         print(
             f"{name}: batch order {t_plain:6.1f} us ({t_plain / floor_us:.2f}x)  longest first {t_ord:6.1f} us"
-            f" ({t_ord / floor_us:.2f}x)  sort {t_sort:.1f} us  floor {floor_us:.1f} us  same: {row['same_output']}",
+            f" ({t_ord / floor_us:.2f}x)  sort {t_sort:.1f} us  floor {floor_us:.1f} us",
             flush=True,
         )
         for tn, nw, ns in TILES:
             cfg = {"block_m": 16 if h // kvh <= 16 else 32, "tile_n": tn, "num_warps": nw, "num_stages": ns}
+            plain = b.run(**cfg).clone()
+            row["same_output"] &= torch.equal(plain, b.run(req_order=order, **cfg))
             t_plain_c = mb.bench(lambda b=b, c=cfg: b.run(**c)) * 1e3
             t_c = mb.bench(lambda b=b, o=order, c=cfg: b.run(req_order=o, **c)) * 1e3
             row["tiles"][f"{tn}/{nw}/{ns}"] = {"plain_us": t_plain_c, "ordered_us": t_c}
             print(f"    tile {tn} warps {nw} stages {ns}: batch order {t_plain_c:6.1f} us, longest first {t_c:6.1f} us")
+        print(f"    same output in either order, every tile: {row['same_output']}", flush=True)
         report[name] = row
     if a.splits:
         report = split_sweep(gbps)
