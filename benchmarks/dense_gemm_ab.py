@@ -1,7 +1,7 @@
 """Decode-sized dense GEMMs: cuBLAS (`F.linear`) against Triton tile configurations (GPU only).
 
 The question (issue 18, W6): W6's q/k/v and o projections take 10.8 and 10.5 us a layer at 256 rows, 1.4-1.7x
-their FLOPs at the measured matmul rate (benchmarks/NOTES.md, session 23's split). Does a plain Triton GEMM
+their FLOPs at the measured matmul rate (benchmarks/NOTES.md, session 16's split). Does a plain Triton GEMM
 (the batch-invariant kernel's, `batch_invariant_gpu._bi_matmul_kernel`, with its tiles swept) beat cuBLAS on
 these shapes? Prints us per GEMM (CUDA-graph replays) and the floors (bytes at copy bandwidth, FLOPs at the
 measured matmul rate) per shape and batch, and the best Triton configuration.
