@@ -44,10 +44,7 @@ def main() -> None:
     gbps = floors.copy_bandwidth_gbps("cuda")
     report = {}
     for name, h, kvh, batch, (lo, hi) in CASES:
-        mb.H, mb.KVH = h, kvh
-        g = torch.Generator().manual_seed(batch)
-        seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
-        b = mb.DecodeBatch(seq, 16)
+        b = mb.random_decode_batch(h, kvh, batch, lo, hi)
         floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
         nhd = b.run().clone()
         t_nhd = mb.bench(lambda b=b: b.run()) * 1e3

@@ -124,6 +124,15 @@ class DecodeBatch:
         return impl._decode(self.q, self.k_cache, self.v_cache, md)
 
 
+def random_decode_batch(h: int, kvh: int, batch: int, lo: int, hi: int) -> DecodeBatch:
+    """A decode batch of `batch` requests with contexts drawn from U[lo, hi] (seeded by the batch size), for
+    `h` query and `kvh` kv heads (set as this module's H / KVH)."""
+    global H, KVH
+    H, KVH = h, kvh
+    g = torch.Generator().manual_seed(batch)
+    return DecodeBatch(torch.randint(lo, hi + 1, (batch,), generator=g).tolist(), 16)
+
+
 def long_batch(n: int, ctx: int, record) -> None:
     """n requests of ctx tokens each, through every split count (checked against the unsplit result)."""
     b = DecodeBatch([ctx] * n, 16, seed=n)

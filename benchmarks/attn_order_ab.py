@@ -49,10 +49,7 @@ def split_sweep(gbps: float) -> dict:
     """us per launch of each (segments, tile) against the default launch, for SPLIT_CASES."""
     report = {}
     for name, h, kvh, batch, (lo, hi) in SPLIT_CASES:
-        mb.H, mb.KVH = h, kvh
-        g = torch.Generator().manual_seed(batch)
-        seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
-        b = mb.DecodeBatch(seq, 16)
+        b = mb.random_decode_batch(h, kvh, batch, lo, hi)
         floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
         order = request_order(b.seq_lens, batch)
         row = {"floor_us": floor_us, "default_us": mb.bench(lambda b=b, o=order: b.run(req_order=o)) * 1e3}
@@ -73,10 +70,7 @@ def main() -> None:
     gbps = floors.copy_bandwidth_gbps("cuda")
     report = {}
     for name, h, kvh, batch, (lo, hi) in [] if a.splits else CASES:
-        mb.H, mb.KVH = h, kvh
-        g = torch.Generator().manual_seed(batch)
-        seq = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
-        b = mb.DecodeBatch(seq, 16)
+        b = mb.random_decode_batch(h, kvh, batch, lo, hi)
         floor_us = b.kv_bytes / (gbps * 1e9) * 1e6
         t_plain = mb.bench(lambda b=b: b.run()) * 1e3
         order = request_order(b.seq_lens, batch)

@@ -145,9 +145,11 @@ def run_case(
     two_launches: bool = True,
     q_scale: float = 1.0,
     softcap: float | None = None,
+    req_order: torch.Tensor | None = None,
     **overrides: int,
-) -> None:
-    """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches."""
+) -> torch.Tensor:
+    """two_launches: pass num_decodes (as the backend does), so mixed batches run decode + chunk launches.
+    Returns the output (float64, on the CPU) after checking it against the float64 reference."""
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("the Triton 3.6 interpreter truncates float32 -> bfloat16 (GPU only)")
     b = Batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed)
@@ -185,6 +187,7 @@ def run_case(
         num_splits=num_splits,
         num_decodes=sum(q == 1 for q in q_lens) if two_launches else None,
         logits_soft_cap=softcap,
+        req_order=req_order,
         **overrides,
     )
     ref = b.reference(scale, window, causal, softcap)
@@ -192,6 +195,7 @@ def run_case(
     assert not torch.isnan(got).any(), "output has NaN (unwritten rows or stray cache reads)"
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < REL_TOL[dtype], f"relative error {rel:.3e} >= {REL_TOL[dtype]:.1e}"
+    return got
 
 
 # ---- decode batches over every block size x head size --------------------------------------------

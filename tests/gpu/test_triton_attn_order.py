@@ -16,35 +16,8 @@ pytestmark = pytest.mark.gpu
 
 require_triton_device()
 
-from pagedllm.attention.ops.triton_paged_attn import paged_attention, request_order, reshape_and_cache  # noqa: E402
-from tests.gpu.test_triton_attention import REL_TOL, Batch  # noqa: E402
-
-
-def _attend(b: Batch, order: torch.Tensor | None, num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, float64 reference) of one paged_attention call over the batch, with `order` as req_order."""
-    dev = DEVICE
-    k_cache, v_cache = b.k_cache.to(dev), b.v_cache.to(dev)
-    q, k, v = b.views(b.qkv.to(dev))
-    reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping.to(dev))
-    out = torch.full((b.num_tokens, b.h, b.d), float("nan"), dtype=b.dtype, device=dev)
-    paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        out,
-        b.block_table.to(dev),
-        torch.tensor(b.seq_lens, dtype=torch.int32, device=dev),
-        b.query_start_loc.to(dev),
-        num_actual_tokens=b.num_tokens,
-        num_reqs=len(b.q_lens),
-        max_query_len=max(b.q_lens),
-        scale=b.d**-0.5,
-        num_splits=num_splits,
-        num_decodes=sum(q == 1 for q in b.q_lens),
-        req_order=order,
-    )
-    return out.cpu(), b.reference(b.d**-0.5, None)
-
+from pagedllm.attention.ops.triton_paged_attn import paged_attention, request_order  # noqa: E402
+from tests.gpu.test_triton_attention import run_case  # noqa: E402
 
 CASES = [([1] * 7, [300, 1, 0, 129, 1000, 16, 64]), ([40, 1, 1, 9, 1], [0, 700, 3, 50, 128])]
 
@@ -54,19 +27,15 @@ CASES = [([1] * 7, [300, 1, 0, 129, 1000, 16, 64]), ([40, 1, 1, 9, 1], [0, 700, 
 def test_any_order_same_output(dtype: torch.dtype, q_lens: list[int], ctx_lens: list[int]) -> None:
     """Decode batches and mixed batches (the order drives the decode launch only), the sorted order and a
     shuffled one: bit-identical to batch order, and right against the float64 reference."""
-    if INTERPRET and dtype == torch.bfloat16:
-        pytest.skip("the Triton 3.6 interpreter truncates float32 -> bfloat16 (GPU only)")
-    b = Batch(q_lens, ctx_lens, 12, 3, 64, 16, dtype, seed=len(q_lens))
-    plain, ref = _attend(b, None)
-    seq_lens = torch.tensor(b.seq_lens, dtype=torch.int32, device=DEVICE)
-    longest = request_order(seq_lens, len(q_lens))
-    assert [b.seq_lens[i] for i in longest.tolist()] == sorted(b.seq_lens, reverse=True)
-    shuffled = torch.randperm(len(q_lens), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    n = len(q_lens)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    longest = request_order(torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), n)
+    assert [seq_lens[i] for i in longest.tolist()] == sorted(seq_lens, reverse=True)
+    shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    case = {"num_heads": 12, "num_kv_heads": 3, "dtype": dtype, "seed": n}
+    plain = run_case(q_lens, ctx_lens, **case)
     for order in (longest, shuffled):
-        got, _ = _attend(b, order)
-        assert torch.equal(got, plain)
-    rel = ((plain.double() - ref).norm() / ref.norm()).item()
-    assert rel < REL_TOL[dtype], rel
+        assert torch.equal(run_case(q_lens, ctx_lens, req_order=order, **case), plain)
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 65, 300])
@@ -81,10 +50,10 @@ def test_request_order_is_a_stable_descending_sort(n: int) -> None:
 
 def test_split_launches_ignore_the_order() -> None:
     """A split-KV launch runs its own grid; an order passed with it changes nothing."""
-    b = Batch([1] * 4, [900, 3, 300, 64], 8, 2, 64, 16, torch.float32, seed=3)
-    plain, _ = _attend(b, None, num_splits=4)
-    got, _ = _attend(b, torch.tensor([3, 0, 2, 1], device=DEVICE), num_splits=4)
-    assert torch.equal(got, plain)
+    case = {"num_heads": 8, "num_kv_heads": 2, "num_splits": 4, "seed": 3}
+    plain = run_case([1] * 4, [900, 3, 300, 64], **case)
+    order = torch.tensor([3, 0, 2, 1], device=DEVICE)
+    assert torch.equal(run_case([1] * 4, [900, 3, 300, 64], req_order=order, **case), plain)
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="the order is used on CUDA devices only")
