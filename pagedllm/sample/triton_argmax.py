@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
+from pagedllm.utils import cdiv
 
 if HAS_TRITON:
     import triton
@@ -93,17 +94,28 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return split_argmax(logits, num_sms(logits.device))
 
 
+def split_partials(
+    logits: torch.Tensor, split: int, block: int, owner: str
+) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split-row launch's layout over [rows, n] logits: (chunk, split, maxima, indices, counters). The chunk is
+    a whole number of `block`-wide tiles, so the split may come out smaller than asked; the per-chunk float32
+    maxima and int32 indices are allocated also at a split of 1 (one compiled variant); the row counters are
+    `owner`'s (`store_row_argmax` leaves them at zero)."""
+    rows, n = logits.shape
+    chunk = cdiv(cdiv(n, split), block) * block
+    split = cdiv(n, chunk)
+    vals = torch.empty(rows * split, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(rows * split, dtype=torch.int32, device=logits.device)
+    return chunk, split, vals, idxs, split_counters(logits.device, rows, owner=owner)
+
+
 def split_argmax(logits: torch.Tensor, sms: int) -> torch.Tensor:
     """The kernel on [rows, vocab] logits (unit column stride), rows x chunks programs for about 2 * `sms`."""
     rows, n = logits.shape
     split = max(1, min(triton.cdiv(n, _MIN_CHUNK), triton.cdiv(2 * sms, rows), _MAX_SPLIT))
-    chunk = triton.cdiv(triton.cdiv(n, split), _BLOCK) * _BLOCK
-    split = triton.cdiv(n, chunk)
+    chunk, split, vals, idxs, cnt = split_partials(logits, split, _BLOCK, "argmax")
     assert split <= _MAX_SPLIT
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    vals = torch.empty(rows * split, dtype=torch.float32, device=logits.device)
-    idxs = torch.empty(rows * split, dtype=torch.int32, device=logits.device)
-    cnt = split_counters(logits.device, rows, owner="argmax")
     _argmax_kernel[(rows, split)](
         logits, vals, idxs, out, cnt, n, logits.stride(0), chunk, split,
         MAX_SPLIT=_MAX_SPLIT, BLOCK=_BLOCK, num_warps=4,

@@ -21,7 +21,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.logger import init_logger
-from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
+from pagedllm.triton_utils import HAS_TRITON, num_sms
 
 logger = init_logger(__name__)
 
@@ -34,7 +34,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.sample.triton_argmax import store_row_argmax
+    from pagedllm.sample.triton_argmax import split_partials, store_row_argmax
 
     _ROW_STRIDE_C = tl.constexpr(_ROW_STRIDE)
 
@@ -172,16 +172,11 @@ def gumbel_sample(
     temp = temperature.to(torch.float32).contiguous()
     if split is None:  # (the Triton interpreter's CPU tensors: as for a 16-SM device)
         split = split_of(n, vocab, num_sms(logits.device) if logits.is_cuda else 16)
-    chunk = triton.cdiv(triton.cdiv(vocab, split), _BLOCK_V) * _BLOCK_V
-    split = triton.cdiv(vocab, chunk)
+    chunk, split, vals, idxs, cnt = split_partials(logits, split, _BLOCK_V, "gumbel")
     assert 1 <= split <= _MAX_SPLIT
     try:
         if keys is None and base_key is None:
             base_key = step_key()
-        # Typed as the kernel's split > 1 branch uses them also where split == 1 (one compiled variant).
-        vals = torch.empty(n * split, dtype=torch.float32, device=logits.device)
-        idxs = torch.empty(n * split, dtype=torch.int32, device=logits.device)
-        cnt = split_counters(logits.device, n, owner="gumbel")
         # Without keys the kernel never reads keys_ptr (HAS_KEYS=False): any int64 tensor will do.
         _gumbel_argmax_kernel[(n, split)](
             logits,

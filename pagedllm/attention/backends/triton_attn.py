@@ -96,6 +96,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     def configure(self) -> None:
         # RoPE fused with the KV-cache write (NOTES session 5 #1; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off).
         self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
+        # Longest-first decode launches (`wants_request_order`; PAGEDLLM_ATTN_LONGEST_FIRST=0 turns them off).
+        self.longest_first = envs.PAGEDLLM_ATTN_LONGEST_FIRST
 
     def forward(
         self,
@@ -125,7 +127,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if num_splits is None:
             num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
         req_order = None
-        if envs.PAGEDLLM_ATTN_LONGEST_FIRST and wants_request_order(
+        if self.longest_first and wants_request_order(
             md.num_reqs, self.num_kv_heads, md.num_decodes or 0, num_splits, query.device
         ):
             if md.order_owner is None:

@@ -232,9 +232,8 @@ def fused_moe(
     if t == 0:
         return torch.zeros_like(x) if sum_experts else x.new_zeros((0, top_k, x.shape[1]))
     cfgs = _configs(x, w13, top_k)
-    gate = None
-    if gate_weight is not None:
-        gate = (x if x.stride(-1) == 1 else x.contiguous(), gate_weight)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate = None if gate_weight is None else (x, gate_weight)
     weights, _, sorted_ids, expert_ids, num_post = route_and_align(
         router_logits, top_k, renormalize, cfgs[0]["BLOCK_M"], gate
     )
