@@ -34,11 +34,18 @@ def prompt_ids(tokenizer_ids: list[int], n: int) -> list[int]:
 
 
 class Ours:
-    def __init__(self, path: str, threads: int, dtype: str) -> None:
+    def __init__(self, path: str, threads: int, dtype: str, kv_cache_dtype: str = "auto") -> None:
         from pagedllm import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM(path, dtype=dtype, max_model_len=8192, kv_cache_memory_bytes=1 << 30, max_num_seqs=64)
+        self.llm = LLM(
+            path,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=8192,
+            kv_cache_memory_bytes=1 << 30,
+            max_num_seqs=64,
+        )
         self.tok = self.llm.get_tokenizer()
 
     def _gen(self, prompts: list[list[int]], n: int) -> float:
@@ -157,6 +164,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 4000])
     ap.add_argument("--long", type=int, default=8000, help="our prefill time at this length (0: skip)")
@@ -165,7 +173,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
-    ours = Ours(args.model, args.threads, args.dtype)
+    ours = Ours(args.model, args.threads, args.dtype, args.kv_cache_dtype)
     base = ours.tok.encode(TEXT.read_text())
     short = ours.tok.encode(PROMPT)
     engines: dict[str, Any] = {"pagedllm": ours}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CACHE_DIR: str
     PAGEDLLM_CPU_KERNELS: bool
     PAGEDLLM_CPU_PREFILL_ATTN: bool
+    PAGEDLLM_CPU_PREFILL_DOT: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
@@ -85,6 +86,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CPU_KERNELS": _flag("PAGEDLLM_CPU_KERNELS"),
     # The blocked C prefill attention on the CPU (csrc/prefill_attn.c); 0: per-request SDPA as before.
     "PAGEDLLM_CPU_PREFILL_ATTN": _flag("PAGEDLLM_CPU_PREFILL_ATTN"),
+    # With a bfloat16 KV cache, that attention's products in bfloat16 (`vdpbf16ps`, csrc/prefill_attn_dot.c)
+    # where the CPU has AVX512-BF16; 0: float32 products of the widened cache, as before.
+    "PAGEDLLM_CPU_PREFILL_DOT": _flag("PAGEDLLM_CPU_PREFILL_DOT"),
     # Linear weights packed once for oneDNN on the CPU.
     "PAGEDLLM_CPU_PACKED_GEMM": _flag("PAGEDLLM_CPU_PACKED_GEMM"),
     # GGUF weights packed on CUDA (Triton kernels): off until they have run on a GPU (verified only under

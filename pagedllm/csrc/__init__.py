@@ -32,6 +32,7 @@ _DIR = Path(__file__).parent
 _SOURCES = {
     "paged_attn.c": ["-ffast-math"],
     "prefill_attn.c": ["-ffast-math"],
+    "prefill_attn_dot.c": ["-ffast-math"],
     "layers.c": ["-fno-math-errno", "-ffp-contract=off"],
     "activation.c": ["-ffast-math"],
     "gguf_act.c": ["-fno-math-errno"],

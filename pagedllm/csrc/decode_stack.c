@@ -42,6 +42,13 @@ int paged_decode_f32(const float* q, int64_t q_stride_t, const float* k_cache, c
                      float scale, int32_t window, int num_threads);
 void reshape_and_cache_f32(const float* key, int64_t k_stride_t, const float* value, int64_t v_stride_t,
                            float* k_cache, float* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row);
+int paged_decode_f32_kbf16(const float* q, int64_t q_stride_t, const uint16_t* k_cache, const uint16_t* v_cache,
+                           const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,
+                           const int64_t* tok_idx, float* out, int64_t o_stride_t, int num_reqs, int num_heads,
+                           int kvh, int hd, int bs, float scale, int32_t window, int num_threads);
+void reshape_and_cache_f32_kbf16(const float* key, int64_t k_stride_t, const float* value, int64_t v_stride_t,
+                                 uint16_t* k_cache, uint16_t* v_cache, const int64_t* slots, int64_t num_tokens,
+                                 int64_t row);
 void gguf_quantize_act_f32(const float* x, int64_t x_stride, int64_t M, int64_t K, int16_t* xq, float* xd,
                            float* xs, int num_threads);
 int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs,
@@ -70,15 +77,37 @@ typedef struct {
     const float* in_norm;
     const float* post_norm;
     GLinear qkv, o, gate_up, down;
-    float* k_cache; /* [num_blocks, block_size, kv_heads, head_size] */
-    float* v_cache;
+    void* k_cache; /* [num_blocks, block_size, kv_heads, head_size] of float32, or bfloat16 (cache_bf16) */
+    void* v_cache;
 } GLayer;
 
 typedef struct {
     int32_t hidden, heads, kv_heads, head_size, inter, rot_dim, block_size;
     float eps, scale;
     const float* cos_sin;
+    int32_t cache_bf16; /* the KV cache holds bfloat16 (kv_cache_dtype="bfloat16") */
 } GDims;
+
+/* The new tokens' K and V rows (row stride `stride`) into layer L's cache, of either dtype. */
+static void cache_write(const GDims* d, const GLayer* L, const float* k, const float* v, int64_t stride,
+                        const int64_t* slots, int64_t T, int64_t KV) {
+    if (d->cache_bf16)
+        reshape_and_cache_f32_kbf16(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
+    else
+        reshape_and_cache_f32(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
+}
+
+/* paged_decode over layer L's cache, of either dtype. */
+static int attend(const GDims* d, const GLayer* L, const float* q, int64_t q_stride, const int32_t* bt,
+                  int64_t bt_stride, const int32_t* seq_lens, const int64_t* tok_idx, float* out, int64_t o_stride,
+                  int n, int nt) {
+    if (d->cache_bf16)
+        return paged_decode_f32_kbf16(q, q_stride, L->k_cache, L->v_cache, bt, bt_stride, seq_lens, tok_idx, out,
+                                      o_stride, n, d->heads, d->kv_heads, d->head_size, d->block_size, d->scale, 0,
+                                      nt);
+    return paged_decode_f32(q, q_stride, L->k_cache, L->v_cache, bt, bt_stride, seq_lens, tok_idx, out, o_stride, n,
+                            d->heads, d->kv_heads, d->head_size, d->block_size, d->scale, 0, nt);
+}
 
 /* Scratch: x [T, hidden], qkv [T, q + 2kv], attn [T, q], gu [T, 2 inter], act [T, inter]; xq int16 [T, K],
  * xd / xs [T, K / 32] for the largest K. */
@@ -228,14 +257,13 @@ static int stack_one_region(const GLayer* layers, int n_layers, const GDims* d, 
                 if (tid == 0) {
                     rotary_f32(positions, q, QKV, d->heads, q + Q, QKV, d->kv_heads, d->cos_sin, d->head_size,
                                d->rot_dim, T, 1);
-                    reshape_and_cache_f32(q + Q, QKV, q + Q + KV, QKV, L->k_cache, L->v_cache, slots, T, KV);
+                    cache_write(d, L, q + Q, q + Q + KV, QKV, slots, T, KV);
                 }
                 barrier_wait(&bar);
                 const int64_t r0 = T * tid / nt, r1 = T * (tid + 1) / nt;
                 if (r1 > r0)
-                    paged_decode_f32(q, QKV, L->k_cache, L->v_cache, block_table + r0 * bt_stride, bt_stride,
-                                     seq_lens + r0, tok_idx + r0, s->attn, Q, (int)(r1 - r0), d->heads, d->kv_heads,
-                                     d->head_size, d->block_size, d->scale, 0, 1);
+                    attend(d, L, q, QKV, block_table + r0 * bt_stride, bt_stride, seq_lens + r0, tok_idx + r0,
+                           s->attn, Q, (int)(r1 - r0), 1);
                 barrier_wait(&bar);
                 linear_step(&bar, &L->o, s->attn, T, Q, hidden, s, xp, tid, nt, acc);
                 if (tid == 0) rms_norm_f32(hidden, H, residual, H, L->post_norm, s->x, H, T, H, d->eps, 1);
@@ -281,10 +309,8 @@ int gguf_decode_stack_f32(const GLayer* layers, int n_layers, const GDims* d, in
         float* k = s->qkv + Q;
         float* v = s->qkv + Q + KV;
         rotary_f32(positions, q, QKV, d->heads, k, QKV, d->kv_heads, d->cos_sin, d->head_size, d->rot_dim, T, nt);
-        reshape_and_cache_f32(k, QKV, v, QKV, L->k_cache, L->v_cache, slots, T, KV);
-        if (paged_decode_f32(q, QKV, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, tok_idx, s->attn, Q,
-                             (int)T, d->heads, d->kv_heads, d->head_size, d->block_size, d->scale, 0, nt))
-            return -1;
+        cache_write(d, L, k, v, QKV, slots, T, KV);
+        if (attend(d, L, q, QKV, block_table, bt_stride, seq_lens, tok_idx, s->attn, Q, (int)T, nt)) return -1;
         if (linear(&L->o, s->attn, T, Q, hidden, s, nt)) return -1;
         rms_norm_f32(hidden, H, residual, H, L->post_norm, s->x, H, T, H, d->eps, nt);
         if (linear(&L->gate_up, s->x, T, H, s->gu, s, nt)) return -1;

@@ -40,8 +40,8 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
  * running sums. `out` set: the normalised result goes there (the whole range in one part); else the part's
  * running max, sum and unnormalised accumulator go to part_m / part_l / part_acc ([heads], [heads],
  * [heads][hd]) for `merge_parts`. */
-#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE)                                                              \
-    static void decode_part_##SUFFIX(const T* q, int64_t q_stride_t, const T* k_cache, const T* v_cache,  \
+#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE, C, LOADC)                                                              \
+    static void decode_part_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,  \
                                      const int32_t* bt_row, int32_t p_begin, int32_t seq_len, int64_t tok, \
                                      T* out, int64_t o_stride_t, int num_heads, int kvh, int hd, int bs,  \
                                      float scale, float* part_m, float* part_l, float* part_acc) {        \
@@ -58,8 +58,8 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         }                                                                                                 \
         for (int32_t p0 = p_begin; p0 < seq_len; p0 += TILE) {                                            \
             const int n = seq_len - p0 < TILE ? seq_len - p0 : TILE;                                      \
-            const T* kr[TILE];                                                                            \
-            const T* vr[TILE];                                                                            \
+            const C* kr[TILE];                                                                            \
+            const C* vr[TILE];                                                                            \
             for (int t = 0; t < n; t++) {                                                                 \
                 const int32_t p = p0 + t;                                                                 \
                 const int64_t slot = (int64_t)bt_row[p / bs] * bs + p % bs;                               \
@@ -67,12 +67,12 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 vr[t] = v_cache + slot * row;                                                             \
             }                                                                                             \
             for (int t = 0; t < n; t++) { /* scores: rows in order, every head of the row */              \
-                const T* krow = kr[t];                                                                    \
+                const C* krow = kr[t];                                                                    \
                 for (int j = 0; j < num_heads; j++) {                                                     \
-                    const T* kk = krow + (int64_t)(j / g) * hd;                                           \
+                    const C* kk = krow + (int64_t)(j / g) * hd;                                           \
                     float dot = 0.f;                                                                      \
                     _Pragma("omp simd reduction(+ : dot)") for (int e = 0; e < hd; e++) dot +=            \
-                        qf[j][e] * LOAD(kk[e]);                                                           \
+                        qf[j][e] * LOADC(kk[e]);                                                          \
                     s[j][t] = dot;                                                                        \
                 }                                                                                         \
             }                                                                                             \
@@ -90,11 +90,11 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] *= corr;                       \
             }                                                                                             \
             for (int t = 0; t < n; t++) { /* values: rows in order again */                               \
-                const T* vrow = vr[t];                                                                    \
+                const C* vrow = vr[t];                                                                    \
                 for (int j = 0; j < num_heads; j++) {                                                     \
-                    const T* vv = vrow + (int64_t)(j / g) * hd;                                           \
+                    const C* vv = vrow + (int64_t)(j / g) * hd;                                           \
                     const float pr = s[j][t];                                                             \
-                    _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] += pr * LOAD(vv[e]);       \
+                    _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] += pr * LOADC(vv[e]);      \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
@@ -132,7 +132,7 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \
-    int paged_decode_##SUFFIX(const T* q, int64_t q_stride_t, const T* k_cache, const T* v_cache,         \
+    int paged_decode_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,         \
                               const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,     \
                               const int64_t* tok_idx, T* out, int64_t o_stride_t, int num_reqs,           \
                               int num_heads, int kvh, int hd, int bs, float scale, int32_t window,        \
@@ -195,19 +195,33 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         free(first);                                                                                      \
         return 0;                                                                                         \
     }                                                                                                     \
-                                                                                                          \
-    /* Write each new token's K and V rows ([T, kvh, hd], token stride given, heads contiguous) to its    \
-     * cache slot; slot < 0 means "padding, skip". */                                                     \
-    void reshape_and_cache_##SUFFIX(const T* key, int64_t k_stride_t, const T* value, int64_t v_stride_t, \
-                                    T* k_cache, T* v_cache, const int64_t* slots, int64_t num_tokens,     \
-                                    int64_t row) {                                                        \
-        for (int64_t i = 0; i < num_tokens; i++) {                                                        \
-            int64_t s = slots[i];                                                                         \
-            if (s < 0) continue;                                                                          \
-            memcpy(k_cache + s * row, key + i * k_stride_t, (size_t)row * sizeof(T));                     \
-            memcpy(v_cache + s * row, value + i * v_stride_t, (size_t)row * sizeof(T));                   \
-        }                                                                                                 \
+
+
+DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32, float, LOAD_F32)
+DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
+/* float32 queries over a bfloat16 cache (`kv_cache_dtype="bfloat16"` under a float32 model) */
+DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
+
+
+/* Write each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) to its cache
+ * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". */
+#define DEFINE_CACHE_WRITE(SUFFIX, T, C, TO_C)                                                              \
+    void reshape_and_cache_##SUFFIX(const T* key, int64_t k_stride_t, const T* value, int64_t v_stride_t,   \
+                                    C* k_cache, C* v_cache, const int64_t* slots, int64_t num_tokens,       \
+                                    int64_t row) {                                                          \
+        for (int64_t i = 0; i < num_tokens; i++) {                                                          \
+            const int64_t s = slots[i];                                                                     \
+            if (s < 0) continue;                                                                            \
+            const T* k = key + i * k_stride_t;                                                              \
+            const T* v = value + i * v_stride_t;                                                            \
+            C* kc = k_cache + s * row;                                                                      \
+            C* vc = v_cache + s * row;                                                                      \
+            for (int64_t e = 0; e < row; e++) kc[e] = TO_C(k[e]);                                           \
+            for (int64_t e = 0; e < row; e++) vc[e] = TO_C(v[e]);                                           \
+        }                                                                                                   \
     }
 
-DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32)
-DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#define SAME(x) (x)
+DEFINE_CACHE_WRITE(f32, float, float, SAME)
+DEFINE_CACHE_WRITE(bf16, uint16_t, uint16_t, SAME)
+DEFINE_CACHE_WRITE(f32_kbf16, float, uint16_t, f32_to_bf16)

@@ -143,6 +143,23 @@ static void scratch_free(Scratch* s) {
     for (int i = 0; i < 12; i++) free(ptrs[i]);
 }
 
+/* The drivers' handles on a thread's scratch (NULL: out of memory). */
+static void* scratch_new(int Mp, int hd) {
+    Scratch* s = calloc(1, sizeof(Scratch));
+    if (s != NULL && !scratch_alloc(s, Mp, hd, round_up(hd, KR))) {
+        scratch_free(s);
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void scratch_delete(void* s) {
+    if (s == NULL) return;
+    scratch_free(s);
+    free(s);
+}
+
 /* Masking, online-softmax update of rows' (m, l) and rescale of Ot, for keys k0 .. k0 + n - 1 in St.
  * Leaves St[j][r] = exp(s - m_new) (P for the tile). */
 static void softmax_tile(Scratch* s, int Mp, int hdp, int n, int32_t k0, int need_mask) {
@@ -179,30 +196,31 @@ static void softmax_tile(Scratch* s, int Mp, int hdp, int n, int32_t k0, int nee
     }
 }
 
-#define DEFINE_PREFILL(SUFFIX, T, LOAD, STORE)                                                              \
+#define DEFINE_TILE(SUFFIX, T, LOAD, STORE, C, LOADC)                                                              \
     /* Cache rows of keys k0 .. k0 + n - 1 of one kv head, widened once: Kf [n4][hd], Vf [n][hdp]. */      \
-    static void load_kv_##SUFFIX(Scratch* s, const T* k_cache, const T* v_cache, const int32_t* bt,       \
+    static void load_kv_##SUFFIX(Scratch* s, const C* k_cache, const C* v_cache, const int32_t* bt,       \
                                  int32_t k0, int n, int n4, int kv, int kvh, int hd, int hdp, int bs) {   \
         const int64_t row = (int64_t)kvh * hd;                                                            \
         for (int j = 0; j < n; j++) {                                                                     \
             const int32_t p = k0 + j;                                                                     \
             const int64_t off = ((int64_t)bt[p / bs] * bs + p % bs) * row + (int64_t)kv * hd;             \
-            const T* kr = k_cache + off;                                                                  \
-            const T* vr = v_cache + off;                                                                  \
+            const C* kr = k_cache + off;                                                                  \
+            const C* vr = v_cache + off;                                                                  \
             float* kf = s->Kf + (int64_t)j * hd;                                                          \
             float* vf = s->Vf + (int64_t)j * hdp;                                                         \
-            for (int e = 0; e < hd; e++) kf[e] = LOAD(kr[e]);                                             \
-            for (int e = 0; e < hd; e++) vf[e] = LOAD(vr[e]);                                             \
+            for (int e = 0; e < hd; e++) kf[e] = LOADC(kr[e]);                                             \
+            for (int e = 0; e < hd; e++) vf[e] = LOADC(vr[e]);                                             \
             for (int e = hd; e < hdp; e++) vf[e] = 0.f;                                                   \
         }                                                                                                 \
         memset(s->Kf + (int64_t)n * hd, 0, sizeof(float) * (size_t)(n4 - n) * hd);                        \
     }                                                                                                     \
                                                                                                           \
     /* Positions p0 .. p0 + qb - 1 of one request, the g heads of kv head kv. */                          \
-    static void tile_##SUFFIX(Scratch* s, const T* q, int64_t q_stride_t, const T* k_cache,               \
-                              const T* v_cache, const int32_t* bt, int64_t tok0, int32_t p0, int qb,      \
+    static void tile_##SUFFIX(void* scratch, const T* q, int64_t q_stride_t, const C* k_cache,              \
+                              const C* v_cache, const int32_t* bt, int64_t tok0, int32_t p0, int qb,      \
                               int kv, T* out, int64_t o_stride_t, int g, int kvh, int hd, int bs,         \
                               float scale, int32_t window) {                                              \
+        Scratch* s = scratch;                                                                             \
         const int M = qb * g, Mp = round_up(M, RB), hdp = round_up(hd, KR);                               \
         const int32_t p_last = p0 + qb - 1;                                                               \
         memset(s->Qt, 0, sizeof(float) * (size_t)hd * Mp);                                                \
@@ -235,53 +253,77 @@ static void softmax_tile(Scratch* s, int Mp, int hdp, int n, int32_t k0, int nee
             for (int e = 0; e < hd; e++) orow[e] = STORE(s->Ot[(int64_t)e * Mp + r] * inv);               \
         }                                                                                                 \
     }                                                                                                     \
-                                                                                                          \
-    int prefill_attn_##SUFFIX(const T* q, int64_t q_stride_t, const T* k_cache, const T* v_cache,         \
-                              const int32_t* block_table, int64_t bt_stride, const int64_t* q_start,      \
-                              const int32_t* ctx_lens, const int32_t* seq_lens, int num_reqs, T* out,     \
-                              int64_t o_stride_t, int num_heads, int kvh, int hd, int bs, float scale,    \
-                              int32_t window, int num_threads) {                                          \
-        if (hd > MAX_HEAD || hd < 1 || kvh < 1 || num_heads % kvh != 0 || num_heads / kvh > MAX_GROUP)    \
-            return -1;                                                                                    \
-        const int g = num_heads / kvh;                                                                    \
-        const int qb = ROWS / g > 1 ? ROWS / g : 1; /* positions per query tile */                        \
-        const int Mp = round_up(qb * g, RB), hdp = round_up(hd, KR);                                      \
-        /* Work items (request, query tile, kv head), a request's last (heaviest) tiles first. */         \
-        int64_t* first = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));                                \
-        if (first == NULL) return -2;                                                                     \
-        first[0] = 0;                                                                                     \
-        for (int i = 0; i < num_reqs; i++) {                                                              \
-            const int64_t tiles = (seq_lens[i] - ctx_lens[i] + qb - 1) / qb;                              \
-            first[i + 1] = first[i] + tiles * kvh;                                                        \
-        }                                                                                                 \
-        const int64_t items = first[num_reqs];                                                            \
-        int failed = 0;                                                                                   \
-        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {                          \
-            Scratch s;                                                                                    \
-            const int ok = scratch_alloc(&s, Mp, hd, hdp);                                                \
-            failed = !ok;                                                                                 \
-            { /* every thread meets the loop (a worksharing construct); one without scratch skips */       \
-                _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {          \
-                    if (!ok) continue;                                                                    \
-                    int i = 0;                                                                            \
-                    while (first[i + 1] <= it) i++;                                                       \
-                    const int64_t local = it - first[i];                                                  \
-                    const int64_t tiles = (first[i + 1] - first[i]) / kvh;                                \
-                    const int64_t t = tiles - 1 - local / kvh;                                            \
-                    const int kv = (int)(local % kvh);                                                    \
-                    const int32_t qlen = seq_lens[i] - ctx_lens[i];                                       \
-                    const int32_t r0 = (int32_t)(t * qb);                                                 \
-                    const int n = qlen - r0 < qb ? qlen - r0 : qb;                                        \
-                    tile_##SUFFIX(&s, q, q_stride_t, k_cache, v_cache, block_table + i * bt_stride,       \
-                                  q_start[i] + r0, ctx_lens[i] + r0, n, kv, out, o_stride_t, g, kvh, hd,  \
-                                  bs, scale, window);                                                     \
-                }                                                                                         \
-            }                                                                                             \
-            scratch_free(&s);                                                                             \
-        }                                                                                                 \
-        free(first);                                                                                      \
-        return failed ? -2 : 0;                                                                           \
+
+DEFINE_TILE(f32, float, LOAD_F32, STORE_F32, float, LOAD_F32)
+DEFINE_TILE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
+DEFINE_TILE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
+
+/* The entry points: work items (request, query tile, kv head), a request's last (heaviest) tiles first,
+ * spread over the threads; TILE computes one item with a thread's scratch from NEW (rows per tile: QROWS,
+ * padded to a multiple of RBLK). Queries and outputs are T, the cache is C. */
+#define DEFINE_PREFILL(NAME, T, C, TILE, NEW, DEL, QROWS, RBLK)                                             \
+    int NAME(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache, const int32_t* block_table,  \
+             int64_t bt_stride, const int64_t* q_start, const int32_t* ctx_lens, const int32_t* seq_lens,     \
+             int num_reqs, T* out, int64_t o_stride_t, int num_heads, int kvh, int hd, int bs, float scale,   \
+             int32_t window, int num_threads) {                                                             \
+        if (hd > MAX_HEAD || hd < 1 || kvh < 1 || num_heads % kvh != 0 || num_heads / kvh > MAX_GROUP)      \
+            return -1;                                                                                      \
+        const int g = num_heads / kvh;                                                                      \
+        const int qb = (QROWS) / g > 1 ? (QROWS) / g : 1; /* positions per query tile */                    \
+        const int Mp = round_up(qb * g, RBLK);                                                              \
+        int64_t* first = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));                                 \
+        if (first == NULL) return -2;                                                                       \
+        first[0] = 0;                                                                                       \
+        for (int i = 0; i < num_reqs; i++) {                                                                \
+            const int64_t tiles = (seq_lens[i] - ctx_lens[i] + qb - 1) / qb;                                \
+            first[i + 1] = first[i] + tiles * kvh;                                                          \
+        }                                                                                                   \
+        const int64_t items = first[num_reqs];                                                              \
+        int failed = 0;                                                                                     \
+        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {                            \
+            void* s = NEW(Mp, hd);                                                                          \
+            failed = s == NULL;                                                                             \
+            { /* every thread meets the loop (a worksharing construct); one without scratch skips */         \
+                _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {            \
+                    if (s == NULL) continue;                                                                \
+                    int i = 0;                                                                              \
+                    while (first[i + 1] <= it) i++;                                                         \
+                    const int64_t local = it - first[i];                                                    \
+                    const int64_t tiles = (first[i + 1] - first[i]) / kvh;                                  \
+                    const int64_t t = tiles - 1 - local / kvh;                                              \
+                    const int kv = (int)(local % kvh);                                                      \
+                    const int32_t qlen = seq_lens[i] - ctx_lens[i];                                         \
+                    const int32_t r0 = (int32_t)(t * qb);                                                   \
+                    const int n = qlen - r0 < qb ? qlen - r0 : qb;                                          \
+                    TILE(s, q, q_stride_t, k_cache, v_cache, block_table + i * bt_stride, q_start[i] + r0,  \
+                         ctx_lens[i] + r0, n, kv, out, o_stride_t, g, kvh, hd, bs, scale, window);          \
+                }                                                                                           \
+            }                                                                                               \
+            DEL(s);                                                                                         \
+        }                                                                                                   \
+        free(first);                                                                                        \
+        return failed ? -2 : 0;                                                                             \
     }
 
-DEFINE_PREFILL(f32, float, LOAD_F32, STORE_F32)
-DEFINE_PREFILL(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PREFILL(prefill_attn_f32, float, float, tile_f32, scratch_new, scratch_delete, ROWS, RB)
+DEFINE_PREFILL(prefill_attn_bf16, uint16_t, uint16_t, tile_bf16, scratch_new, scratch_delete, ROWS, RB)
+DEFINE_PREFILL(prefill_attn_f32_kbf16, float, uint16_t, tile_f32_kbf16, scratch_new, scratch_delete, ROWS, RB)
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* prefill_attn_dot.c: the same tiles with bfloat16 dot products (a bfloat16 cache; see that file). */
+#define DOT_ROWS 96 /* rows per query tile: twice ROWS, halving the key-tile loads per product */
+#define DOT_RB 48
+void* prefill_dot_scratch(int Mp, int hd);
+void prefill_dot_scratch_free(void* s);
+void prefill_dot_tile_f32(void* s, const float* q, int64_t q_stride_t, const uint16_t* k_cache,
+                          const uint16_t* v_cache, const int32_t* bt, int64_t tok0, int32_t p0, int qb, int kv,
+                          float* out, int64_t o_stride_t, int g, int kvh, int hd, int bs, float scale, int32_t window);
+void prefill_dot_tile_bf16(void* s, const uint16_t* q, int64_t q_stride_t, const uint16_t* k_cache,
+                           const uint16_t* v_cache, const int32_t* bt, int64_t tok0, int32_t p0, int qb, int kv,
+                           uint16_t* out, int64_t o_stride_t, int g, int kvh, int hd, int bs, float scale,
+                           int32_t window);
+DEFINE_PREFILL(prefill_attn_dot_f32, float, uint16_t, prefill_dot_tile_f32, prefill_dot_scratch,
+               prefill_dot_scratch_free, DOT_ROWS, DOT_RB)
+DEFINE_PREFILL(prefill_attn_dot_bf16, uint16_t, uint16_t, prefill_dot_tile_bf16, prefill_dot_scratch,
+               prefill_dot_scratch_free, DOT_ROWS, DOT_RB)
+#endif

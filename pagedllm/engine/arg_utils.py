@@ -114,11 +114,12 @@ class EngineArgs:
         default=None,
         metadata=_help("KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"),
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
         default="auto",
         metadata=_help(
-            "KV-cache storage: 'auto' (the model's dtype) or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a "
-            "V scale per layer from the checkpoint (else 1.0, or see --calculate-kv-scales): twice the tokens.",
+            "KV-cache storage: 'auto' (the model's dtype), 'bfloat16' (under a float32 model: half the bytes, CPU "
+            "only) or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a V scale per layer from the checkpoint "
+            "(else 1.0, or see --calculate-kv-scales): twice the tokens.",
             "Cache",
         ),
     )
@@ -422,6 +423,11 @@ class EngineArgs:
             gguf_dequantize=self.gguf_dequantize,
         )
         _check_tp_divides(mc.hf_config, self.tensor_parallel_size)
+        if self.kv_cache_dtype == "bfloat16" and str(mc.dtype) != "torch.bfloat16" and device != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype: 'bfloat16' under a {str(mc.dtype).removeprefix('torch.')} model runs on the CPU "
+                "only (the GPU attention kernels take the model's dtype or FP8)"
+            )
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         engine_overrides: dict[str, Any] = {}

@@ -1,5 +1,6 @@
-"""The blocked C prefill attention (`csrc/prefill_attn.c`) against a float64 dense masked softmax, and the CPU
-backend's prefill through it against its PyTorch (SDPA) path."""
+"""The blocked C prefill attention (`csrc/prefill_attn.c`, and `csrc/prefill_attn_dot.c` for a bfloat16 cache)
+against a float64 dense masked softmax, and the CPU backend's prefill through it against its PyTorch (SDPA)
+path."""
 
 from __future__ import annotations
 
@@ -43,16 +44,24 @@ def _reference(
 
 
 def _case(
-    lens: list[tuple[int, int]], heads: int, kvh: int, hd: int, dtype: torch.dtype, seed: int, bs: int = 16
+    lens: list[tuple[int, int]],
+    heads: int,
+    kvh: int,
+    hd: int,
+    dtype: torch.dtype,
+    seed: int,
+    bs: int = 16,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Chunk]]:
     """Chunks (context_len, chunk length) packed one after another in a batch with a gap row between them,
-    each over its own random, non-contiguous blocks of a shared cache."""
+    each over its own random, non-contiguous blocks of a shared cache (of `cache_dtype`, default `dtype`)."""
+    cache_dtype = cache_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // bs) for c, n in lens]
     num_blocks = sum(need) + 5
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(cache_dtype)
     chunks, row, b = [], 1, 0
     for (ctx, n), nb in zip(lens, need):
         chunks.append(Chunk(row, row + n, ctx, ctx + n, perm[b : b + nb]))
@@ -74,18 +83,40 @@ CASES = [
 ]
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+# (query/output dtype, cache dtype, bfloat16 dot products allowed)
+KINDS = [(F32, F32, True), (BF16, BF16, True), (BF16, BF16, False), (F32, BF16, True), (F32, BF16, False)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype,dot", KINDS)
 @pytest.mark.parametrize("lens,heads,kvh,hd,window", CASES)
 def test_prefill_matches_float64_reference(
-    dtype: torch.dtype, lens: list[tuple[int, int]], heads: int, kvh: int, hd: int, window: int | None
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    dot: bool,
+    lens: list[tuple[int, int]],
+    heads: int,
+    kvh: int,
+    hd: int,
+    window: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    query, k_cache, v_cache, chunks = _case(lens, heads, kvh, hd, dtype, seed=heads * 1000 + hd + len(lens))
+    monkeypatch.setenv("PAGEDLLM_CPU_PREFILL_DOT", "1" if dot else "0")
+    seed = heads * 1000 + hd + len(lens)
+    query, k_cache, v_cache, chunks = _case(lens, heads, kvh, hd, dtype, seed=seed, cache_dtype=cache_dtype)
     out = torch.full_like(query, 7.0)
     scale = hd**-0.5
     cpu_prefill_attn.prefill(query, k_cache, v_cache, chunks, out, scale, window)
-    # float32: accumulation-order differences only; bf16: inputs are exact, the output is rounded once (2^-9).
-    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 8e-3)
+    used_dot = cpu_prefill_attn.uses_dot(dtype, cache_dtype, hd)
+    assert used_dot == (dot and cache_dtype == BF16 and _dot_isa())
+    # float32: accumulation-order differences only; bf16 output: inputs exact, the output rounded once (2^-9);
+    # bf16 products: P rounded (2^-9 relative), and float32 queries rounded too, which moves each score by up
+    # to ~2^-9 of |q| |k| (queries here are 2 x randn: up to ~1e-2 at the output).
+    if dtype == F32 and not used_dot:
+        rtol, atol = 1e-5, 1e-5
+    else:
+        rtol, atol = (2e-2, 2e-2) if dtype == F32 else (8e-3, 8e-3)
     for c in chunks:
         ref = _reference(query, k_cache, v_cache, c, scale, window)
         torch.testing.assert_close(out[c.q_start : c.q_end].double(), ref, rtol=rtol, atol=atol)
@@ -93,6 +124,28 @@ def test_prefill_matches_float64_reference(
     for c in chunks:
         written[c.q_start : c.q_end] = True
     assert bool((out[~written] == 7.0).all()), "rows outside the chunks must not be written"
+
+
+def _dot_isa() -> bool:
+    """Whether this CPU and build have the bfloat16 dot-product kernel (AVX512-BF16)."""
+    return cpu_prefill_attn.available() and cpu_prefill_attn.uses_dot(F32, BF16, 64)
+
+
+@needs_kernel
+def test_prefill_dot_rounds_like_bf16_products() -> None:
+    """The dot kernel's error is bfloat16 rounding of Q and P, not more: against a float64 reference whose
+    queries are rounded to bf16 first, its error is well under the float32-query one's bound."""
+    if not _dot_isa():
+        pytest.skip("no AVX512-BF16 here: the float32-math kernel runs (tested above)")
+    query, k_cache, v_cache, chunks = _case([(0, 300), (40, 90)], 9, 3, 64, F32, seed=11, cache_dtype=BF16)
+    out = torch.zeros_like(query)
+    cpu_prefill_attn.prefill(query, k_cache, v_cache, chunks, out, 0.125, None)
+    q_rounded = query.to(BF16).float()
+    for c in chunks:
+        ref = _reference(q_rounded, k_cache, v_cache, c, 0.125, None)
+        err = (out[c.q_start : c.q_end].double() - ref).abs()
+        # P rounded to bf16 (relative 2^-9 each, averaging out over the keys): mean error far below 2^-9.
+        assert float(err.max()) < 4e-3 and float(err.mean()) < 4e-4, (float(err.max()), float(err.mean()))
 
 
 @needs_kernel
@@ -111,9 +164,11 @@ def test_strided_query_and_one_thread() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(F32, F32), (BF16, BF16), (F32, BF16)])
 @pytest.mark.parametrize("window", [None, 24])
-def test_backend_prefill_through_kernel_matches_sdpa_path(dtype: torch.dtype, window: int | None) -> None:
+def test_backend_prefill_through_kernel_matches_sdpa_path(
+    dtype: torch.dtype, cache_dtype: torch.dtype, window: int | None
+) -> None:
     """`TorchNativeAttentionImpl.forward` with a fresh prompt, a chunk over a cached prefix and a decode in one
     step: the C prefill kernel against the backend's SDPA path (the kernel switched off), same cache."""
     from pagedllm.attention.backends.abstract import AttentionType
@@ -121,7 +176,7 @@ def test_backend_prefill_through_kernel_matches_sdpa_path(dtype: torch.dtype, wi
 
     heads, kvh, hd, bs = 9, 3, 64, 16
     g = torch.Generator().manual_seed(7)
-    kv_cache = torch.randn(2, 40, bs, kvh, hd, generator=g).to(dtype)  # positions < context_len: "cached"
+    kv_cache = torch.randn(2, 40, bs, kvh, hd, generator=g).to(cache_dtype)  # positions < context_len: "cached"
     # (context_len, new tokens) per request; the last one decodes.
     reqs = [(0, 37), (50, 20), (30, 1)]
     perm = torch.randperm(40, generator=g)
@@ -160,5 +215,5 @@ def test_backend_prefill_through_kernel_matches_sdpa_path(dtype: torch.dtype, wi
         impl.forward(query, key, value, kv_cache.clone(), md, out)
         assert impl._use_c_prefill is use_kernel
         outs.append(out)
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    tol = 2e-5 if dtype == cache_dtype == F32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)

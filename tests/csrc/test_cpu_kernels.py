@@ -45,18 +45,22 @@ def _reference_decode(
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize(
     "num_heads,kvh,hd,bs,window",
     [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None), (8, 2, 64, 16, 700)],
 )
 def test_paged_decode_matches_reference(
-    dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
+    dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
 ) -> None:
+    """Float32 or bfloat16 throughout, and float32 queries over a bfloat16 cache (kv_cache_dtype="bfloat16")."""
     g = torch.Generator().manual_seed(num_heads * 100 + hd)
     num_blocks, d_reqs = 64, 7
-    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, bs, kvh, hd, generator=g).to(cache_dtype)
     # 600 and 1,100 keys span two and three of the kernel's 512-key parts (merged after)
     seq_lens = torch.tensor([1, 2, 31, 32, 33, 600, 1100][:d_reqs], dtype=torch.int32)
     max_nb = (int(seq_lens.max()) + bs - 1) // bs
@@ -71,7 +75,7 @@ def test_paged_decode_matches_reference(
     cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, tok_idx, out, scale, window)
 
     ref = _reference_decode(query[tok_idx], k_cache, v_cache, bt, seq_lens, scale, window)
-    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    tol = 2e-5 if dtype == torch.float32 else 1e-2  # (a bf16 cache's values are exact in the float64 reference)
     torch.testing.assert_close(out[tok_idx].double(), ref, atol=tol, rtol=tol)
     untouched = torch.ones(num_tokens, dtype=torch.bool)
     untouched[tok_idx] = False
@@ -124,22 +128,32 @@ def test_paged_decode_is_batch_and_thread_invariant() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reshape_and_cache_matches_index_copy(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+def test_reshape_and_cache_matches_index_copy(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Rows copied, or rounded to bfloat16 exactly as torch's conversion does (ties and subnormals included;
+    a NaN stays a NaN, whatever its payload)."""
     num_blocks, bs, kvh, hd, t = 16, 16, 3, 64, 40
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(t, (2 + 2 * kvh) * hd, generator=g).to(dtype)  # key/value as strided column slices
+    qkv[0, 2 * hd : 2 * hd + 4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(2**-130), float("nan")])  # ties etc.
     key = qkv[:, 2 * hd : (2 + kvh) * hd].view(t, kvh, hd)
     value = qkv[:, (2 + kvh) * hd :].view(t, kvh, hd)
     slots = torch.randperm(num_blocks * bs, generator=g)[:t]
-    k_cache = torch.zeros(num_blocks, bs, kvh, hd, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, bs, kvh, hd, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     cpu_paged_attn.reshape_and_cache(key, value, k_cache, v_cache, slots)
     k_ref = torch.zeros_like(k_cache)
     v_ref = torch.zeros_like(v_cache)
-    k_ref.view(-1, kvh, hd).index_copy_(0, slots, key)
-    v_ref.view(-1, kvh, hd).index_copy_(0, slots, value)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    k_ref.view(-1, kvh, hd).index_copy_(0, slots, key.to(cache_dtype))
+    v_ref.view(-1, kvh, hd).index_copy_(0, slots, value.to(cache_dtype))
+    nan = k_ref.isnan()
+    assert bool(k_cache[nan].isnan().all()) and int(nan.sum()) == 1
+    k_cache[nan] = k_ref[nan] = 0
+    for got, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))  # as bits
 
 
 @pytest.mark.skipif(not cpu_gemm.can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing")

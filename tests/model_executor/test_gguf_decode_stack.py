@@ -82,6 +82,34 @@ def test_bit_identical_to_the_python_layers(llm: LLM, counted: dict[str, int]) -
     assert ours == python_layers(llm)  # tokens and top-3 logprobs, exactly
 
 
+def test_bf16_kv_cache_bit_identical_to_the_python_layers(smollm2_path: str) -> None:
+    """`kv_cache_dtype="bfloat16"` under the float32 model: the stack writes and reads the bfloat16 cache with
+    the same kernels as the Python layers (rounding once on the write, float32 math after)."""
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        kv_cache_dtype="bfloat16",
+        max_model_len=512,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_batched_tokens=16,
+    )
+    stack = inner_model(llm).decode_stack
+    assert isinstance(stack, DecodeStack)
+    ran = 0
+    real = stack.run
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        nonlocal ran
+        out = real(*args)
+        ran += out is not None
+        return out
+
+    stack.run = run  # type: ignore[method-assign]
+    ours = generate(llm)
+    assert ran >= 20 and stack.dims.cache_bf16 == 1
+    assert ours == python_layers(llm)
+
+
 def test_rebuilds_after_a_cache_or_weight_change_and_declines_hooks(llm: LLM, counted: dict[str, int]) -> None:
     ref = python_layers(llm)
     stack = inner_model(llm).decode_stack

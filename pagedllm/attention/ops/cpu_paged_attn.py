@@ -13,6 +13,13 @@ import torch
 from pagedllm import csrc
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (query or new K/V dtype, cache dtype) -> the kernels' suffix; a bfloat16 cache under float32 activations
+# is `kv_cache_dtype="bfloat16"` with a float32 model.
+_SUFFIX = {
+    (torch.float32, torch.float32): "f32",
+    (torch.bfloat16, torch.bfloat16): "bf16",
+    (torch.float32, torch.bfloat16): "f32_kbf16",
+}
 _i64, _i32, _f32, _p, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _lib: ctypes.CDLL | None = None
 
@@ -24,7 +31,7 @@ def available() -> bool:
         lib = csrc.load()
         if lib is None:
             return False
-        for sfx in _DTYPES.values():
+        for sfx in _SUFFIX.values():
             csrc.declare(
                 lib,
                 f"paged_decode_{sfx}",
@@ -47,7 +54,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 def can_decode(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode` takes these tensors as they are (else the caller uses its PyTorch path)."""
-    return _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype == k_cache.dtype
+    return _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype and (query.dtype, k_cache.dtype) in _SUFFIX
 
 
 def reshape_and_cache(
@@ -59,10 +66,10 @@ def reshape_and_cache(
         key = key.contiguous()
     if not _rows_ok(value):
         value = value.contiguous()
-    if key.dtype != k_cache.dtype:
+    if (key.dtype, k_cache.dtype) not in _SUFFIX:
         key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     slots = slots.to(torch.int64)
-    fn = getattr(_lib, f"reshape_and_cache_{_DTYPES[k_cache.dtype]}")
+    fn = getattr(_lib, f"reshape_and_cache_{_SUFFIX[(key.dtype, k_cache.dtype)]}")
     fn(
         key.data_ptr(),
         key.stride(0),
@@ -90,14 +97,14 @@ def paged_decode(
     """One query token per request: out[token_idx[d]] = attention of query[token_idx[d]] over the first
     seq_lens[d] cached positions of request d (block_table row d). query/out: [T, num_heads, hd]."""
     assert _lib is not None
-    assert _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype == k_cache.dtype
+    assert can_decode(query, out, k_cache)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.stride(1) == 1
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32).contiguous()
     token_idx = token_idx.to(torch.int64).contiguous()
     num_heads, hd = query.shape[1], query.shape[2]
     _, bs, kvh, _ = k_cache.shape
-    fn = getattr(_lib, f"paged_decode_{_DTYPES[k_cache.dtype]}")
+    fn = getattr(_lib, f"paged_decode_{_SUFFIX[(query.dtype, k_cache.dtype)]}")
     rc = fn(
         query.data_ptr(),
         query.stride(0),

@@ -4,6 +4,10 @@ Causal attention of each prefill chunk's query tokens (positions context_len .. 
 0 .. position read straight from the paged KV cache (the chunk's own K/V are written there first), GQA by
 indexing, an optional sliding window, float32 or bfloat16 (float32 math). It replaces, on the CPU, per-request
 SDPA after repeat_interleave (and, for chunks with a cached prefix, a K/V gather plus a dense mask).
+Queries and outputs are float32 or bfloat16; the cache is the same dtype or bfloat16 under float32 queries
+(`kv_cache_dtype="bfloat16"`). A bfloat16 cache takes the bfloat16 dot-product kernel
+(`csrc/prefill_attn_dot.c`: Q and P rounded to bfloat16, float32 sums) where the CPU has AVX512-BF16,
+unless `PAGEDLLM_CPU_PREFILL_DOT=0`.
 
 `available()` is False where the kernels cannot be built (no C compiler, `PAGEDLLM_CPU_KERNELS=0`) or
 `PAGEDLLM_CPU_PREFILL_ATTN=0`; the backend then keeps its PyTorch path.
@@ -20,6 +24,12 @@ import torch
 from pagedllm import csrc, envs
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (query dtype, cache dtype) -> the float32-math kernel's name
+_KERNELS = {
+    (torch.float32, torch.float32): "prefill_attn_f32",
+    (torch.bfloat16, torch.bfloat16): "prefill_attn_bf16",
+    (torch.float32, torch.bfloat16): "prefill_attn_f32_kbf16",
+}
 _i64, _i32, _f32, _p, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _lib: ctypes.CDLL | None = None
 MAX_HEAD = 512
@@ -45,13 +55,33 @@ def available() -> bool:
         lib = csrc.load()
         if lib is None:
             return False
+        args: list[object] = [
+            _p,
+            _i64,
+            _p,
+            _p,
+            _p,
+            _i64,
+            _p,
+            _p,
+            _p,
+            _int,
+            _p,
+            _i64,
+            _int,
+            _int,
+            _int,
+            _int,
+            _f32,
+            _i32,
+            _int,
+        ]
+        for name in _KERNELS.values():
+            csrc.declare(lib, name, _int, args)
+        csrc.declare(lib, "prefill_dot_supports", _int, [_int])
         for sfx in _DTYPES.values():
-            csrc.declare(
-                lib,
-                f"prefill_attn_{sfx}",
-                _int,
-                [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _int, _p, _i64, _int, _int, _int, _int, _f32, _i32, _int],
-            )
+            if hasattr(lib, f"prefill_attn_dot_{sfx}"):  # built where the compiler targets AVX512-BF16
+                csrc.declare(lib, f"prefill_attn_dot_{sfx}", _int, args)
         _lib = lib
     return True
 
@@ -73,13 +103,25 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 
 def can_run(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `prefill` takes these tensors as they are (one dtype for query, output and cache)."""
+    """Whether `prefill` takes these tensors as they are (query and output of one dtype, a cache of that
+    dtype or bfloat16)."""
     return (
         _rows_ok(query)
         and _rows_ok(out)
-        and query.dtype == out.dtype == k_cache.dtype
-        and k_cache.dtype in _DTYPES
+        and query.dtype == out.dtype
+        and (query.dtype, k_cache.dtype) in _KERNELS
         and k_cache.is_contiguous()
+    )
+
+
+def uses_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
+    """Whether `prefill` runs the bfloat16 dot-product kernel for these dtypes (see the module's doc)."""
+    assert _lib is not None, "call available() first"
+    return (
+        cache_dtype == torch.bfloat16
+        and envs.PAGEDLLM_CPU_PREFILL_DOT
+        and hasattr(_lib, f"prefill_attn_dot_{_DTYPES[query_dtype]}")
+        and bool(_lib.prefill_dot_supports(head_size))
     )
 
 
@@ -111,7 +153,10 @@ def prefill(
         assert c.q_end - c.q_start == c.seq_len - c.context_len, "chunk length != seq_len - context_len"
     num_heads, hd = query.shape[1], query.shape[2]
     _, bs, kvh, _ = k_cache.shape
-    fn = getattr(_lib, f"prefill_attn_{_DTYPES[k_cache.dtype]}")
+    if uses_dot(query.dtype, k_cache.dtype, hd):
+        fn = getattr(_lib, f"prefill_attn_dot_{_DTYPES[query.dtype]}")
+    else:
+        fn = getattr(_lib, _KERNELS[(query.dtype, k_cache.dtype)])
     rc = fn(
         query.data_ptr(),
         query.stride(0),

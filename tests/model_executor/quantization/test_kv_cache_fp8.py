@@ -4,6 +4,9 @@ the comparison policy, over chunked prefill and prefix-cache hits; per-layer sca
 (`self_attn.k_scale` / `v_scale`), 1.0 without them, or from the first batch (`calculate_kv_scales`); the
 token capacity at the same memory doubles (bf16) / quadruples (float32).
 
+A bfloat16 cache under the float32 model (`kv_cache_dtype="bfloat16"`, CPU) is checked the same way, its
+reference rounding K/V to bfloat16 (scale 1.0), with the decode stack of a packed GGUF on that cache too.
+
 Logprobs of the shared tokens agree within 0.05, not 1e-3: e4m3 keeps 3 mantissa bits, so float32
 accumulation-order noise that moves a K/V element across a rounding boundary changes it by one FP8 step
 (the argument of test_quant_checkpoints.py); the greedy tokens are held to the float32 policy."""
@@ -164,6 +167,37 @@ def test_fp8_kv_capacity(dtype: str, ratio: int, tmp_path) -> None:  # noqa: ANN
         blocks[kv] = llm.llm_engine.engine_core.engine_core.config.cache_config.num_blocks
         del llm
     assert blocks["fp8"] == ratio * blocks["auto"]
+
+
+@pytest.mark.parametrize("dot", [True, False])
+def test_bf16_kv_under_float32_model(dot: bool, prompts: list[list[int]], tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Half the cache bytes; the prefill attention in bfloat16 products (`csrc/prefill_attn_dot.c`, where the CPU
+    has AVX512-BF16) or in float32 products of the widened cache; decodes widen the cache to float32."""
+    monkeypatch.setenv("PAGEDLLM_CPU_PREFILL_DOT", "1" if dot else "0")
+    model = make_tiny_hf_model("llama", tmp_path)
+    ref = FP8KVReference(monkeypatch, torch.bfloat16)
+    ref.scales = {i: (1.0, 1.0) for i in range(model.config.num_hidden_layers)}
+    llm = _engine(str(tmp_path), kv_cache_dtype="bfloat16")
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    assert {t.dtype for t in runner.kv_caches.values()} == {torch.bfloat16}
+    _check(llm, model, prompts)
+
+
+def test_bf16_kv_capacity_and_gpu_refusal(tmp_path) -> None:  # noqa: ANN001
+    make_tiny_hf_model("llama", tmp_path)
+    blocks = {}
+    for kv in ("auto", "bfloat16"):
+        llm = _engine(str(tmp_path), kv_cache_dtype=kv)
+        blocks[kv] = llm.llm_engine.engine_core.engine_core.config.cache_config.num_blocks
+        del llm
+    assert blocks["bfloat16"] == 2 * blocks["auto"]
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        str(tmp_path), dtype="float32", kv_cache_dtype="bfloat16", device="cuda", skip_tokenizer_init=True
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'bfloat16' under a float32 model runs on the CPU only"):
+        args.create_engine_config()
 
 
 def test_bad_kv_cache_dtype(tmp_path) -> None:  # noqa: ANN001

@@ -58,6 +58,7 @@ class GDims(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("cos_sin", ctypes.c_void_p),
+        ("cache_bf16", ctypes.c_int32),
     ]
 
 
@@ -175,7 +176,7 @@ class DecodeStack:
             kv = attn.attn.kv_cache
             if (
                 kv is None
-                or kv.dtype != torch.float32
+                or kv.dtype not in (torch.float32, torch.bfloat16)
                 or kv.device.type != "cpu"
                 or not kv[0].is_contiguous()
                 or not kv[1].is_contiguous()
@@ -195,6 +196,7 @@ class DecodeStack:
                 setattr(g, field, _glinear(parts))
             g.k_cache, g.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
             self.dims.block_size = kv.shape[2]
+            self.dims.cache_bf16 = int(kv.dtype == torch.bfloat16)
         self.dims.cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin_cache.data_ptr()
         self._table, self._held = table, held
         return True
