@@ -14,7 +14,8 @@ import torch
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
-    "bfloat16": torch.bfloat16,  # not quantization: 16 bits under a float32 model (the CPU; see arg_utils)
+    "bfloat16": torch.bfloat16,  # not quantization: 16 bits under a float32 model (the CPU; see config.py)
+    "float32": torch.float32,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,

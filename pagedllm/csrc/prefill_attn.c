@@ -311,7 +311,7 @@ DEFINE_PREFILL(prefill_attn_f32_kbf16, float, uint16_t, tile_f32_kbf16, scratch_
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 /* prefill_attn_dot.c: the same tiles with bfloat16 dot products (a bfloat16 cache; see that file). */
-#define DOT_ROWS 96 /* rows per query tile: twice ROWS, halving the key-tile loads per product */
+#define DOT_ROWS 384 /* rows per work item: 4 sub-tiles of 96 rows sharing each key tile */
 #define DOT_RB 48
 void* prefill_dot_scratch(int Mp, int hd);
 void prefill_dot_scratch_free(void* s);

@@ -44,10 +44,16 @@ int prefill_dot_rows_multiple(void) { return DOT_RB; }
 
 #if DOT_ISA
 
+#define DOT_SUB_ROWS 96 /* rows per sub-tile: the query tiles an item's key tiles are shared by */
+#define DOT_MAX_SUB 8   /* sub-tiles an item may have */
+#define LAZY_RESCALE 8.f /* a row's running max moves only when a score exceeds it by this (P <= e^8) */
+
+/* A thread's scratch: per sub-tile s, rows row0[s] .. of the arrays sized for R rows in all. */
 typedef struct {
-    uint32_t *Qp, *Pp, *Vp; /* [hd/2][Mp], [KB/2][Mp], [KB/2][hd] */
-    float *Ot, *St;         /* [hd][Mp], [KB][Mp] */
-    float *m, *l, *mx, *sum, *corr;
+    int R, hd;
+    uint32_t *Qp, *Pp, *Vp; /* [hd/2] per row (sub-tile-major), [KB/2][R], [KB/2][hd] */
+    float *Ot, *St;         /* [hd] per row (sub-tile-major), [KB][R] */
+    float *m, *l, *mx, *corr;
     int32_t *rpos, *wlo;
     uint16_t* zero; /* a zero key row, for the keys that pad a tile to DOT_KC */
 } DotScratch;
@@ -56,35 +62,39 @@ static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 static inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return (uint32_t)lo | (uint32_t)hi << 16; }
 
+static void dot_scratch_free(DotScratch* s) {
+    void* all[] = {s->Qp, s->Pp, s->Vp, s->Ot, s->St, s->m, s->l, s->mx, s->corr, s->rpos, s->wlo, s->zero};
+    for (int i = 0; i < 12; i++) free(all[i]);
+    free(s);
+}
+
+/* Mp: the driver's padded rows of an item (prefill_attn.c); sub-tiles pad each of theirs to DOT_RB. */
 void* prefill_dot_scratch(int Mp, int hd) {
     DotScratch* s = calloc(1, sizeof(DotScratch));
     if (s == NULL) return NULL;
-    const size_t sizes[] = {(size_t)hd / 2 * Mp, (size_t)DOT_KB / 2 * Mp, (size_t)DOT_KB / 2 * hd, (size_t)hd * Mp,
-                            (size_t)DOT_KB * Mp, Mp, Mp, Mp, Mp, Mp, Mp, Mp, (size_t)hd};
-    void** ptrs[] = {(void**)&s->Qp, (void**)&s->Pp,  (void**)&s->Vp,   (void**)&s->Ot,   (void**)&s->St,
-                     (void**)&s->m,  (void**)&s->l,   (void**)&s->mx,   (void**)&s->sum,  (void**)&s->corr,
-                     (void**)&s->rpos, (void**)&s->wlo, (void**)&s->zero};
+    const int R = Mp + DOT_MAX_SUB * DOT_RB;
+    s->R = R;
+    s->hd = hd;
+    const size_t sizes[] = {(size_t)hd / 2 * R, (size_t)DOT_KB / 2 * R, (size_t)DOT_KB / 2 * hd, (size_t)hd * R,
+                            (size_t)DOT_KB * R, R, R, R, R, R, R, (size_t)hd};
+    void** ptrs[] = {(void**)&s->Qp, (void**)&s->Pp, (void**)&s->Vp,  (void**)&s->Ot,   (void**)&s->St,
+                     (void**)&s->m,  (void**)&s->l,  (void**)&s->mx,  (void**)&s->corr, (void**)&s->rpos,
+                     (void**)&s->wlo, (void**)&s->zero};
     int ok = 1;
-    for (int i = 0; i < 13; i++) {
+    for (int i = 0; i < 12; i++) {
         *ptrs[i] = aligned_alloc(64, (sizes[i] * 4 + 63) / 64 * 64);
         ok &= *ptrs[i] != NULL;
     }
-    if (ok) memset(s->zero, 0, (size_t)hd * 2);
     if (!ok) {
-        void* all[] = {s->Qp, s->Pp, s->Vp, s->Ot, s->St, s->m, s->l, s->mx, s->sum, s->corr, s->rpos, s->wlo, s->zero};
-        for (int i = 0; i < 13; i++) free(all[i]);
-        free(s);
+        dot_scratch_free(s);
         return NULL;
     }
+    memset(s->zero, 0, (size_t)hd * 2);
     return s;
 }
 
 void prefill_dot_scratch_free(void* p) {
-    DotScratch* s = p;
-    if (s == NULL) return;
-    void* all[] = {s->Qp, s->Pp, s->Vp, s->Ot, s->St, s->m, s->l, s->mx, s->sum, s->corr, s->rpos, s->wlo, s->zero};
-    for (int i = 0; i < 13; i++) free(all[i]);
-    free(s);
+    if (p != NULL) dot_scratch_free(p);
 }
 
 /* St[j][r] = sum_e q[r][e] k_j[e] for the n8 keys of kp (a multiple of DOT_KC), all Mp rows. */
@@ -136,15 +146,14 @@ static void pv_tile(const uint32_t* restrict Pp, int Mp, const uint32_t* restric
     }
 }
 
-/* exp(x) for x <= 0 to ~1e-7 relative (P is rounded to bfloat16 next): 2^n * 2^f, n = round(x log2 e),
- * f in [-0.5, 0.5] by a degree-6 polynomial; scalef gives 0 for the masked NEG_BIG scores. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+/* exp(x c / log2 e) = 2^(x c) for x c <= LAZY_RESCALE log2 e, to ~5e-5 relative (P is rounded to bfloat16,
+ * 2^-9, next): 2^n * 2^f with n = round(x c) and f in [-0.5, 0.5] by a degree-4 polynomial; scalef gives 0
+ * for NEG_BIG scores. c = scale x log2 e applies the softmax scale to the float32 scores. */
+static inline __m512 exp16(__m512 x, __m512 c) {
+    const __m512 t = _mm512_mul_ps(x, c);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.540353e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
+    __m512 p = _mm512_set1_ps(9.618129e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
@@ -152,54 +161,64 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Finite non-negative floats rounded to bfloat16 (nearest-even), kept as float32 bit patterns. */
-static inline __m512i bf16_round(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
+/* One sub-tile's rows: its scratch views. */
+typedef struct {
+    uint32_t* Qp;
+    float *Ot, *m, *l;
+    int32_t *rpos, *wlo;
+    int M, Mp;             /* rows, padded rows */
+    int64_t tok0;          /* its first position's row in the batch */
+    int32_t p0, p_last, start; /* positions; first key (a sliding window's start) */
+} Sub;
 
-/* Scale and mask the tile's scores (keys k0 .. k0 + n - 1), update the rows' running max and sum, rescale
- * Ot, and leave P = exp(s - max) rounded to bfloat16 in Pp (pairs of keys; an odd last key pairs with 0).
- * The sum adds the rounded P, so the output is a weighted mean of V with exactly the weights P.V used. */
-static void softmax_tile(DotScratch* s, int Mp, int hd, int n, int32_t k0, int need_mask, float scale) {
-    float *St = s->St, *m = s->m, *mx = s->mx, *sum = s->sum, *corr = s->corr;
-    const int32_t *rpos = s->rpos, *wlo = s->wlo;
-    for (int r = 0; r < Mp; r++) mx[r] = m[r];
+/* Mask the tile's scores (keys k0 .. k0 + n - 1), move the rows' running max where a score exceeds it by
+ * more than LAZY_RESCALE (rescaling l and Ot then), and leave P = exp(s - max) rounded to bfloat16 in Pp
+ * (pairs of keys; an odd last key pairs with 0). The sum adds the rounded P, so the output is a weighted
+ * mean of V with exactly the weights P.V used. */
+static void softmax_tile(DotScratch* s, const Sub* t, int hd, int n, int32_t k0, int need_mask, float scale) {
+    const int Mp = t->Mp;
+    float *St = s->St, *m = t->m, *mx = s->mx, *corr = s->corr;
+    const int32_t *rpos = t->rpos, *wlo = t->wlo;
+    for (int r = 0; r < Mp; r++) mx[r] = NEG_BIG;
     for (int j = 0; j < n; j++) {
         float* sj = St + (int64_t)j * Mp;
         const int32_t kp = k0 + j;
         if (need_mask)
-            for (int r = 0; r < Mp; r++) sj[r] = (kp > rpos[r] || kp <= wlo[r]) ? NEG_BIG : sj[r] * scale;
-        else
-            for (int r = 0; r < Mp; r++) sj[r] *= scale;
+            for (int r = 0; r < Mp; r++) sj[r] = (kp > rpos[r] || kp <= wlo[r]) ? NEG_BIG : sj[r];
         for (int r = 0; r < Mp; r++) mx[r] = sj[r] > mx[r] ? sj[r] : mx[r];
     }
+    int moved = 0;
     for (int r = 0; r < Mp; r++) {
-        corr[r] = expf(m[r] - mx[r]); /* 0 on a row's first visible tile (m = NEG_BIG) */
-        m[r] = mx[r];
-        sum[r] = 0.f;
+        const int up = (mx[r] - m[r]) * scale > LAZY_RESCALE; /* always on a row's first visible tile */
+        corr[r] = up ? expf((m[r] - mx[r]) * scale) : 1.f;
+        m[r] = up ? mx[r] : m[r];
+        moved |= up;
     }
-    for (int j = 0; j < n; j += 2) {
-        const float* s0 = St + (int64_t)j * Mp;
-        const float* s1 = s0 + Mp;
-        uint32_t* pp = s->Pp + (int64_t)(j / 2) * Mp;
-        for (int r = 0; r < Mp; r += 16) { /* Mp is a multiple of 16 */
-            const __m512 m16 = _mm512_load_ps(mx + r);
-            const __m512i p0 = bf16_round(exp16(_mm512_sub_ps(_mm512_load_ps(s0 + r), m16)));
-            const __m512i p1 = j + 1 < n ? bf16_round(exp16(_mm512_sub_ps(_mm512_load_ps(s1 + r), m16)))
-                                         : _mm512_setzero_si512();
-            /* the rounded values (their low halves are zero) summed; the pair: p0's high half low, p1's high */
-            const __m512 t = _mm512_add_ps(_mm512_castsi512_ps(p0), _mm512_castsi512_ps(p1));
-            _mm512_store_ps(sum + r, _mm512_add_ps(_mm512_load_ps(sum + r), t));
-            _mm512_store_si512(pp + r, _mm512_or_si512(_mm512_srli_epi32(p0, 16), p1));
+    if (moved) {
+        for (int r = 0; r < Mp; r++) t->l[r] *= corr[r];
+        for (int e = 0; e < hd; e++) {
+            float* o = t->Ot + (int64_t)e * Mp;
+            for (int r = 0; r < Mp; r++) o[r] *= corr[r];
         }
     }
-    for (int r = 0; r < Mp; r++) s->l[r] = s->l[r] * corr[r] + sum[r];
-    for (int e = 0; e < hd; e++) {
-        float* o = s->Ot + (int64_t)e * Mp;
-        for (int r = 0; r < Mp; r++) o[r] *= corr[r];
+    /* word i of the converted pair: (p0[i], p1[i]) */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 c = _mm512_set1_ps(scale * 1.44269504089f);
+    for (int r = 0; r < Mp; r += 16) { /* Mp is a multiple of 16 */
+        const __m512 m16 = _mm512_load_ps(m + r);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 2) {
+            const __m512 p0 = exp16(_mm512_sub_ps(_mm512_load_ps(St + (int64_t)j * Mp + r), m16), c);
+            const __m512 p1 = j + 1 < n ? exp16(_mm512_sub_ps(_mm512_load_ps(St + (int64_t)(j + 1) * Mp + r), m16), c)
+                                        : _mm512_setzero_ps();
+            const __m512i pair = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), r1 = _mm512_castsi512_ps(_mm512_and_si512(pair, hi));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
+            _mm512_store_si512(s->Pp + (int64_t)(j / 2) * Mp + r, pair);
+        }
+        _mm512_store_ps(t->l + r, _mm512_add_ps(_mm512_load_ps(t->l + r), sum));
     }
 }
 
@@ -222,43 +241,69 @@ static void load_kv(DotScratch* s, const uint16_t* k_cache, const uint16_t* v_ca
     }
 }
 
-/* One query tile: positions p0 .. p0 + qb - 1 of one request (rows tok0 ..), the g heads of kv head kv,
- * over keys up to p0 + qb - 1 (from max(0, p0 - window + 1) with a sliding window). */
+/* One work item: positions p0 .. p0 + qb - 1 of one request (rows tok0 ..), the g heads of kv head kv, in
+ * sub-tiles of about DOT_SUB_ROWS rows that share each key tile (loaded once for all of them, then in cache):
+ * a sub-tile's queries see keys from max(0, position - window + 1) to their position. */
 #define DEFINE_DOT_TILE(SUFFIX, T, TO_BF16, STORE)                                                          \
     void prefill_dot_tile_##SUFFIX(void* scratch, const T* q, int64_t q_stride_t, const uint16_t* k_cache,   \
                                    const uint16_t* v_cache, const int32_t* bt, int64_t tok0, int32_t p0,     \
                                    int qb, int kv, T* out, int64_t o_stride_t, int g, int kvh, int hd, int bs, \
                                    float scale, int32_t window) {                                           \
         DotScratch* s = scratch;                                                                            \
-        const int M = qb * g, Mp = round_up(M, DOT_RB), hd2 = hd / 2;                                        \
-        const int32_t p_last = p0 + qb - 1;                                                                  \
-        memset(s->Ot, 0, sizeof(float) * (size_t)hd * Mp);                                                  \
-        for (int r = 0; r < Mp; r++) {                                                                      \
-            const int i = r < M ? r / g : qb - 1; /* padding rows: zero queries at the last position */      \
-            s->rpos[r] = p0 + i;                                                                            \
-            s->wlo[r] = window > 0 ? p0 + i - window : -1; /* keys <= wlo are outside the window */         \
-            s->m[r] = NEG_BIG;                                                                              \
-            s->l[r] = 0.f;                                                                                  \
-            const T* qr = q + (tok0 + i) * q_stride_t + (int64_t)(kv * g + r % g) * hd;                     \
-            for (int e = 0; e < hd2; e++)                                                                   \
-                s->Qp[(int64_t)e * Mp + r] = r < M ? bf16_pair(TO_BF16(qr[2 * e]), TO_BF16(qr[2 * e + 1])) : 0; \
+        const int hd2 = hd / 2, sub_qb = DOT_SUB_ROWS / g > 1 ? DOT_SUB_ROWS / g : 1;                       \
+        Sub subs[DOT_MAX_SUB] = {0};                                                                        \
+        int nsub = 0, row0 = 0;                                                                             \
+        for (int i0 = 0; i0 < qb && nsub < DOT_MAX_SUB; i0 += sub_qb, nsub++) {                             \
+            Sub* t = &subs[nsub];                                                                           \
+            const int n = qb - i0 < sub_qb ? qb - i0 : sub_qb;                                              \
+            t->M = n * g;                                                                                   \
+            t->Mp = round_up(t->M, DOT_RB);                                                                 \
+            t->Qp = s->Qp + (int64_t)row0 * hd2;                                                            \
+            t->Ot = s->Ot + (int64_t)row0 * hd;                                                             \
+            t->m = s->m + row0;                                                                             \
+            t->l = s->l + row0;                                                                             \
+            t->rpos = s->rpos + row0;                                                                       \
+            t->wlo = s->wlo + row0;                                                                         \
+            t->tok0 = tok0 + i0;                                                                            \
+            t->p0 = p0 + i0;                                                                                \
+            t->p_last = p0 + i0 + n - 1;                                                                    \
+            t->start = window > 0 && t->p0 - window + 1 > 0 ? t->p0 - window + 1 : 0;                       \
+            row0 += t->Mp;                                                                                  \
+            memset(t->Ot, 0, sizeof(float) * (size_t)hd * t->Mp);                                           \
+            for (int r = 0; r < t->Mp; r++) {                                                               \
+                const int i = r < t->M ? r / g : n - 1; /* padding rows: zero queries at the last position */ \
+                t->rpos[r] = t->p0 + i;                                                                     \
+                t->wlo[r] = window > 0 ? t->p0 + i - window : -1; /* keys <= wlo are outside the window */  \
+                t->m[r] = NEG_BIG;                                                                          \
+                t->l[r] = 0.f;                                                                              \
+                const T* qr = q + (t->tok0 + i) * q_stride_t + (int64_t)(kv * g + r % g) * hd;              \
+                for (int e = 0; e < hd2; e++)                                                               \
+                    t->Qp[(int64_t)e * t->Mp + r] = r < t->M ? bf16_pair(TO_BF16(qr[2 * e]), TO_BF16(qr[2 * e + 1])) : 0; \
+            }                                                                                               \
         }                                                                                                   \
-        int32_t start = 0;                                                                                  \
-        if (window > 0 && p0 - window + 1 > 0) start = p0 - window + 1;                                     \
-        const int32_t nkeys = p_last + 1 - start;                                                           \
+        const int32_t first = subs[0].start / DOT_KB * DOT_KB, last = subs[nsub - 1].p_last;                \
         const uint32_t* kp[DOT_KB];                                                                         \
-        for (int32_t k0 = start, n = nkeys % DOT_KB ? nkeys % DOT_KB : DOT_KB; k0 <= p_last; k0 += n, n = DOT_KB) { \
-            const int n8 = round_up(n, DOT_KC);                                                             \
-            const int need_mask = k0 + n - 1 > p0 || (window > 0 && k0 <= p_last - window);                \
+        for (int32_t k0 = first; k0 <= last; k0 += DOT_KB) { /* key tiles aligned to DOT_KB positions */     \
+            const int n = last + 1 - k0 < DOT_KB ? last + 1 - k0 : DOT_KB, n8 = round_up(n, DOT_KC);        \
             load_kv(s, k_cache, v_cache, bt, k0, n, n8, kv, kvh, hd, bs, kp);                               \
-            qk_tile(s->Qp, Mp, kp, hd2, n8, s->St);                                                         \
-            softmax_tile(s, Mp, hd, n, k0, need_mask, scale);                                               \
-            pv_tile(s->Pp, Mp, s->Vp, hd, (n + 1) / 2, s->Ot);                                              \
+            for (int si = 0; si < nsub; si++) {                                                             \
+                const Sub* t = &subs[si];                                                                   \
+                if (k0 > t->p_last || k0 + DOT_KB <= t->start) continue; /* no key of it is visible */      \
+                const int tn = t->p_last + 1 - k0 < n ? t->p_last + 1 - k0 : n, tn8 = round_up(tn, DOT_KC);  \
+                const int need_mask = k0 + tn - 1 > t->p0 || k0 < t->start ||                               \
+                                      (window > 0 && k0 <= t->p_last - window);                             \
+                qk_tile(t->Qp, t->Mp, kp, hd2, tn8, s->St);                                                 \
+                softmax_tile(s, t, hd, tn, k0, need_mask, scale);                                                  \
+                pv_tile(s->Pp, t->Mp, s->Vp, hd, (tn + 1) / 2, t->Ot);                                      \
+            }                                                                                               \
         }                                                                                                   \
-        for (int r = 0; r < M; r++) {                                                                       \
-            const float inv = s->l[r] > 0.f ? 1.f / s->l[r] : 0.f;                                          \
-            T* orow = out + (tok0 + r / g) * o_stride_t + (int64_t)(kv * g + r % g) * hd;                   \
-            for (int e = 0; e < hd; e++) orow[e] = STORE(s->Ot[(int64_t)e * Mp + r] * inv);                 \
+        for (int si = 0; si < nsub; si++) {                                                                 \
+            const Sub* t = &subs[si];                                                                       \
+            for (int r = 0; r < t->M; r++) {                                                                \
+                const float inv = t->l[r] > 0.f ? 1.f / t->l[r] : 0.f;                                      \
+                T* orow = out + (t->tok0 + r / g) * o_stride_t + (int64_t)(kv * g + r % g) * hd;            \
+                for (int e = 0; e < hd; e++) orow[e] = STORE(t->Ot[(int64_t)e * t->Mp + r] * inv);          \
+            }                                                                                               \
         }                                                                                                   \
     }
 

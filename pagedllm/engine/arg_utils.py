@@ -17,6 +17,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     build_model_config,
+    resolve_kv_cache_dtype_name,
 )
 from pagedllm.multimodal.config import MultiModalConfig, requires_whole_mm_items
 from pagedllm.platforms import current_platform
@@ -114,12 +115,13 @@ class EngineArgs:
         default=None,
         metadata=_help("KV-cache size in bytes (overrides gpu_memory_utilization; CPU default 4 GiB).", "Cache"),
     )
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
         default="auto",
         metadata=_help(
-            "KV-cache storage: 'auto' (the model's dtype), 'bfloat16' (under a float32 model: half the bytes, CPU "
-            "only) or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a V scale per layer from the checkpoint "
-            "(else 1.0, or see --calculate-kv-scales): twice the tokens.",
+            "KV-cache storage: 'auto' (the model's dtype; bfloat16 for a packed GGUF on a CPU with native bf16), "
+            "'bfloat16' (under a float32 model: half the bytes, CPU only), 'float32' (a float32 model's own) or "
+            "FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), with a K and a V scale per layer from the checkpoint (else 1.0, "
+            "or see --calculate-kv-scales): twice the tokens.",
             "Cache",
         ),
     )
@@ -314,7 +316,7 @@ class EngineArgs:
         kv_dtypes = get_args(get_type_hints(EngineArgs)["kv_cache_dtype"])
         if self.kv_cache_dtype not in kv_dtypes:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}")
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales: needs an FP8 kv_cache_dtype ('fp8', 'fp8_e4m3' or 'fp8_e5m2')")
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import get_reasoning_parser
@@ -423,11 +425,6 @@ class EngineArgs:
             gguf_dequantize=self.gguf_dequantize,
         )
         _check_tp_divides(mc.hf_config, self.tensor_parallel_size)
-        if self.kv_cache_dtype == "bfloat16" and str(mc.dtype) != "torch.bfloat16" and device != "cpu":
-            raise ValueError(
-                f"kv_cache_dtype: 'bfloat16' under a {str(mc.dtype).removeprefix('torch.')} model runs on the CPU "
-                "only (the GPU attention kernels take the model's dtype or FP8)"
-            )
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         engine_overrides: dict[str, Any] = {}
@@ -448,7 +445,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=engine_overrides.get("num_gpu_blocks_override", self.num_gpu_blocks_override),
-                cache_dtype=self.kv_cache_dtype,
+                cache_dtype=resolve_kv_cache_dtype_name(self.kv_cache_dtype, mc, device),
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler_config=SchedulerConfig(

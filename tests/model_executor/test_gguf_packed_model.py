@@ -48,6 +48,21 @@ def test_default_model_is_packed() -> None:
     assert model_config(gguf_dequantize=True).quantization is None  # loaded dense by conftest's smollm2_llm
 
 
+def test_kv_cache_dtype_default_for_packed_gguf() -> None:
+    """'auto' is a bfloat16 cache under the packed float32 model on a CPU with native bf16 (as llama.cpp's
+    16-bit cache); 'float32' keeps the model's; a dequantized model's 'auto' is its own dtype."""
+    from pagedllm.platforms import current_platform
+
+    def cache_dtype(**kw: object) -> str:
+        return EngineArgs(device="cpu", max_model_len=256, **kw).create_engine_config().cache_config.cache_dtype
+
+    assert cache_dtype() == ("bfloat16" if current_platform.cpu_has_native_bf16() else "auto")
+    assert cache_dtype(kv_cache_dtype="float32") == "float32"
+    assert cache_dtype(gguf_dequantize=True, dtype="bfloat16") == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'float32' needs a float32 model"):
+        cache_dtype(gguf_dequantize=True, dtype="bfloat16", kv_cache_dtype="float32")
+
+
 def test_quantization_args_validated() -> None:
     with pytest.raises(ValueError, match="contradicts gguf_dequantize"):
         model_config(quantization="gguf", gguf_dequantize=True)
