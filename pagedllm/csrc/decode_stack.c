@@ -51,8 +51,9 @@ void reshape_and_cache_f32_kbf16(const float* key, int64_t k_stride_t, const flo
                                  int64_t row);
 void gguf_quantize_act_f32(const float* x, int64_t x_stride, int64_t M, int64_t K, int16_t* xq, float* xd,
                            float* xs, int num_threads);
-int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs,
-            int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads);
+int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const int64_t* Ns, int64_t K,
+                  const int16_t* xq, const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride,
+                  int out_bf16, int num_threads);
 
 /* gguf_tile.c: the AVX-512 VNNI kernel on tiled weights, for threads this file runs itself. */
 #define GGUF_TILED 0x100
@@ -117,17 +118,12 @@ typedef struct {
     float *xd, *xs;
 } GScratch;
 
-/* out[T, sum(rows)] = x[T, K] @ W.T, as gguf_matmul does it: activations quantized once, one gguf_mm a part. */
+/* out[T, sum(rows)] = x[T, K] @ W.T, as gguf_matmul does it: activations quantized once, one gguf_mm_parts call. */
 static int linear(const GLinear* l, const float* x, int64_t T, int64_t K, float* out, const GScratch* s, int nt) {
     gguf_quantize_act_f32(x, K, T, K, s->xq, s->xd, s->xs, nt);
-    int64_t n = 0, start = 0;
+    int64_t n = 0;
     for (int p = 0; p < l->n_parts; p++) n += l->rows[p];
-    for (int p = 0; p < l->n_parts; p++) {
-        if (gguf_mm(l->type[p], l->w[p], l->rows[p], K, s->xq, s->xd, s->xs, T, out + start, n, 0, nt) != 0)
-            return -1;
-        start += l->rows[p];
-    }
-    return 0;
+    return gguf_mm_parts(l->n_parts, l->type, l->w, l->rows, K, s->xq, s->xd, s->xs, T, out, n, 0, nt) ? -1 : 0;
 }
 
 /* ---- one parallel region per step ----------------------------------------------------------------------

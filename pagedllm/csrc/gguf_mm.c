@@ -398,9 +398,16 @@ int gguf_isa(void) {
 #define GGUF_TILED 0x100
 int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8_t* dst);
 #ifdef GGUF_X86
-int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
-                      const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
-                      int num_threads);
+#define GGUF_MAX_PARTS 4
+int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled, const uint8_t* const* ws,
+                            const int64_t* Ns, int64_t K, const int16_t* xq, const float* xd, const float* xs,
+                            int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads);
+static int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
+                             const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
+                             int num_threads) {
+    return gguf_mm_tile_vnni_parts(1, &type, &tiled, &w, &N, K, xq, xd, xs, M, out, out_stride, out_bf16,
+                                   num_threads);
+}
 #endif
 
 /* A tiled weight's bytes back in the file's layout (malloc'd; NULL when out of memory), for the kernels that
@@ -473,6 +480,38 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
                 }
             }
         }
+    }
+    return 0;
+}
+
+/* Up to 4 weights stacked by output rows (a fused q/k/v or gate/up projection), each of its own type as in
+ * gguf_mm, in one call: part p fills output columns from the sum of the earlier parts' Ns. With the VNNI tile
+ * kernel for every part, one parallel region runs all parts' tiles (activations paired once); else part by
+ * part. Returns 0, or -1 as gguf_mm. */
+int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const int64_t* Ns, int64_t K,
+                  const int16_t* xq, const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride,
+                  int out_bf16, int num_threads) {
+    if (g_isa < 0) gguf_set_isa(-1);
+    if (n_parts < 1 || n_parts > 4) return -1;
+#ifdef GGUF_X86
+    if (g_isa == 2 && g_tile && K % 32 == 0) {
+        int base[4], tiled[4], ok = 1;
+        for (int p = 0; p < n_parts; p++) {
+            base[p] = types[p] & ~GGUF_TILED;
+            tiled[p] = (types[p] & GGUF_TILED) != 0;
+            ok &= base[p] == T_Q4_0 || base[p] == T_Q4_1 || base[p] == T_Q8_0;
+        }
+        if (ok)
+            return gguf_mm_tile_vnni_parts(n_parts, base, tiled, ws, Ns, K, xq, xd, xs, M, out, out_stride, out_bf16,
+                                           num_threads);
+    }
+#endif
+    int64_t col = 0;
+    for (int p = 0; p < n_parts; p++) {
+        const int rc = gguf_mm(types[p], ws[p], Ns[p], K, xq, xd, xs, M, (char*)out + col * (out_bf16 ? 2 : 4),
+                               out_stride, out_bf16, num_threads);
+        if (rc != 0) return rc;
+        col += Ns[p];
     }
     return 0;
 }

@@ -86,7 +86,8 @@ int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8
 #define PF_TILES 1 /* prefetch distance, in tiles */
 #define FEW_ROWS 4 /* up to this many activation rows: `tile_few_rows` (no transposition) */
 #define TILED_FEW_ROWS 16 /* tiled layout: `tiled_few_rows` in groups of MR up to here, then scratch panels */
-#define MB 64 /* activation rows per chunk of a large product (see gguf_mm_tile_vnni) */
+#define MB 64 /* activation rows per chunk of a large product (see gguf_mm_tile_vnni_parts) */
+#define GGUF_MAX_PARTS 4 /* weights one call may stack (as decode_stack.c's MAX_PARTS) */
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
 
@@ -445,25 +446,36 @@ TGT static void one_tile(const int type, const int tiled, const uint8_t* w, cons
     }
 }
 
-/* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller), W in the file's layout or,
- * `tiled`, in `gguf_tile_pack`'s; 0, or -1 when out of memory. */
-TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
-                          const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride, int out_bf16,
-                          int num_threads) {
-    const int64_t ntiles = (N + TILE - 1) / TILE;
+/* gguf_mm's contract for Q4_0 / Q4_1 / Q8_0 (K % 32 == 0, checked by the caller) over up to GGUF_MAX_PARTS
+ * weights stacked by output rows (a fused q/k/v or gate/up projection): part p, of types[p] (in the file's
+ * layout or, tiled[p], in `gguf_tile_pack`'s), fills output columns from the sum of the earlier parts' Ns.
+ * One parallel region for all parts' tiles and the activations paired once; 0, or -1 when out of memory. */
+TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled, const uint8_t* const* ws,
+                                const int64_t* Ns, int64_t K, const int16_t* xq, const float* xd, const float* xs,
+                                int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads) {
+    if (n_parts < 1 || n_parts > GGUF_MAX_PARTS) return -1;
+    int64_t first[GGUF_MAX_PARTS + 1], col0[GGUF_MAX_PARTS], N = 0; /* part p: global tiles first[p] .. */
+    int any_q4 = 0;
+    first[0] = 0;
+    for (int p = 0; p < n_parts; p++) {
+        col0[p] = N;
+        N += Ns[p];
+        first[p + 1] = first[p] + (Ns[p] + TILE - 1) / TILE;
+        any_q4 |= types[p] != T_Q8_0;
+    }
+    const int64_t ntiles = first[n_parts];
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
     int16_t* paired = NULL;
-    if (type != T_Q8_0) {
+    if (any_q4) {
         paired = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
         if (paired == NULL) return -1;
         pair_halves(xq, M * K, paired);
-        xq = paired;
     }
-    int failed = 0;
     /* Rows in chunks of MB, each chunk over all tiles: a chunk's activations (MB x K int16) stay in L2 while
      * the thread's tiles pass, where all M rows (e.g. 256 x 1,536) would be read from L3 for every tile. The
      * result is the same (each output's block sums run in the same order in either path). */
     const int64_t mb_max = M < MB ? M : MB, nbx = K / 32, osize = out_bf16 ? 2 : 4;
+    int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
         __m512i tw[PANEL * 16];
@@ -475,12 +487,16 @@ TGT int gguf_mm_tile_vnni(int type, int tiled, const uint8_t* w, int64_t N, int6
         }
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int64_t mb = M - m0 < MB ? M - m0 : MB;
-            void* o = (char*)out + m0 * out_stride * osize;
 #pragma omp for schedule(static) nowait
-            for (int64_t tile = 0; tile < ntiles; tile++)
-                if (acc != NULL)
-                    one_tile(type, tiled, w, N, K, xq + m0 * K, xd + m0 * nbx, xs + m0 * nbx, mb, o, out_stride,
-                             out_bf16, tile, acc, tw, dv, ov);
+            for (int64_t tile = 0; tile < ntiles; tile++) {
+                if (acc == NULL) continue;
+                int p = 0;
+                while (first[p + 1] <= tile) p++;
+                const int16_t* x = types[p] == T_Q8_0 ? xq : paired;
+                void* o = (char*)out + (m0 * out_stride + col0[p]) * osize;
+                one_tile(types[p], tiled[p], ws[p], Ns[p], K, x + m0 * K, xd + m0 * nbx, xs + m0 * nbx, mb, o,
+                         out_stride, out_bf16, tile - first[p], acc, tw, dv, ov);
+            }
         }
         free(acc);
     }

@@ -193,6 +193,31 @@ def test_bf16_activations_and_parts(qtype: GGMLQuantizationType) -> None:
     assert gq.gguf_matmul(x[:0], parts).shape == (0, 2, 64)
 
 
+def test_fused_parts_equal_each_part_alone() -> None:
+    """One `gguf_mm_parts` call for weights stacked by rows (mixed tile types, file and tiled layouts, partial
+    tiles, five parts: two calls) gives each part's columns the bits of that part multiplied alone, at row
+    counts below, at and past the kernel's 64-row chunks."""
+    rng = np.random.default_rng(3)
+    k = 32 * 19
+    types = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
+             GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K]  # fmt: skip
+    k6 = 256 * 3  # the five-part stack (with a Q6_K, K % 256 == 0): two calls, the second by rows
+    parts = [
+        gq.GGUFWeight(int(t), torch.from_numpy(random_blocks(t, n, k, rng)), n, k)
+        for t, n in zip(types[:4], (37, 16, 9, 50))
+    ]
+    if gq.set_isa(-1) == 2:
+        parts[3] = gq.tile(parts[3])
+    x = torch.from_numpy(rng.standard_normal((130, k)).astype(np.float32))
+    for m in (1, 3, 64, 70, 130):
+        alone = torch.cat([gq.gguf_matmul(x[:m], [p]) for p in parts], dim=-1)
+        assert torch.equal(gq.gguf_matmul(x[:m], parts), alone), m
+    five = [gq.GGUFWeight(int(t), torch.from_numpy(random_blocks(t, 24, k6, rng)), 24, k6) for t in types]
+    x6 = torch.from_numpy(rng.standard_normal((5, k6)).astype(np.float32))
+    alone = torch.cat([gq.gguf_matmul(x6, [p]) for p in five], dim=-1)
+    assert torch.equal(gq.gguf_matmul(x6, five), alone)
+
+
 def test_unsupported_shape_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         gq.row_bytes(int(GGMLQuantizationType.Q4_K), 100)

@@ -29,6 +29,7 @@ from pagedllm.model_executor.layers.quantization.gguf_blocks import (  # noqa: F
 )
 
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_MAX_PARTS = 4  # weights one gguf_mm_parts call takes
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
 
 
@@ -40,6 +41,7 @@ def _lib() -> ctypes.CDLL | None:
     for sfx in ("f32", "bf16"):
         csrc.declare(lib, f"gguf_quantize_act_{sfx}", None, [_p, _i64, _i64, _i64, _p, _p, _p, _int])
     csrc.declare(lib, "gguf_mm", _int, [_int, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int])
+    csrc.declare(lib, "gguf_mm_parts", _int, [_int, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int])
     csrc.declare(lib, "gguf_dequantize", _int, [_int, _p, _i64, _i64, _p, _int])
     csrc.declare(lib, "gguf_set_isa", _int, [_int])
     csrc.declare(lib, "gguf_set_tile", _int, [_int])
@@ -134,15 +136,18 @@ def gguf_matmul(
         xq, xd, xs = quantize_activations(x2)
         nt = torch.get_num_threads()
         start = 0
-        for p in parts:
-            dst = out.data_ptr() + start * out.element_size()
-            rc = lib.gguf_mm(
-                p.qtype, p.data.data_ptr(), p.rows, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, dst, n,
-                int(kernel_dtype == torch.bfloat16), nt,
+        for g0 in range(0, len(parts), _MAX_PARTS):  # one call per 4 parts (one parallel region for their tiles)
+            group = parts[g0 : g0 + _MAX_PARTS]
+            n_p = len(group)
+            rc = lib.gguf_mm_parts(
+                n_p, (_int * n_p)(*(p.qtype for p in group)), (_p * n_p)(*(p.data.data_ptr() for p in group)),
+                (_i64 * n_p)(*(p.rows for p in group)), k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m,
+                out.data_ptr() + start * out.element_size(), n, int(kernel_dtype == torch.bfloat16), nt,
             )  # fmt: skip
             if rc != 0:
-                raise ValueError(f"gguf_mm: {p.type_name} weight with {k} columns is not supported")
-            start += p.rows
+                names = ", ".join(p.type_name for p in group)
+                raise ValueError(f"gguf_mm: weights of types {names} with {k} columns are not supported")
+            start += sum(p.rows for p in group)
     if bias is not None:
         out += bias.to(out.dtype)
     if out.dtype != out_dtype:
