@@ -1,20 +1,25 @@
-/* One query tile of the CPU prefill attention with bfloat16 dot products (`vdpbf16ps`, AVX512-BF16), for a
- * bfloat16 KV cache; the tiles are scheduled by prefill_attn.c, which calls `prefill_dot_tile_*`.
+/* Work items of the CPU prefill attention with bfloat16 dot products (`vdpbf16ps`, AVX512-BF16), for a
+ * bfloat16 KV cache; prefill_attn.c schedules the items and calls `prefill_dot_tile_*` for each.
  *
  * Why: on a Zen 4, `vdpbf16ps` does twice the multiply-adds of a float32 FMA per instruction (measured 228
  * against 111 GFLOP/s a core), and the Q.K^T and P.V products are two thirds of a long prefill. The inputs
- * are rounded to bfloat16 as FlashAttention does on a GPU: Q once per tile, P (the softmax numerators,
- * in [0, 1]) before P.V; K and V are bfloat16 already (the cache). Scores, the running max and sum and the
- * output accumulate in float32; the scale is applied to the float32 scores.
+ * are rounded to bfloat16 as FlashAttention does on a GPU: float32 queries once, P (the softmax numerators)
+ * before P.V; K and V are bfloat16 already (the cache). Scores, the running max and sum and the output stay
+ * float32, and the softmax scale is applied to the float32 scores (in the exponent).
  *
- * Layout: as in prefill_attn.c the tile is transposed, rows (query position x group head) along the vector
+ * Layout: as in prefill_attn.c a tile is transposed, rows (query position x group head) along the vector
  * lanes, 16 a zmm. `vdpbf16ps` adds the products of a pair of bfloat16 per 32-bit lane, so operands are
  * pairs along the reduced dimension: Qp[e/2][r] = (q[r][e], q[r][e+1]); a key row of the cache read as
  * 32-bit words is (k[e], k[e+1]) already, broadcast one word to all rows; Pp[j/2][r] = (p[j][r],
  * p[j+1][r]); Vp[j/2][e] = (v[j][e], v[j+1][e]), interleaved per key tile. Q.K^T keeps 8 keys x 3 row
  * vectors of accumulators in registers, P.V 8 head dims x 3 row vectors.
  *
- * Without AVX512-BF16 at build time only `prefill_dot_isa` (returning 0) is compiled.
+ * A work item is up to 4 sub-tiles of ~96 rows (consecutive positions) that share each key tile: its key
+ * rows are fetched and its V pairs built once for all of them (fetching them per 96 rows was cache-miss
+ * bound). The running max moves only when a score exceeds it by LAZY_RESCALE, so most key tiles skip the
+ * rescale of the output rows (P then stays <= e^8, well inside bfloat16's range).
+ *
+ * Without AVX512-BF16 at build time only `prefill_dot_supports` (always 0) is compiled.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,10 +42,8 @@
 #define DOT_MAX_HEAD 512
 #define NEG_BIG (-1e30f)      /* finite -inf (built with -ffast-math), as in prefill_attn.c */
 
-/* Whether this build has the bfloat16 dot-product tiles, and whether they take head size hd. */
-int prefill_dot_isa(void) { return DOT_ISA; }
+/* Whether this build has the bfloat16 dot-product tiles and they take head size hd. */
 int prefill_dot_supports(int hd) { return DOT_ISA && hd > 0 && hd <= DOT_MAX_HEAD && hd % DOT_KC == 0; }
-int prefill_dot_rows_multiple(void) { return DOT_RB; }
 
 #if DOT_ISA
 
