@@ -80,6 +80,8 @@ CASES = [
     ([(0, 257), (300, 60)], 6, 2, 64, 50),
     ([(0, 130)], 12, 3, 128, 128),
     ([(7, 1)], 2, 2, 32, 1),
+    ([(0, 50), (10, 23)], 40, 1, 72, None),  # a large group: the dot kernel's items of 5 sub-tiles
+    ([(0, 9)], 130, 1, 40, None),  # a group over 96 rows: one position per sub-tile
 ]
 
 
