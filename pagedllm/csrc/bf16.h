@@ -22,5 +22,6 @@ static inline uint16_t f32_to_bf16(float f) {
 
 #define ROUND_F32(x) (x)
 #define ROUND_BF16(x) bf16_to_f32(f32_to_bf16(x)) /* round a float to bfloat16 and back */
+#define AS_IS(x) (x) /* no conversion (a kernel macro's element-type parameter where types match) */
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)

@@ -396,9 +396,9 @@ int gguf_isa(void) {
 /* gguf_tile.c: the AVX-512 VNNI kernel for the 32-element formats (output columns along the lanes) and its
  * tiled weight layout, flagged by GGUF_TILED in the type. */
 #define GGUF_TILED 0x100
+#define GGUF_MAX_PARTS 4 /* weights one gguf_mm_parts call stacks (gguf_tile.c's and decode_stack.c's too) */
 int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8_t* dst);
 #ifdef GGUF_X86
-#define GGUF_MAX_PARTS 4
 int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled, const uint8_t* const* ws,
                             const int64_t* Ns, int64_t K, const int16_t* xq, const float* xd, const float* xs,
                             int64_t M, void* out, int64_t out_stride, int out_bf16, int num_threads);
@@ -484,7 +484,7 @@ int gguf_mm(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq,
     return 0;
 }
 
-/* Up to 4 weights stacked by output rows (a fused q/k/v or gate/up projection), each of its own type as in
+/* Up to GGUF_MAX_PARTS weights stacked by output rows (a fused q/k/v or gate/up projection), each of its own type as in
  * gguf_mm, in one call: part p fills output columns from the sum of the earlier parts' Ns. With the VNNI tile
  * kernel for every part, one parallel region runs all parts' tiles (activations paired once); else part by
  * part. Returns 0, or -1 as gguf_mm. */
@@ -492,10 +492,10 @@ int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const
                   const int16_t* xq, const float* xd, const float* xs, int64_t M, void* out, int64_t out_stride,
                   int out_bf16, int num_threads) {
     if (g_isa < 0) gguf_set_isa(-1);
-    if (n_parts < 1 || n_parts > 4) return -1;
+    if (n_parts < 1 || n_parts > GGUF_MAX_PARTS) return -1;
 #ifdef GGUF_X86
     if (g_isa == 2 && g_tile && K % 32 == 0) {
-        int base[4], tiled[4], ok = 1;
+        int base[GGUF_MAX_PARTS], tiled[GGUF_MAX_PARTS], ok = 1;
         for (int p = 0; p < n_parts; p++) {
             base[p] = types[p] & ~GGUF_TILED;
             tiled[p] = (types[p] & GGUF_TILED) != 0;

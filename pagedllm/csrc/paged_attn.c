@@ -40,7 +40,7 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
  * running sums. `out` set: the normalised result goes there (the whole range in one part); else the part's
  * running max, sum and unnormalised accumulator go to part_m / part_l / part_acc ([heads], [heads],
  * [heads][hd]) for `merge_parts`. */
-#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE, C, LOADC)                                                              \
+#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE, C, LOADC) /* queries / outputs of T, the cache of C */   \
     static void decode_part_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,  \
                                      const int32_t* bt_row, int32_t p_begin, int32_t seq_len, int64_t tok, \
                                      T* out, int64_t o_stride_t, int num_heads, int kvh, int hd, int bs,  \
@@ -196,12 +196,10 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         return 0;                                                                                         \
     }                                                                                                     \
 
-
 DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32, float, LOAD_F32)
 DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
 /* float32 queries over a bfloat16 cache (`kv_cache_dtype="bfloat16"` under a float32 model) */
 DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
-
 
 /* Write each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) to its cache
  * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". */
@@ -221,7 +219,6 @@ DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
         }                                                                                                   \
     }
 
-#define SAME(x) (x)
-DEFINE_CACHE_WRITE(f32, float, float, SAME)
-DEFINE_CACHE_WRITE(bf16, uint16_t, uint16_t, SAME)
+DEFINE_CACHE_WRITE(f32, float, float, AS_IS)
+DEFINE_CACHE_WRITE(bf16, uint16_t, uint16_t, AS_IS)
 DEFINE_CACHE_WRITE(f32_kbf16, float, uint16_t, f32_to_bf16)

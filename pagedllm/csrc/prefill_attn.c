@@ -196,7 +196,7 @@ static void softmax_tile(Scratch* s, int Mp, int hdp, int n, int32_t k0, int nee
     }
 }
 
-#define DEFINE_TILE(SUFFIX, T, LOAD, STORE, C, LOADC)                                                              \
+#define DEFINE_TILE(SUFFIX, T, LOAD, STORE, C, LOADC) /* queries / outputs of T, the cache of C */     \
     /* Cache rows of keys k0 .. k0 + n - 1 of one kv head, widened once: Kf [n4][hd], Vf [n][hdp]. */      \
     static void load_kv_##SUFFIX(Scratch* s, const C* k_cache, const C* v_cache, const int32_t* bt,       \
                                  int32_t k0, int n, int n4, int kv, int kvh, int hd, int hdp, int bs) {   \

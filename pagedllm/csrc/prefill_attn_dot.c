@@ -310,8 +310,7 @@ static void load_kv(DotScratch* s, const uint16_t* k_cache, const uint16_t* v_ca
         }                                                                                                   \
     }
 
-#define BF16_ID(x) (x)
 DEFINE_DOT_TILE(f32, float, f32_to_bf16, STORE_F32)
-DEFINE_DOT_TILE(bf16, uint16_t, BF16_ID, f32_to_bf16)
+DEFINE_DOT_TILE(bf16, uint16_t, AS_IS, f32_to_bf16)
 
 #endif

@@ -16,6 +16,7 @@ unless `PAGEDLLM_CPU_PREFILL_DOT=0`.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -56,26 +57,8 @@ def available() -> bool:
         if lib is None:
             return False
         args: list[object] = [
-            _p,
-            _i64,
-            _p,
-            _p,
-            _p,
-            _i64,
-            _p,
-            _p,
-            _p,
-            _int,
-            _p,
-            _i64,
-            _int,
-            _int,
-            _int,
-            _int,
-            _f32,
-            _i32,
-            _int,
-        ]
+            _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _int, _p, _i64, _int, _int, _int, _int, _f32, _i32, _int,
+        ]  # fmt: skip
         for name in _KERNELS.values():
             csrc.declare(lib, name, _int, args)
         csrc.declare(lib, "prefill_dot_supports", _int, [_int])
@@ -117,12 +100,14 @@ def can_run(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) -> bo
 def uses_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
     """Whether `prefill` runs the bfloat16 dot-product kernel for these dtypes (see the module's doc)."""
     assert _lib is not None, "call available() first"
-    return (
-        cache_dtype == torch.bfloat16
-        and envs.PAGEDLLM_CPU_PREFILL_DOT
-        and hasattr(_lib, f"prefill_attn_dot_{_DTYPES[query_dtype]}")
-        and bool(_lib.prefill_dot_supports(head_size))
-    )
+    return cache_dtype == torch.bfloat16 and envs.PAGEDLLM_CPU_PREFILL_DOT and _dot_built(query_dtype, head_size)
+
+
+@functools.cache
+def _dot_built(query_dtype: torch.dtype, head_size: int) -> bool:
+    """Whether this build has the dot kernel for these queries and head size (fixed for the process)."""
+    assert _lib is not None
+    return hasattr(_lib, f"prefill_attn_dot_{_DTYPES[query_dtype]}") and bool(_lib.prefill_dot_supports(head_size))
 
 
 def prefill(
