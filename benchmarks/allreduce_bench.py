@@ -3,7 +3,9 @@
 One process per GPU (NCCL). For each activation size [rows, hidden] in bf16 it captures `per_step`
 all-reduces in one CUDA graph (a Llama-3.1-8B decode step makes 2 per layer x 32 layers = 64) and times the
 replays: NCCL (`torch.distributed.all_reduce`) and the one-shot symmetric-memory path
-(`pagedllm/distributed/symm_allreduce.py`), which is also checked against NCCL on random data. Rank 0 also
+(`pagedllm/distributed/symm_allreduce.py`), which is also checked against NCCL on random data; then NCCL
+followed by the residual add + RMSNorm kernel against the fused all-reduce + add + RMSNorm
+(`pagedllm/distributed/fused_allreduce_norm.py`, checked bit for bit against the former). Rank 0 also
 measures the device-to-device copy bandwidth and the bf16 matmul rate of its GPU (the floors' denominators).
 
     python3 benchmarks/allreduce_bench.py --world 2 --json out.json
@@ -115,7 +117,9 @@ def _ceilings() -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
     import torch.distributed as dist
 
+    from pagedllm.distributed import fused_allreduce_norm
     from pagedllm.distributed.symm_allreduce import try_create
+    from pagedllm.model_executor.layers import triton_ops
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -123,6 +127,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
     dev = torch.device("cuda", rank)
     fast = try_create(group, dev, torch.bfloat16)
     two_shot = _two_shot(group, dev, max(ROWS) * args.hidden)
+    fused = fused_allreduce_norm.try_create(group, rank, world, dev, torch.bfloat16, args.hidden, max(ROWS))
+    weight = torch.rand(args.hidden, device=dev).to(torch.bfloat16) + 0.5
     rows_out: list[dict[str, Any]] = []
     for rows in ROWS:
         x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device=dev)
@@ -139,6 +145,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
             got = fast(ref.clone())
             row["symm_max_abs_diff"] = float((got.float() - want.float()).abs().max())
             row["symm_us"] = _graph_time(lambda x=x: fast(x), args.per_step, args.iters) * 1e6
+        res = torch.randn_like(x)
+
+        def nccl_norm(x: torch.Tensor = x, res: torch.Tensor = res) -> Any:
+            dist.all_reduce(x, group=group)
+            return triton_ops.fused_add_rms_norm(x, res, weight, 1e-5)
+
+        row["nccl_norm_us"] = _graph_time(nccl_norm, args.per_step, args.iters) * 1e6
+        if fused is not None:
+            part = torch.randn_like(x) * (rank + 1)
+            want = nccl_norm(part.clone())
+            got = fused(part, res, weight, 1e-5)
+            assert got is not None
+            row["fused_equal"] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+            row["fused_us"] = _graph_time(lambda x=x, res=res: fused(x, res, weight, 1e-5), args.per_step, args.iters)
+            row["fused_us"] *= 1e6
         rows_out.append(row)
         dist.barrier(group=group)
     result: dict[str, Any] = {"world": world, "hidden": args.hidden, "per_step": args.per_step, "sizes": rows_out}
@@ -175,8 +196,10 @@ def main() -> None:
         size = f"[{r['rows']:5d}, {args.hidden}] {r['bytes'] / 1024:8.0f} KiB"
         step_ms = r["nccl_us"] * args.per_step / 1000
         two = f"{r['two_shot_us']:.1f} us" if "two_shot_us" in r else "-"
+        fz = f"{r['fused_us']:.1f} us (bit-equal: {r['fused_equal']})" if "fused_us" in r else "-"
         print(f"{size}: NCCL {r['nccl_us']:.1f} us (eager {r['nccl_eager_us']:.1f}), one-shot {symm}, two-shot {two}; "
-              f"x{args.per_step} per step: NCCL {step_ms:.3f} ms")  # fmt: skip
+              f"x{args.per_step} per step: NCCL {step_ms:.3f} ms; NCCL + add-norm {r['nccl_norm_us']:.1f} us, "
+              f"fused {fz}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -49,6 +49,10 @@ def get_pp_group() -> Any:
     return _PP_GROUP
 
 
+def get_tp_group() -> Any:
+    return _TP_GROUP
+
+
 @contextmanager
 def set_tensor_parallel_state(rank: int, world_size: int) -> Iterator[None]:
     global _TP_RANK, _TP_SIZE

@@ -138,11 +138,28 @@ class ModelRunner:
             self.lora = LoRAManager(
                 self.model, self.config.lora_config, self.max_num_reqs, self.max_num_tokens, self.device
             )
+        if self.wants_fused_tp_norms():
+            from pagedllm.distributed.fused_allreduce_norm import fuse_model
+
+            fuse_model(self.model, self.max_num_tokens, self.dtype, self.device)
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
         if self.config.speculative_config is not None:
             from pagedllm.spec_decode.runner import SpecDecodeRunner
 
             self.spec = SpecDecodeRunner(self.config.speculative_config, self)
+
+    def wants_fused_tp_norms(self) -> bool:
+        """CUDA tensor parallelism with PAGEDLLM_TP_ALLREDUCE=fused, and nothing that reads a layer's output
+        between layers (LoRA's hooks on o_proj / down_proj, EAGLE-3's on the layers' inputs)."""
+        from pagedllm import envs
+
+        return (
+            self.config.parallel_config.tensor_parallel_size > 1
+            and self.device.type == "cuda"
+            and envs.PAGEDLLM_TP_ALLREDUCE == "fused"
+            and self.lora is None
+            and self.config.speculative_config is None
+        )
 
     def pack_cpu_weights(self) -> int:
         """CPU: prepack the linear weights for oneDNN (`model_loader/cpu_packing.py`); returns how many."""

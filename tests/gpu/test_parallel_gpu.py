@@ -2,7 +2,8 @@
 equal tp=1's, with NCCL, decode CUDA graphs and the GPU's defaults.
 
 - Tiny random float32 checkpoints (Llama, Qwen3): the float32 policy, logprobs by token id within 1e-4
-  (`tests/executor/parallel_utils.py`), also with the one-shot symmetric-memory all-reduce.
+  (`tests/executor/parallel_utils.py`), also with the one-shot symmetric-memory all-reduce and with the
+  all-reduce fused into the residual add + RMSNorm.
 - The real SmolLM2 GGUF in bf16: 9 query heads / 3 KV heads, so tp=2 is refused (a clear ValueError, tested on
   the CPU) and tp=3 is the tensor-parallel run; pp=2 splits its 30 layers 15 / 15. The bf16 rule: against
   tp=1, no more failing prompts than HF bf16 against itself with only its attention kernel changed.
@@ -40,6 +41,14 @@ def _fast_all_reduce(_worker: Any) -> bool:
     return parallel_state._FAST_ALL_REDUCE is not None
 
 
+def _fused_norms(worker: Any) -> bool:
+    """Whether the model's norms all-reduce (distributed/fused_allreduce_norm.py)."""
+    model = worker.model_runner.model.model
+    return model.norm.tp_reduce is not None and all(
+        layer.post_attention_layernorm.tp_reduce is not None for layer in model.stage_layers
+    )
+
+
 def _run(model: str, prompts: list[list[int]], sp: SamplingParams, **kw: Any) -> tuple[list[Any], dict[str, Any]]:
     """One engine's outputs, and per worker whether decode CUDA graphs were captured and the one-shot
     all-reduce is on."""
@@ -49,6 +58,7 @@ def _run(model: str, prompts: list[list[int]], sp: SamplingParams, **kw: Any) ->
         if kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1) > 1:
             info["graphs"] = llm.collective_rpc(lambda w: w.model_runner.cuda_graphs is not None)
             info["fast_all_reduce"] = llm.collective_rpc(_fast_all_reduce)
+            info["fused_norms"] = llm.collective_rpc(_fused_norms)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         return [o.outputs[0] for o in outs], info
     finally:
@@ -76,6 +86,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[
 LAYOUTS = {
     "tp2": (2, {"tensor_parallel_size": 2}, None),
     "tp2_symm": (2, {"tensor_parallel_size": 2}, "symm"),
+    "tp2_fused": (2, {"tensor_parallel_size": 2}, "fused"),
     "pp2": (2, {"pipeline_parallel_size": 2}, None),
     "tp4": (4, {"tensor_parallel_size": 4}, None),
     "tp2_pp2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, None),
@@ -98,6 +109,7 @@ def test_tiny_f32_matches_tp1(
     # Decode CUDA graphs (with the all-reduces captured) on every rank; pipeline stages run eagerly.
     assert info["graphs"] == [kw.get("pipeline_parallel_size", 1) == 1] * n
     assert all(info["fast_all_reduce"]) == (all_reduce == "symm")
+    assert all(info["fused_norms"]) == (all_reduce == "fused")
     assert_same_outputs(ref, got)
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import cpu_ops, triton_ops
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.fused_allreduce_norm import AllReduceNorm
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +20,13 @@ class RMSNorm(nn.Module):
     `new_residual = x + residual` (in the input dtype, like HF's residual stream) and returns
     `(norm(new_residual), new_residual)`. There x may be [..., P, H] against a [..., H] residual: the P parts
     are summed first (a MoE block's k expert outputs, left unsummed so that this pass does the sum).
+
+    With `tp_reduce` set (tensor parallelism, `LlamaModel.defer_tp_reductions`), an x given with a residual is
+    a row-parallel layer's partial sum: it is all-reduced here, in one kernel with the add and the norm where
+    that kernel applies.
     """
+
+    tp_reduce: AllReduceNorm | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -33,6 +44,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None and self.tp_reduce is not None:
+            reduced = self.tp_reduce(x, residual, self.weight, self.variance_epsilon)
+            if reduced is not None:
+                return reduced
+            from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+            x = tensor_model_parallel_all_reduce(x)
         if triton_ops.use_triton_ops(x) and self.weight.dtype == x.dtype:
             # One fused kernel instead of ~8 elementwise/reduction launches (same rounding).
             if residual is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 from pagedllm.transformers_utils.config import get_rope_params, get_sliding_window
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.fused_allreduce_norm import AllReduceNorm
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +254,31 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=eps) if self.is_last_stage else PPMissingLayer()
         self.stage_layers: list[nn.Module] = list(self.layers)[self.start_layer : self.end_layer]
         """This stage's layers, as a plain list (slicing the ModuleList would build a new one every forward)."""
+
+    def supports_deferred_tp_reductions(self) -> bool:
+        """Whether every layer of this stage is a plain dense Llama layer whose o_proj and down_proj outputs
+        feed the next residual add + RMSNorm directly (no bias added after the sum, no other layer forward)."""
+        layers: list[Any] = self.stage_layers
+        return bool(layers) and all(
+            type(layer).forward is LlamaDecoderLayer.forward
+            and type(layer.mlp) is LlamaMLP
+            and layer.self_attn.o_proj.bias is None
+            and layer.mlp.down_proj.bias is None
+            for layer in layers
+        )
+
+    def defer_tp_reductions(self, reduce: AllReduceNorm) -> None:
+        """Tensor parallelism: o_proj and down_proj leave their partial sums un-reduced, and the RMSNorm that
+        follows each (the next layer's input norm, or the final norm) all-reduces them with its residual add
+        (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial sum; its residual is whole."""
+        layers: list[Any] = self.stage_layers
+        for layer in layers:
+            layer.self_attn.o_proj.reduce_results = False
+            layer.mlp.down_proj.reduce_results = False
+            layer.input_layernorm.tp_reduce = reduce  # (only given a residual: never the embedding's output)
+            layer.post_attention_layernorm.tp_reduce = reduce
+        if self.is_last_stage:
+            self.norm.tp_reduce = reduce
 
     def forward(
         self,
