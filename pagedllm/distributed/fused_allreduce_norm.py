@@ -5,12 +5,10 @@ next kernel adds the residual and normalizes. At batch 1 on two H100s (W3) NCCL'
 in the decode graph and the add + RMSNorm kernel another launch, 64 times a step: together ~0.5 ms of the
 3.8 ms step that tp=1 does not pay (benchmarks/NOTES.md, session 25). Here one kernel does all three:
 
-1. each program writes its rows of this rank's partial sum into every peer's symmetric-memory buffer (each
-   rank's buffer is mapped by its peers over NVLink, `torch.distributed._symmetric_memory`), at this rank's
-   slot: posted writes, so no NVLink round trip is waited for (reading the peers' rows remotely, the first
-   version, cost ~1-2 us more a call),
+1. each program copies its rows of this rank's partial sum into this rank's symmetric-memory buffer (one
+   that every peer maps over NVLink, from `torch.distributed._symmetric_memory`),
 2. signals each peer (a release store at system scope into the peer's flag for this program) and waits for
-   the peers' flags (acquire); the peers' rows are then in this rank's own buffer,
+   the peers' flags (acquire),
 3. sums the ranks' rows in rank order in float32, rounds to the activation dtype (as NCCL's sum is rounded),
    then adds the residual and normalizes exactly as `triton_ops.fused_add_rms_norm` does.
 
@@ -65,7 +63,6 @@ if HAS_TRITON:
         flag_ptrs,
         epoch_ptr,
         n_rows,
-        n_rows_max,
         n_active,
         n_cols,
         stride_x,
@@ -87,16 +84,11 @@ if HAS_TRITON:
             base = (epoch % 2) * parity_stride
             offs = tl.arange(0, BLOCK)
             mask = offs < n_cols
-            # Push: this rank's rows go straight into each peer's buffer (posted NVLink writes, no round trip),
-            # at this rank's slot; the peers' rows arrive in ours.
-            slot = tl.cast(n_rows_max, tl.int64) * n_cols
+            own = tl.load(bufs + RANK).to(tl.pointer_type(dt))
             for row in range(pid, n_rows, n_active):
                 row64 = tl.cast(row, tl.int64)
                 v = tl.load(x_ptr + row64 * stride_x + offs, mask=mask)
-                for r in tl.static_range(WORLD):
-                    if r != RANK:
-                        peer = tl.load(bufs + r).to(tl.pointer_type(dt))
-                        tl.store(peer + base + RANK * slot + row64 * n_cols + offs, v, mask=mask)
+                tl.store(own + base + row64 * n_cols + offs, v, mask=mask)
             tl.debug_barrier()  # every thread's rows are written before the flag goes out
             for r in tl.static_range(WORLD):
                 if r != RANK:
@@ -109,7 +101,6 @@ if HAS_TRITON:
                     while seen < epoch:
                         seen = tl.atomic_add(my_flags + r * MAXP + pid, 0, sem="acquire", scope="sys")
             tl.debug_barrier()
-            own = tl.load(bufs + RANK).to(tl.pointer_type(dt))
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             for row in range(pid, n_rows, n_active):
                 row64 = tl.cast(row, tl.int64)
@@ -117,9 +108,9 @@ if HAS_TRITON:
                 for r in tl.static_range(WORLD):
                     if r == RANK:
                         v = tl.load(x_ptr + row64 * stride_x + offs, mask=mask, other=0.0)
-                    else:  # rank r's rows, written into this rank's buffer by rank r
-                        src = own + base + r * slot + row64 * n_cols
-                        v = tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cv")
+                    else:
+                        peer = tl.load(bufs + r).to(tl.pointer_type(dt))
+                        v = tl.load(peer + base + row64 * n_cols + offs, mask=mask, other=0.0, cache_modifier=".cv")
                     acc += v.to(tl.float32)
                 x = acc.to(dt)  # the all-reduced value, rounded as NCCL's is
                 r_in = tl.load(res_ptr + row64 * stride_r + offs, mask=mask, other=0.0)
@@ -147,8 +138,7 @@ class FusedAllReduceNorm:
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed by older PyTorch releases
             enable(name)
-        # [parity][source rank][rows][hidden]: the slots the peers write their partial sums into
-        self.data = symm_mem.empty(2 * world * max_rows * hidden, dtype=dtype, device=device)
+        self.data = symm_mem.empty(2 * max_rows * hidden, dtype=dtype, device=device)
         self.data_handle = symm_mem.rendezvous(self.data, name)
         self.flags = symm_mem.empty(world * MAX_PROGRAMS, dtype=torch.int64, device=device)
         self.flags_handle = symm_mem.rendezvous(self.flags, name)
@@ -191,12 +181,11 @@ class FusedAllReduceNorm:
             self.flags_handle.buffer_ptrs_dev,
             self.epoch,
             rows,
-            self.max_rows,
             min(rows, MAX_PROGRAMS),
             self.hidden,
             x2.stride(0),
             r2.stride(0),
-            self.world * self.max_rows * self.hidden,
+            self.max_rows * self.hidden,
             eps,
             RANK=self.rank,
             WORLD=self.world,
