@@ -106,8 +106,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the Llama family's o_proj / down_proj all-reduce fused with the residual add and RMSNorm after it
     # (distributed/fused_allreduce_norm.py).
     "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "nccl"),
-    # With PAGEDLLM_TP_ALLREDUCE=fused: the largest batch (rows) the fused kernel takes; default every batch
-    # at tp=2, 256 rows at more ranks (NCCL above).
+    # With PAGEDLLM_TP_ALLREDUCE=fused: the largest batch (rows) the fused kernel takes; default 2,048 rows at
+    # tp=2, 256 at more ranks (NCCL above).
     "PAGEDLLM_TP_FUSED_MAX_ROWS": _opt_int("PAGEDLLM_TP_FUSED_MAX_ROWS"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
