@@ -6,9 +6,10 @@
 #   ar     NCCL vs one-shot all-reduce per decode step, copy bandwidth and matmul rate (allreduce_bench.py)
 #   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
-#   W3     W3 at tp=1, tp=2 (NCCL), tp=2 (TP_AR: the all-reduce variants, default "fused symm"), tp=4 where 4 GPUs
-#   W2     W2 at tp=1, tp=2 (NCCL, then fused all-reduce + norm), pp=2
-#   W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone;  W2tp  W2 at tp=1 and tp=2 (NCCL, fused) only
+#   W3     W3 at tp=1, tp=2 (the default: all-reduce fused with add + RMSNorm), tp=2 with each of TP_AR (other
+#          PAGEDLLM_TP_ALLREDUCE values, default "nccl"), the same at tp=4 where 4 GPUs
+#   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
+#   W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone;  W2tp  W2 at tp=1 and tp=2 (default, NCCL) only
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
@@ -60,16 +61,16 @@ for step in $steps; do
             grep -E "^(SmolLM2|llama|qwen3) " "$OUT/tests_$step.log" | cut -c1-240 | tee -a "$summary" ;;
         W3)
             [ -z "${SKIP_TP1:-}" ] && e2e W3_tp1 "" W3
-            variants=(); for v in ${TP_AR:-fused symm}; do variants+=("W3@PAGEDLLM_TP_ALLREDUCE=$v"); done
+            variants=(); for v in ${TP_AR:-nccl}; do variants+=("W3@PAGEDLLM_TP_ALLREDUCE=$v"); done
             e2e W3_tp2 "--tensor-parallel-size 2" W3 "${variants[@]}"
             [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 "${variants[@]}" ;;
         W2)
             e2e W2_tp1 "" W2
-            e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=fused
+            e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl
             e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         W2tp)
             [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=fused ;;
+            e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl ;;
         prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
             for tp in 2 2symm 1; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
                 ar_env=""; [ "$tp" = 2symm ] && ar_env=symm

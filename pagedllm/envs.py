@@ -101,13 +101,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # AVX-512 VNNI (csrc/decode_stack.c): +18-23 % single stream on a quiet 2-core Zen 4, but 1.9x slower with
     # two busy neighbour processes on the same cores, so off by default (benchmarks/NOTES.md, session 24).
     "PAGEDLLM_CPU_DECODE_ONE_REGION": _flag("PAGEDLLM_CPU_DECODE_ONE_REGION", "0"),
-    # Tensor-parallel all-reduce on GPUs: "nccl" (default); "symm", the one-shot all-reduce over PyTorch
-    # symmetric memory for decode-sized tensors (distributed/symm_allreduce.py; NCCL for larger ones); "fused",
-    # the Llama family's o_proj / down_proj all-reduce fused with the residual add and RMSNorm after it
-    # (distributed/fused_allreduce_norm.py).
-    "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "nccl"),
-    # With PAGEDLLM_TP_ALLREDUCE=fused: the largest batch (rows) the fused kernel takes; default 2,048 rows at
-    # tp=2, 256 at more ranks (NCCL above).
+    # Tensor-parallel all-reduce on GPUs: "fused" (default), at tp=2 the Llama family's o_proj / down_proj
+    # all-reduce fused with the residual add and RMSNorm after it for decode-sized batches (distributed/
+    # fused_allreduce_norm.py; NCCL elsewhere); "nccl", NCCL only; "symm", the one-shot all-reduce over PyTorch
+    # symmetric memory for decode-sized tensors (distributed/symm_allreduce.py; NCCL for larger ones).
+    "PAGEDLLM_TP_ALLREDUCE": lambda: os.environ.get("PAGEDLLM_TP_ALLREDUCE", "fused"),
+    # With PAGEDLLM_TP_ALLREDUCE=fused: the largest batch (rows) the fused kernel takes (default 2,048; NCCL
+    # and the separate norm above).
     "PAGEDLLM_TP_FUSED_MAX_ROWS": _opt_int("PAGEDLLM_TP_FUSED_MAX_ROWS"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);

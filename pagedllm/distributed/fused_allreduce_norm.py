@@ -196,15 +196,16 @@ class FusedAllReduceNorm:
         return out.view(residual.shape), res_out.view(residual.shape)
 
 
-def default_max_rows(world: int, max_num_tokens: int) -> int:
-    """Decode-sized batches: two ranks up to 2,048 rows, more ranks up to 256 (a one-shot read of every peer's
-    rows moves (world - 1)x the bytes). Above that NCCL's ring and the separate norm cost about the same as this
-    kernel (2 x H100, [8192, 4096] bf16: 336 us against 314) and the buffer would take KV-cache memory."""
+def default_max_rows(max_num_tokens: int) -> int:
+    """Decode-sized batches, up to 2,048 rows. Above that NCCL's ring and the separate norm cost about the same
+    as this kernel (2 x H100, [8192, 4096] bf16: 336 us against 314), and the buffer would take KV-cache memory.
+    (With more than two ranks a one-shot read of every peer's rows moves (world - 1)x the bytes: only decode
+    sizes would pay there; the engine uses the kernel at tp=2, the measured case.)"""
     from pagedllm import envs
 
     if envs.PAGEDLLM_TP_FUSED_MAX_ROWS is not None:
         return min(envs.PAGEDLLM_TP_FUSED_MAX_ROWS, max_num_tokens)
-    return min(2048 if world == 2 else 256, max_num_tokens)
+    return min(2048, max_num_tokens)
 
 
 def try_create(
@@ -255,7 +256,7 @@ def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device
         return False
     group, world = ps.get_tp_group(), ps.get_tensor_model_parallel_world_size()
     hidden = int(inner.config.hidden_size)
-    rank, max_rows = ps.get_tensor_model_parallel_rank(), default_max_rows(world, max_num_tokens)
+    rank, max_rows = ps.get_tensor_model_parallel_rank(), default_max_rows(max_num_tokens)
     fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
     if fused is None:
         return False

@@ -76,8 +76,9 @@ def init_distributed(
     dtype: torch.dtype | None = None,
 ) -> None:
     """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups. With NCCL and
-    `dtype` (the model's), small all-reduces of that dtype take the one-shot symmetric-memory path unless
-    PAGEDLLM_TP_ALLREDUCE=nccl."""
+    `dtype` (the model's), small all-reduces of that dtype take the one-shot symmetric-memory path with
+    PAGEDLLM_TP_ALLREDUCE=symm (the default fused all-reduce + RMSNorm is set up with the model:
+    `fused_allreduce_norm.fuse_model`)."""
     import torch.distributed as dist
 
     from pagedllm import envs

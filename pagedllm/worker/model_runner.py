@@ -149,12 +149,15 @@ class ModelRunner:
             self.spec = SpecDecodeRunner(self.config.speculative_config, self)
 
     def wants_fused_tp_norms(self) -> bool:
-        """CUDA tensor parallelism with PAGEDLLM_TP_ALLREDUCE=fused, and nothing that reads a layer's output
-        between layers (LoRA's hooks on o_proj / down_proj, EAGLE-3's on the layers' inputs)."""
+        """CUDA, two tensor-parallel ranks and no pipeline stages (the measured case; PAGEDLLM_TP_ALLREDUCE=fused,
+        the default), and nothing that reads a layer's output between layers (LoRA's hooks on o_proj /
+        down_proj, EAGLE-3's on the layers' inputs)."""
         from pagedllm import envs
 
+        pc = self.config.parallel_config
         return (
-            self.config.parallel_config.tensor_parallel_size > 1
+            pc.tensor_parallel_size == 2
+            and pc.pipeline_parallel_size == 1
             and self.device.type == "cuda"
             and envs.PAGEDLLM_TP_ALLREDUCE == "fused"
             and self.lora is None
