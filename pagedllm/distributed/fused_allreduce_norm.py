@@ -215,6 +215,7 @@ def try_create(
     used on every rank (the ranks agree, so all keep NCCL then)."""
     import torch.distributed as dist
 
+    from pagedllm.distributed.parallel_state import all_ranks_true
     from pagedllm.model_executor.layers import triton_ops
 
     fused: FusedAllReduceNorm | None = None
@@ -237,9 +238,7 @@ def try_create(
     except Exception as e:  # no peer access, no symmetric memory, no Triton: NCCL as before
         logger.warning("tensor parallel: fused all-reduce + RMSNorm unavailable (%s); NCCL only", e)
         fused = None
-    ok = torch.tensor([1 if fused is not None else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if int(ok.item()) != 1:
+    if not all_ranks_true(fused is not None, group, device) or fused is None:
         return None
     logger.info("tensor parallel: all-reduce fused with the residual add and RMSNorm up to %d rows", max_rows)
     return fused

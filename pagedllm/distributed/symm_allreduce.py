@@ -99,10 +99,9 @@ def try_create(group: Any, device: torch.device, dtype: torch.dtype) -> SymmMemA
     except Exception as e:  # an older PyTorch, no peer access, no symmetric-memory support: NCCL only
         logger.warning("tensor parallel: symmetric-memory all-reduce unavailable (%s); NCCL only", e)
         ar = None
-    # Every rank must take the same path for every all-reduce: use it only where all ranks have it.
-    ok = torch.tensor([1 if ar is not None else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if int(ok.item()) != 1:
+    from pagedllm.distributed.parallel_state import all_ranks_true
+
+    if not all_ranks_true(ar is not None, group, device) or ar is None:
         return None
-    logger.info("tensor parallel: one-shot symmetric-memory all-reduce up to %d bytes", ar.max_bytes)  # type: ignore[union-attr]
+    logger.info("tensor parallel: one-shot symmetric-memory all-reduce up to %d bytes", ar.max_bytes)
     return ar
