@@ -13,7 +13,7 @@
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
-# Results under $OUT/<step>_<layout>/; a summary last.
+# Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_multi_gpu}
 mkdir -p "$OUT"
@@ -104,3 +104,7 @@ for step in $steps; do
 done
 echo "==== summary ===="
 cat "$summary"
+# TAR=1: everything in one file beside $OUT (the device returns at most 8 files a call; logs were lost to it)
+if [ -n "${TAR:-}" ]; then
+    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
