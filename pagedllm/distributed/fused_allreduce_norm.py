@@ -215,7 +215,7 @@ def try_create(
     used on every rank (the ranks agree, so all keep NCCL then)."""
     import torch.distributed as dist
 
-    from pagedllm.distributed.parallel_state import all_ranks_true
+    from pagedllm.distributed.agreement import all_ranks_true
     from pagedllm.model_executor.layers import triton_ops
 
     fused: FusedAllReduceNorm | None = None

@@ -138,16 +138,6 @@ def _abort_nccl(timeout_s: float = 10.0) -> None:
     t.join(timeout_s)
 
 
-def all_ranks_true(flag: bool, group: Any, device: torch.device) -> bool:
-    """Whether `flag` holds on every rank of `group` (collective): a fast path set up per rank is used only
-    where all ranks have it, since every rank must take the same path for every collective."""
-    import torch.distributed as dist
-
-    ok = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return int(ok.item()) == 1
-
-
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the tensor-parallel ranks (in place on `x`, which is returned)."""
     if _TP_SIZE == 1:

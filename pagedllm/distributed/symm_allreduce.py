@@ -99,7 +99,7 @@ def try_create(group: Any, device: torch.device, dtype: torch.dtype) -> SymmMemA
     except Exception as e:  # an older PyTorch, no peer access, no symmetric-memory support: NCCL only
         logger.warning("tensor parallel: symmetric-memory all-reduce unavailable (%s); NCCL only", e)
         ar = None
-    from pagedllm.distributed.parallel_state import all_ranks_true
+    from pagedllm.distributed.agreement import all_ranks_true
 
     if not all_ranks_true(ar is not None, group, device) or ar is None:
         return None
