@@ -204,24 +204,41 @@ TGT __attribute__((always_inline)) static inline void panel_rows(const int has_o
     }
     for (int pb = 0; pb < npb; pb++) {
         const int64_t b = b0 + pb;
-        /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16 dependent
-         * `vpdpwssd` is latency-bound); integer sums, so the split changes nothing. */
-        const int chains = mr >= 4 ? 1 : mr == 1 ? 4 : 2;
-        __m512i ia[MR], ic[MR * 4];
-        for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
         const __m512i* t = tw + pb * 16;
-        for (int j = 0; j < 16; j++) {
-            const __m512i wj = _mm512_load_si512(t + j);
-            for (int i = 0; i < mr; i++) {
-                int32_t pair;
-                memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
-                __m512i* a = ic + i * chains + j % chains;
-                *a = _mm512_dpwssd_epi32(*a, wj, _mm512_set1_epi32(pair));
+        __m512i ia[MR];
+        if (mr >= 4) {
+            /* One accumulator a row, the j loop unrolled: rolled, gcc rotated the accumulators through
+             * register copies every step (twice the instructions of the dots). */
+            for (int i = 0; i < mr; i++) ia[i] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const __m512i wj = _mm512_load_si512(t + j);
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                    ia[i] = _mm512_dpwssd_epi32(ia[i], wj, _mm512_set1_epi32(pair));
+                }
             }
-        }
-        for (int i = 0; i < mr; i++) {
-            ia[i] = ic[i * chains];
-            for (int c = 1; c < chains; c++) ia[i] = _mm512_add_epi32(ia[i], ic[i * chains + c]);
+        } else {
+            /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16
+             * dependent `vpdpwssd` is latency-bound); integer sums, so the split changes nothing. */
+            const int chains = mr == 1 ? 4 : 2;
+            __m512i ic[MR * 4];
+            for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 16; j++) {
+                const __m512i wj = _mm512_load_si512(t + j);
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                    __m512i* a = ic + i * chains + j % chains;
+                    *a = _mm512_dpwssd_epi32(*a, wj, _mm512_set1_epi32(pair));
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                ia[i] = ic[i * chains];
+                for (int c = 1; c < chains; c++) ia[i] = _mm512_add_epi32(ia[i], ic[i * chains + c]);
+            }
         }
         const __m512 d = _mm512_load_ps(dv + pb * 16);
         for (int i = 0; i < mr; i++)
@@ -407,12 +424,13 @@ TGT static void one_tile(const int type, const int tiled, const uint8_t* w, cons
         } else {
             FEW_SWITCH(T_Q8_0)
         }
+        const __mmask16 keep = (__mmask16)((1u << valid) - 1);
         for (int64_t m = 0; m < M; m++) {
             const int64_t at = m * out_stride + n0;
             if (out_bf16)
                 for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(acc[m * 16 + i]);
-            else
-                memcpy((float*)out + at, acc + m * 16, (size_t)valid * sizeof(float));
+            else /* a masked store: memcpy was a library call a row */
+                _mm512_mask_storeu_ps((float*)out + at, keep, _mm512_load_ps(acc + m * 16));
         }
         return;
     }
@@ -435,14 +453,17 @@ TGT static void one_tile(const int type, const int tiled, const uint8_t* w, cons
             }
         }
     }
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
     for (int64_t m = 0; m < M; m++) {
-        float r[16] __attribute__((aligned(64)));
-        _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16)));
+        const __m512 r = _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16));
         const int64_t at = m * out_stride + n0;
-        if (out_bf16)
-            for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(r[i]);
-        else
-            memcpy((float*)out + at, r, (size_t)valid * sizeof(float));
+        if (out_bf16) {
+            float rr[16] __attribute__((aligned(64)));
+            _mm512_store_ps(rr, r);
+            for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(rr[i]);
+        } else {
+            _mm512_mask_storeu_ps((float*)out + at, keep, r);
+        }
     }
 }
 
