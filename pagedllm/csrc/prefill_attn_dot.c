@@ -14,9 +14,9 @@
  * p[j+1][r]); Vp[j/2][e] = (v[j][e], v[j+1][e]), interleaved per key tile. Q.K^T keeps 8 keys x 3 row
  * vectors of accumulators in registers, P.V 8 head dims x 3 row vectors.
  *
- * A work item is up to 4 sub-tiles of ~96 rows (consecutive positions) that share each key tile: its key
- * rows are fetched and its V pairs built once for all of them (fetching them per 96 rows was cache-miss
- * bound). The running max moves only when a score exceeds it by LAZY_RESCALE, so most key tiles skip the
+ * A work item is up to 4 (or 8: prefill_attn.c's `item_rows`) sub-tiles of ~96 rows (consecutive positions)
+ * that share each key tile: its key rows are fetched and its V pairs built once for all of them (fetching
+ * them per 96 rows was cache-miss bound). The running max moves only when a score exceeds it by LAZY_RESCALE, so most key tiles skip the
  * rescale of the output rows (P then stays <= e^8, well inside bfloat16's range).
  *
  * Without AVX512-BF16 at build time only `prefill_dot_supports` (always 0) is compiled.
@@ -48,7 +48,7 @@ int prefill_dot_supports(int hd) { return DOT_ISA && hd > 0 && hd <= DOT_MAX_HEA
 #if DOT_ISA
 
 #define DOT_SUB_ROWS 96 /* rows per sub-tile: the query tiles an item's key tiles are shared by */
-#define DOT_MAX_SUB 8   /* sub-tiles an item may have */
+#define DOT_MAX_SUB 16  /* sub-tiles an item may have (prefill_attn.c's 768-row items of a large group) */
 #define LAZY_RESCALE 8.f /* a row's running max moves only when a score exceeds it by this (P <= e^8) */
 
 /* A thread's scratch: per sub-tile s, rows row0[s] .. of the arrays sized for R rows in all. */
