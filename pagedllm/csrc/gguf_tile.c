@@ -21,6 +21,7 @@
  * block's additive term per unit of the activation sum (Q4_1's m, Q4_0's -8 d, none for Q8_0); the result
  * is acc + off.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -391,6 +392,21 @@ TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
         _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + i)));
 }
 
+/* The calling thread's buffer for `n` paired activations, kept from call to call (grown as needed, never
+ * freed): a fresh aligned_alloc per product was a fresh mmap at prefill sizes (1,024 x 1,536 int16 = 3 MB),
+ * every page faulted in and zeroed again. NULL when out of memory. */
+static int16_t* paired_buffer(size_t n) {
+    static __thread int16_t* buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap * sizeof(int16_t));
+        if (buf == NULL) cap = 0;
+    }
+    return buf;
+}
+
 /* One tile of 16 output columns for all M rows (acc: M * 32 floats of scratch; tw / dv / ov: a panel's). */
 TGT static void one_tile(const int type, const int tiled, const uint8_t* w, const int64_t N, const int64_t K,
                          const int16_t* xq, const float* xd, const float* xs, const int64_t M, void* out,
@@ -488,9 +504,8 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
     int16_t* paired = NULL;
     if (any_q4) {
-        paired = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
+        paired = paired_buffer((size_t)(M * K));
         if (paired == NULL) return -1;
-        pair_halves(xq, M * K, paired);
     }
     /* Rows in chunks of MB, each chunk over all tiles: a chunk's activations (MB x K int16) stay in L2 while
      * the thread's tiles pass, where all M rows (e.g. 256 x 1,536) would be read from L3 for every tile. The
@@ -505,6 +520,12 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
         if (acc == NULL) {
 #pragma omp atomic write
             failed = 1;
+        }
+        if (paired != NULL) { /* the threads pair slices of whole blocks, then all wait for all */
+            const int64_t nb = M * K / 32, t = omp_get_thread_num(), n = omp_get_num_threads();
+            const int64_t b0 = nb * t / n, b1 = nb * (t + 1) / n;
+            pair_halves(xq + b0 * 32, (b1 - b0) * 32, paired + b0 * 32);
+#pragma omp barrier
         }
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int64_t mb = M - m0 < MB ? M - m0 : MB;
@@ -521,7 +542,6 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
         }
         free(acc);
     }
-    free(paired);
     return failed ? -1 : 0;
 }
 
