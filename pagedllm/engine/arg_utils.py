@@ -31,7 +31,7 @@ two cores, so no step holds the others (or an abort) for longer (4096 took 32 s 
 CPU_IDLE_MAX_NUM_BATCHED_TOKENS = 1024
 """CPU default of the token budget of a step in which no request is decoding (`idle_max_num_batched_tokens`):
 no decode's inter-token latency is at stake there, and a long prompt in chunks of 1,024 instead of 256 saves
-a tenth of its prefill (fewer steps' per-layer overhead; benchmarks/NOTES.md, session 32). A request that
+a tenth to a sixth of its prefill (fewer steps' per-layer overhead; benchmarks/NOTES.md, session 32). A request that
 arrives meanwhile waits for the current chunk: up to ~2 s on two cores, against ~0.5 s."""
 
 
