@@ -148,6 +148,15 @@ class SchedulerConfig:
     disable_chunked_mm_input: bool = False
     """With chunked prefill: never schedule part of an image (vLLM's name); forced on for models whose image
     tokens attend to each other (`requires_whole_mm_items`, e.g. Gemma 3)."""
+    idle_max_num_batched_tokens: int | None = None
+    """Token budget of a step in which no running request is decoding (only prompts are being prefilled); None:
+    max_num_batched_tokens. The small CPU budget is there for concurrent decodes' inter-token latency, which
+    no such step has: a long prompt alone then goes in fewer, bigger chunks (see `Scheduler.step_budget`)."""
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step may hold (what the model runner sizes its buffers for)."""
+        return max(self.max_num_batched_tokens, self.idle_max_num_batched_tokens or 0)
 
 
 @dataclass

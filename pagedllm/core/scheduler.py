@@ -171,8 +171,24 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def step_budget(self) -> int:
+        """This step's token budget: max_num_batched_tokens, or `idle_max_num_batched_tokens` where it is set and
+        no running request is decoding (every running request still has prompt tokens to compute, or none
+        runs). The small budget bounds a decoding request's inter-token latency; without one, bigger chunks
+        only make a long prompt's prefill cheaper. Under the packed GGUF model (the CPU default) it changes no
+        token or logprob: its kernels give each row the same bits whatever chunk the row runs in (test
+        `test_idle_budget_changes_no_logprob`; NOTES session 32)."""
         budget = self.config.max_num_batched_tokens
+        idle = self.config.idle_max_num_batched_tokens
+        if idle is None or idle <= budget:
+            return budget
+        for req in self.running:
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                return budget
+        return idle
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.step_budget()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()

@@ -21,6 +21,7 @@
  * block's additive term per unit of the activation sum (Q4_1's m, Q4_0's -8 d, none for Q8_0); the result
  * is acc + off.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,24 +205,41 @@ TGT __attribute__((always_inline)) static inline void panel_rows(const int has_o
     }
     for (int pb = 0; pb < npb; pb++) {
         const int64_t b = b0 + pb;
-        /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16 dependent
-         * `vpdpwssd` is latency-bound); integer sums, so the split changes nothing. */
-        const int chains = mr >= 4 ? 1 : mr == 1 ? 4 : 2;
-        __m512i ia[MR], ic[MR * 4];
-        for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
         const __m512i* t = tw + pb * 16;
-        for (int j = 0; j < 16; j++) {
-            const __m512i wj = _mm512_load_si512(t + j);
-            for (int i = 0; i < mr; i++) {
-                int32_t pair;
-                memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
-                __m512i* a = ic + i * chains + j % chains;
-                *a = _mm512_dpwssd_epi32(*a, wj, _mm512_set1_epi32(pair));
+        __m512i ia[MR];
+        if (mr >= 4) {
+            /* One accumulator a row, the j loop unrolled: rolled, gcc rotated the accumulators through
+             * register copies every step (twice the instructions of the dots). */
+            for (int i = 0; i < mr; i++) ia[i] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const __m512i wj = _mm512_load_si512(t + j);
+#pragma GCC unroll 8
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                    ia[i] = _mm512_dpwssd_epi32(ia[i], wj, _mm512_set1_epi32(pair));
+                }
             }
-        }
-        for (int i = 0; i < mr; i++) {
-            ia[i] = ic[i * chains];
-            for (int c = 1; c < chains; c++) ia[i] = _mm512_add_epi32(ia[i], ic[i * chains + c]);
+        } else {
+            /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16
+             * dependent `vpdpwssd` is latency-bound); integer sums, so the split changes nothing. */
+            const int chains = mr == 1 ? 4 : 2;
+            __m512i ic[MR * 4];
+            for (int i = 0; i < mr * chains; i++) ic[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 16; j++) {
+                const __m512i wj = _mm512_load_si512(t + j);
+                for (int i = 0; i < mr; i++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
+                    __m512i* a = ic + i * chains + j % chains;
+                    *a = _mm512_dpwssd_epi32(*a, wj, _mm512_set1_epi32(pair));
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                ia[i] = ic[i * chains];
+                for (int c = 1; c < chains; c++) ia[i] = _mm512_add_epi32(ia[i], ic[i * chains + c]);
+            }
         }
         const __m512 d = _mm512_load_ps(dv + pb * 16);
         for (int i = 0; i < mr; i++)
@@ -374,6 +392,21 @@ TGT static void pair_halves(const int16_t* x, int64_t n, int16_t* out) {
         _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + i)));
 }
 
+/* The calling thread's buffer for `n` paired activations, kept from call to call (grown as needed, never
+ * freed): a fresh aligned_alloc per product was a fresh mmap at prefill sizes (1,024 x 1,536 int16 = 3 MB),
+ * every page faulted in and zeroed again. NULL when out of memory. */
+static int16_t* paired_buffer(size_t n) {
+    static __thread int16_t* buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap * sizeof(int16_t));
+        if (buf == NULL) cap = 0;
+    }
+    return buf;
+}
+
 /* One tile of 16 output columns for all M rows (acc: M * 32 floats of scratch; tw / dv / ov: a panel's). */
 TGT static void one_tile(const int type, const int tiled, const uint8_t* w, const int64_t N, const int64_t K,
                          const int16_t* xq, const float* xd, const float* xs, const int64_t M, void* out,
@@ -407,12 +440,13 @@ TGT static void one_tile(const int type, const int tiled, const uint8_t* w, cons
         } else {
             FEW_SWITCH(T_Q8_0)
         }
+        const __mmask16 keep = (__mmask16)((1u << valid) - 1);
         for (int64_t m = 0; m < M; m++) {
             const int64_t at = m * out_stride + n0;
             if (out_bf16)
                 for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(acc[m * 16 + i]);
-            else
-                memcpy((float*)out + at, acc + m * 16, (size_t)valid * sizeof(float));
+            else /* a masked store: memcpy was a library call a row */
+                _mm512_mask_storeu_ps((float*)out + at, keep, _mm512_load_ps(acc + m * 16));
         }
         return;
     }
@@ -435,14 +469,17 @@ TGT static void one_tile(const int type, const int tiled, const uint8_t* w, cons
             }
         }
     }
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
     for (int64_t m = 0; m < M; m++) {
-        float r[16] __attribute__((aligned(64)));
-        _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16)));
+        const __m512 r = _mm512_add_ps(_mm512_load_ps(acc + m * 16), _mm512_load_ps(off + m * 16));
         const int64_t at = m * out_stride + n0;
-        if (out_bf16)
-            for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(r[i]);
-        else
-            memcpy((float*)out + at, r, (size_t)valid * sizeof(float));
+        if (out_bf16) {
+            float rr[16] __attribute__((aligned(64)));
+            _mm512_store_ps(rr, r);
+            for (int i = 0; i < valid; i++) ((uint16_t*)out)[at + i] = f32_to_bf16(rr[i]);
+        } else {
+            _mm512_mask_storeu_ps((float*)out + at, keep, r);
+        }
     }
 }
 
@@ -467,9 +504,8 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
     const int nt = N * K * (M < 4 ? M : 4) >= 131072 ? num_threads : 1;
     int16_t* paired = NULL;
     if (any_q4) {
-        paired = aligned_alloc(64, (size_t)(M * K * sizeof(int16_t) + 63) / 64 * 64);
+        paired = paired_buffer((size_t)(M * K));
         if (paired == NULL) return -1;
-        pair_halves(xq, M * K, paired);
     }
     /* Rows in chunks of MB, each chunk over all tiles: a chunk's activations (MB x K int16) stay in L2 while
      * the thread's tiles pass, where all M rows (e.g. 256 x 1,536) would be read from L3 for every tile. The
@@ -484,6 +520,12 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
         if (acc == NULL) {
 #pragma omp atomic write
             failed = 1;
+        }
+        if (paired != NULL) { /* the threads pair slices of whole blocks, then all wait for all */
+            const int64_t nb = M * K / 32, t = omp_get_thread_num(), n = omp_get_num_threads();
+            const int64_t b0 = nb * t / n, b1 = nb * (t + 1) / n;
+            pair_halves(xq + b0 * 32, (b1 - b0) * 32, paired + b0 * 32);
+#pragma omp barrier
         }
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             const int64_t mb = M - m0 < MB ? M - m0 : MB;
@@ -500,7 +542,6 @@ TGT int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled,
         }
         free(acc);
     }
-    free(paired);
     return failed ? -1 : 0;
 }
 

@@ -14,9 +14,9 @@
  * p[j+1][r]); Vp[j/2][e] = (v[j][e], v[j+1][e]), interleaved per key tile. Q.K^T keeps 8 keys x 3 row
  * vectors of accumulators in registers, P.V 8 head dims x 3 row vectors.
  *
- * A work item is up to 4 sub-tiles of ~96 rows (consecutive positions) that share each key tile: its key
- * rows are fetched and its V pairs built once for all of them (fetching them per 96 rows was cache-miss
- * bound). The running max moves only when a score exceeds it by LAZY_RESCALE, so most key tiles skip the
+ * A work item is up to 4 (or 8: prefill_attn.c's `item_rows`) sub-tiles of ~96 rows (consecutive positions)
+ * that share each key tile: its key rows are fetched and its V pairs built once for all of them (fetching
+ * them per 96 rows was cache-miss bound). The running max moves only when a score exceeds it by LAZY_RESCALE, so most key tiles skip the
  * rescale of the output rows (P then stays <= e^8, well inside bfloat16's range).
  *
  * Without AVX512-BF16 at build time only `prefill_dot_supports` (always 0) is compiled.
@@ -48,7 +48,7 @@ int prefill_dot_supports(int hd) { return DOT_ISA && hd > 0 && hd <= DOT_MAX_HEA
 #if DOT_ISA
 
 #define DOT_SUB_ROWS 96 /* rows per sub-tile: the query tiles an item's key tiles are shared by */
-#define DOT_MAX_SUB 8   /* sub-tiles an item may have */
+#define DOT_MAX_SUB 16  /* sub-tiles an item may have (prefill_attn.c's 768-row items of a large group) */
 #define LAZY_RESCALE 8.f /* a row's running max moves only when a score exceeds it by this (P <= e^8) */
 
 /* A thread's scratch: per sub-tile s, rows row0[s] .. of the arrays sized for R rows in all. */
@@ -149,18 +149,16 @@ static void pv_tile(const uint32_t* restrict Pp, int Mp, const uint32_t* restric
     }
 }
 
-/* exp(x c / log2 e) = 2^(x c) for x c <= LAZY_RESCALE log2 e, to ~5e-5 relative (P is rounded to bfloat16,
- * 2^-9, next): 2^n * 2^f with n = round(x c) and f in [-0.5, 0.5] by a degree-4 polynomial; scalef gives 0
- * for NEG_BIG scores. c = scale x log2 e applies the softmax scale to the float32 scores. */
-static inline __m512 exp16(__m512 x, __m512 c) {
-    const __m512 t = _mm512_mul_ps(x, c);
+/* 2^t for t <= LAZY_RESCALE log2 e, to ~8e-5 relative (P is rounded to bfloat16 next, a relative step of
+ * 2^-8): 2^n * 2^f with n = round(t) and f in [-0.5, 0.5] by a degree-3 minimax polynomial; scalef gives 0
+ * for the NEG_BIG scores' t. */
+static inline __m512 exp2_16(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.618129e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(5.5171661e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24261115f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326097f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992806f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -207,18 +205,21 @@ static void softmax_tile(DotScratch* s, const Sub* t, int hd, int n, int32_t k0,
     /* word i of the converted pair: (p0[i], p1[i]) */
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i ones = _mm512_set1_epi16(0x3f80); /* bfloat16 1.0 in both halves */
+    /* P = 2^(s c - m c): the scale (in c = scale x log2 e) folded into one FMA with the row's max. A row
+     * that sees no key yet (max NEG_BIG; only with a sliding window) takes m c = 0, so its P are 0 (s c - m c
+     * of two NEG_BIG would not cancel exactly). */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504089f);
     for (int r = 0; r < Mp; r += 16) { /* Mp is a multiple of 16 */
         const __m512 m16 = _mm512_load_ps(m + r);
+        const __m512 mc = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(m16, _mm512_set1_ps(NEG_BIG), _CMP_GT_OQ), m16, c);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < n; j += 2) {
-            const __m512 p0 = exp16(_mm512_sub_ps(_mm512_load_ps(St + (int64_t)j * Mp + r), m16), c);
-            const __m512 p1 = j + 1 < n ? exp16(_mm512_sub_ps(_mm512_load_ps(St + (int64_t)(j + 1) * Mp + r), m16), c)
+            const __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(St + (int64_t)j * Mp + r), c, mc));
+            const __m512 p1 = j + 1 < n ? exp2_16(_mm512_fmsub_ps(_mm512_load_ps(St + (int64_t)(j + 1) * Mp + r), c, mc))
                                         : _mm512_setzero_ps();
             const __m512i pair = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), r1 = _mm512_castsi512_ps(_mm512_and_si512(pair, hi));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(r0, r1));
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)pair, (__m512bh)ones); /* + the two rounded P, exactly */
             _mm512_store_si512(s->Pp + (int64_t)(j / 2) * Mp + r, pair);
         }
         _mm512_store_ps(t->l + r, _mm512_add_ps(_mm512_load_ps(t->l + r), sum));

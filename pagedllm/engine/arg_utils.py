@@ -28,6 +28,12 @@ CPU_MAX_NUM_BATCHED_TOKENS = 256
 """CPU default of the per-step token budget: a chunk of this size of a long prompt takes about a second on
 two cores, so no step holds the others (or an abort) for longer (4096 took 32 s for one 4,000-token prompt)."""
 
+CPU_IDLE_MAX_NUM_BATCHED_TOKENS = 1024
+"""CPU default of the token budget of a step in which no request is decoding (`idle_max_num_batched_tokens`):
+no decode's inter-token latency is at stake there, and a long prompt in chunks of 1,024 instead of 256 saves
+a tenth to a sixth of its prefill (fewer steps' per-layer overhead; benchmarks/NOTES.md, session 32). A request that
+arrives meanwhile waits for the current chunk: up to ~2 s on two cores, against ~0.5 s."""
+
 
 def _help(text: str, group: str = "Model") -> dict[str, str]:
     return {"help": text, "group": group}
@@ -140,6 +146,15 @@ class EngineArgs:
         metadata=_help(
             "Token budget per step. Default: 16384 on GPU, 256 on CPU (a chunk of a long prompt then takes "
             "about a second on two cores: other requests keep streaming, aborts land between chunks).",
+            "Scheduler",
+        ),
+    )
+    idle_max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "Token budget of a step in which no request is decoding (only prompts being prefilled): there is "
+            "no inter-token latency to protect, so a long prompt goes in bigger chunks. Default: 1024 on CPU "
+            "when max_num_batched_tokens is not given, else max_num_batched_tokens (no separate budget).",
             "Scheduler",
         ),
     )
@@ -295,7 +310,7 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(f"num_gpu_blocks_override: must be >= 2, got {self.num_gpu_blocks_override}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "idle_max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}: must be positive, got {v}")
@@ -437,6 +452,7 @@ class EngineArgs:
         if not self.enable_chunked_prefill and max_batched < mc.max_model_len:
             # Without chunking a whole prompt must fit one step.
             max_batched = mc.max_model_len
+        idle_batched = _idle_budget(self, on_gpu or bool(engine_overrides), max_batched)
         return EngineConfig(
             model_config=mc,
             cache_config=CacheConfig(
@@ -463,6 +479,7 @@ class EngineArgs:
                 spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
                 max_loras=self.max_loras if self.enable_lora else 0,
                 disable_chunked_mm_input=whole_mm,
+                idle_max_num_batched_tokens=idle_batched,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -532,6 +549,25 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _idle_budget(args: EngineArgs, one_budget: bool, max_batched: int) -> int | None:
+    """`SchedulerConfig.idle_max_num_batched_tokens`: the user's value (at least the step budget), else the CPU
+    default where the step budget is the CPU default too; None (no separate budget) otherwise, so that an
+    explicit max_num_batched_tokens, the GPU and pooling models (`one_budget`) and whole-prompt steps keep one
+    budget."""
+    if not args.enable_chunked_prefill:  # the step budget is max_model_len: whole prompts already
+        return None
+    if args.idle_max_num_batched_tokens is not None:
+        if args.idle_max_num_batched_tokens < max_batched:
+            raise ValueError(
+                f"idle_max_num_batched_tokens: must be at least max_num_batched_tokens ({max_batched}), "
+                f"got {args.idle_max_num_batched_tokens}"
+            )
+        return args.idle_max_num_batched_tokens
+    if one_budget or args.max_num_batched_tokens is not None:
+        return None
+    return CPU_IDLE_MAX_NUM_BATCHED_TOKENS
 
 
 def _check_tp_divides(hf_config: Any, tp: int) -> None:

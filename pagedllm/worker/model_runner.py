@@ -60,7 +60,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
-        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_num_tokens = config.scheduler_config.max_step_tokens
         self.dtype = self.model_config.dtype
         self.sampler = Sampler(logits_processors, getattr(self.model_config, "logprobs_mode", "raw_logprobs"))
         self.prompt_logprobs = PromptLogprobs(self.sampler.logprobs_mode)

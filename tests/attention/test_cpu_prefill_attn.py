@@ -82,6 +82,8 @@ CASES = [
     ([(7, 1)], 2, 2, 32, 1),
     ([(0, 50), (10, 23)], 40, 1, 72, None),  # a large group: the dot kernel's items of 5 sub-tiles
     ([(0, 9)], 130, 1, 40, None),  # a group over 96 rows: one position per sub-tile
+    ([(0, 400)], 40, 1, 72, None),  # enough items for the dot kernel's 768-row items: 10 sub-tiles each
+    ([(0, 600), (200, 300)], 6, 2, 64, 50),  # 768-row items under a sliding window
 ]
 
 
@@ -148,6 +150,21 @@ def test_prefill_dot_rounds_like_bf16_products() -> None:
         err = (out[c.q_start : c.q_end].double() - ref).abs()
         # P rounded to bf16 (relative 2^-9 each, averaging out over the keys): mean error far below 2^-9.
         assert float(err.max()) < 4e-3 and float(err.mean()) < 4e-4, (float(err.max()), float(err.mean()))
+
+
+@needs_kernel
+def test_dot_item_size_changes_no_bit() -> None:
+    """The dot kernel takes 768-row work items where a step has at least 4 a thread, else 384 (`item_rows`):
+    both share the same 96-row sub-tiles, so the output is bit-identical (one thread: 768; eight: 384)."""
+    if not _dot_isa():
+        pytest.skip("no AVX512-BF16 here")
+    query, k_cache, v_cache, chunks = _case([(0, 1000), (24, 512)], 9, 3, 64, F32, seed=5, cache_dtype=BF16)
+    outs = []
+    for threads in (1, 8):
+        out = torch.zeros_like(query)
+        cpu_prefill_attn.prefill(query, k_cache, v_cache, chunks, out, 0.125, None, num_threads=threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_kernel

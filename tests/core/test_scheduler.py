@@ -3,9 +3,12 @@ preemption order, aborts, and async scheduling's in-flight placeholders."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from pagedllm import EngineArgs
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_utils import KVCacheGroup, KVCacheSpec
 from pagedllm.core.request import RequestStatus
@@ -14,6 +17,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.messages import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 from tests.core.test_block_pool import FakeWorker, check_pool
+from tests.utils_model import make_tiny_hf_model
 
 
 def _sched(
@@ -24,6 +28,7 @@ def _sched(
     policy: str = "fcfs",
     async_scheduling: bool = False,
     max_model_len: int = 96,
+    idle_budget: int | None = None,
 ) -> Scheduler:
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = SchedulerConfig(
@@ -33,6 +38,7 @@ def _sched(
         enable_chunked_prefill=chunked,
         policy=policy,  # type: ignore[arg-type]
         async_scheduling=async_scheduling,
+        idle_max_num_batched_tokens=idle_budget,
     )
     return Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, enable_prefix_caching=True)
 
@@ -66,6 +72,47 @@ def test_budget_chunks_a_long_prompt_and_decodes_go_first() -> None:
     so = s.schedule()
     assert so.num_scheduled_tokens == {"a": 1, "long": 15}
     assert [c for c in so.scheduled_cached_reqs.num_computed_tokens] == [6, 15]
+
+
+def test_idle_budget_only_while_nothing_decodes() -> None:
+    """`idle_max_num_batched_tokens`: prompts alone go in chunks of the idle budget; once a request decodes,
+    every step keeps to max_num_batched_tokens (a new prompt's chunk beside it too)."""
+    s = _sched(budget=16, idle_budget=40, max_model_len=200)
+    _add(s, "long", 100, max_tokens=2)
+    _add(s, "short", 5, max_tokens=8)
+    assert s.step_budget() == 40
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"long": 40}  # FCFS: the head of the queue takes the whole budget
+    _step(s, so, {})
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"long": 40}
+    _step(s, so, {})
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"long": 20, "short": 5}  # "long"'s last chunk, then "short" fits
+    _step(s, so, {"long": 1, "short": 1})
+    assert s.step_budget() == 16  # both decode now
+    _add(s, "next", 30, max_tokens=2)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"long": 1, "short": 1, "next": 14}
+    assert so.total_num_scheduled_tokens == 16
+
+
+def test_idle_budget_defaults(tmp_path: Path) -> None:
+    """The CPU default: steps of 256 tokens, 1,024 while nothing decodes; an explicit max_num_batched_tokens
+    (or chunked prefill off) keeps one budget; an idle budget below the step budget is an error."""
+    make_tiny_hf_model("llama", tmp_path)
+
+    def budgets(**kw: object) -> tuple[int, int | None]:
+        args = EngineArgs(str(tmp_path), device="cpu", max_model_len=200, **kw)  # type: ignore[arg-type]
+        sc = args.create_engine_config().scheduler_config
+        return sc.max_num_batched_tokens, sc.idle_max_num_batched_tokens
+
+    assert budgets() == (256, 1024)
+    assert budgets(max_num_batched_tokens=64) == (64, None)
+    assert budgets(max_num_batched_tokens=64, idle_max_num_batched_tokens=512) == (64, 512)
+    assert budgets(enable_chunked_prefill=False) == (256, None)
+    with pytest.raises(ValueError, match="idle_max_num_batched_tokens: must be at least"):
+        budgets(max_num_batched_tokens=64, idle_max_num_batched_tokens=32)
 
 
 def test_without_chunked_prefill_a_prompt_over_the_budget_waits() -> None:

@@ -138,6 +138,21 @@ def test_perplexity_within_one_percent(packed_llm: LLM, smollm2_llm: LLM, smollm
     assert abs(packed / dense - 1) < 0.01
 
 
+@pytest.mark.slow
+def test_idle_budget_changes_no_logprob(packed_llm: LLM, smollm2_path: str, smollm2_tokenizer) -> None:  # noqa: ANN001
+    """The CPU's idle budget (a prompt alone in chunks of 1,024, `idle_max_num_batched_tokens`) gives every
+    prompt position the same logprob, bit for bit, as chunks of 256: the GEMMs are batch-invariant and the
+    attention's sub-tiles start at the same positions (multiples of 32 from the prompt's start)."""
+    assert packed_llm.llm_engine.engine_core.engine_core.scheduler.config.idle_max_num_batched_tokens == 1024
+    ids = smollm2_tokenizer.encode(TEXT.read_text())
+    small = LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 << 20,
+                max_num_batched_tokens=256)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, logprobs=2)
+    a, b = (llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0] for llm in (packed_llm, small))
+    assert a.prompt_logprobs == b.prompt_logprobs
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 @pytest.mark.slow  # CI time: run by hand (pytest -m slow)
 def test_split_gguf_loads(tmp_path: Path, smollm2_path: str) -> None:
     """A checkpoint split into `-0000i-of-0000N.gguf` files (metadata in the first, tensors spread) loads
