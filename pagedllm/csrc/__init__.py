@@ -72,7 +72,7 @@ def _build() -> ctypes.CDLL | None:
         logger.info("CPU kernels: no C compiler found; using the PyTorch paths")
         return None
     h = hashlib.sha256(cc.encode() + _cpu_flags() + repr((_SOURCES, _COMMON)).encode())
-    for name in [*_SOURCES, "bf16.h"]:
+    for name in [*_SOURCES, "bf16.h", "gguf_common.h"]:
         h.update((_DIR / name).read_bytes())
     out_dir = _cache_dir()
     lib_path = out_dir / f"pagedllm_cpu_{h.hexdigest()[:16]}.so"

@@ -29,6 +29,8 @@
 #define FUTEX_WAKE_ALL(addr) ((void)0)
 #endif
 
+#include "gguf_common.h"
+
 /* The kernels of the other sources of this library (layers.c, activation.c, paged_attn.c, gguf_mm.c). */
 void rms_norm_f32(float* x, int64_t x_stride, float* residual, int64_t r_stride, const float* w, float* out,
                   int64_t o_stride, int64_t rows, int64_t cols, float eps, int num_threads);
@@ -56,7 +58,6 @@ int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const
                   int out_bf16, int num_threads);
 
 /* gguf_tile.c: the AVX-512 VNNI kernel on tiled weights, for threads this file runs itself. */
-#define GGUF_TILED 0x100
 int gguf_isa(void);
 int gguf_set_tile(int on);
 void gguf_mm_tiled_range(int type, const uint8_t* w, int64_t N, int64_t K, const int16_t* xq, const float* xd,
@@ -64,14 +65,12 @@ void gguf_mm_tiled_range(int type, const uint8_t* w, int64_t N, int64_t K, const
                          float* acc);
 void gguf_pair_activations(const int16_t* x, int64_t n, int16_t* out);
 
-#define MAX_PARTS 4
-
-/* One linear layer: up to MAX_PARTS packed weights stacked by output rows (mixed block types). */
+/* One linear layer: up to GGUF_MAX_PARTS packed weights stacked by output rows (mixed block types). */
 typedef struct {
     int32_t n_parts;
-    int32_t type[MAX_PARTS];
-    int64_t rows[MAX_PARTS];
-    const uint8_t* w[MAX_PARTS];
+    int32_t type[GGUF_MAX_PARTS];
+    int64_t rows[GGUF_MAX_PARTS];
+    const uint8_t* w[GGUF_MAX_PARTS];
 } GLinear;
 
 typedef struct {

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -395,8 +396,6 @@ int gguf_isa(void) {
 
 /* gguf_tile.c: the AVX-512 VNNI kernel for the 32-element formats (output columns along the lanes) and its
  * tiled weight layout, flagged by GGUF_TILED in the type. */
-#define GGUF_TILED 0x100
-#define GGUF_MAX_PARTS 4 /* weights one gguf_mm_parts call stacks (gguf_tile.c's and decode_stack.c's too) */
 int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8_t* dst);
 #ifdef GGUF_X86
 int gguf_mm_tile_vnni_parts(int n_parts, const int* types, const int* tiled, const uint8_t* const* ws,

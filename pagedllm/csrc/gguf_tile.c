@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_common.h"
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 };
 #define TILE 16 /* weight rows per tile: the 16 lanes of a zmm */
@@ -88,7 +89,6 @@ int gguf_tile_unpack(int type, const uint8_t* tiled, int64_t N, int64_t K, uint8
 #define FEW_ROWS 4 /* up to this many activation rows: `tile_few_rows` (no transposition) */
 #define TILED_FEW_ROWS 16 /* tiled layout: `tiled_few_rows` in groups of MR up to here, then scratch panels */
 #define MB 64 /* activation rows per chunk of a large product (see gguf_mm_tile_vnni_parts) */
-#define GGUF_MAX_PARTS 4 /* weights one call may stack (as decode_stack.c's MAX_PARTS) */
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
 

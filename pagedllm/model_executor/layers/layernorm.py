@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.model_executor.layers import cpu_ops, triton_ops
 
 if TYPE_CHECKING:
@@ -48,9 +49,7 @@ class RMSNorm(nn.Module):
             reduced = self.tp_reduce(x, residual, self.weight, self.variance_epsilon)
             if reduced is not None:
                 return reduced
-            from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
-
-            x = tensor_model_parallel_all_reduce(x)
+            x = tensor_model_parallel_all_reduce(x)  # too large for the fused kernel: NCCL, then the norm below
         if triton_ops.use_triton_ops(x) and self.weight.dtype == x.dtype:
             # One fused kernel instead of ~8 elementwise/reduction launches (same rounding).
             if residual is None:

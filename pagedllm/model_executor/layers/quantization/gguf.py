@@ -21,6 +21,7 @@ from pagedllm import csrc
 from pagedllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from pagedllm.model_executor.layers.quantization.gguf_blocks import (  # noqa: F401  (re-exported)
     _BLOCK,
+    MAX_PARTS,
     PACKED_TYPES,
     TILED,
     GGUFTritonWeight,
@@ -29,7 +30,6 @@ from pagedllm.model_executor.layers.quantization.gguf_blocks import (  # noqa: F
 )
 
 _i64, _p, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_MAX_PARTS = 4  # weights one gguf_mm_parts call takes
 _ISA_NAMES = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
 
 
@@ -136,8 +136,8 @@ def gguf_matmul(
         xq, xd, xs = quantize_activations(x2)
         nt = torch.get_num_threads()
         start = 0
-        for g0 in range(0, len(parts), _MAX_PARTS):  # one call per 4 parts (one parallel region for their tiles)
-            group = parts[g0 : g0 + _MAX_PARTS]
+        for g0 in range(0, len(parts), MAX_PARTS):  # one call per MAX_PARTS parts (one parallel region for their tiles)
+            group = parts[g0 : g0 + MAX_PARTS]
             n_p = len(group)
             rc = lib.gguf_mm_parts(
                 n_p, (_int * n_p)(*(p.qtype for p in group)), (_p * n_p)(*(p.data.data_ptr() for p in group)),

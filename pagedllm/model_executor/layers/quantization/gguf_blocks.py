@@ -12,6 +12,8 @@ PACKED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6
 _BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 TILED = 0x100
 """Flag on `GGUFWeight.qtype`: `data` is in the CPU kernels' tiled layout (`csrc/gguf_tile.c`), not the file's."""
+MAX_PARTS = 4
+"""Weights one `gguf_mm_parts` call or one decode-stack linear stacks by output rows (`csrc/gguf_common.h`)."""
 
 
 def row_bytes(qtype: int, cols: int) -> int:

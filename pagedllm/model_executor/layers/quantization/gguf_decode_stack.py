@@ -24,9 +24,8 @@ from pagedllm import csrc, envs
 from pagedllm.forward_context import get_attn_metadata
 from pagedllm.model_executor.layers import batch_invariant, cpu_ops
 from pagedllm.model_executor.layers.quantization.gguf import GGUFLinearMethod
-from pagedllm.model_executor.layers.quantization.gguf_blocks import GGUFWeight
+from pagedllm.model_executor.layers.quantization.gguf_blocks import MAX_PARTS, GGUFWeight
 
-MAX_PARTS = 4
 _LINEARS = ("qkv", "o", "gate_up", "down")  # GLayer's fields, in the layer's order
 
 
