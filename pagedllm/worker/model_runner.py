@@ -138,6 +138,10 @@ class ModelRunner:
             self.lora = LoRAManager(
                 self.model, self.config.lora_config, self.max_num_reqs, self.max_num_tokens, self.device
             )
+        if self.device.type == "cuda" and self.lora is None and envs.PAGEDLLM_MLP_CHUNK_TOKENS > 0:
+            from pagedllm.model_executor.models.llama import chunk_mlps
+
+            chunk_mlps(self.model, envs.PAGEDLLM_MLP_CHUNK_TOKENS)
         if self.wants_fused_tp_norms():
             from pagedllm.distributed.fused_allreduce_norm import fuse_model
 

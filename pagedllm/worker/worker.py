@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from pagedllm import envs
@@ -34,6 +36,7 @@ class Worker:
         else:
             torch.cuda.set_device(self.device)
             compile_log.install()
+            self._non_torch_at_start = self._check_free_memory()
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
         batch_invariant.set_enabled(bool(config.extra.get("batch_invariant")))
@@ -68,16 +71,38 @@ class Worker:
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
             peak = torch.cuda.max_memory_allocated()
-            used_by_others = total - free - torch.cuda.memory_reserved()
-            budget = int(total * cc.gpu_memory_utilization) - peak - used_by_others
+            non_torch_increase = max(0, total - free - torch.cuda.memory_reserved() - self._non_torch_at_start)
+            budget = int(total * cc.gpu_memory_utilization) - peak - non_torch_increase
             logger.info(
-                "Profiling: peak torch memory %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                "Profiling: peak torch memory %.2f GiB, non-torch memory +%.2f GiB since start, KV budget %.2f GiB",
                 peak / 2**30,
-                used_by_others / 2**30,
+                non_torch_increase / 2**30,
                 budget / 2**30,
             )
             torch.cuda.empty_cache()
         return max(int(budget // per_block), 0)
+
+    def _check_free_memory(self) -> int:
+        """At start-up, as vLLM: the engine may use `gpu_memory_utilization` of the device's whole memory, and the
+        memory outside PyTorch's allocator that exists now (this process's CUDA context) is not charged to the KV
+        cache later, only what is added after (NCCL, cuBLAS and Triton workspaces). Returns that non-PyTorch memory.
+        Where less than that share is free now (vLLM refuses to start there), every byte outside PyTorch stays
+        charged, as before: returns 0, with a warning."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        cc = self.config.cache_config
+        if free < cc.gpu_memory_utilization * total:
+            if cc.kv_cache_memory_bytes is None and cc.num_gpu_blocks_override is None:
+                logger.warning(
+                    "gpu_memory_utilization %.2f asks for %.2f GiB but only %.2f GiB of device memory is free "
+                    "(other processes or engines); the KV cache gets what is left after them",
+                    cc.gpu_memory_utilization,
+                    cc.gpu_memory_utilization * total / 2**30,
+                    free / 2**30,
+                )
+            return 0
+        return total - free - torch.cuda.memory_reserved()
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
         kv_config = self.model_runner.initialize_kv_cache(num_blocks)

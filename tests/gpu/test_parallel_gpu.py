@@ -81,13 +81,26 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[
     return out
 
 
-LAYOUTS = {  # GPUs, engine arguments, PAGEDLLM_TP_ALLREDUCE (None: the default, "fused")
-    "tp2": (2, {"tensor_parallel_size": 2}, None),
-    "tp2_nccl": (2, {"tensor_parallel_size": 2}, "nccl"),
-    "tp2_symm": (2, {"tensor_parallel_size": 2}, "symm"),
-    "pp2": (2, {"pipeline_parallel_size": 2}, None),
-    "tp4": (4, {"tensor_parallel_size": 4}, None),
-    "tp2_pp2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, None),
+LAYOUTS = {  # GPUs, engine arguments, environment (PAGEDLLM_TP_ALLREDUCE unset: the default, "fused")
+    "tp2": (2, {"tensor_parallel_size": 2}, {}),
+    "tp2_nccl": (2, {"tensor_parallel_size": 2}, {"PAGEDLLM_TP_ALLREDUCE": "nccl"}),
+    "tp2_symm": (2, {"tensor_parallel_size": 2}, {"PAGEDLLM_TP_ALLREDUCE": "symm"}),
+    # Eager prefill steps past the fused kernel's 6 rows: o_proj / down_proj reduce in chunks overlapped with
+    # their GEMMs (distributed/gemm_overlap.py) from 8 rows, the MLPs run in chunks of 8 tokens; decode (6
+    # requests) stays fused, in the decode graphs.
+    "tp2_overlap": (
+        2,
+        {"tensor_parallel_size": 2},
+        {
+            "PAGEDLLM_TP_FUSED_MAX_ROWS": "6",
+            "PAGEDLLM_TP_OVERLAP_MIN_ROWS": "8",
+            "PAGEDLLM_MLP_CHUNK_TOKENS": "8",
+            "PAGEDLLM_PIECEWISE_MAX_TOKENS": "0",
+        },
+    ),
+    "pp2": (2, {"pipeline_parallel_size": 2}, {}),
+    "tp4": (4, {"tensor_parallel_size": 4}, {}),
+    "tp2_pp2": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {}),
 }
 
 
@@ -96,11 +109,12 @@ LAYOUTS = {  # GPUs, engine arguments, PAGEDLLM_TP_ALLREDUCE (None: the default,
 def test_tiny_f32_matches_tp1(
     variant: str, layout: str, tiny: dict[str, tuple[str, list[Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    n, kw, all_reduce = LAYOUTS[layout]
+    n, kw, env = LAYOUTS[layout]
     if NGPU < n:
         pytest.skip(f"needs {n} GPUs, this machine has {NGPU}")
-    if all_reduce:
-        monkeypatch.setenv("PAGEDLLM_TP_ALLREDUCE", all_reduce)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    all_reduce = env.get("PAGEDLLM_TP_ALLREDUCE")
     path, ref = tiny[variant]
     got, info = _run(path, tiny_prompts(), TINY_SP, **TINY, **kw)
     print(f"{variant} {layout}: {info}")

@@ -44,9 +44,9 @@ def test_deferred_reductions_keep_logits(variant: str, computes: bool, tmp_path:
         calls.append(x.shape[0])
         return _add_norm(x, residual, weight, eps) if computes else None
 
-    inner.defer_tp_reductions(reduce)
+    inner.defer_tp_reductions(reduce, 1 << 20)
     rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
-    assert rows and not any(m.reduce_results for m in rows)
+    assert rows and all(m.defer_rows == 1 << 20 for m in rows)
     got = PagedModelRunner(model).step(ids)
     layers = len(inner.stage_layers)
     assert len(calls) == 2 * layers  # post-attention norms, input norms after the first layer, the final norm
@@ -60,3 +60,21 @@ def test_layers_with_a_bias_after_the_sum_are_not_deferred(tmp_path: Any) -> Non
     """A row-parallel bias is added once after the all-reduce: such a layer keeps its own reduction."""
     model = _load("llama_linear_rope_bias", tmp_path)
     assert not model.model.supports_deferred_tp_reductions()
+
+
+def test_batches_above_the_limit_reduce_in_the_linears(tmp_path: Any) -> None:
+    """Above `max_rows` the row-parallel layers reduce their own outputs (at tp=1 the identity) and the norms
+    do not call the callback: the logits are unchanged bit for bit."""
+    model = _load("llama", tmp_path)
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(3))
+    want = PagedModelRunner(model).step(ids)
+    calls: list[int] = []
+
+    def reduce(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
+        calls.append(x.shape[0])
+        return _add_norm(x, residual, weight, eps)
+
+    model.model.defer_tp_reductions(reduce, 23)
+    got = PagedModelRunner(model).step(ids)
+    assert calls == []
+    assert torch.equal(got, want)

@@ -77,8 +77,31 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
+    chunk_tokens = 0
+    """Set by `chunk_mlps`: a batch of more tokens goes through the block in chunks of this many, which bounds
+    the [tokens, 2 x intermediate] gate/up output, a long prefill step's largest activation (and so the memory
+    the start-up profile takes from the KV cache). 0: never (every row is computed the same way either way)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        c = self.chunk_tokens
+        if c <= 0 or x.shape[0] <= c:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])))
+        out = first.new_empty((x.shape[0], *first.shape[1:]))
+        out[:c] = first
+        del first
+        for s in range(c, x.shape[0], c):
+            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
+        return out
+
+
+def chunk_mlps(model: nn.Module, tokens: int) -> int:
+    """Every dense `LlamaMLP` of `model` runs batches above `tokens` in chunks (see `LlamaMLP.chunk_tokens`);
+    not where per-token state spans the whole batch inside the block (LoRA's hooks). Returns how many."""
+    mlps = [m for m in model.modules() if type(m) is LlamaMLP]
+    for m in mlps:
+        m.chunk_tokens = tokens
+    return len(mlps)
 
 
 class LlamaAttention(nn.Module):
@@ -267,18 +290,20 @@ class LlamaModel(nn.Module):
             for layer in layers
         )
 
-    def defer_tp_reductions(self, reduce: AllReduceNorm) -> None:
-        """Tensor parallelism: o_proj and down_proj leave their partial sums un-reduced, and the RMSNorm that
-        follows each (the next layer's input norm, or the final norm) all-reduces them with its residual add
-        (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial sum; its residual is whole."""
+    def defer_tp_reductions(self, reduce: AllReduceNorm, max_rows: int) -> None:
+        """Tensor parallelism, batches of up to `max_rows` rows: o_proj and down_proj leave their partial sums
+        un-reduced, and the RMSNorm that follows each (the next layer's input norm, or the final norm) all-reduces
+        them with its residual add (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial
+        sum; its residual is whole. Larger batches reduce in the linear layers as before."""
         layers: list[Any] = self.stage_layers
+        norms: list[Any] = [self.norm] if self.is_last_stage else []
         for layer in layers:
-            layer.self_attn.o_proj.reduce_results = False
-            layer.mlp.down_proj.reduce_results = False
-            layer.input_layernorm.tp_reduce = reduce  # (only given a residual: never the embedding's output)
-            layer.post_attention_layernorm.tp_reduce = reduce
-        if self.is_last_stage:
-            self.norm.tp_reduce = reduce
+            layer.self_attn.o_proj.defer_rows = max_rows
+            layer.mlp.down_proj.defer_rows = max_rows
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        for norm in norms:  # (the input norm reduces only given a residual: never the embedding's output)
+            norm.tp_reduce = reduce
+            norm.tp_reduce_rows = max_rows
 
     def forward(
         self,
