@@ -81,9 +81,12 @@ for step in $steps; do
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
             done ;;
         W2ov)  # distributed/gemm_overlap.py on (the default) and off, twice each, same engine otherwise
+            # W2OV_VARIANTS: other settings to alternate with (default: NCCL's stream at high priority, so that its
+            # kernels take SMs as the GEMM's blocks retire instead of after the whole GEMM)
             off=W2@PAGEDLLM_TP_OVERLAP_MIN_ROWS=0
+            vs=(); for v in ${W2OV_VARIANTS:-TORCH_NCCL_HIGH_PRIORITY=1}; do vs+=("W2@$v"); done
             [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            e2e W2_tp2ov "--tensor-parallel-size 2" $off W2 $off W2 ;;
+            e2e W2_tp2ov "--tensor-parallel-size 2" $off W2 "${vs[@]}" $off W2 "${vs[@]}" ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)

@@ -400,12 +400,15 @@ class RowParallelLinear(LinearBase):
             loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * size, size)
         _copy_checked(param.data, loaded_weight, self.prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_rows: int | None = None) -> torch.Tensor:
+        """`batch_rows`: the step's rows where x is a chunk of them (`LlamaMLP`), which decides, as for the whole
+        batch, whether this layer reduces or leaves the reduction to the norm after it."""
         if not self.input_is_parallel and self.tp_size > 1:
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
-        reduce = self.reduce_results and x.numel() // x.shape[-1] > self.defer_rows
+        rows = x.numel() // x.shape[-1] if batch_rows is None else batch_rows
+        reduce = self.reduce_results and rows > self.defer_rows
         out = gemm_overlap.matmul_all_reduce(x, self.quant_method.plain_weight(self, x)) if reduce else None
         if out is None:
             out = self.quant_method.apply(self, x, None)

@@ -86,12 +86,13 @@ class LlamaMLP(nn.Module):
         c = self.chunk_tokens
         if c <= 0 or x.shape[0] <= c:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])))
-        out = first.new_empty((x.shape[0], *first.shape[1:]))
+        n = x.shape[0]  # (tensor parallelism: down_proj reduces, or not, as for the whole batch)
+        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])), batch_rows=n)
+        out = first.new_empty((n, *first.shape[1:]))
         out[:c] = first
         del first
-        for s in range(c, x.shape[0], c):
-            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
+        for s in range(c, n, c):
+            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])), batch_rows=n)
         return out
 
 
