@@ -10,7 +10,6 @@
 #          PAGEDLLM_TP_ALLREDUCE values, default "nccl"), the same at tp=4 where 4 GPUs
 #   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
 #   W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone;  W2tp  W2 at tp=1 and tp=2 (default, NCCL) only
-#   W2ov   W2 at tp=1, then tp=2 with the prefill all-reduces overlapped with their GEMMs (default) and not, alternating
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
@@ -80,13 +79,6 @@ for step in $steps; do
                     python3 benchmarks/tp_step_profile.py --tp "${tp%symm}" --json "$OUT/prof_tp$tp.json" \
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
             done ;;
-        W2ov)  # distributed/gemm_overlap.py on (the default) and off, twice each, same engine otherwise
-            # W2OV_VARIANTS: other settings to alternate with (default: NCCL's stream at high priority, so that its
-            # kernels take SMs as the GEMM's blocks retire instead of after the whole GEMM)
-            off=W2@PAGEDLLM_TP_OVERLAP_MIN_ROWS=0
-            vs=(); for v in ${W2OV_VARIANTS:-TORCH_NCCL_HIGH_PRIORITY=1}; do vs+=("W2@$v"); done
-            [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            e2e W2_tp2ov "--tensor-parallel-size 2" $off W2 "${vs[@]}" $off W2 "${vs[@]}" ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)

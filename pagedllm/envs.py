@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     PAGEDLLM_TP_ALLREDUCE: str
     PAGEDLLM_TP_FUSED_MAX_ROWS: int | None
     PAGEDLLM_MLP_CHUNK_TOKENS: int
-    PAGEDLLM_TP_OVERLAP_MIN_ROWS: int
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -114,9 +113,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CUDA: steps of more tokens run the dense MLP blocks in chunks of this many (bounds the gate/up output, the
     # largest activation, and so the memory the profile takes from the KV cache); 0: never chunk.
     "PAGEDLLM_MLP_CHUNK_TOKENS": lambda: int(os.environ.get("PAGEDLLM_MLP_CHUNK_TOKENS", "4096")),
-    # Tensor parallelism on CUDA: a row-parallel layer's output of at least this many rows is computed and
-    # all-reduced in chunks, each chunk's all-reduce overlapping the next chunk's GEMM; 0: never.
-    "PAGEDLLM_TP_OVERLAP_MIN_ROWS": lambda: int(os.environ.get("PAGEDLLM_TP_OVERLAP_MIN_ROWS", "4096")),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

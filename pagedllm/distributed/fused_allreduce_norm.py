@@ -259,5 +259,5 @@ def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device
     fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
     if fused is None:
         return False
-    defer(fused, max_rows)
+    defer(fused)
     return True

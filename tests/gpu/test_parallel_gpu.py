@@ -85,18 +85,13 @@ LAYOUTS = {  # GPUs, engine arguments, environment (PAGEDLLM_TP_ALLREDUCE unset:
     "tp2": (2, {"tensor_parallel_size": 2}, {}),
     "tp2_nccl": (2, {"tensor_parallel_size": 2}, {"PAGEDLLM_TP_ALLREDUCE": "nccl"}),
     "tp2_symm": (2, {"tensor_parallel_size": 2}, {"PAGEDLLM_TP_ALLREDUCE": "symm"}),
-    # Eager prefill steps past the fused kernel's 6 rows: o_proj / down_proj reduce in chunks overlapped with
-    # their GEMMs (distributed/gemm_overlap.py) from 8 rows, the MLPs run in chunks of 8 tokens; decode (6
-    # requests) stays fused, in the decode graphs.
-    "tp2_overlap": (
+    # Eager prefill steps past the fused kernel's 6 rows (NCCL, then the norm) with the MLPs in chunks of 8
+    # tokens (every chunk's down_proj output a partial sum, reduced with the whole batch); decode (6 requests)
+    # fused, in the decode graphs.
+    "tp2_mlp_chunks": (
         2,
         {"tensor_parallel_size": 2},
-        {
-            "PAGEDLLM_TP_FUSED_MAX_ROWS": "6",
-            "PAGEDLLM_TP_OVERLAP_MIN_ROWS": "8",
-            "PAGEDLLM_MLP_CHUNK_TOKENS": "8",
-            "PAGEDLLM_PIECEWISE_MAX_TOKENS": "0",
-        },
+        {"PAGEDLLM_TP_FUSED_MAX_ROWS": "6", "PAGEDLLM_MLP_CHUNK_TOKENS": "8", "PAGEDLLM_PIECEWISE_MAX_TOKENS": "0"},
     ),
     "pp2": (2, {"pipeline_parallel_size": 2}, {}),
     "tp4": (4, {"tensor_parallel_size": 4}, {}),

@@ -22,13 +22,12 @@ class RMSNorm(nn.Module):
     `(norm(new_residual), new_residual)`. There x may be [..., P, H] against a [..., H] residual: the P parts
     are summed first (a MoE block's k expert outputs, left unsummed so that this pass does the sum).
 
-    With `tp_reduce` set (tensor parallelism, `LlamaModel.defer_tp_reductions`), an x of up to `tp_reduce_rows`
-    rows given with a residual is a row-parallel layer's partial sum: it is all-reduced here, in one kernel with
-    the add and the norm where that kernel applies. (Larger batches arrive reduced.)
+    With `tp_reduce` set (tensor parallelism, `LlamaModel.defer_tp_reductions`), an x given with a residual is
+    a row-parallel layer's partial sum: it is all-reduced here, in one kernel with the add and the norm where
+    that kernel applies.
     """
 
     tp_reduce: AllReduceNorm | None = None
-    tp_reduce_rows = 0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -46,7 +45,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None and self.tp_reduce is not None and x.numel() // x.shape[-1] <= self.tp_reduce_rows:
+        if residual is not None and self.tp_reduce is not None:
             reduced = self.tp_reduce(x, residual, self.weight, self.variance_epsilon)
             if reduced is not None:
                 return reduced

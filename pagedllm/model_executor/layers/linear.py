@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed import gemm_overlap
 from pagedllm.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -70,11 +69,6 @@ class LinearMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
         """Called once all weights are loaded (repacking for kernels etc.)."""
 
-    def plain_weight(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """The [out, in] weight where `apply(layer, x)` without a bias is the plain GEMM `x @ W^T` (which the
-        caller may then split by rows, `distributed/gemm_overlap.py`); None otherwise."""
-        return None
-
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain dense weight [out_per_partition, in_per_partition] in params_dtype."""
@@ -96,12 +90,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
-
-    def plain_weight(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        weight = layer.weight
-        if getattr(layer, "packed_weight", None) is not None or batch_invariant.enabled():
-            return None
-        return weight if isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and weight.dim() == 2 else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = getattr(layer, "packed_weight", None)  # CPU bf16, see model_loader/cpu_packing.py
@@ -372,10 +360,6 @@ class RowParallelLinear(LinearBase):
     The partial products are all-reduced; the (unsharded) bias is added once, after the reduction.
     """
 
-    defer_rows = 0
-    """Batches of up to this many rows leave their partial sums un-reduced: the RMSNorm after the layer reduces
-    them (`LlamaModel.defer_tp_reductions`, the fused all-reduce + norm kernel). Larger batches reduce here."""
-
     def __init__(
         self,
         input_size: int,
@@ -400,20 +384,14 @@ class RowParallelLinear(LinearBase):
             loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * size, size)
         _copy_checked(param.data, loaded_weight, self.prefix)
 
-    def forward(self, x: torch.Tensor, batch_rows: int | None = None) -> torch.Tensor:
-        """`batch_rows`: the step's rows where x is a chunk of them (`LlamaMLP`), which decides, as for the whole
-        batch, whether this layer reduces or leaves the reduction to the norm after it."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
-        rows = x.numel() // x.shape[-1] if batch_rows is None else batch_rows
-        reduce = self.reduce_results and rows > self.defer_rows
-        out = gemm_overlap.matmul_all_reduce(x, self.quant_method.plain_weight(self, x)) if reduce else None
-        if out is None:
-            out = self.quant_method.apply(self, x, None)
-            if reduce:
-                out = tensor_model_parallel_all_reduce(out)
+        out = self.quant_method.apply(self, x, None)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -86,13 +86,12 @@ class LlamaMLP(nn.Module):
         c = self.chunk_tokens
         if c <= 0 or x.shape[0] <= c:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        n = x.shape[0]  # (tensor parallelism: down_proj reduces, or not, as for the whole batch)
-        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])), batch_rows=n)
-        out = first.new_empty((n, *first.shape[1:]))
+        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])))
+        out = first.new_empty((x.shape[0], *first.shape[1:]))
         out[:c] = first
         del first
-        for s in range(c, n, c):
-            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])), batch_rows=n)
+        for s in range(c, x.shape[0], c):
+            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
         return out
 
 
@@ -291,20 +290,18 @@ class LlamaModel(nn.Module):
             for layer in layers
         )
 
-    def defer_tp_reductions(self, reduce: AllReduceNorm, max_rows: int) -> None:
-        """Tensor parallelism, batches of up to `max_rows` rows: o_proj and down_proj leave their partial sums
-        un-reduced, and the RMSNorm that follows each (the next layer's input norm, or the final norm) all-reduces
-        them with its residual add (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial
-        sum; its residual is whole. Larger batches reduce in the linear layers as before."""
+    def defer_tp_reductions(self, reduce: AllReduceNorm) -> None:
+        """Tensor parallelism: o_proj and down_proj leave their partial sums un-reduced, and the RMSNorm that
+        follows each (the next layer's input norm, or the final norm) all-reduces them with its residual add
+        (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial sum; its residual is whole."""
         layers: list[Any] = self.stage_layers
-        norms: list[Any] = [self.norm] if self.is_last_stage else []
         for layer in layers:
-            layer.self_attn.o_proj.defer_rows = max_rows
-            layer.mlp.down_proj.defer_rows = max_rows
-            norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        for norm in norms:  # (the input norm reduces only given a residual: never the embedding's output)
-            norm.tp_reduce = reduce
-            norm.tp_reduce_rows = max_rows
+            layer.self_attn.o_proj.reduce_results = False
+            layer.mlp.down_proj.reduce_results = False
+            layer.input_layernorm.tp_reduce = reduce  # (only given a residual: never the embedding's output)
+            layer.post_attention_layernorm.tp_reduce = reduce
+        if self.is_last_stage:
+            self.norm.tp_reduce = reduce
 
     def forward(
         self,
