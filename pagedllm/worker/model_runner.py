@@ -195,11 +195,9 @@ class ModelRunner:
         assert self.model is not None
         if self.mm is not None:
             self.mm.profile(self.max_num_tokens)
-        n = min(self.max_num_tokens, self.max_model_len)
-        names = list(self.attn_layers)
-        warmup.profile_forward(
-            self.model, self.backend, names, n, min(n, self.max_num_reqs), self.block_size, self.device
-        )
+        n = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
+        reqs = max(min(n, self.max_num_reqs), cdiv(n, self.max_model_len))
+        warmup.profile_forward(self.model, self.backend, list(self.attn_layers), n, reqs, self.block_size, self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:
         specs = self.get_kv_cache_specs()

@@ -39,24 +39,26 @@ def profile_forward(
     backend: type[AttentionBackend],
     layer_names: list[str],
     num_tokens: int,
-    num_logits: int,
+    num_reqs: int,
     block_size: int,
     device: torch.device,
 ) -> None:
-    """One forward over `num_tokens` dummy tokens with KV-cache-free attention (the cache does not exist
-    yet) and `num_logits` logits rows: the step's peak activation memory."""
-    cu = np.array([0, num_tokens])
-    seq = np.array([num_tokens])
+    """The largest step's peak activation memory, as vLLM's profile run measures it: one forward over
+    `num_tokens` dummy tokens spread evenly over `num_reqs` requests, attention skipped (the KV cache does not
+    exist yet; `CommonAttentionMetadata.kv_cache_free`), then the logits of every request's last token."""
+    q_lens = np.full(num_reqs, num_tokens // num_reqs)
+    q_lens[: num_tokens % num_reqs] += 1
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    tables = [np.zeros((num_reqs, 1), np.int32)]
     common = build_commons(
-        cu, seq, np.zeros(1), [np.zeros((1, 1), np.int32)], [np.full(num_tokens, -1)], num_tokens, device, False, True
+        cu, q_lens, np.zeros(num_reqs), tables, [np.full(num_tokens, -1)], int(q_lens.max()), device, False, True
     )[0]
     md = backend.get_builder_cls()(block_size, None, device).build(common)
+    pos = torch.from_numpy(np.concatenate([np.arange(q) for q in q_lens])).to(device)
     with set_forward_context(dict.fromkeys(layer_names, md)):
-        hidden = model(
-            torch.zeros(num_tokens, dtype=torch.long, device=device), torch.arange(num_tokens, device=device)
-        )
+        hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), pos)
         if not isinstance(hidden, tuple):  # (a pipeline stage before the last returns activations, no logits)
-            model.compute_logits(hidden[-num_logits:])
+            model.compute_logits(hidden[torch.from_numpy(cu[1:] - 1).to(device)])
 
 
 @torch.inference_mode()

@@ -43,3 +43,30 @@ def test_too_little_free_memory_charges_everything(
     with caplog.at_level(logging.WARNING):  # an explicit KV size: nothing to warn about
         assert Worker._check_free_memory(_worker(0.9, kv_bytes=GIB)) == 0
     assert caplog.text == ""
+
+
+def test_profile_forward_spreads_the_tokens_and_skips_attention(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiling forward (`warmup.profile_forward`), as vLLM's profile run: the step's tokens over several
+    requests, the logits of each request's last token, and no attention kernel (whose real versions allocate
+    nothing beyond their output; SDPA would hold [heads, n, n] scores)."""
+    import torch.nn.functional as F
+
+    from pagedllm.attention.layer import Attention
+    from pagedllm.model_executor.model_loader import load_model
+    from pagedllm.worker import warmup
+    from tests.utils_model import make_model_config, make_tiny_hf_model
+
+    hf = make_tiny_hf_model("llama", tmp_path)
+    model = load_model(make_model_config(str(tmp_path), hf.config), "auto", torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+
+    def no_sdpa(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("attention ran in the profiling forward")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", no_sdpa)
+    logits_rows: list[int] = []
+    compute = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: logits_rows.append(h.shape[0]) or compute(h))
+    names = [m.layer_name for m in layers]
+    warmup.profile_forward(model, layers[0].backend, names, 100, 7, 16, torch.device("cpu"))
+    assert logits_rows == [7]

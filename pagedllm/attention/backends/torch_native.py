@@ -171,7 +171,9 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
         assert rotary is None, "this backend does not fuse RoPE (fuses_rotary is False)"
         n = attn_metadata.num_actual_tokens
-        if self.attn_type == AttentionType.ENCODER_ONLY or attn_metadata.kv_cache_free:
+        if attn_metadata.kv_cache_free and self.attn_type != AttentionType.ENCODER_ONLY:
+            return output.zero_()  # the start-up memory profile: no kernel (`CommonAttentionMetadata.kv_cache_free`)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
             for q0, q1 in attn_metadata.spans:
                 output[q0:q1] = self._sdpa(query[q0:q1], key[q0:q1], value[q0:q1], None, causal=False)
             return output

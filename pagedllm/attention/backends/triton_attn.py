@@ -111,7 +111,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
-        if self.attn_type == AttentionType.ENCODER_ONLY or md.kv_cache_free:
+        if md.kv_cache_free and self.attn_type != AttentionType.ENCODER_ONLY:
+            return output.zero_()  # the start-up memory profile: no kernel (`CommonAttentionMetadata.kv_cache_free`)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
             return self._encoder_forward(query, key, value, md, output)
         assert kv_cache is not None, "decoder attention needs its KV cache"
         k_cache, v_cache = kv_cache[0], kv_cache[1]
