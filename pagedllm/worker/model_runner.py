@@ -190,8 +190,9 @@ class ModelRunner:
         return sum(s.page_size_bytes for s in self.get_kv_cache_specs().values()) + extra
 
     def profile_run(self) -> None:
-        """One forward over max_num_batched_tokens dummy tokens (no KV cache), for the peak memory (and for
-        a vision-language model, first its encoder over a step's worth of dummy images)."""
+        """One forward over max_num_batched_tokens dummy tokens spread over up to max_num_seqs requests, with
+        every request's logits (no KV cache, no attention kernel), for the peak memory, as vLLM's profile run
+        (and for a vision-language model, first its encoder over a step's worth of dummy images)."""
         assert self.model is not None
         if self.mm is not None:
             self.mm.profile(self.max_num_tokens)
