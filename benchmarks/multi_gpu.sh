@@ -11,6 +11,8 @@
 #   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
 #   W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone;  W2tp  W2 at tp=1 and tp=2 (default, NCCL) only
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
+#   ovb    a prefill GEMM and its all-reduce overlapped or not (overlap_bench.py), with NCCL's defaults, its stream
+#          at high priority, and 4 channels
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
 # Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
@@ -78,6 +80,11 @@ for step in $steps; do
                 PAGEDLLM_TP_ALLREDUCE=${ar_env:-${PAGEDLLM_TP_ALLREDUCE:-}} timeout "${STEP_TIMEOUT:-300}" \
                     python3 benchmarks/tp_step_profile.py --tp "${tp%symm}" --json "$OUT/prof_tp$tp.json" \
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
+            done ;;
+        ovb)
+            for setting in NONE=1 TORCH_NCCL_HIGH_PRIORITY=1 NCCL_MAX_NCHANNELS=4; do
+                env "$setting" timeout 200 python3 benchmarks/overlap_bench.py --world 2 \
+                    --json "$OUT/overlap_${setting%%=*}.json" 2>&1 | grep -E "x2|proj|Error" | tee -a "$summary"
             done ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;

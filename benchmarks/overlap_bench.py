@@ -1,0 +1,142 @@
+"""Can a row-parallel layer's all-reduce hide behind its GEMM on this machine's GPUs? (issue 25, W2 at tp=2)
+
+Session 33 split o_proj / down_proj of a 16,384-token prefill step into row chunks, each chunk's NCCL
+all-reduce (`async_op=True`) meant to run while the next chunk's GEMM does; W2 at tp=2 did not gain
+(benchmarks/NOTES.md). This measures, per tp=2 shape of Llama-3.1-8B ([rows, K] @ [K, 4096] bf16, o_proj K =
+2,048 and down_proj K = 7,168), the mean time of:
+
+- `gemm`: the GEMM alone;  `ar`: NCCL's all-reduce of its [rows, 4096] output alone;
+- `serial`: GEMM then all-reduce (what the engine does);
+- `overlap`: the GEMM in `--chunks` row chunks, each chunk's all-reduce started asynchronously after it.
+
+`overlap` near `max(gemm, ar)` means the hardware overlaps them; near `serial`, it does not (the GEMM's blocks
+holding every SM would do that). Each setting of NCCL that changes it needs its own processes, so run the
+script once per setting, e.g. `TORCH_NCCL_HIGH_PRIORITY=1` (NCCL's stream at high priority) or
+`NCCL_MAX_NCHANNELS=4` (fewer SMs for NCCL). `--device cpu` runs it on gloo with small shapes (a check of the
+script, no figures).
+
+    PYTHONPATH=. python3 benchmarks/overlap_bench.py --world 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.allreduce_bench import _free_port
+
+SETTINGS = ("TORCH_NCCL_HIGH_PRIORITY", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def _timed(fn: Any, iters: int, device: torch.device) -> float:
+    """Mean seconds of `fn` over `iters` calls after 3 warm-up calls, ranks aligned by a barrier first."""
+    for _ in range(3):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(rank)
+    res: dict[str, Any] = {}
+    for name, k in (("o_proj", 2048), ("down_proj", 7168)):
+        k = k if device.type == "cuda" else k // 64
+        rows = args.rows if device.type == "cuda" else 256
+        n = 4096 if device.type == "cuda" else 64
+        x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+        out_t = torch.empty(rows, n, dtype=dtype, device=device)
+        step = -(-rows // args.chunks)
+
+        def gemm() -> None:
+            torch.mm(x, w.t(), out=out_t)
+
+        def ar() -> None:
+            dist.all_reduce(out_t)
+
+        def serial() -> None:
+            gemm()
+            ar()
+
+        def overlap() -> None:
+            works = []
+            for s in range(0, rows, step):
+                torch.mm(x[s : s + step], w.t(), out=out_t[s : s + step])
+                works.append(dist.all_reduce(out_t[s : s + step], async_op=True))
+            for work in works:
+                work.wait()
+
+        serial()
+        want = out_t.clone()
+        overlap()
+        same = bool(torch.equal(out_t, want))
+        res[name] = {"rows": rows, "k": k, "n": n, "overlap_equals_serial": same}
+        for label, fn in (("gemm", gemm), ("ar", ar), ("serial", serial), ("overlap", overlap)):
+            res[name][label + "_ms"] = _timed(fn, args.iters, device) * 1e3
+    if rank == 0:
+        out["result"] = res
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    out: dict = {}
+    _run(rank, world, port, args, out)
+    if rank == 0:
+        queue.put(out["result"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rows", type=int, default=16384)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--json")
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for proc in procs:
+        proc.start()
+    res = queue.get(timeout=600)
+    for proc in procs:
+        proc.join()
+    settings = {s: os.environ.get(s) for s in SETTINGS}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{device} x{args.world}, {args.chunks} chunks, settings {settings}")
+    for name, r in res.items():
+        print(
+            f"{name} [{r['rows']}, {r['k']}] @ [{r['k']}, {r['n']}]: gemm {r['gemm_ms']:.3f} ms, all-reduce "
+            f"{r['ar_ms']:.3f}, serial {r['serial_ms']:.3f}, overlapped {r['overlap_ms']:.3f} "
+            f"(max of the two {max(r['gemm_ms'], r['ar_ms']):.3f}); equal to serial: {r['overlap_equals_serial']}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "world": args.world, "chunks": args.chunks, "settings": settings,
+                       "result": res}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
