@@ -49,49 +49,53 @@ def _timed(fn: Any, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _measure(k: int, rows: int, n: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The four timings of one [rows, k] @ [k, n] layer (see the module docstring)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    out_t = torch.empty(rows, n, dtype=dtype, device=device)
+    step = -(-rows // args.chunks)
+
+    def gemm() -> None:
+        torch.mm(x, w.t(), out=out_t)
+
+    def ar() -> None:
+        dist.all_reduce(out_t)
+
+    def serial() -> None:
+        gemm()
+        ar()
+
+    def overlap() -> None:
+        works = []
+        for s in range(0, rows, step):
+            torch.mm(x[s : s + step], w.t(), out=out_t[s : s + step])
+            works.append(dist.all_reduce(out_t[s : s + step], async_op=True))
+        for work in works:
+            work.wait()
+
+    serial()
+    want = out_t.clone()
+    overlap()
+    res: dict[str, Any] = {"rows": rows, "k": k, "n": n, "overlap_equals_serial": bool(torch.equal(out_t, want))}
+    for label, fn in (("gemm", gemm), ("ar", ar), ("serial", serial), ("overlap", overlap)):
+        res[label + "_ms"] = _timed(fn, args.iters, device) * 1e3
+    return res
+
+
 def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator(device=device).manual_seed(rank)
-    res: dict[str, Any] = {}
-    for name, k in (("o_proj", 2048), ("down_proj", 7168)):
-        k = k if device.type == "cuda" else k // 64
-        rows = args.rows if device.type == "cuda" else 256
-        n = 4096 if device.type == "cuda" else 64
-        x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
-        w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
-        out_t = torch.empty(rows, n, dtype=dtype, device=device)
-        step = -(-rows // args.chunks)
-
-        def gemm() -> None:
-            torch.mm(x, w.t(), out=out_t)
-
-        def ar() -> None:
-            dist.all_reduce(out_t)
-
-        def serial() -> None:
-            gemm()
-            ar()
-
-        def overlap() -> None:
-            works = []
-            for s in range(0, rows, step):
-                torch.mm(x[s : s + step], w.t(), out=out_t[s : s + step])
-                works.append(dist.all_reduce(out_t[s : s + step], async_op=True))
-            for work in works:
-                work.wait()
-
-        serial()
-        want = out_t.clone()
-        overlap()
-        same = bool(torch.equal(out_t, want))
-        res[name] = {"rows": rows, "k": k, "n": n, "overlap_equals_serial": same}
-        for label, fn in (("gemm", gemm), ("ar", ar), ("serial", serial), ("overlap", overlap)):
-            res[name][label + "_ms"] = _timed(fn, args.iters, device) * 1e3
+    cuda = device.type == "cuda"  # (the CPU check runs small shapes)
+    res = {
+        name: _measure(k if cuda else k // 64, args.rows if cuda else 256, 4096 if cuda else 64, args, device)
+        for name, k in (("o_proj", 2048), ("down_proj", 7168))
+    }
     if rank == 0:
         out["result"] = res
     dist.barrier()
