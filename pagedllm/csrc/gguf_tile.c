@@ -215,11 +215,11 @@ TGT __attribute__((always_inline)) static inline void panel_rows(const int has_o
             for (int j = 0; j < 16; j++) {
                 const __m512i wj = _mm512_load_si512(t + j);
 #pragma GCC unroll 8
-                for (int i = 0; i < mr; i++) {
-                    int32_t pair;
-                    memcpy(&pair, xq + i * K + b * 32 + 2 * j, 4);
-                    ia[i] = _mm512_dpwssd_epi32(ia[i], wj, _mm512_set1_epi32(pair));
-                }
+                for (int i = 0; i < mr; i++) /* the pair broadcast inside the instruction (m32bcst): gcc
+                    * emitted a `vpbroadcastd` per pair, 256 vector ops a block for 128 dots (1.05x at M = 1,024) */
+                    __asm__("vpdpwssd %2%{1to16%}, %1, %0"
+                            : "+v"(ia[i])
+                            : "v"(wj), "m"(*(const int32_t*)(xq + i * K + b * 32 + 2 * j)));
             }
         } else {
             /* Fewer than 4 rows: each row's dots in `chains` independent accumulators (one chain of 16
