@@ -43,15 +43,14 @@ int paged_decode_f32(const float* q, int64_t q_stride_t, const float* k_cache, c
                      float* out, int64_t o_stride_t, int num_reqs, int num_heads, int kvh, int hd, int bs,
                      float scale, int32_t window, int num_threads);
 void reshape_and_cache_f32(const float* key, int64_t k_stride_t, const float* value, int64_t v_stride_t,
-                           float* k_cache, float* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row,
-                           int num_threads);
+                           float* k_cache, float* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row);
 int paged_decode_f32_kbf16(const float* q, int64_t q_stride_t, const uint16_t* k_cache, const uint16_t* v_cache,
                            const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,
                            const int64_t* tok_idx, float* out, int64_t o_stride_t, int num_reqs, int num_heads,
                            int kvh, int hd, int bs, float scale, int32_t window, int num_threads);
 void reshape_and_cache_f32_kbf16(const float* key, int64_t k_stride_t, const float* value, int64_t v_stride_t,
                                  uint16_t* k_cache, uint16_t* v_cache, const int64_t* slots, int64_t num_tokens,
-                                 int64_t row, int num_threads);
+                                 int64_t row);
 void gguf_quantize_act_f32(const float* x, int64_t x_stride, int64_t M, int64_t K, int16_t* xq, float* xd,
                            float* xs, int num_threads);
 int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const int64_t* Ns, int64_t K,
@@ -93,9 +92,9 @@ typedef struct {
 static void cache_write(const GDims* d, const GLayer* L, const float* k, const float* v, int64_t stride,
                         const int64_t* slots, int64_t T, int64_t KV) {
     if (d->cache_bf16)
-        reshape_and_cache_f32_kbf16(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV, 1);
+        reshape_and_cache_f32_kbf16(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
     else
-        reshape_and_cache_f32(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV, 1);
+        reshape_and_cache_f32(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
 }
 
 /* paged_decode over layer L's cache, of either dtype. */

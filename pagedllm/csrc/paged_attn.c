@@ -202,15 +202,11 @@ DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
 DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
 
 /* Write each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) to its cache
- * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". A prefill chunk's rows are split over
- * num_threads: the first write to a fresh part of the cache (calloc'ed, so untouched until then) page-faults,
- * and one thread faulting alone was ~5 % of a fresh engine's 8,000-token prefill (slots are distinct). */
+ * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". */
 #define DEFINE_CACHE_WRITE(SUFFIX, T, C, TO_C)                                                              \
     void reshape_and_cache_##SUFFIX(const T* key, int64_t k_stride_t, const T* value, int64_t v_stride_t,   \
                                     C* k_cache, C* v_cache, const int64_t* slots, int64_t num_tokens,       \
-                                    int64_t row, int num_threads) {                                         \
-        const int nt = num_tokens >= 128 ? num_threads : 1;                                                 \
-        _Pragma("omp parallel for num_threads(nt) schedule(static)")                                        \
+                                    int64_t row) {                                                          \
         for (int64_t i = 0; i < num_tokens; i++) {                                                          \
             const int64_t s = slots[i];                                                                     \
             if (s < 0) continue;                                                                            \

@@ -38,7 +38,7 @@ def available() -> bool:
                 _int,
                 [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _i32, _int],
             )
-            csrc.declare(lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _int])
+            csrc.declare(lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64])
         _lib = lib
     return True
 
@@ -80,7 +80,6 @@ def reshape_and_cache(
         slots.data_ptr(),
         slots.numel(),
         key.shape[1] * key.shape[2],
-        torch.get_num_threads(),
     )
 
 
