@@ -1,4 +1,5 @@
-"""The pool of KV-cache blocks: reference counts, an LRU free queue and the prefix-cache hash index.
+"""The pool of KV-cache blocks: reference counts, a free queue (blocks holding nothing first, cached ones
+in LRU order) and the prefix-cache hash index.
 
 Block 0 is the null block: never allocated, used as a placeholder in block tables (sliding-window
 layers replace blocks that fell out of the window with it).
