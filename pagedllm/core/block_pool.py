@@ -1,4 +1,5 @@
-"""The pool of KV-cache blocks: reference counts, an LRU free queue and the prefix-cache hash index.
+"""The pool of KV-cache blocks: reference counts, a free queue (blocks holding nothing first, cached ones
+in LRU order) and the prefix-cache hash index.
 
 Block 0 is the null block: never allocated, used as a placeholder in block tables (sliding-window
 layers replace blocks that fell out of the window with it).
@@ -31,7 +32,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # never freed
-        # Free blocks in eviction order: the first is evicted first. Freed blocks go to the end.
+        # Free blocks in reuse order: the first is taken (evicted) first. Freed blocks with a cached hash go to
+        # the end (LRU); freed blocks without one hold nothing reusable and go to the front, so new requests
+        # write memory already written (`free_blocks`).
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_cached_free = 0
@@ -84,8 +87,12 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each; blocks reaching zero join the free queue in the given order
-        (callers pass a request's blocks tail first, so its prefix survives eviction longest)."""
+        """Drop one reference on each; blocks reaching zero join the free queue: cached ones at the end in the
+        given order (callers pass a request's blocks tail first, so its prefix survives eviction longest),
+        uncached ones at the front. An uncached block has nothing to keep, and reusing it before a block never
+        written saves a page fault: the CPU cache is calloc'ed, so a fresh engine's first write to each page
+        faults (0.27 s of an 8,000-token prefill on a 2-vCPU VM, NOTES session 33)."""
+        free = self._free
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
@@ -93,9 +100,11 @@ class BlockPool:
                 raise AssertionError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                free[block.block_id] = block
                 if block.block_hash is not None:
                     self.num_cached_free += 1
+                else:
+                    free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Registers a full block under its hash. If an identical block is already cached, the index
@@ -112,8 +121,9 @@ class BlockPool:
         """Forget every cached hash; only possible while no request holds a block."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self.cached.values():
+        for block in self.cached.values():  # nothing to keep now: reused first, as `free_blocks` does
             block.block_hash = None
+            self._free.move_to_end(block.block_id, last=False)
         self.cached.clear()
         self.num_cached_free = 0
         return True

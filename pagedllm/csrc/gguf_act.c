@@ -13,7 +13,43 @@
  * Per block of 32: d = amax / 32767, q = roundf(x / d) (round half away from zero), xs = d * sum(q). The AVX2
  * body computes the same floats and the same roundf, 8 lanes at a time (the scalar loop, roundf a libm call,
  * ran at ~0.23 G elements/s: 7 ms of a batch-16 decode step of SmolLM2, 3 s of an 8,000-token prefill). */
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX2__)
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX512F__)
+/* AVX-512: the AVX2 body's floats and rounding, 16 lanes at a time (a block is two vectors; 1.5-2x the AVX2
+ * body, whose 8-lane loop was ~2 % of an 8,000-token prefill). */
+#include <immintrin.h>
+static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* roundf(y) exactly, as int32: trunc(y), plus sign(y) where |y - trunc(y)| >= 0.5 (the difference is exact). */
+static inline __m512i round_half_away(__m512 y) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 t = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m512 diff = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(_mm512_sub_ps(y, t))));
+    const __mmask16 half = _mm512_cmp_ps_mask(diff, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 step = _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)), _mm512_and_si512(_mm512_castps_si512(y), sign)));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, half, t, step));
+}
+
+#define QUANT_BLOCK(SUFFIX, T)                                                                                 \
+    static inline void quant_block_##SUFFIX(const T* xr, int16_t* q, float* xd, float* xs) {                 \
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000u);                                             \
+        __m512 v[2], m = _mm512_setzero_ps();                                                                 \
+        for (int i = 0; i < 2; i++) {                                                                         \
+            v[i] = load16_##SUFFIX(xr + 16 * i);                                                              \
+            m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(v[i])))); \
+        }                                                                                                     \
+        const float amax = _mm512_reduce_max_ps(m), d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;    \
+        const __m512i r0 = round_half_away(_mm512_mul_ps(v[0], _mm512_set1_ps(id)));                          \
+        const __m512i r1 = round_half_away(_mm512_mul_ps(v[1], _mm512_set1_ps(id)));                          \
+        _mm256_storeu_si256((__m256i*)q, _mm512_cvtsepi32_epi16(r0)); /* saturating, as packs */              \
+        _mm256_storeu_si256((__m256i*)(q + 16), _mm512_cvtsepi32_epi16(r1));                                  \
+        *xd = d;                                                                                              \
+        *xs = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));                                   \
+    }
+#elif (defined(__x86_64__) || defined(__i386__)) && defined(__AVX2__)
 #include <immintrin.h>
 static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_bf16(const uint16_t* p) {

@@ -100,9 +100,11 @@ void prefill_dot_scratch_free(void* p) {
     if (p != NULL) dot_scratch_free(p);
 }
 
-/* St[j][r] = sum_e q[r][e] k_j[e] for the n8 keys of kp (a multiple of DOT_KC), all Mp rows. */
+/* St[j][r] = sum_e q[r][e] k_j[e] for the n8 keys of kp (a multiple of DOT_KC), all Mp rows; mx (unless NULL,
+ * NEG_BIG on entry) gets each row's max over the tile's scores, taken from the registers (a tile that needs no
+ * mask: the separate pass over St was ~1/4 of the softmax). */
 static void qk_tile(const uint32_t* restrict Qp, int Mp, const uint32_t* const* kp, int hd2, int n8,
-                    float* restrict St) {
+                    float* restrict St, float* restrict mx) {
     for (int rb = 0; rb < Mp; rb += DOT_RB) {
         for (int jb = 0; jb < n8; jb += DOT_KC) {
             __m512 a[DOT_KC][DOT_RV];
@@ -121,6 +123,12 @@ static void qk_tile(const uint32_t* restrict Qp, int Mp, const uint32_t* const* 
             }
             for (int c = 0; c < DOT_KC; c++)
                 for (int v = 0; v < DOT_RV; v++) _mm512_store_ps(St + (int64_t)(jb + c) * Mp + rb + 16 * v, a[c][v]);
+            if (mx != NULL)
+                for (int v = 0; v < DOT_RV; v++) {
+                    __m512 m = _mm512_load_ps(mx + rb + 16 * v);
+                    for (int c = 0; c < DOT_KC; c++) m = _mm512_max_ps(m, a[c][v]);
+                    _mm512_store_ps(mx + rb + 16 * v, m);
+                }
         }
     }
 }
@@ -175,18 +183,19 @@ typedef struct {
 /* Mask the tile's scores (keys k0 .. k0 + n - 1), move the rows' running max where a score exceeds it by
  * more than LAZY_RESCALE (rescaling l and Ot then), and leave P = exp(s - max) rounded to bfloat16 in Pp
  * (pairs of keys; an odd last key pairs with 0). The sum adds the rounded P, so the output is a weighted
- * mean of V with exactly the weights P.V used. */
+ * mean of V with exactly the weights P.V used. need_mask 0: qk_tile left the rows' max in s->mx. */
 static void softmax_tile(DotScratch* s, const Sub* t, int hd, int n, int32_t k0, int need_mask, float scale) {
     const int Mp = t->Mp;
     float *St = s->St, *m = t->m, *mx = s->mx, *corr = s->corr;
     const int32_t *rpos = t->rpos, *wlo = t->wlo;
-    for (int r = 0; r < Mp; r++) mx[r] = NEG_BIG;
-    for (int j = 0; j < n; j++) {
-        float* sj = St + (int64_t)j * Mp;
-        const int32_t kp = k0 + j;
-        if (need_mask)
+    if (need_mask) {
+        for (int r = 0; r < Mp; r++) mx[r] = NEG_BIG;
+        for (int j = 0; j < n; j++) {
+            float* sj = St + (int64_t)j * Mp;
+            const int32_t kp = k0 + j;
             for (int r = 0; r < Mp; r++) sj[r] = (kp > rpos[r] || kp <= wlo[r]) ? NEG_BIG : sj[r];
-        for (int r = 0; r < Mp; r++) mx[r] = sj[r] > mx[r] ? sj[r] : mx[r];
+            for (int r = 0; r < Mp; r++) mx[r] = sj[r] > mx[r] ? sj[r] : mx[r];
+        }
     }
     int moved = 0;
     for (int r = 0; r < Mp; r++) {
@@ -294,9 +303,12 @@ static void load_kv(DotScratch* s, const uint16_t* k_cache, const uint16_t* v_ca
                 const Sub* t = &subs[si];                                                                   \
                 if (k0 > t->p_last || k0 + DOT_KB <= t->start) continue; /* no key of it is visible */      \
                 const int tn = t->p_last + 1 - k0 < n ? t->p_last + 1 - k0 : n, tn8 = round_up(tn, DOT_KC);  \
+                /* every tile of padded keys (tn < tn8) is the diagonal's, masked */                        \
                 const int need_mask = k0 + tn - 1 > t->p0 || k0 < t->start ||                               \
-                                      (window > 0 && k0 <= t->p_last - window);                             \
-                qk_tile(t->Qp, t->Mp, kp, hd2, tn8, s->St);                                                 \
+                                      (window > 0 && k0 <= t->p_last - window) || tn < tn8;                 \
+                if (!need_mask)                                                                             \
+                    for (int r = 0; r < t->Mp; r++) s->mx[r] = NEG_BIG;                                     \
+                qk_tile(t->Qp, t->Mp, kp, hd2, tn8, s->St, need_mask ? NULL : s->mx);                       \
                 softmax_tile(s, t, hd, tn, k0, need_mask, scale);                                                  \
                 pv_tile(s->Pp, t->Mp, s->Vp, hd, (tn + 1) / 2, t->Ot);                                      \
             }                                                                                               \

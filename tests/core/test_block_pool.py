@@ -160,3 +160,29 @@ def test_reset_prefix_cache_only_when_idle() -> None:
     assert s.kv.pool.cached
     assert s.reset_prefix_cache()
     assert not s.kv.pool.cached
+
+
+def test_free_queue_reuses_written_blocks_first() -> None:
+    """Freed blocks without a cached hash are taken before blocks never handed out (warm memory: the CPU cache
+    is calloc'ed, so a first write page-faults), cached ones only after both (LRU, the prefix kept longest);
+    after a prefix-cache reset the formerly cached blocks, holding nothing now, come first too."""
+    pool = BlockPool(num_blocks=10, enable_caching=True)
+    a = pool.get_new_blocks(4)  # ids 1-4
+    pool.cache_block(a[0], b"h0")
+    pool.cache_block(a[1], b"h1")
+    pool.free_blocks(reversed(a))  # tail first: 4, 3 (uncached) to the front; 2, 1 (cached) to the end
+    pool.check_invariants()
+    assert pool.num_cached_free == 2
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [3, 4, 5]
+    assert pool.get_cached_block(b"h1") is a[1]
+    rest = pool.get_new_blocks(pool.num_free_blocks)
+    assert [b.block_id for b in rest] == [6, 7, 8, 9, 2, 1]  # the cached ones last, the prefix (1) last of all
+    assert not pool.cached and pool.num_cached_free == 0
+    pool.free_blocks([pool.blocks[i] for i in range(1, 10)])
+    b = pool.get_new_blocks(2)
+    pool.cache_block(b[0], b"x")
+    pool.cache_block(b[1], b"y")
+    pool.free_blocks(b)  # cached: to the end
+    assert pool.reset_prefix_cache()
+    assert {blk.block_id for blk in pool.get_new_blocks(2)} == {blk.block_id for blk in b}
+    pool.check_invariants()

@@ -218,6 +218,30 @@ def test_fused_parts_equal_each_part_alone() -> None:
     assert torch.equal(gq.gguf_matmul(x6, five), alone)
 
 
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=[t.name for t in TILE_TYPES])
+def test_tile_pairs_equal_single_tiles(qtype: GGMLQuantizationType) -> None:
+    """Tiled weights whose rows come in whole pairs of 16-row tiles take `two_tiles` past 16 activation rows: the
+    bits of the file layout's single-tile panels and of each row alone (row groups of 4 with remainders, 64-row
+    chunks, three 16-block panels, float32 and bfloat16 out, in a fused call beside a part that cannot pair)."""
+    if gq.set_isa(-1) != 2:
+        pytest.skip("the tiled layout is made only where AVX-512 VNNI runs")
+    rng = np.random.default_rng(200 + int(qtype))
+    k = 32 * 37
+    file_parts = [gq.GGUFWeight(int(qtype), torch.from_numpy(random_blocks(qtype, n, k, rng)), n, k) for n in (64, 32)]
+    file_parts.append(gq.GGUFWeight(int(qtype), torch.from_numpy(random_blocks(qtype, 48, k, rng)), 48, k))
+    tiled = [gq.tile(p) for p in file_parts]
+    x = torch.from_numpy(rng.standard_normal((133, k)).astype(np.float32))
+    for m in (17, 18, 19, 20, 64, 70, 133):
+        for w, t in zip(file_parts, tiled):
+            assert torch.equal(gq.gguf_matmul(x[:m], [t]), gq.gguf_matmul(x[:m], [w])), (m, w.rows)
+        assert torch.equal(gq.gguf_matmul(x[:m], tiled), gq.gguf_matmul(x[:m], file_parts)), m
+    full = gq.gguf_matmul(x, tiled)
+    for i in (0, 17, 66, 132):
+        assert torch.equal(gq.gguf_matmul(x[i : i + 1], tiled), full[i : i + 1]), i
+    xb = x[:37].to(torch.bfloat16)
+    assert torch.equal(gq.gguf_matmul(xb, tiled), gq.gguf_matmul(xb, file_parts))
+
+
 def test_unsupported_shape_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         gq.row_bytes(int(GGMLQuantizationType.Q4_K), 100)
