@@ -32,6 +32,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_ranks(worker: Any, world: int, args: argparse.Namespace, timeout_s: float) -> Any:
+    """`worker(rank, world, port, args, queue)` in one spawned process per rank (rank 0 puts its result on the
+    queue); returns that result once every process has exited."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=timeout_s)
+    for proc in procs:
+        proc.join(60)
+    return result
+
+
 def _graph_time(fn: Any, per_step: int, iters: int) -> float:
     """Mean seconds of one call of `fn`, from CUDA-graph replays of `per_step` calls."""
     s = torch.cuda.Stream()
@@ -180,15 +195,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=300)
-    for p in procs:
-        p.join(60)
+    result = run_ranks(_worker, args.world, args, timeout_s=300)
     print(f"{result['gpu']} x{args.world}: copy {result['copy_GBps']:.0f} GB/s, "
           f"bf16 matmul {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s")  # fmt: skip
     for r in result["sizes"]:

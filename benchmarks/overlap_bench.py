@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.allreduce_bench import _free_port
+from benchmarks.allreduce_bench import run_ranks
 
 SETTINGS = ("TORCH_NCCL_HIGH_PRIORITY", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "CUDA_DEVICE_MAX_CONNECTIONS")
 
@@ -85,7 +84,7 @@ def _measure(k: int, rows: int, n: int, args: argparse.Namespace, device: torch.
     return res
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -97,16 +96,9 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) 
         for name, k in (("o_proj", 2048), ("down_proj", 7168))
     }
     if rank == 0:
-        out["result"] = res
+        queue.put(res)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    out: dict = {}
-    _run(rank, world, port, args, out)
-    if rank == 0:
-        queue.put(out["result"])
 
 
 def main() -> None:
@@ -118,15 +110,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for proc in procs:
-        proc.start()
-    res = queue.get(timeout=600)
-    for proc in procs:
-        proc.join()
+    res = run_ranks(_worker, args.world, args, timeout_s=600)
     settings = {s: os.environ.get(s) for s in SETTINGS}
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{device} x{args.world}, {args.chunks} chunks, settings {settings}")

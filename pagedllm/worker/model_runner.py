@@ -196,8 +196,8 @@ class ModelRunner:
         assert self.model is not None
         if self.mm is not None:
             self.mm.profile(self.max_num_tokens)
-        n = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        reqs = max(min(n, self.max_num_reqs), cdiv(n, self.max_model_len))
+        n = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)  # (so no request exceeds max_model_len)
+        reqs = min(n, self.max_num_reqs)
         warmup.profile_forward(self.model, self.backend, list(self.attn_layers), n, reqs, self.block_size, self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> KVCacheConfig:

@@ -54,7 +54,7 @@ def profile_forward(
         cu, q_lens, np.zeros(num_reqs), tables, [np.full(num_tokens, -1)], int(q_lens.max()), device, False, True
     )[0]
     md = backend.get_builder_cls()(block_size, None, device).build(common)
-    pos = torch.from_numpy(np.concatenate([np.arange(q) for q in q_lens])).to(device)
+    pos = torch.from_numpy(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens)).to(device)
     with set_forward_context(dict.fromkeys(layer_names, md)):
         hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), pos)
         if not isinstance(hidden, tuple):  # (a pipeline stage before the last returns activations, no logits)

@@ -83,15 +83,16 @@ class LlamaMLP(nn.Module):
     the start-up profile takes from the KV cache). 0: never (every row is computed the same way either way)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.chunk_tokens
-        if c <= 0 or x.shape[0] <= c:
+        c, n = self.chunk_tokens, x.shape[0]
+        if c <= 0 or n <= c:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-        first = self.down_proj(self.act_fn(self.gate_up_proj(x[:c])))
-        out = first.new_empty((x.shape[0], *first.shape[1:]))
-        out[:c] = first
-        del first
-        for s in range(c, x.shape[0], c):
-            out[s : s + c] = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
+        out: torch.Tensor | None = None
+        for s in range(0, n, c):
+            y = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
+            if out is None:  # (the output's width and dtype come from the layer: sized at the first chunk)
+                out = y.new_empty((n, *y.shape[1:]))
+            out[s : s + c] = y
+        assert out is not None
         return out
 
 
