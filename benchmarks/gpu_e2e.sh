@@ -95,7 +95,7 @@ for spec in $W; do  # "none": the correctness part alone
         run_env timeout 300 python3 -m pagedllm bench latency --model benchmarks/workloads/llama-3.1-8b --load-format dummy \
             --batch-size 1 --input-len 128 --output-len 256 --num-iters 5 --num-iters-warmup 2 --max-model-len 1024 \
             "${extra[@]}" --output-json "$OUT/W3$tag.json" 2>&1 | tail -5 | tee -a "$OUT/bench.log"
-        echo "W3$tag: $(tail -1 "$OUT/bench.log")" >> "$summary"
+        echo "W3$tag: $(grep -E "Time per output token" "$OUT/bench.log" | tail -1)" >> "$summary"
     elif [ "$w" = W4 ]; then
         for pc in enable no-enable; do
             run_env timeout 300 python3 -m pagedllm bench throughput "${args[@]}" --load-format dummy --$pc-prefix-caching \

@@ -9,7 +9,8 @@
 #   W3     W3 at tp=1, tp=2 (the default: all-reduce fused with add + RMSNorm), tp=2 with each of TP_AR (other
 #          PAGEDLLM_TP_ALLREDUCE values, default "nccl"), the same at tp=4 where 4 GPUs
 #   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
-#   W2tp4  W2 at tp=4 (4 GPUs);  W2pp  W2 at pp=2 alone;  W2tp  W2 at tp=1 and tp=2 (default, NCCL) only
+#   W2tp4  W2 at tp=4 (4 GPUs);  W3tp4  W3 at tp=4 alone (4 GPUs);  W2pp  W2 at pp=2 alone
+#   W2tp   W2 at tp=1 and tp=2 (default, NCCL) only
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   ovb    a prefill GEMM and its all-reduce overlapped or not (overlap_bench.py), with NCCL's defaults, its stream
 #          at high priority, and 4 channels
@@ -87,6 +88,7 @@ for step in $steps; do
                     --json "$OUT/overlap_${setting%%=*}.json" 2>&1 | grep -E "x2|proj|Error" | tee -a "$summary"
             done ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
+        W3tp4) [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
         W3log)  # W3 at tp=2 with the one-shot all-reduce, the whole log kept (which all-reduce the workers use)
             PAGEDLLM_TP_ALLREDUCE=symm timeout "${STEP_TIMEOUT:-300}" python3 -m pagedllm bench latency \

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     PAGEDLLM_TP_ALLREDUCE: str
     PAGEDLLM_TP_FUSED_MAX_ROWS: int | None
     PAGEDLLM_MLP_CHUNK_TOKENS: int
+    PAGEDLLM_FP8_ATTN_F16: bool
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -113,6 +114,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CUDA: steps of more tokens run the dense MLP blocks in chunks of this many (bounds the gate/up output, the
     # largest activation, and so the memory the profile takes from the KV cache); 0: never chunk.
     "PAGEDLLM_MLP_CHUNK_TOKENS": lambda: int(os.environ.get("PAGEDLLM_MLP_CHUNK_TOKENS", "4096")),
+    # Triton paged attention over an FP8 KV cache: both dots in float16 (0: in the query's dtype, as a bf16 cache).
+    "PAGEDLLM_FP8_ATTN_F16": _flag("PAGEDLLM_FP8_ATTN_F16"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

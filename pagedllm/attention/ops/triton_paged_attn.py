@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton
@@ -287,6 +288,7 @@ def paged_attention(
             DIRECT=direct,
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
+            FP8_F16=kv_fp8 and query.dtype != torch.float32 and envs.PAGEDLLM_FP8_ATTN_F16,
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
             num_warps=nw,

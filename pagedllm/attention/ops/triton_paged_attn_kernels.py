@@ -166,6 +166,7 @@ def _paged_attn_kernel(
     KV_FP8: tl.constexpr,
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
+    FP8_F16: tl.constexpr = False,
 ):
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
@@ -237,6 +238,13 @@ def _paged_attn_kernel(
 
     if KV_FP8:  # cache = fp8(x / scale): the K scale joins the score scale, the V scale the output
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if FP8_F16:
+            # Both dots in float16: FP8 -> float16 is one conversion per two elements on Hopper, FP8 -> bfloat16
+            # goes through float32 (W2's decode batch, H200, attn_fp8_sweep.py: 1,166 -> 952 us a layer, 0.45x ->
+            # 0.55x the copy bandwidth; still slower per byte than the bf16 cache, benchmarks/NOTES.md).
+            # Q takes the score scale first (log2 domain), so its magnitudes stay far from float16's range.
+            q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+            qk_scale = 1.0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
