@@ -189,7 +189,7 @@ def test_fp8_kv_cache_kernels(kv_dtype: torch.dtype, q_lens: list[int], ctx_lens
     `paged_attention` over the FP8 cache with the scales equals the same kernel over a float32 cache holding
     the dequantized values (1e-5 relative in float32; 1e-2 in bf16, which rounds the dequantized K/V)."""
     from pagedllm.attention import kv_quant
-    from pagedllm.attention.ops.triton_paged_attn import paged_attention, reshape_and_cache
+    from pagedllm.attention.ops.triton_paged_attn import paged_attention, request_order, reshape_and_cache
 
     if INTERPRET and kv_dtype == torch.float8_e4m3fn:
         pytest.skip("the Triton interpreter converts to float8e4nv wrongly; GPU only")
@@ -226,14 +226,23 @@ def test_fp8_kv_cache_kernels(kv_dtype: torch.dtype, q_lens: list[int], ctx_lens
     seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
     bt = block_table.to(DEVICE)
     kw = dict(num_actual_tokens=q_tokens, num_reqs=len(seq), max_query_len=max(q_lens), scale=d**-0.5)
-    out = torch.empty_like(query)
-    paged_attention(query, kc, vc, out, bt, seq_t, qsl, kv_scales=(ks, vs), **kw)  # type: ignore[arg-type]
     kf = kv_quant.dequantize(kc, ks, dtype)
     vf = kv_quant.dequantize(vc, vs, dtype)
     ref = torch.empty_like(query)
     paged_attention(query, kf, vf, ref, bt, seq_t, qsl, **kw)  # type: ignore[arg-type]
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    # As the engine launches it too: a mixed batch's decodes apart (num_decodes), a decode batch longest first
+    # (req_order), and split into two key segments.
+    n_dec = sum(q == 1 for q in q_lens)
+    variants: list[dict] = [{}, {"split": 2}]
+    variants.append({"num_decodes": n_dec} if n_dec < len(q_lens) else {"req_order": request_order(seq_t, len(seq))})
+    for extra in variants:
+        out = torch.empty_like(query)
+        split = extra.pop("split", 1)
+        if split > 1 and max(q_lens) > 1:
+            continue
+        paged_attention(query, kc, vc, out, bt, seq_t, qsl, kv_scales=(ks, vs), num_splits=split, **kw, **extra)  # type: ignore[arg-type]
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (extra, split, err)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the engine test needs a GPU")
