@@ -4,9 +4,9 @@ KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
 Decode requests (one query token) run through the C kernel of `ops/cpu_paged_attn` on the CPU (reads the
 paged cache in place), else as one batched gather + matmul in PyTorch (the reference path, and the one
 used on other devices or without a C compiler); prefill chunks (which may attend to a cached prefix) run
-through the blocked C kernel of `ops/cpu_prefill_attn` (K/V read from the cache in place), or, where it does
-not apply (FP8 cache, soft-capping, multimodal key limits, no C compiler), one request at a time through
-scaled_dot_product_attention.
+through the blocked C kernel of `ops/cpu_prefill_attn` (K/V read from the cache in place; an FP8 cache's
+blocks are dequantized to the query's dtype first), or, where it does not apply (soft-capping, multimodal key
+limits, no C compiler), one request at a time through scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def batch_invariant_prefill(
 class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
     _use_c_kernels: bool | None = None  # decided at the first forward, from the cache's dtype and device
     _use_c_prefill: bool | None = None  # likewise, for the C prefill kernel
+    _use_c_prefill_fp8: bool | None = None  # the C prefill kernel over an FP8 cache's dequantized blocks
 
     def _c_kernels(self, kv_cache: torch.Tensor) -> bool:
         if self._use_c_kernels is None:
@@ -167,6 +168,40 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
                 kv_cache.dtype, self.num_heads, self.num_kv_heads, self.head_size
             )
         return self._use_c_kernels
+
+    def _c_prefill_fp8(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        if self._use_c_prefill_fp8 is None:
+            self._use_c_prefill_fp8 = (
+                self.logits_soft_cap is None
+                and kv_cache.device.type == "cpu"
+                and kv_cache[0].is_contiguous()
+                and cpu_prefill_attn.supports(query.dtype, self.num_heads, self.num_kv_heads, self.head_size)
+            )
+        return self._use_c_prefill_fp8
+
+    def _prefill_fp8(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        prefills: list[PrefillSpan],
+        output: torch.Tensor,
+    ) -> None:
+        """Every chunk in one call of the C prefill kernel over the chunks' blocks of an FP8 cache, dequantized
+        to the query's dtype (exact for e4m3/e5m2 with scale 1.0): each query row then sees the same keys in
+        the same reduction order whatever the chunking (a masked SDPA's rounding moved with its row count)."""
+        assert self.kv_scales is not None
+        bs = k_cache.shape[1]
+        blocks = [p.blocks[: (p.seq_len + bs - 1) // bs] for p in prefills]
+        ids = torch.cat(blocks).long()
+        k = kv_quant.dequantize(k_cache.view(torch.uint8)[ids].view(k_cache.dtype), self.kv_scales[0], query.dtype)
+        v = kv_quant.dequantize(v_cache.view(torch.uint8)[ids].view(v_cache.dtype), self.kv_scales[1], query.dtype)
+        spans, off = [], 0
+        for p, b in zip(prefills, blocks):
+            table = torch.arange(off, off + b.numel(), dtype=torch.int32)
+            spans.append(PrefillSpan(p.q_start, p.q_end, p.context_len, p.seq_len, table))
+            off += b.numel()
+        cpu_prefill_attn.prefill(query, k, v, spans, output, self.scale, self.sliding_window)
 
     def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
         assert rotary is None, "this backend does not fuse RoPE (fuses_rotary is False)"
@@ -213,6 +248,15 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
         if c_prefill:  # every chunk in one call, fresh prompts and cached prefixes alike
             prefills = attn_metadata.prefills
             cpu_prefill_attn.prefill(query, k_cache, v_cache, prefills, output, self.scale, self.sliding_window)
+        elif (
+            fp8
+            and limit is None
+            and bool(attn_metadata.prefills)
+            and self._c_prefill_fp8(query, kv_cache)
+            and cpu_prefill_attn.can_run(query, output, query.new_empty(0))
+        ):
+            self._prefill_fp8(query, k_cache, v_cache, attn_metadata.prefills, output)
+            c_prefill = True
         for p in attn_metadata.prefills if not (bi or c_prefill) else ():
             q = query[p.q_start : p.q_end]
             if p.context_len == 0 and self.sliding_window is None and not fp8 and limit is None:

@@ -3,11 +3,17 @@ same model quantized online to FP8 (`quantization="fp8"`) and against an FP8 KV 
 (`kv_cache_dtype="fp8"`, scales 1.0): perplexity over the fixed ~2,000-token public-domain text shipped in
 tests/model_executor/data. Prints the figures.
 
-The issue asks for 2% (FP8 weights) and 1% (FP8 KV). Measured on the CPU (2027 tokens): bf16 18.919, FP8
-W8A8 19.558 (+3.4%), FP8 KV 19.178 (+1.4%; with calculate_kv_scales 19.159, +1.3%); FP8 weights alone
-with bf16 activations give 19.328 (+2.2%), so most of the loss is the weights' 3-bit mantissa on top of
-the GGUF's own Q4_1 grid, on a 135M model. The targets are not met; the bounds below guard the measured
-behaviour against regressions (about 1.2x the measured loss) until a better scheme lands."""
+The issue asks for 2% (FP8 weights) and 1% (FP8 KV). Measured on the CPU (2,027 tokens, an AVX512-BF16 host,
+session 34): bf16 18.884, FP8 W8A8 20.081 (+6.3%), FP8 KV 19.330 (+2.4%): neither the targets nor the bounds
+below (about 1.2x session 13's +3.4% / +1.4%) are met. Each quantized figure is one draw of a noisy quantity:
+e4m3's 3-bit rounding of the activations (W8A8) or of K/V turns float-level differences upstream (a kernel's
+summation order, bf16 against float32 activations, a 1e-6 relative nudge of float32 embeddings) into other
+roundings, so equally exact runs spread with a standard deviation of ~1.3% (W8A8) / ~0.5% (FP8 KV) against
+~0.2% for the bf16 model itself. Means over such draws: W8A8 +5.0% (bf16 engine, 8 draws; +6.9% with float32
+activations, 14 draws), FP8 KV +2.1% (+1.1% in float32); FP8 weights alone with 16-bit activations +2.2%
+(float32: +3.4%, stable across draws; with per-tensor scales +5.9%), so the 2% weight target is out of reach of
+e4m3 on this 135M model (on top of the GGUF's own Q4_1 grid), and session 13's figures were favourable draws
+(benchmarks/NOTES.md, session 34). The bounds stay: they guard the behaviour the issue asks for."""
 
 from __future__ import annotations
 

@@ -206,3 +206,38 @@ def test_bad_kv_cache_dtype(tmp_path) -> None:  # noqa: ANN001
         _engine(str(tmp_path), kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="calculate_kv_scales: needs an FP8 kv_cache_dtype"):
         _engine(str(tmp_path), calculate_kv_scales=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_kv_prefill_chunk_invariant(dtype: str, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The prefill over an FP8 cache runs the blocked C kernel on the chunks' dequantized blocks, where each query
+    row's reduction does not depend on the chunk it came in: prompt logprobs are identical for 8-, 24- and
+    64-token steps (a masked SDPA per chunk rounded differently with its row count, and e4m3's 3-bit rounding
+    of the next layers' K/V turned those last-bit differences into visible ones: issue 19's quality guard).
+    With the C prefill off (PAGEDLLM_CPU_PREFILL_ATTN=0) the SDPA fallback stays within LOGPROB_TOL of it."""
+    from pagedllm.attention.ops import cpu_prefill_attn
+
+    if not cpu_prefill_attn.available():
+        pytest.skip("no C prefill kernel here")
+    torch.set_num_threads(2)
+    make_tiny_hf_model("llama", tmp_path)
+    prompt = [random.Random(1).randrange(VOCAB) for _ in range(60)]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+
+    def run(step: int) -> list[float]:
+        llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
+                  kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=step, kv_cache_dtype="fp8")  # fmt: skip
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]  # type: ignore[index]
+
+    calls = []
+    original = cpu_prefill_attn.prefill
+    monkeypatch.setattr(cpu_prefill_attn, "prefill", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    ref = run(64)
+    assert calls, "the FP8 cache's prefill did not take the C kernel"
+    assert run(8) == ref and run(24) == ref
+    monkeypatch.setenv("PAGEDLLM_CPU_PREFILL_ATTN", "0")
+    calls.clear()
+    fallback = run(24)
+    assert not calls
+    assert max(abs(a - b) for a, b in zip(fallback, ref)) < LOGPROB_TOL
