@@ -15,6 +15,10 @@ activations, 14 draws), FP8 KV +2.1% (+1.1% in float32); FP8 weights alone with 
 e4m3 on this 135M model (on top of the GGUF's own Q4_1 grid), and session 13's figures were favourable draws
 (benchmarks/NOTES.md, session 34).
 
+With `calculate_kv_scales` (amax / 200 for K, / 100 for V, as vLLM; it was amax / 448, which clipped later
+tokens: 19.507) the FP8 KV draws were 19.37 / 19.04 / 18.69 / 18.98 for first batches of 256 / 512 / 1,024 /
+2,048 tokens (-1.0 % to +2.6 %, mean +0.7 %).
+
 So this test is a regression guard, not the issue's acceptance: a single draw is compared against bounds just above
 the largest draw measured in session 34 with 16-bit activations (W8A8 +6.9%, FP8 KV +3.1%): a broken scale, a
 cache read at the wrong precision or a wrong dequantization moves these by far more. (Session 13's bounds, 4% and
@@ -52,9 +56,12 @@ def test_fp8_perplexity_guard(smollm2_path: str, smollm2_tokenizer: Any) -> None
     bf16 = _perplexity(smollm2_path, ids)
     fp8_w = _perplexity(smollm2_path, ids, quantization="fp8")
     fp8_kv = _perplexity(smollm2_path, ids, kv_cache_dtype="fp8")
+    fp8_kv_calc = _perplexity(smollm2_path, ids, kv_cache_dtype="fp8", calculate_kv_scales=True)
     print(
         f"perplexity over {len(ids)} tokens: bf16 {bf16:.4f}, FP8 weights {fp8_w:.4f} ({fp8_w / bf16 - 1:+.2%}), "
-        f"FP8 KV cache {fp8_kv:.4f} ({fp8_kv / bf16 - 1:+.2%})"
+        f"FP8 KV cache {fp8_kv:.4f} ({fp8_kv / bf16 - 1:+.2%}), with calculate_kv_scales {fp8_kv_calc:.4f} "
+        f"({fp8_kv_calc / bf16 - 1:+.2%})"
     )
     assert abs(fp8_w / bf16 - 1) < 0.08  # the issue's target: 0.02 (not met, see the module docstring)
     assert abs(fp8_kv / bf16 - 1) < 0.035  # the issue's target: 0.01 (not met)
+    assert abs(fp8_kv_calc / bf16 - 1) < 0.035
