@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_type_hints
 
 from pagedllm.config import (
     CacheConfig,
@@ -20,7 +20,6 @@ from pagedllm.config import (
     resolve_kv_cache_dtype_name,
 )
 from pagedllm.engine.arg_cli import add_dataclass_args
-from pagedllm.engine.arg_validation import check_tp_divides, validate
 from pagedllm.multimodal.config import MultiModalConfig, requires_whole_mm_items
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -302,7 +301,105 @@ class EngineArgs:
 
     # ---- validation and resolution -------------------------------------------------------------
     def _validate(self) -> None:
-        validate(self)
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code: only False is supported (pagedllm runs no model-repo code)")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size: must be a power of two up to 256, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override: must be >= 2, got {self.num_gpu_blocks_override}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "idle_max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}: must be positive, got {v}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be -1 (no limit) or >= 0, got {self.max_logprobs}")
+        modes = get_args(get_type_hints(EngineArgs)["logprobs_mode"])
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode: expected one of {', '.join(modes)}, got {self.logprobs_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.load_format not in get_args(get_type_hints(EngineArgs)["load_format"]):
+            raise ValueError(f"load_format: unknown value {self.load_format!r}")
+        self._validate_parallel()
+        if self.quantization not in (None, "gguf") and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"quantization: {self.quantization!r} with tensor / pipeline parallelism is not supported yet"
+            )
+        kv_dtypes = get_args(get_type_hints(EngineArgs)["kv_cache_dtype"])
+        if self.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales: needs an FP8 kv_cache_dtype ('fp8', 'fp8_e4m3' or 'fp8_e5m2')")
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming reasoning_parser
+        self._validate_lora()
+        self._validate_controls()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        backends = get_args(get_args(get_type_hints(EngineArgs)["distributed_executor_backend"])[0])
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in backends:
+            raise ValueError(f"distributed_executor_backend: expected one of {', '.join(backends)}, got {backend!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world != 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one worker; tensor_parallel_size x "
+                f"pipeline_parallel_size = {world} needs 'mp'"
+            )
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling: not supported with pipeline_parallel_size > 1 (leave it unset)")
+        if world > 1:
+            for name, on in (
+                ("enable_lora", self.enable_lora),
+                ("speculative_config", self.speculative_config or self.spec_method),
+            ):
+                if on:
+                    raise ValueError(f"{name}: not supported with tensor or pipeline parallelism yet")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank: must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+
+    def _validate_controls(self) -> None:
+        from pagedllm.distributed.weight_transfer import check_weight_transfer_config
+        from pagedllm.model_executor.layers.batch_invariant import env_enabled as env_batch_invariant
+
+        for name in ("weight_transfer_config", "profiler_config"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                setattr(self, name, json.loads(v))
+        check_weight_transfer_config(self.weight_transfer_config)
+        if self.batch_invariant or env_batch_invariant():
+            self.batch_invariant = True
+            if self.resolved_device() not in ("cpu", "cuda"):
+                raise ValueError(f"batch_invariant: supported on 'cpu' and 'cuda', not {self.resolved_device()!r}")
+            if self.enable_lora and self.resolved_device() == "cuda":
+                raise ValueError("batch_invariant: LoRA layers are not batch-invariant on the GPU (enable_lora)")
+            if self.quantization not in (None, "gguf") and self.resolved_device() == "cuda":
+                raise ValueError(
+                    f"batch_invariant: quantized layers ({self.quantization}) are not batch-invariant on the GPU"
+                )
+        pc = self.profiler_config
+        if pc is not None:
+            if not isinstance(pc, dict):
+                raise ValueError(f"profiler_config: expected a dict, got {pc!r}")
+            if pc.get("profiler", "torch") != "torch":
+                raise ValueError(f"profiler_config.profiler: only 'torch' is supported, got {pc.get('profiler')!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -343,7 +440,7 @@ class EngineArgs:
             quantization=self.quantization,
             gguf_dequantize=self.gguf_dequantize,
         )
-        check_tp_divides(mc.hf_config, self.tensor_parallel_size)
+        _check_tp_divides(mc.hf_config, self.tensor_parallel_size)
         max_num_seqs = self.max_num_seqs or (1024 if on_gpu else 256)
         max_batched = self.max_num_batched_tokens or (16384 if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
         engine_overrides: dict[str, Any] = {}
@@ -447,6 +544,21 @@ def _idle_budget(args: EngineArgs, one_budget: bool, max_batched: int) -> int | 
     if one_budget or args.max_num_batched_tokens is not None:
         return None
     return CPU_IDLE_MAX_NUM_BATCHED_TOKENS
+
+
+def _check_tp_divides(hf_config: Any, tp: int) -> None:
+    """The shapes tensor parallelism splits must divide by tp (KV heads may instead be replicated)."""
+    if tp == 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {heads} attention heads")
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if kv is not None and kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size: {tp} and the model's {kv} KV heads: neither divides the other")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if isinstance(inter, int) and inter % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size {inter}")
 
 
 def _json(value: Any, name: str) -> Any:
