@@ -7,7 +7,10 @@ all-reduce (`async_op=True`) meant to run while the next chunk's GEMM does; W2 a
 
 - `gemm`: the GEMM alone;  `ar`: NCCL's all-reduce of its [rows, 4096] output alone;
 - `serial`: GEMM then all-reduce (what the engine does);
-- `overlap`: the GEMM in `--chunks` row chunks, each chunk's all-reduce started asynchronously after it.
+- `overlap`: the GEMM in `--chunks` row chunks, each chunk's all-reduce started asynchronously after it;
+- `overlap_carveout`: the same with cuBLAS told to leave `--sm-carveout` SMs free
+  (`torch._C._set_sm_carveout_experimental`, as PyTorch's async tensor parallelism does), so that NCCL's kernels
+  find SMs while a GEMM runs.
 
 `overlap` near `max(gemm, ar)` means the hardware overlaps them; near `serial`, it does not (the GEMM's blocks
 holding every SM would do that). Each setting of NCCL that changes it needs its own processes, so run the
@@ -75,11 +78,21 @@ def _measure(k: int, rows: int, n: int, args: argparse.Namespace, device: torch.
         for work in works:
             work.wait()
 
+    def overlap_carveout() -> None:
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+        try:
+            overlap()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+
     serial()
     want = out_t.clone()
     overlap()
     res: dict[str, Any] = {"rows": rows, "k": k, "n": n, "overlap_equals_serial": bool(torch.equal(out_t, want))}
-    for label, fn in (("gemm", gemm), ("ar", ar), ("serial", serial), ("overlap", overlap)):
+    variants = [("gemm", gemm), ("ar", ar), ("serial", serial), ("overlap", overlap)]
+    if device.type == "cuda" and args.sm_carveout:
+        variants.append(("overlap_carveout", overlap_carveout))
+    for label, fn in variants:
         res[label + "_ms"] = _timed(fn, args.iters, device) * 1e3
     return res
 
@@ -107,6 +120,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sm-carveout", type=int, default=16, help="SMs cuBLAS leaves free in overlap_carveout (0: skip)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args()
@@ -119,7 +133,9 @@ def main() -> None:
             f"{name} [{r['rows']}, {r['k']}] @ [{r['k']}, {r['n']}]: gemm {r['gemm_ms']:.3f} ms, all-reduce "
             f"{r['ar_ms']:.3f}, serial {r['serial_ms']:.3f}, overlapped {r['overlap_ms']:.3f} "
             f"(max of the two {max(r['gemm_ms'], r['ar_ms']):.3f}); equal to serial: {r['overlap_equals_serial']}"
-        )
+            + (f"; overlapped, {args.sm_carveout} SMs left to NCCL {r['overlap_carveout_ms']:.3f}"
+               if "overlap_carveout_ms" in r else "")
+        )  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "world": args.world, "chunks": args.chunks, "settings": settings,
