@@ -51,13 +51,15 @@ def metric_value(url: str, name: str, **labels: str) -> float:
     return scrape_metrics(url)[(f"pagedllm:{name}", tuple(sorted(labels.items())))]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def web_server() -> Iterator[ServerProcess]:
     with ServerProcess(["--api-key", API_KEY, *SERVER_FLAGS]) as srv:
         yield srv
 
 
-@pytest.fixture(scope="session")
+# Package scope: Playwright's sync API keeps an asyncio loop running in this thread while it lives, so a
+# session-scoped browser made every later test's asyncio.run() fail ("cannot be called from a running event loop").
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright

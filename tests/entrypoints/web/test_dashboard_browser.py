@@ -13,6 +13,10 @@ import pytest
 from tests.entrypoints.web.conftest import API_KEY, scrape_metrics
 
 BURST = 6
+# Long enough that the dashboard's once-a-second poll sees the burst running: 96 tokens were done in ~1.1 s on a
+# 2-vCPU Zen 5 (the busy window, >= 16 blocks in use, about 0.5 s of it). 6 x ceil((44 + 176) / 16) = 84 of the
+# server's 90 blocks: no preemption.
+MAX_TOKENS = 176
 TIMEOUT = 90_000
 
 # A live server (~1 min to start on the shared 2-core box) plus a browser: too slow for CI.
@@ -22,7 +26,7 @@ pytestmark = pytest.mark.slow
 def one_request(url: str, i: int) -> int:
     body = {
         "messages": [{"role": "user", "content": f"Tell me story number {i} about a lighthouse keeper and a whale."}],
-        "max_tokens": 96,
+        "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -47,14 +51,14 @@ def test_dashboard_burst_fills_grid_and_matches_metrics(web_server: Any, new_pag
 
     with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
         futures = [pool.submit(one_request, web_server.url, i) for i in range(BURST)]
-        # Each request holds ceil((~40 prompt + 96) / 16) >= 8 blocks: the grid fills while they run.
+        # Each request holds up to ceil((~44 prompt + MAX_TOKENS) / 16) = 14 blocks: the grid fills while they run.
         page.wait_for_function(
             f"document.querySelectorAll('#kv-grid .kv-cell.used').length >= {2 * 8}", timeout=TIMEOUT
         )
         busy = page.locator("#kv-grid .kv-cell.used").count()
         assert shown(page, "running") >= 1
         log.screenshot("dashboard_busy")
-        assert [f.result() for f in futures] == [96] * BURST
+        assert [f.result() for f in futures] == [MAX_TOKENS] * BURST
 
     page.wait_for_function(
         "document.querySelectorAll('#kv-grid .kv-cell.used').length == 0 && "
@@ -75,7 +79,7 @@ def test_dashboard_burst_fills_grid_and_matches_metrics(web_server: Any, new_pag
     assert shown(page, "waiting") == m("num_requests_waiting") == 0
     assert shown(page, "preemptions") == m("num_preemptions_total")
     assert shown(page, "prompt-tokens") == m("prompt_tokens_total")
-    assert shown(page, "generation-tokens") == m("generation_tokens_total") >= BURST * 96
+    assert shown(page, "generation-tokens") == m("generation_tokens_total") >= BURST * MAX_TOKENS
     done = sum(m("request_success_total", finished_reason=r) for r in ("stop", "length", "abort"))
     assert shown(page, "requests-done") == done
     assert int(page.get_attribute("#hit-rate", "data-hits")) == m("prefix_cache_hits_total")
