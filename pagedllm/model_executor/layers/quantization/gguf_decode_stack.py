@@ -165,7 +165,7 @@ class DecodeStack:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.attn.kv_cache]
-            held += list(attn.attn.impl.kv_scales or (None, None))  # (an FP8 cache's scales, pointed at)
+            held += attn.attn.impl.kv_scales or (None, None)  # (an FP8 cache's scales, pointed at)
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 held.append(m.quant_method)
                 held += [p.data for p in getattr(m.quant_method, "parts", ())]  # the bytes the table points at
