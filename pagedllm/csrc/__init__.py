@@ -3,11 +3,11 @@
 `paged_attn.c` (decode attention over the paged KV cache, cache writes), `prefill_attn.c` (blocked causal
 prefill attention over the paged cache), `layers.c` (fused residual + RMSNorm, rotary embedding) and
 `activation.c` (SiLU-and-mul), `gguf_mm.c` and `gguf_tile.c` (matmuls with packed GGUF weights),
-`decode_stack.c` (a Llama decode step's layers, calling the others). Each file is compiled with the system
-C compiler (about a second each) into one shared library in a cache directory keyed by the sources, the
-compiler and the CPU: no torch headers, no build step at install time. Where there is no compiler, or
-`PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every caller keeps its pure-PyTorch path (the reference
-the kernels are tested against).
+`decode_stack.c` (a Llama decode step's layers, calling the others), `kv_fp8.c` (FP8 KV-cache tables and
+quantizing writes). Each file is compiled with the system C compiler (about a second each) into one shared
+library in a cache directory keyed by the sources, the compiler and the CPU: no torch headers, no build step
+at install time. Where there is no compiler, or `PAGEDLLM_CPU_KERNELS=0`, `load()` returns None and every
+caller keeps its pure-PyTorch path (the reference the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ _SOURCES = {
     "gguf_mm.c": ["-fno-math-errno"],
     "gguf_tile.c": ["-fno-math-errno", "-ffp-contract=off"],
     "decode_stack.c": [],
+    "kv_fp8.c": ["-fno-math-errno", "-ffp-contract=off"],  # rounds as torch: no fast-math
 }
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
 
@@ -72,7 +73,7 @@ def _build() -> ctypes.CDLL | None:
         logger.info("CPU kernels: no C compiler found; using the PyTorch paths")
         return None
     h = hashlib.sha256(cc.encode() + _cpu_flags() + repr((_SOURCES, _COMMON)).encode())
-    for name in [*_SOURCES, "bf16.h", "gguf_common.h"]:
+    for name in [*_SOURCES, "bf16.h", "fp8.h", "gguf_common.h"]:
         h.update((_DIR / name).read_bytes())
     out_dir = _cache_dir()
     lib_path = out_dir / f"pagedllm_cpu_{h.hexdigest()[:16]}.so"

@@ -51,6 +51,19 @@ int paged_decode_f32_kbf16(const float* q, int64_t q_stride_t, const uint16_t* k
 void reshape_and_cache_f32_kbf16(const float* key, int64_t k_stride_t, const float* value, int64_t v_stride_t,
                                  uint16_t* k_cache, uint16_t* v_cache, const int64_t* slots, int64_t num_tokens,
                                  int64_t row);
+/* FP8 caches (paged_attn.c, kv_fp8.c): the layer's K / V scales after `scale` / `row`. */
+#define FP8_DECODE(SUFFIX)                                                                                     \
+    int paged_decode_##SUFFIX(const float* q, int64_t q_stride_t, const uint8_t* k_cache, const uint8_t* v_cache, \
+                              const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,         \
+                              const int64_t* tok_idx, float* out, int64_t o_stride_t, int num_reqs,           \
+                              int num_heads, int kvh, int hd, int bs, float scale, float k_scale,             \
+                              float v_scale, int32_t window, int num_threads);                                \
+    void reshape_and_cache_##SUFFIX(const float* key, int64_t k_stride_t, const float* value,                 \
+                                    int64_t v_stride_t, uint8_t* k_cache, uint8_t* v_cache,                   \
+                                    const int64_t* slots, int64_t num_tokens, int64_t row, float k_scale,     \
+                                    float v_scale);
+FP8_DECODE(f32_kfp8e4m3)
+FP8_DECODE(f32_kfp8e5m2)
 void gguf_quantize_act_f32(const float* x, int64_t x_stride, int64_t M, int64_t K, int16_t* xq, float* xd,
                            float* xs, int num_threads);
 int gguf_mm_parts(int n_parts, const int* types, const uint8_t* const* ws, const int64_t* Ns, int64_t K,
@@ -77,8 +90,10 @@ typedef struct {
     const float* in_norm;
     const float* post_norm;
     GLinear qkv, o, gate_up, down;
-    void* k_cache; /* [num_blocks, block_size, kv_heads, head_size] of float32, or bfloat16 (cache_bf16) */
+    void* k_cache; /* [num_blocks, block_size, kv_heads, head_size] of float32, bfloat16 (cache_bf16) or FP8 */
     void* v_cache;
+    const float* k_scale; /* an FP8 cache's scales (float32 [1]; read at every step: calculate_kv_scales sets */
+    const float* v_scale; /* them on the first batch) */
 } GLayer;
 
 typedef struct {
@@ -86,21 +101,37 @@ typedef struct {
     float eps, scale;
     const float* cos_sin;
     int32_t cache_bf16; /* the KV cache holds bfloat16 (kv_cache_dtype="bfloat16") */
+    int32_t cache_fp8;  /* FP8 codes: 1 e4m3fn (kv_cache_dtype="fp8"), 2 e5m2 ("fp8_e5m2"); 0 neither */
 } GDims;
 
-/* The new tokens' K and V rows (row stride `stride`) into layer L's cache, of either dtype. */
+/* The new tokens' K and V rows (row stride `stride`) into layer L's cache, of any of its dtypes (FP8: quantized
+ * with the layer's scales, as kv_quant.quantize). */
 static void cache_write(const GDims* d, const GLayer* L, const float* k, const float* v, int64_t stride,
                         const int64_t* slots, int64_t T, int64_t KV) {
-    if (d->cache_bf16)
+    if (d->cache_fp8 == 1)
+        reshape_and_cache_f32_kfp8e4m3(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV, *L->k_scale,
+                                       *L->v_scale);
+    else if (d->cache_fp8 == 2)
+        reshape_and_cache_f32_kfp8e5m2(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV, *L->k_scale,
+                                       *L->v_scale);
+    else if (d->cache_bf16)
         reshape_and_cache_f32_kbf16(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
     else
         reshape_and_cache_f32(k, stride, v, stride, L->k_cache, L->v_cache, slots, T, KV);
 }
 
-/* paged_decode over layer L's cache, of either dtype. */
+/* paged_decode over layer L's cache, of any of those dtypes. */
 static int attend(const GDims* d, const GLayer* L, const float* q, int64_t q_stride, const int32_t* bt,
                   int64_t bt_stride, const int32_t* seq_lens, const int64_t* tok_idx, float* out, int64_t o_stride,
                   int n, int nt) {
+    if (d->cache_fp8 == 1)
+        return paged_decode_f32_kfp8e4m3(q, q_stride, L->k_cache, L->v_cache, bt, bt_stride, seq_lens, tok_idx, out,
+                                         o_stride, n, d->heads, d->kv_heads, d->head_size, d->block_size, d->scale,
+                                         *L->k_scale, *L->v_scale, 0, nt);
+    if (d->cache_fp8 == 2)
+        return paged_decode_f32_kfp8e5m2(q, q_stride, L->k_cache, L->v_cache, bt, bt_stride, seq_lens, tok_idx, out,
+                                         o_stride, n, d->heads, d->kv_heads, d->head_size, d->block_size, d->scale,
+                                         *L->k_scale, *L->v_scale, 0, nt);
     if (d->cache_bf16)
         return paged_decode_f32_kbf16(q, q_stride, L->k_cache, L->v_cache, bt, bt_stride, seq_lens, tok_idx, out,
                                       o_stride, n, d->heads, d->kv_heads, d->head_size, d->block_size, d->scale, 0,

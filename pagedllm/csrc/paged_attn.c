@@ -10,7 +10,9 @@
  *   query rows: q + tok[d] * q_stride_t + head * head_size
  *   out rows:   out + tok[d] * o_stride_t + head * head_size
  * Element types: float32 ("f32") or bfloat16 stored as uint16 ("bf16"); math is float32 throughout,
- * bfloat16 results are rounded to nearest-even (as torch does).
+ * bfloat16 results are rounded to nearest-even (as torch does). Caches may also hold FP8 codes ("kfp8e4m3",
+ * "kfp8e5m2", fp8.h: exact values), with the layer's K scale folded into the query scale and its V scale applied
+ * to the output (the cache holds fp8(x / scale)).
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 
 #define MAX_HEAD 512
 #define MAX_HEADS 128 /* query heads; with MAX_HEAD bounds the per-thread stack arrays */
@@ -26,6 +29,8 @@
  * merged in order. Fixed, so a request's result does not depend on its batch or the thread count; a multiple
  * of TILE, so a part's tiles are the ones the whole range would have had. */
 #define PART 512
+/* ROWC of the caches read element by element (DEFINE_DECODE's STAGED = 0): never called. */
+static inline void no_rowc(const void* src, float* dst, int n) { (void)src, (void)dst, (void)n; }
 /* Keys a decode attends to: the last `window` of seq_len when a sliding window is set, else all. */
 static inline int32_t window_len(int32_t seq_len, int32_t window) {
     return window > 0 && seq_len > window ? window : seq_len;
@@ -39,16 +44,21 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
  * contiguously. Online softmax over tiles of TILE positions: scores for the tile, then one rescale of the
  * running sums. `out` set: the normalised result goes there (the whole range in one part); else the part's
  * running max, sum and unnormalised accumulator go to part_m / part_l / part_acc ([heads], [heads],
- * [heads][hd]) for `merge_parts`. */
-#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE, C, LOADC) /* queries / outputs of T, the cache of C */   \
+ * [heads][hd]) for `merge_parts`. The output is scaled by v_scale (1 except over an FP8 cache: exact then).
+ * STAGED (a constant): each cache row is converted to float once (ROWC(src, dst, n)) into rf, which the query
+ * heads then read (an FP8 code's conversion costs several instructions: once per element, not once per query
+ * head; rf aligned to 64 bytes, or the loads that straddle cache lines cost ~15 % of the kernel). */
+#define DEFINE_DECODE(SUFFIX, T, LOAD, STORE, C, LOADC, STAGED, ROWC) /* queries / outputs T, cache C */ \
     static void decode_part_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,  \
                                      const int32_t* bt_row, int32_t p_begin, int32_t seq_len, int64_t tok, \
                                      T* out, int64_t o_stride_t, int num_heads, int kvh, int hd, int bs,  \
-                                     float scale, float* part_m, float* part_l, float* part_acc) {        \
+                                     float scale, float v_scale, float* part_m, float* part_l,            \
+                                     float* part_acc) {                                                   \
         const int g = num_heads / kvh;                                                                    \
         float qf[num_heads][hd], acc[num_heads][hd]; /* small: heads x head_size */                      \
         float m[num_heads], l[num_heads], s[num_heads][TILE];                                             \
         const int64_t row = (int64_t)kvh * hd; /* elements per cache slot */                              \
+        float rf[STAGED ? row : 1] __attribute__((aligned(64))); /* a widened row (STAGED) */            \
         const T* qr = q + tok * q_stride_t;                                                               \
         for (int j = 0; j < num_heads; j++) {                                                             \
             for (int e = 0; e < hd; e++) qf[j][e] = LOAD(qr[(int64_t)j * hd + e]) * scale;                \
@@ -66,16 +76,28 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 kr[t] = k_cache + slot * row;                                                             \
                 vr[t] = v_cache + slot * row;                                                             \
             }                                                                                             \
-            for (int t = 0; t < n; t++) { /* scores: rows in order, every head of the row */              \
-                const C* krow = kr[t];                                                                    \
-                for (int j = 0; j < num_heads; j++) {                                                     \
-                    const C* kk = krow + (int64_t)(j / g) * hd;                                           \
-                    float dot = 0.f;                                                                      \
-                    _Pragma("omp simd reduction(+ : dot)") for (int e = 0; e < hd; e++) dot +=            \
-                        qf[j][e] * LOADC(kk[e]);                                                          \
-                    s[j][t] = dot;                                                                        \
+            if (STAGED) {                                                                                 \
+                for (int t = 0; t < n; t++) { /* scores: as below, the row widened once */                \
+                    ROWC(kr[t], rf, (int)row);                                                            \
+                    for (int j = 0; j < num_heads; j++) {                                                 \
+                        const float* kk = rf + (int64_t)(j / g) * hd;                                     \
+                        float dot = 0.f;                                                                  \
+                        _Pragma("omp simd reduction(+ : dot)") for (int e = 0; e < hd; e++) dot +=        \
+                            qf[j][e] * kk[e];                                                             \
+                        s[j][t] = dot;                                                                    \
+                    }                                                                                     \
                 }                                                                                         \
-            }                                                                                             \
+            } else                                                                                        \
+                for (int t = 0; t < n; t++) { /* scores: rows in order, every head of the row */          \
+                    const C* krow = kr[t];                                                                \
+                    for (int j = 0; j < num_heads; j++) {                                                 \
+                        const C* kk = krow + (int64_t)(j / g) * hd;                                       \
+                        float dot = 0.f;                                                                  \
+                        _Pragma("omp simd reduction(+ : dot)") for (int e = 0; e < hd; e++) dot +=        \
+                            qf[j][e] * LOADC(kk[e]);                                                      \
+                        s[j][t] = dot;                                                                    \
+                    }                                                                                     \
+                }                                                                                         \
             for (int j = 0; j < num_heads; j++) {                                                         \
                 float mx = m[j];                                                                          \
                 for (int t = 0; t < n; t++) mx = s[j][t] > mx ? s[j][t] : mx;                             \
@@ -89,14 +111,24 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 m[j] = mx;                                                                                \
                 _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] *= corr;                       \
             }                                                                                             \
-            for (int t = 0; t < n; t++) { /* values: rows in order again */                               \
-                const C* vrow = vr[t];                                                                    \
-                for (int j = 0; j < num_heads; j++) {                                                     \
-                    const C* vv = vrow + (int64_t)(j / g) * hd;                                           \
-                    const float pr = s[j][t];                                                             \
-                    _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] += pr * LOADC(vv[e]);      \
+            if (STAGED) {                                                                                 \
+                for (int t = 0; t < n; t++) { /* values: likewise */                                      \
+                    ROWC(vr[t], rf, (int)row);                                                            \
+                    for (int j = 0; j < num_heads; j++) {                                                 \
+                        const float* vv = rf + (int64_t)(j / g) * hd;                                     \
+                        const float pr = s[j][t];                                                         \
+                        _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] += pr * vv[e];         \
+                    }                                                                                     \
                 }                                                                                         \
-            }                                                                                             \
+            } else                                                                                        \
+                for (int t = 0; t < n; t++) { /* values: rows in order again */                           \
+                    const C* vrow = vr[t];                                                                \
+                    for (int j = 0; j < num_heads; j++) {                                                 \
+                        const C* vv = vrow + (int64_t)(j / g) * hd;                                       \
+                        const float pr = s[j][t];                                                         \
+                        _Pragma("omp simd") for (int e = 0; e < hd; e++) acc[j][e] += pr * LOADC(vv[e]);  \
+                    }                                                                                     \
+                }                                                                                         \
         }                                                                                                 \
         if (out == NULL) {                                                                                \
             for (int j = 0; j < num_heads; j++) {                                                         \
@@ -108,14 +140,14 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         }                                                                                                 \
         T* orow = out + tok * o_stride_t;                                                                 \
         for (int j = 0; j < num_heads; j++) {                                                             \
-            const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;                                              \
+            const float inv = (l[j] > 0.f ? 1.f / l[j] : 0.f) * v_scale;                                  \
             for (int e = 0; e < hd; e++) orow[(int64_t)j * hd + e] = STORE(acc[j][e] * inv);              \
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \
     /* A request's parts merged in order (the same order whatever the batch or the threads). */           \
     static void merge_parts_##SUFFIX(const float* pm, const float* pl, const float* pacc, int parts,       \
-                                     T* orow, int num_heads, int hd) {                                    \
+                                     T* orow, int num_heads, int hd, float v_scale) {                     \
         for (int j = 0; j < num_heads; j++) {                                                             \
             float mx = NEG_BIG;                                                                           \
             for (int c = 0; c < parts; c++) mx = pm[c * num_heads + j] > mx ? pm[c * num_heads + j] : mx; \
@@ -127,16 +159,16 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 l += pl[c * num_heads + j] * w;                                                           \
                 for (int e = 0; e < hd; e++) o[e] += a[e] * w;                                            \
             }                                                                                             \
-            const float inv = l > 0.f ? 1.f / l : 0.f;                                                    \
+            const float inv = (l > 0.f ? 1.f / l : 0.f) * v_scale;                                        \
             for (int e = 0; e < hd; e++) orow[(int64_t)j * hd + e] = STORE(o[e] * inv);                   \
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \
-    int paged_decode_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,         \
-                              const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,     \
-                              const int64_t* tok_idx, T* out, int64_t o_stride_t, int num_reqs,           \
-                              int num_heads, int kvh, int hd, int bs, float scale, int32_t window,        \
-                              int num_threads) {                                                          \
+    static int decode_##SUFFIX(const T* q, int64_t q_stride_t, const C* k_cache, const C* v_cache,        \
+                               const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens,    \
+                               const int64_t* tok_idx, T* out, int64_t o_stride_t, int num_reqs,          \
+                               int num_heads, int kvh, int hd, int bs, float scale, float v_scale,        \
+                               int32_t window, int num_threads) {                                         \
         if (hd > MAX_HEAD || num_heads % kvh != 0 || num_heads > MAX_HEADS) return -1;                    \
         if (num_reqs <= 0) return 0;                                                                      \
         /* Work items: each request's keys in parts of PART keys (one part up to PART keys). */          \
@@ -147,8 +179,8 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
             for (int d = 0; d < num_reqs; d++)                                                            \
                 decode_part_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride,        \
                                      seq_lens[d] - window_len(seq_lens[d], window), seq_lens[d],          \
-                                     tok_idx[d], out, o_stride_t, num_heads, kvh, hd, bs, scale, NULL,    \
-                                     NULL, NULL);                                                         \
+                                     tok_idx[d], out, o_stride_t, num_heads, kvh, hd, bs, scale, v_scale, \
+                                     NULL, NULL, NULL);                                                   \
             return 0;                                                                                     \
         }                                                                                                 \
         int64_t* first = malloc(((size_t)num_reqs + 1) * sizeof(int64_t)); /* request d: items first[d].. */ \
@@ -181,14 +213,14 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
                 const int whole = first[d + 1] - first[d] == 1;                                           \
                 decode_part_##SUFFIX(q, q_stride_t, k_cache, v_cache, block_table + d * bt_stride, p0, p1, \
                                      tok_idx[d], whole ? out : NULL, o_stride_t, num_heads, kvh, hd, bs,  \
-                                     scale, pm + it * num_heads, pl + it * num_heads,                     \
+                                     scale, v_scale, pm + it * num_heads, pl + it * num_heads,            \
                                      pacc + it * num_heads * hd);                                         \
             }                                                                                             \
             _Pragma("omp for schedule(static)") for (int d = 0; d < num_reqs; d++) {                      \
                 const int64_t c0 = first[d], nc = first[d + 1] - c0;                                      \
                 if (nc > 1)                                                                               \
                     merge_parts_##SUFFIX(pm + c0 * num_heads, pl + c0 * num_heads, pacc + c0 * num_heads * hd, \
-                                         (int)nc, out + tok_idx[d] * o_stride_t, num_heads, hd);          \
+                                         (int)nc, out + tok_idx[d] * o_stride_t, num_heads, hd, v_scale); \
             }                                                                                             \
         }                                                                                                 \
         free(parts);                                                                                      \
@@ -196,10 +228,44 @@ static inline int64_t num_parts(int32_t keys) { return keys > PART ? (keys + PAR
         return 0;                                                                                         \
     }                                                                                                     \
 
-DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32, float, LOAD_F32)
-DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32)
+/* The entry points: (q, q_stride_t, k_cache, v_cache, block_table, bt_stride, seq_lens, tok_idx, out,
+ * o_stride_t, num_reqs, num_heads, kvh, hd, bs, scale, window, num_threads); the FP8 caches' take the layer's
+ * k_scale and v_scale after `scale`. Returns 0, or -1 for an unsupported shape (or no memory). */
+#define DECODE_ARGS(T, C)                                                                                      \
+    const T *q, int64_t q_stride_t, const C *k_cache, const C *v_cache, const int32_t *block_table,           \
+        int64_t bt_stride, const int32_t *seq_lens, const int64_t *tok_idx, T *out, int64_t o_stride_t,        \
+        int num_reqs, int num_heads, int kvh, int hd, int bs
+#define DECODE_PASS                                                                                            \
+    q, q_stride_t, k_cache, v_cache, block_table, bt_stride, seq_lens, tok_idx, out, o_stride_t, num_reqs,    \
+        num_heads, kvh, hd, bs
+
+#define DEFINE_PAGED_DECODE(SUFFIX, T, C)                                                                      \
+    int paged_decode_##SUFFIX(DECODE_ARGS(T, C), float scale, int32_t window, int num_threads) {               \
+        return decode_##SUFFIX(DECODE_PASS, scale, 1.f, window, num_threads);                                  \
+    }
+/* (scale * k_scale: the K scale folded into the query, as q . (k * k_scale) * scale up to rounding) */
+#define DEFINE_PAGED_DECODE_FP8(SUFFIX, T)                                                                     \
+    int paged_decode_##SUFFIX(DECODE_ARGS(T, uint8_t), float scale, float k_scale, float v_scale,              \
+                              int32_t window, int num_threads) {                                               \
+        return decode_##SUFFIX(DECODE_PASS, scale * k_scale, v_scale, window, num_threads);                    \
+    }
+
+DEFINE_DECODE(f32, float, LOAD_F32, STORE_F32, float, LOAD_F32, 0, no_rowc)
+DEFINE_PAGED_DECODE(f32, float, float)
+DEFINE_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, uint16_t, bf16_to_f32, 0, no_rowc)
+DEFINE_PAGED_DECODE(bf16, uint16_t, uint16_t)
 /* float32 queries over a bfloat16 cache (`kv_cache_dtype="bfloat16"` under a float32 model) */
-DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32)
+DEFINE_DECODE(f32_kbf16, float, LOAD_F32, STORE_F32, uint16_t, bf16_to_f32, 0, no_rowc)
+DEFINE_PAGED_DECODE(f32_kbf16, float, uint16_t)
+/* FP8 caches (kv_cache_dtype="fp8" / "fp8_e5m2") under float32 or bfloat16 queries */
+DEFINE_DECODE(f32_kfp8e4m3, float, LOAD_F32, STORE_F32, uint8_t, LOAD_E4M3, 1, e4m3fn_row_to_f32)
+DEFINE_PAGED_DECODE_FP8(f32_kfp8e4m3, float)
+DEFINE_DECODE(f32_kfp8e5m2, float, LOAD_F32, STORE_F32, uint8_t, LOAD_E5M2, 1, e5m2_row_to_f32)
+DEFINE_PAGED_DECODE_FP8(f32_kfp8e5m2, float)
+DEFINE_DECODE(bf16_kfp8e4m3, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, LOAD_E4M3, 1, e4m3fn_row_to_f32)
+DEFINE_PAGED_DECODE_FP8(bf16_kfp8e4m3, uint16_t)
+DEFINE_DECODE(bf16_kfp8e5m2, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, LOAD_E5M2, 1, e5m2_row_to_f32)
+DEFINE_PAGED_DECODE_FP8(bf16_kfp8e5m2, uint16_t)
 
 /* Write each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) to its cache
  * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". */

@@ -110,6 +110,52 @@ def test_bf16_kv_cache_bit_identical_to_the_python_layers(smollm2_path: str) -> 
     assert ours == python_layers(llm)
 
 
+@pytest.mark.parametrize(("kv_dtype", "calculate"), [("fp8", True), ("fp8_e5m2", False)])
+def test_fp8_kv_cache_bit_identical_to_the_python_layers(
+    smollm2_path: str, kv_dtype: str, calculate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An FP8 KV cache (scales from the first batch, or 1.0): the stack quantizes into it and decodes from it with
+    the same C kernels as the Python layers' attention backend (which must take them, not its PyTorch decode)."""
+    from pagedllm.attention.ops import cpu_paged_attn
+
+    llm = LLM(
+        smollm2_path,
+        dtype="float32",
+        kv_cache_dtype=kv_dtype,
+        calculate_kv_scales=calculate,
+        max_model_len=512,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_batched_tokens=16,
+    )
+    stack = inner_model(llm).decode_stack
+    assert isinstance(stack, DecodeStack)
+    ran = 0
+    real = stack.run
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        nonlocal ran
+        out = real(*args)
+        ran += out is not None
+        return out
+
+    stack.run = run  # type: ignore[method-assign]
+    ours = generate(llm)
+    assert ran >= 20 and stack.dims.cache_fp8 == {"fp8": 1, "fp8_e5m2": 2}[kv_dtype]
+    scales = {float(layer.self_attn.attn.k_scale) for layer in inner_model(llm).layers}
+    assert (scales == {1.0}) != calculate
+    c_decodes = 0
+    decode = cpu_paged_attn.paged_decode
+
+    def counted_decode(*args: object, **kw: object) -> None:
+        nonlocal c_decodes
+        c_decodes += 1
+        decode(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_paged_attn, "paged_decode", counted_decode)
+    assert ours == python_layers(llm)
+    assert c_decodes > 0
+
+
 def test_rebuilds_after_a_cache_or_weight_change_and_declines_hooks(llm: LLM, counted: dict[str, int]) -> None:
     ref = python_layers(llm)
     stack = inner_model(llm).decode_stack

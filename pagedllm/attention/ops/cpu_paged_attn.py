@@ -2,6 +2,10 @@
 
 `available()` is False where the kernels cannot be built (no C compiler, `PAGEDLLM_CPU_KERNELS=0`); the
 backend then keeps its pure-PyTorch path.
+
+FP8 caches (`kv_cache_dtype="fp8"` / `"fp8_e5m2"`, attention/kv_quant.py) are read and written in place too:
+`paged_decode` and `reshape_and_cache` then take the layer's `kv_scales` (float32 [1] tensors), with the same
+semantics as kv_quant.quantize / dequantize (`supports_fp8` says whether the kernels take such a layer).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ _SUFFIX = {
     (torch.float32, torch.float32): "f32",
     (torch.bfloat16, torch.bfloat16): "bf16",
     (torch.float32, torch.bfloat16): "f32_kbf16",
+}
+# (query or new K/V dtype, FP8 cache dtype) -> suffix; these kernels take the K and V scales as well.
+_FP8_SUFFIX = {
+    (torch.float32, torch.float8_e4m3fn): "f32_kfp8e4m3",
+    (torch.float32, torch.float8_e5m2): "f32_kfp8e5m2",
+    (torch.bfloat16, torch.float8_e4m3fn): "bf16_kfp8e4m3",
+    (torch.bfloat16, torch.float8_e5m2): "bf16_kfp8e5m2",
 }
 _i64, _i32, _f32, _p, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _lib: ctypes.CDLL | None = None
@@ -39,12 +50,43 @@ def available() -> bool:
                 [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _i32, _int],
             )
             csrc.declare(lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64])
+        for sfx in _FP8_SUFFIX.values():  # (scale, k_scale, v_scale, window, threads); writes take the scales
+            csrc.declare(
+                lib,
+                f"paged_decode_{sfx}",
+                _int,
+                [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _f32, _f32, _i32]
+                + [_int],
+            )
+            csrc.declare(
+                lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f32, _f32]
+            )
         _lib = lib
     return True
 
 
+def _shape_ok(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    return num_heads % num_kv_heads == 0 and num_heads <= 128 and head_size <= 512
+
+
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    return dtype in _DTYPES and num_heads % num_kv_heads == 0 and num_heads <= 128 and head_size <= 512 and available()
+    return dtype in _DTYPES and _shape_ok(num_heads, num_kv_heads, head_size) and available()
+
+
+def supports_fp8(cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the kernels read and write an FP8 cache of `cache_dtype` for this layer shape."""
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return fp8 and _shape_ok(num_heads, num_kv_heads, head_size) and available()
+
+
+def _suffix(act: torch.dtype, cache: torch.dtype) -> str | None:
+    return _SUFFIX.get((act, cache)) or _FP8_SUFFIX.get((act, cache))
+
+
+def _scales(kv_scales: tuple[torch.Tensor, torch.Tensor] | None, what: str) -> tuple[float, float]:
+    if kv_scales is None:
+        raise ValueError(f"{what}: an FP8 KV cache needs the layer's kv_scales (k_scale, v_scale)")
+    return float(kv_scales[0]), float(kv_scales[1])
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -54,23 +96,36 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 def can_decode(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_decode` takes these tensors as they are (else the caller uses its PyTorch path)."""
-    return _rows_ok(query) and _rows_ok(out) and query.dtype == out.dtype and (query.dtype, k_cache.dtype) in _SUFFIX
+    return (
+        _rows_ok(query)
+        and _rows_ok(out)
+        and query.dtype == out.dtype
+        and _suffix(query.dtype, k_cache.dtype) is not None
+    )
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """k_cache/v_cache: [num_blocks, block_size, kvh, hd] contiguous; key/value: [T, kvh, hd]."""
+    """k_cache/v_cache: [num_blocks, block_size, kvh, hd] contiguous; key/value: [T, kvh, hd]. An FP8 cache
+    stores kv_quant.quantize(x, scale) with the layer's `kv_scales`, to the bit."""
     assert _lib is not None
     if not _rows_ok(key):
         key = key.contiguous()
     if not _rows_ok(value):
         value = value.contiguous()
-    if (key.dtype, k_cache.dtype) not in _SUFFIX:
-        key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if _suffix(key.dtype, k_cache.dtype) is None:  # (an FP8 cache quantizes from float32, as kv_quant does)
+        to = torch.float32 if fp8 else k_cache.dtype
+        key, value = key.to(to), value.to(to)
     slots = slots.to(torch.int64)
-    fn = getattr(_lib, f"reshape_and_cache_{_SUFFIX[(key.dtype, k_cache.dtype)]}")
-    fn(
+    fn = getattr(_lib, f"reshape_and_cache_{_suffix(key.dtype, k_cache.dtype)}")
+    args = [
         key.data_ptr(),
         key.stride(0),
         value.data_ptr(),
@@ -80,7 +135,8 @@ def reshape_and_cache(
         slots.data_ptr(),
         slots.numel(),
         key.shape[1] * key.shape[2],
-    )
+    ]
+    fn(*args, *(_scales(kv_scales, "reshape_and_cache") if fp8 else ()))
 
 
 def paged_decode(
@@ -93,9 +149,12 @@ def paged_decode(
     out: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One query token per request: out[token_idx[d]] = attention of query[token_idx[d]] over the first
-    seq_lens[d] cached positions of request d (block_table row d). query/out: [T, num_heads, hd]."""
+    seq_lens[d] cached positions of request d (block_table row d). query/out: [T, num_heads, hd]. An FP8
+    cache is read as cache * scale with the layer's `kv_scales` (K's folded into `scale`, V's applied to the
+    output)."""
     assert _lib is not None
     assert can_decode(query, out, k_cache)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.stride(1) == 1
@@ -104,7 +163,9 @@ def paged_decode(
     token_idx = token_idx.to(torch.int64).contiguous()
     num_heads, hd = query.shape[1], query.shape[2]
     _, bs, kvh, _ = k_cache.shape
-    fn = getattr(_lib, f"paged_decode_{_SUFFIX[(query.dtype, k_cache.dtype)]}")
+    sfx = _suffix(query.dtype, k_cache.dtype)
+    fn = getattr(_lib, f"paged_decode_{sfx}")
+    fp8_scales = _scales(kv_scales, "paged_decode") if sfx in _FP8_SUFFIX.values() else ()
     rc = fn(
         query.data_ptr(),
         query.stride(0),
@@ -122,6 +183,7 @@ def paged_decode(
         hd,
         bs,
         scale,
+        *fp8_scales,
         sliding_window or 0,
         torch.get_num_threads(),
     )

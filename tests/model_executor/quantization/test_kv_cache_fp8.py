@@ -7,6 +7,9 @@ token capacity at the same memory doubles (bf16) / quadruples (float32).
 A bfloat16 cache under the float32 model (`kv_cache_dtype="bfloat16"`, CPU) is checked the same way, its
 reference rounding K/V to bfloat16 (scale 1.0), with the decode stack of a packed GGUF on that cache too.
 
+Decodes over an FP8 cache take the C kernel (`cpu_paged_attn.paged_decode`, checked), which reads the codes
+in place.
+
 Logprobs of the shared tokens agree within 0.05, not 1e-3: e4m3 keeps 3 mantissa bits, so float32
 accumulation-order noise that moves a K/V element across a rounding boundary changes it by one FP8 step
 (the argument of test_quant_checkpoints.py); the greedy tokens are held to the float32 policy."""
@@ -112,6 +115,24 @@ def _check(llm: LLM, ref_model: Any, prompts: list[list[int]]) -> None:
         assert worst < LOGPROB_TOL, f"logprob difference {worst:.3g}"
 
 
+def _count_fp8_c_decodes(monkeypatch: Any) -> list[int]:
+    """Records each C decode over an FP8 cache (`cpu_paged_attn.paged_decode` with the layer's scales): the
+    decodes must take the kernel, not the backend's PyTorch gather-and-matmul."""
+    from pagedllm.attention.ops import cpu_paged_attn
+
+    calls: list[int] = []
+    original = cpu_paged_attn.paged_decode
+
+    def paged_decode(*args: Any, **kw: Any) -> None:
+        if args[1].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert args[9] is not None, "an FP8 decode without the layer's scales"
+            calls.append(int(args[5].numel()))
+        original(*args, **kw)
+
+    monkeypatch.setattr(cpu_paged_attn, "paged_decode", paged_decode)
+    return calls
+
+
 def _layer_scales(llm: LLM) -> dict[int, tuple[float, float]]:
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     out = {}
@@ -137,7 +158,9 @@ def test_fp8_kv_with_checkpoint_scales(kv_dtype: str, prompts: list[list[int]], 
     got = _layer_scales(llm)
     for i, (ks, vs) in scales.items():
         assert got[i] == pytest.approx((ks, vs), rel=1e-6)
+    c_decodes = _count_fp8_c_decodes(monkeypatch)
     _check(llm, model, prompts)
+    assert c_decodes, "the FP8 cache's decodes did not take the C kernel"
 
 
 def test_fp8_kv_default_scales(prompts: list[list[int]], tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -146,7 +169,9 @@ def test_fp8_kv_default_scales(prompts: list[list[int]], tmp_path, monkeypatch) 
     ref.scales = {i: (1.0, 1.0) for i in range(model.config.num_hidden_layers)}
     llm = _engine(str(tmp_path), kv_cache_dtype="fp8_e5m2")
     assert set(_layer_scales(llm).values()) == {(1.0, 1.0)}
+    c_decodes = _count_fp8_c_decodes(monkeypatch)
     _check(llm, model, prompts)
+    assert c_decodes
 
 
 def test_calculate_kv_scales(prompts: list[list[int]], tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -162,7 +187,9 @@ def test_calculate_kv_scales(prompts: list[list[int]], tmp_path, monkeypatch) ->
     for i, (ks, vs) in expected.items():
         assert got[i] == pytest.approx((ks, vs), rel=1e-5 if i == 0 else 2e-2)
     ref.scales = got
+    c_decodes = _count_fp8_c_decodes(monkeypatch)
     _check(llm, model, prompts)
+    assert c_decodes
 
 
 @pytest.mark.parametrize(("dtype", "ratio"), [("bfloat16", 2), ("float32", 4)])

@@ -8,9 +8,9 @@ the whole interface: `LlamaModel.forward` calls it and falls back to its layers 
 
 Taken: plain Llama layers (`LlamaDecoderLayer` / `LlamaAttention` / `LlamaMLP` exactly, so Qwen2's biases,
 Qwen3's q/k norm and the other subclasses keep their Python path), float32 activations, every linear
-GGUF-packed without bias, full attention on a contiguous float32 cache through the C kernels, no forward
-hooks (LoRA adds its deltas through hooks), no tensor or pipeline parallelism, not batch-invariant mode.
-`PAGEDLLM_CPU_DECODE_STACK=0` turns it off.
+GGUF-packed without bias, full attention on a contiguous float32, bfloat16 or FP8 cache (float32 [1] scales)
+through the C kernels, no forward hooks (LoRA adds its deltas through hooks), no tensor or pipeline parallelism,
+not batch-invariant mode. `PAGEDLLM_CPU_DECODE_STACK=0` turns it off.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pagedllm.model_executor.layers.quantization.gguf import GGUFLinearMethod
 from pagedllm.model_executor.layers.quantization.gguf_blocks import MAX_PARTS, GGUFWeight
 
 _LINEARS = ("qkv", "o", "gate_up", "down")  # GLayer's fields, in the layer's order
+_CACHE_FP8 = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # GDims.cache_fp8
 
 
 class GLinear(ctypes.Structure):
@@ -48,6 +49,8 @@ class GLayer(ctypes.Structure):
         ("down", GLinear),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),  # an FP8 cache's scales (float32 [1], read by the C code at every step)
+        ("v_scale", ctypes.c_void_p),
     ]
 
 
@@ -58,6 +61,7 @@ class GDims(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("cos_sin", ctypes.c_void_p),
         ("cache_bf16", ctypes.c_int32),
+        ("cache_fp8", ctypes.c_int32),  # 1: float8_e4m3fn, 2: float8_e5m2, 0: neither
     ]
 
 
@@ -161,6 +165,7 @@ class DecodeStack:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.attn.kv_cache]
+            held += attn.attn.impl.kv_scales or (None, None)  # (an FP8 cache's scales, pointed at)
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 held.append(m.quant_method)
                 held += [p.data for p in getattr(m.quant_method, "parts", ())]  # the bytes the table points at
@@ -173,9 +178,14 @@ class DecodeStack:
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             kv = attn.attn.kv_cache
+            scales = attn.attn.impl.kv_scales if kv is not None and kv.dtype in _CACHE_FP8 else None
+            if scales is not None and not all(
+                t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1 for t in scales
+            ):
+                return False
             if (
                 kv is None
-                or kv.dtype not in (torch.float32, torch.bfloat16)
+                or (kv.dtype not in (torch.float32, torch.bfloat16) and scales is None)
                 or kv.device.type != "cpu"
                 or not kv[0].is_contiguous()
                 or not kv[1].is_contiguous()
@@ -196,6 +206,9 @@ class DecodeStack:
             g.k_cache, g.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
             self.dims.block_size = kv.shape[2]
             self.dims.cache_bf16 = int(kv.dtype == torch.bfloat16)
+            self.dims.cache_fp8 = _CACHE_FP8.get(kv.dtype, 0)
+            if scales is not None:
+                g.k_scale, g.v_scale = scales[0].data_ptr(), scales[1].data_ptr()
         self.dims.cos_sin = self.layers[0].self_attn.rotary_emb.cos_sin_cache.data_ptr()
         self._table, self._held = table, held
         return True
