@@ -55,8 +55,28 @@ def available() -> bool:
                 lib,
                 f"paged_decode_{sfx}",
                 _int,
-                [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _f32, _f32, _i32]
-                + [_int],
+                [
+                    _p,
+                    _i64,
+                    _p,
+                    _p,
+                    _p,
+                    _i64,
+                    _p,
+                    _p,
+                    _p,
+                    _i64,
+                    _int,
+                    _int,
+                    _int,
+                    _int,
+                    _int,
+                    _f32,
+                    _f32,
+                    _f32,
+                    _i32,
+                    _int,
+                ],
             )
             csrc.declare(
                 lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f32, _f32]
