@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from pagedllm.attention import kv_quant
-from pagedllm.attention.backends.abstract import AttentionType
-from pagedllm.attention.backends.torch_native import TorchNativeAttentionImpl, TorchNativeMetadata
 from pagedllm.attention.ops import cpu_paged_attn
-from tests.csrc.test_cpu_kernels import _reference_decode
+from tests.csrc.test_cpu_kernels import _reference_decode, _torch_path_decode
 
 pytestmark = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -60,19 +58,8 @@ def test_fp8_decode_matches_reference(
     assert bool((out[untouched] == 7.0).all()), "rows of other tokens must not be written"
 
     # The backend's PyTorch path (its fallback) agrees too.
-    impl = TorchNativeAttentionImpl(num_heads, hd, scale, kvh, window, AttentionType.DECODER)
-    impl.kv_scales = kv_scales
-    md = TorchNativeMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_actual_tokens=0,
-        causal=True,
-        decode_token_idx=tok_idx,
-        decode_block_table=bt,
-        decode_seq_lens=seq_lens,
-        prefills=[],
-        spans=[],
-    )
-    torch_out = impl._decode(query[tok_idx], k_cache, v_cache, md)
+    shape = (num_heads, hd, scale, kvh, window)
+    torch_out = _torch_path_decode(query, tok_idx, k_cache, v_cache, bt, seq_lens, shape, kv_scales)
     torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
 
 

@@ -17,6 +17,35 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 needs_kernels = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 
 
+def _torch_path_decode(
+    query: torch.Tensor,
+    tok_idx: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    bt: torch.Tensor,
+    seq_lens: torch.Tensor,
+    shape: tuple[int, int, float, int, int | None],
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The attention backend's PyTorch decode (its path without the C kernels) of the rows `tok_idx`;
+    `shape`: (num_heads, head_size, scale, num_kv_heads, sliding window)."""
+    num_heads, hd, scale, kvh, window = shape
+    impl = TorchNativeAttentionImpl(num_heads, hd, scale, kvh, window, AttentionType.DECODER)
+    if kv_scales is not None:
+        impl.kv_scales = kv_scales
+    md = TorchNativeMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_actual_tokens=0,
+        causal=True,
+        decode_token_idx=tok_idx,
+        decode_block_table=bt,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+        spans=[],
+    )
+    return impl._decode(query[tok_idx], k_cache, v_cache, md)
+
+
 def _reference_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -82,18 +111,7 @@ def test_paged_decode_matches_reference(
     assert bool((out[untouched] == 7.0).all()), "rows of other tokens must not be written"
 
     # The backend's PyTorch path (used without the kernels) agrees too.
-    impl = TorchNativeAttentionImpl(num_heads, hd, scale, kvh, window, AttentionType.DECODER)
-    md = TorchNativeMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_actual_tokens=0,
-        causal=True,
-        decode_token_idx=tok_idx,
-        decode_block_table=bt,
-        decode_seq_lens=seq_lens,
-        prefills=[],
-        spans=[],
-    )
-    torch_out = impl._decode(query[tok_idx], k_cache, v_cache, md)
+    torch_out = _torch_path_decode(query, tok_idx, k_cache, v_cache, bt, seq_lens, (num_heads, hd, scale, kvh, window))
     torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
 
 

@@ -56,6 +56,22 @@ def counted(llm: LLM) -> Iterator[dict[str, int]]:
         del stack.run
 
 
+def stack_runs(llm: LLM) -> tuple[DecodeStack, list[int]]:
+    """The model's decode stack, its `run` wrapped to count the steps it ran (list[0]) rather than declined."""
+    stack = inner_model(llm).decode_stack
+    assert isinstance(stack, DecodeStack)
+    ran = [0]
+    real = stack.run
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out = real(*args)
+        ran[0] += out is not None
+        return out
+
+    stack.run = run  # type: ignore[method-assign]
+    return stack, ran
+
+
 def generate(llm: LLM, n: int = 24) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
     llm.reset_prefix_cache()  # every run prefills the same way (a cached prefix takes another attention path)
@@ -93,20 +109,9 @@ def test_bf16_kv_cache_bit_identical_to_the_python_layers(smollm2_path: str) -> 
         kv_cache_memory_bytes=32 << 20,
         max_num_batched_tokens=16,
     )
-    stack = inner_model(llm).decode_stack
-    assert isinstance(stack, DecodeStack)
-    ran = 0
-    real = stack.run
-
-    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        nonlocal ran
-        out = real(*args)
-        ran += out is not None
-        return out
-
-    stack.run = run  # type: ignore[method-assign]
+    stack, ran = stack_runs(llm)
     ours = generate(llm)
-    assert ran >= 20 and stack.dims.cache_bf16 == 1
+    assert ran[0] >= 20 and stack.dims.cache_bf16 == 1
     assert ours == python_layers(llm)
 
 
@@ -127,20 +132,9 @@ def test_fp8_kv_cache_bit_identical_to_the_python_layers(
         kv_cache_memory_bytes=32 << 20,
         max_num_batched_tokens=16,
     )
-    stack = inner_model(llm).decode_stack
-    assert isinstance(stack, DecodeStack)
-    ran = 0
-    real = stack.run
-
-    def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        nonlocal ran
-        out = real(*args)
-        ran += out is not None
-        return out
-
-    stack.run = run  # type: ignore[method-assign]
+    stack, ran = stack_runs(llm)
     ours = generate(llm)
-    assert ran >= 20 and stack.dims.cache_fp8 == {"fp8": 1, "fp8_e5m2": 2}[kv_dtype]
+    assert ran[0] >= 20 and stack.dims.cache_fp8 == {"fp8": 1, "fp8_e5m2": 2}[kv_dtype]
     scales = {float(layer.self_attn.attn.k_scale) for layer in inner_model(llm).layers}
     assert (scales == {1.0}) != calculate
     c_decodes = 0
