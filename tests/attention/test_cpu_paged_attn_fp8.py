@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.attention import kv_quant
 from pagedllm.attention.ops import cpu_paged_attn
-from tests.csrc.test_cpu_kernels import _reference_decode, _torch_path_decode
+from tests.csrc.test_cpu_kernels import DECODE_SHAPES, _reference_decode, _torch_path_decode
 
 pytestmark = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -22,10 +22,7 @@ def _scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "num_heads,kvh,hd,bs,window",
-    [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None), (8, 2, 64, 16, 700)],
-)
+@pytest.mark.parametrize("num_heads,kvh,hd,bs,window", DECODE_SHAPES)
 def test_fp8_decode_matches_reference(
     cache_dtype: torch.dtype, dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
 ) -> None:

@@ -17,6 +17,17 @@ from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 needs_kernels = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 
 
+# (q heads, kv heads, head size, block size, sliding window) of the decode kernel tests: GQA groups of 1-12, a head
+# size that is no power of two, windows shorter and longer than the kernel's 512-key parts.
+DECODE_SHAPES = [
+    (9, 3, 64, 16, None),
+    (4, 4, 80, 8, None),
+    (8, 2, 128, 16, 20),
+    (12, 1, 32, 32, None),
+    (8, 2, 64, 16, 700),
+]
+
+
 def _torch_path_decode(
     query: torch.Tensor,
     tok_idx: torch.Tensor,
@@ -78,10 +89,7 @@ def _reference_decode(
     "dtype,cache_dtype",
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
 )
-@pytest.mark.parametrize(
-    "num_heads,kvh,hd,bs,window",
-    [(9, 3, 64, 16, None), (4, 4, 80, 8, None), (8, 2, 128, 16, 20), (12, 1, 32, 32, None), (8, 2, 64, 16, 700)],
-)
+@pytest.mark.parametrize("num_heads,kvh,hd,bs,window", DECODE_SHAPES)
 def test_paged_decode_matches_reference(
     dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, kvh: int, hd: int, bs: int, window: int | None
 ) -> None:
