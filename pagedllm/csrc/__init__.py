@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from pagedllm import envs
@@ -114,7 +115,7 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def declare(lib: ctypes.CDLL, name: str, restype: object, argtypes: list[object]) -> None:
+def declare(lib: ctypes.CDLL, name: str, restype: object, argtypes: Sequence[object]) -> None:
     fn = getattr(lib, name)
     fn.restype = restype
-    fn.argtypes = argtypes
+    fn.argtypes = list(argtypes)

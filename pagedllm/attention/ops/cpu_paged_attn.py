@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from pagedllm import csrc
+from pagedllm.attention import kv_quant
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # (query or new K/V dtype, cache dtype) -> the kernels' suffix; a bfloat16 cache under float32 activations
@@ -33,6 +34,9 @@ _FP8_SUFFIX = {
 }
 _i64, _i32, _f32, _p, _int = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _lib: ctypes.CDLL | None = None
+# (..., scale, window, threads) and (..., slots, num_tokens, row): an FP8 kernel's arguments add its K and V scales
+_DECODE_ARGS = [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64] + [_int] * 5 + [_f32, _i32, _int]
+_WRITE_ARGS = [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]
 
 
 def available() -> bool:
@@ -43,44 +47,11 @@ def available() -> bool:
         if lib is None:
             return False
         for sfx in _SUFFIX.values():
-            csrc.declare(
-                lib,
-                f"paged_decode_{sfx}",
-                _int,
-                [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _int, _int, _int, _int, _int, _f32, _i32, _int],
-            )
-            csrc.declare(lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64])
-        for sfx in _FP8_SUFFIX.values():  # (scale, k_scale, v_scale, window, threads); writes take the scales
-            csrc.declare(
-                lib,
-                f"paged_decode_{sfx}",
-                _int,
-                [
-                    _p,
-                    _i64,
-                    _p,
-                    _p,
-                    _p,
-                    _i64,
-                    _p,
-                    _p,
-                    _p,
-                    _i64,
-                    _int,
-                    _int,
-                    _int,
-                    _int,
-                    _int,
-                    _f32,
-                    _f32,
-                    _f32,
-                    _i32,
-                    _int,
-                ],
-            )
-            csrc.declare(
-                lib, f"reshape_and_cache_{sfx}", None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f32, _f32]
-            )
+            csrc.declare(lib, f"paged_decode_{sfx}", _int, _DECODE_ARGS)
+            csrc.declare(lib, f"reshape_and_cache_{sfx}", None, _WRITE_ARGS)
+        for sfx in _FP8_SUFFIX.values():  # the same, plus the K and V scales (after `scale`, after `row`)
+            csrc.declare(lib, f"paged_decode_{sfx}", _int, _DECODE_ARGS[:-2] + [_f32, _f32] + _DECODE_ARGS[-2:])
+            csrc.declare(lib, f"reshape_and_cache_{sfx}", None, _WRITE_ARGS + [_f32, _f32])
         _lib = lib
     return True
 
@@ -95,8 +66,7 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: i
 
 def supports_fp8(cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the kernels read and write an FP8 cache of `cache_dtype` for this layer shape."""
-    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return fp8 and _shape_ok(num_heads, num_kv_heads, head_size) and available()
+    return kv_quant.is_fp8(cache_dtype) and _shape_ok(num_heads, num_kv_heads, head_size) and available()
 
 
 def _suffix(act: torch.dtype, cache: torch.dtype) -> str | None:
@@ -139,7 +109,7 @@ def reshape_and_cache(
         key = key.contiguous()
     if not _rows_ok(value):
         value = value.contiguous()
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = kv_quant.is_fp8(k_cache.dtype)
     if _suffix(key.dtype, k_cache.dtype) is None:  # (an FP8 cache quantizes from float32, as kv_quant does)
         to = torch.float32 if fp8 else k_cache.dtype
         key, value = key.to(to), value.to(to)
@@ -185,7 +155,7 @@ def paged_decode(
     _, bs, kvh, _ = k_cache.shape
     sfx = _suffix(query.dtype, k_cache.dtype)
     fn = getattr(_lib, f"paged_decode_{sfx}")
-    fp8_scales = _scales(kv_scales, "paged_decode") if sfx in _FP8_SUFFIX.values() else ()
+    fp8_scales = _scales(kv_scales, "paged_decode") if kv_quant.is_fp8(k_cache.dtype) else ()
     rc = fn(
         query.data_ptr(),
         query.stride(0),
