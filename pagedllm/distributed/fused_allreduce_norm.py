@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -48,6 +48,26 @@ MAX_PROGRAMS = 128
 AllReduceNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor] | None"]
 """(partial x, residual, norm weight, eps) -> (norm(sum x + residual), sum x + residual), or None where the
 fused kernel does not apply (the caller then all-reduces and normalizes as usual)."""
+
+
+class PartialSender(Protocol):
+    """What a row-parallel layer with deferred reduction calls for its matmul (`RowParallelLinear.partial_sender`)."""
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial sum x @ W^T, already on its way to the peers; None where not taken (decided from
+        shapes only, so that every rank agrees): the layer then computes it and the next norm reduces."""
+        ...
+
+
+class PartialPath(PartialSender, Protocol):
+    """One way of sending partial sums early (batch-1 decode, large prefill steps); the norm after the
+    layer then only adds what the peers sent."""
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum of the ranks' partials + residual), that sum + residual) for the x the last `matmul` gave."""
+        ...
 
 
 if HAS_TRITON:
@@ -148,6 +168,20 @@ class FusedAllReduceNorm:
         dist.barrier(group=group)  # no peer signals before every rank's flags are zero
         self.block = next_pow2(hidden)
         self.num_warps = 4 if self.block <= 1024 else 8 if self.block <= 4096 else 16
+        self.paths: list[PartialPath] = []
+        """Ways of sending partial sums from the matmul (tried in order); the rows of a path's matmul are
+        reduced by that path at the next norm."""
+        self._pending: PartialPath | None = None
+
+    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """`PartialSender.matmul`: the first path that takes x."""
+        assert self._pending is None, "a partial sum was sent and not reduced"
+        for path in self.paths:
+            out = path.matmul(layer, x)
+            if out is not None:
+                self._pending = path
+                return out
+        return None
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Decided from shapes and dtypes only, so that every rank takes the same path."""
@@ -162,6 +196,9 @@ class FusedAllReduceNorm:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        pending, self._pending = self._pending, None
+        if pending is not None:  # the peers' partials were sent by the matmul
+            return pending.add_norm(x, residual, weight, eps)
         if not self.fits(x, residual) or weight.dtype != self.dtype:
             return None
         x2 = x.reshape(-1, self.hidden)
@@ -259,5 +296,5 @@ def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device
     fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
     if fused is None:
         return False
-    defer(fused)
+    defer(fused, fused)
     return True

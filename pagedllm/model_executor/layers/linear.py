@@ -11,7 +11,7 @@ How the weights are stored and multiplied is delegated to a per-layer `quant_met
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu, triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.quantization.base import linear_method_for
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.fused_allreduce_norm import PartialSender
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -358,7 +361,11 @@ class RowParallelLinear(LinearBase):
     """Y = X A with A split by input rows: rank r holds columns [r*n/tp, (r+1)*n/tp) of the HF weight.
 
     The partial products are all-reduced; the (unsharded) bias is added once, after the reduction.
+    With `reduce_results` off (`LlamaModel.defer_tp_reductions`) the output stays a partial sum, and a
+    `partial_sender` may compute it while sending it to the peers (`distributed/fused_allreduce_norm.py`).
     """
+
+    partial_sender: PartialSender | None = None
 
     def __init__(
         self,
@@ -389,6 +396,10 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
+        if not self.reduce_results and self.partial_sender is not None:
+            sent = self.partial_sender.matmul(self, x)
+            if sent is not None:  # the partial sum already on its way to the peers; the next norm reduces it
+                return sent
         out = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)

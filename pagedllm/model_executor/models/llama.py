@@ -36,7 +36,7 @@ from pagedllm.model_executor.model_loader.weight_utils import default_weight_loa
 from pagedllm.transformers_utils.config import get_rope_params, get_sliding_window
 
 if TYPE_CHECKING:
-    from pagedllm.distributed.fused_allreduce_norm import AllReduceNorm
+    from pagedllm.distributed.fused_allreduce_norm import AllReduceNorm, PartialSender
 
 logger = logging.getLogger(__name__)
 
@@ -291,14 +291,17 @@ class LlamaModel(nn.Module):
             for layer in layers
         )
 
-    def defer_tp_reductions(self, reduce: AllReduceNorm) -> None:
+    def defer_tp_reductions(self, reduce: AllReduceNorm, sender: PartialSender | None = None) -> None:
         """Tensor parallelism: o_proj and down_proj leave their partial sums un-reduced, and the RMSNorm that
         follows each (the next layer's input norm, or the final norm) all-reduces them with its residual add
-        (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial sum; its residual is whole."""
+        (`distributed/fused_allreduce_norm.py`). A layer's output is then a partial sum; its residual is whole.
+        With `sender`, o_proj and down_proj may send their partial sums to the peers as they compute them."""
         layers: list[Any] = self.stage_layers
         for layer in layers:
             layer.self_attn.o_proj.reduce_results = False
             layer.mlp.down_proj.reduce_results = False
+            layer.self_attn.o_proj.partial_sender = sender
+            layer.mlp.down_proj.partial_sender = sender
             layer.input_layernorm.tp_reduce = reduce  # (only given a residual: never the embedding's output)
             layer.post_attention_layernorm.tp_reduce = reduce
         if self.is_last_stage:
