@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ONE_PASS_SAMPLING: bool
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
+    PAGEDLLM_TP_PUSH: bool
     PAGEDLLM_FUSED_ROPE_CACHE: bool
     PAGEDLLM_ATTN_LONGEST_FIRST: bool
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
@@ -157,6 +158,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FP32_LOGITS": _flag("PAGEDLLM_FP32_LOGITS"),
     # The batch-1 row GEMV for 16-bit linear layers on CUDA (model_executor/layers/triton_gemv.py).
     "PAGEDLLM_ROW_GEMV": _flag("PAGEDLLM_ROW_GEMV"),
+    # With the fused tp=2 all-reduce: batch-1 row GEMVs push their partial sums into the peer's buffer as they
+    # write them, and the norm after polls its own (distributed/push_allreduce.py); 0: the fused kernel pulls.
+    "PAGEDLLM_TP_PUSH": _flag("PAGEDLLM_TP_PUSH"),
     # RoPE fused with the KV-cache write in the Triton attention backend.
     "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
     # Decode attention launches run the longest requests first (triton_paged_attn.wants_request_order).

@@ -296,5 +296,10 @@ def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device
     fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
     if fused is None:
         return False
+    from pagedllm.distributed import push_allreduce
+
+    push = push_allreduce.try_create(group, rank, world, device, dtype, hidden)
+    if push is not None:
+        fused.paths.append(push)
     defer(fused, fused)
     return True

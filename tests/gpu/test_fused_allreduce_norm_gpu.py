@@ -91,3 +91,89 @@ def test_fused_matches_nccl_then_norm(dtype_name: str) -> None:
     for p in procs:
         p.join(60)
     assert results == {0: [], 1: []}
+
+
+def _push_worker(rank: int, port: int, q: Any) -> None:
+    """The batch-1 push path (`distributed/push_allreduce.py`) through `FusedAllReduceNorm.matmul` and the norm
+    call after it, interleaved with the pull kernel's batches, eagerly and in a replayed CUDA graph."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from pagedllm.distributed import fused_allreduce_norm, push_allreduce
+    from pagedllm.model_executor.layers import triton_ops
+    from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    dtype = torch.bfloat16
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    fused = fused_allreduce_norm.try_create(group, rank, 2, dev, dtype, HIDDEN, 64)
+    push = push_allreduce.try_create(group, rank, 2, dev, dtype, HIDDEN)
+    failures: list[str] = [] if fused is not None and push is not None else ["unavailable"]
+    if fused is not None and push is not None:
+        fused.paths.append(push)
+        gen = torch.Generator(device=dev).manual_seed(7)
+        weight = (torch.rand(HIDDEN, generator=gen, device=dev) + 0.5).to(dtype)
+        layer: Any = nn.Module()
+        layer.quant_method = UnquantizedLinearMethod()
+        layer.bias = None
+        layer.weight = nn.Parameter((torch.randn(HIDDEN, 1024, device=dev) / 32).to(dtype), requires_grad=False)
+
+        def step(x: torch.Tensor, res: torch.Tensor) -> Any:
+            partial = fused.matmul(layer, x)
+            taken = partial is not None
+            if partial is None:
+                partial = torch.nn.functional.linear(x, layer.weight)
+            return taken, partial, fused(partial, res, weight, 1e-5)
+
+        def reference(partial: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = partial.clone()
+            dist.all_reduce(y, group=group)
+            return triton_ops.fused_add_rms_norm(y, res, weight, 1e-5)
+
+        for i, rows in enumerate([1, 1, 3, 1, 64, 1, 1, 1, 2]):
+            x = (torch.randn(rows, 1024, device=dev) * (rank + 1)).to(dtype)
+            res = torch.randn(rows, HIDDEN, generator=gen, device=dev).to(dtype)
+            taken, partial, got = step(x, res)
+            want = reference(partial, res)
+            if taken != (rows == 1) or not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                failures.append(f"eager call {i} rows={rows} taken={taken}")
+        xs = [torch.zeros(r, 1024, device=dev, dtype=dtype) for r in (1, 1, 5, 1)]
+        rs = [torch.zeros(x.shape[0], HIDDEN, device=dev, dtype=dtype) for x in xs]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(xs[0], rs[0])
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [step(x, r) for x, r in zip(xs, rs, strict=True)]
+        for it in range(5):
+            for x, r in zip(xs, rs, strict=True):
+                x.copy_(torch.randn(x.shape, device=dev) * (rank + 1 + it))
+                r.copy_(torch.randn(r.shape, generator=gen, device=dev))
+            g.replay()
+            for i, (_, partial, got) in enumerate(outs):
+                want = reference(partial, rs[i])
+                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                    failures.append(f"graph replay {it} call {i}")
+    torch.cuda.synchronize()
+    q.put((rank, failures))
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def test_push_path_matches_nccl_then_norm() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_push_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert results == {0: [], 1: []}

@@ -50,6 +50,8 @@ if HAS_TRITON:
         s_ptr,  # HAS_LORA: [R] float32 out, x @ A[slot]^T
         part_ptr,  # HAS_LORA: [cdiv(K, BLOCK_K), R] float32 scratch, the shrink's partial sums per K block
         cnt_ptr,  # HAS_LORA: [cdiv(R, BLOCK_N)] int32, zero between launches: partials done per row block
+        push_addr,  # PUSH: the address of a peer's [2, N] int16 receive buffer (distributed/push_allreduce.py)
+        epoch_ptr,  # PUSH: [1] int64, the call's epoch (its parity picks the receive buffer's half)
         N,
         K,
         R,
@@ -60,11 +62,14 @@ if HAS_TRITON:
         HAS_LORA: tl.constexpr,
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
         EVEN_A: tl.constexpr,  # R % BLOCK_N == 0 and K % BLOCK_K == 0
+        PUSH: tl.constexpr,  # also store y's bits into the peer's receive buffer
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
+        if PUSH:  # (loaded first: its latency hides behind the weight stream)
+            half = tl.load(epoch_ptr) % 2
         if HAS_LORA:
             # The shrink x @ A[slot]^T in the grid's first programs, one [BLOCK_N, BLOCK_K] tile each; the last
             # program of a row block to finish sums its partials (an atomic counter it resets). A decode GEMV's
@@ -108,7 +113,15 @@ if HAS_TRITON:
         y = _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rn, y, mask=n_ok)
+        if PUSH:
+            # A posted NVLink write per row, no fence: the peer polls every element until it differs from
+            # the sentinel 0xFFFF (a NaN, so a NaN result is sent as another NaN).
+            bits = y.to(tl.int16, bitcast=True)
+            bits = tl.where(bits == -1, 0x7FFF, bits)
+            dst = push_addr.to(tl.pointer_type(tl.int16)) + half * N + rn
+            tl.store(dst, bits, mask=n_ok)
 
 
 @dataclass
@@ -154,9 +167,11 @@ def row_gemv(
     *,
     config: tuple[int, int, int, int] | None = None,
     lora: RowGemvLoRA | None = None,
+    push: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype; with `lora`, also its shrink
-    (`lora.out`, in the same launch)."""
+    (`lora.out`, in the same launch); with `push` = (a peer's receive-buffer address, the epoch tensor), also
+    the result's bits into that buffer (16-bit x only; distributed/push_allreduce.py)."""
     assert HAS_TRITON, "Triton is not installed"
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     n, k = weight.shape
@@ -180,6 +195,8 @@ def row_gemv(
         lora.out if lora is not None else weight,
         lora.part if lora is not None else weight,
         lora.count if lora is not None else weight,
+        push[0] if push is not None else 0,
+        push[1] if push is not None else weight,
         n,
         k,
         r,
@@ -190,6 +207,7 @@ def row_gemv(
         HAS_LORA=lora is not None,
         EVEN=n % bn == 0 and k % bk == 0,
         EVEN_A=r % bn == 0 and k % bk == 0,
+        PUSH=push is not None,
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=nw,
