@@ -129,6 +129,41 @@ def _ceilings() -> dict[str, float]:
     return {"copy_GBps": copy / 1e9, "bf16_matmul_TFLOPs": mm / 1e12}
 
 
+def _gemv_reduce(group: Any, rank: int, dev: torch.device, fused: Any, weight: torch.Tensor, args: Any) -> Any:
+    """Batch 1 at tp=2, o_proj's and down_proj's per-rank GEMV shapes (Llama-3.1-8B) followed by their
+    reduction: the add + norm alone (no communication: what tp=1 pays after its GEMV), the pull kernel, and the
+    push path (`distributed/push_allreduce.py`); us per GEMV + reduction, `per_step` of them in a graph."""
+    from pagedllm.distributed import push_allreduce
+    from pagedllm.model_executor.layers import triton_gemv, triton_ops
+
+    push = push_allreduce.try_create(group, rank, 2, dev, torch.bfloat16, args.hidden)
+    out: dict[str, Any] = {"push": push is not None}
+    res = torch.randn(1, args.hidden, dtype=torch.bfloat16, device=dev)
+    for name, k in (("o_proj", 2048), ("down_proj", 7168)):
+        w = torch.randn(args.hidden, k, dtype=torch.bfloat16, device=dev) / 64
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        cases: dict[str, Any] = {
+            "gemv": lambda w=w, x=x: triton_gemv.row_gemv(x, w),
+            "gemv_norm": lambda w=w, x=x: triton_ops.fused_add_rms_norm(triton_gemv.row_gemv(x, w), res, weight, 1e-5),
+            "gemv_pull": lambda w=w, x=x: fused(triton_gemv.row_gemv(x, w), res, weight, 1e-5),
+        }
+        if push is not None:
+            cases["gemv_push"] = lambda w=w, x=x, p=push: p.add_norm(
+                triton_gemv.row_gemv(x, w, push=(p.peer_addr, p.epoch)), res, weight, 1e-5
+            )
+        for case, fn in cases.items():
+            out[f"{name}_{case}_us"] = _graph_time(fn, args.per_step, args.iters) * 1e6
+            dist_barrier(group)
+    return out
+
+
+def dist_barrier(group: Any) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
     import torch.distributed as dist
 
@@ -178,6 +213,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
         rows_out.append(row)
         dist.barrier(group=group)
     result: dict[str, Any] = {"world": world, "hidden": args.hidden, "per_step": args.per_step, "sizes": rows_out}
+    if fused is not None and world == 2:
+        result["gemv_reduce"] = _gemv_reduce(group, rank, dev, fused, weight, args)
     if rank == 0:
         result["gpu"] = torch.cuda.get_device_name(0)
         result.update(_ceilings())
@@ -207,6 +244,12 @@ def main() -> None:
         print(f"{size}: NCCL {r['nccl_us']:.1f} us (eager {r['nccl_eager_us']:.1f}), one-shot {symm}, two-shot {two}; "
               f"x{args.per_step} per step: NCCL {step_ms:.3f} ms; NCCL + add-norm {r['nccl_norm_us']:.1f} us, "
               f"fused {fz}")  # fmt: skip
+    if "gemv_reduce" in result:
+        g = result["gemv_reduce"]
+        for name in ("o_proj", "down_proj"):
+            print(f"batch 1, {name} GEMV + reduction (us): " + ", ".join(
+                f"{c} {g[f'{name}_{c}_us']:.1f}" for c in ("gemv", "gemv_norm", "gemv_pull", "gemv_push")
+                if f"{name}_{c}_us" in g))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

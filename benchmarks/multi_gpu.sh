@@ -7,7 +7,8 @@
 #   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
 #   W3     W3 at tp=1, tp=2 (the default: all-reduce fused with add + RMSNorm), tp=2 with each of TP_AR (other
-#          PAGEDLLM_TP_ALLREDUCE values, default "nccl"), the same at tp=4 where 4 GPUs
+#          PAGEDLLM_TP_ALLREDUCE values, default "nccl") and of W3_VARIANTS (ENV=VALUE each), the same at tp=4
+#          where 4 GPUs
 #   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
 #   W2tp4  W2 at tp=4 (4 GPUs);  W3tp4  W3 at tp=4 alone (4 GPUs);  W2pp  W2 at pp=2 alone
 #   W2tp   W2 at tp=1 and tp=2 (default, NCCL) only
@@ -54,7 +55,7 @@ for step in $steps; do
             for w in 2 4; do
                 [ "$ngpu" -ge $w ] || continue
                 timeout 300 python3 benchmarks/allreduce_bench.py --world $w --json "$OUT/allreduce_x$w.json" 2>&1 \
-                    | grep -E "unavailable|GB/s|KiB" | tee -a "$summary"
+                    | grep -E "unavailable|GB/s|KiB|batch 1" | tee -a "$summary"
             done ;;
         tiny|tests)
             sel=(-k "${TESTS_K:-}"); [ "$step" = tiny ] && sel=(-k "tiny ${TESTS_K:+and ($TESTS_K)}")
@@ -65,6 +66,7 @@ for step in $steps; do
         W3)
             [ -z "${SKIP_TP1:-}" ] && e2e W3_tp1 "" W3
             variants=(); for v in ${TP_AR:-nccl}; do variants+=("W3@PAGEDLLM_TP_ALLREDUCE=$v"); done
+            for v in ${W3_VARIANTS:-}; do variants+=("W3@$v"); done  # e.g. W3_VARIANTS=PAGEDLLM_TP_PUSH=0
             e2e W3_tp2 "--tensor-parallel-size 2" W3 "${variants[@]}"
             [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 "${variants[@]}" ;;
         W2)
