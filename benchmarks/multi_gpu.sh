@@ -77,7 +77,7 @@ for step in $steps; do
             [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
             e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl ;;
         prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
-            for tp in 2 2symm 1; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
+            for tp in ${PROF_TPS:-2 2symm 1}; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
                 ar_env=""; [ "$tp" = 2symm ] && ar_env=symm
                 echo "-- prof tp=$tp" >> "$summary"
                 PAGEDLLM_TP_ALLREDUCE=${ar_env:-${PAGEDLLM_TP_ALLREDUCE:-}} timeout "${STEP_TIMEOUT:-300}" \
