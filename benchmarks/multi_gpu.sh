@@ -11,7 +11,7 @@
 #          where 4 GPUs
 #   W2     W2 at tp=1, tp=2 (default, then NCCL alone), pp=2
 #   W2tp4  W2 at tp=4 (4 GPUs);  W3tp4  W3 at tp=4 alone (4 GPUs);  W2pp  W2 at pp=2 alone
-#   W2tp   W2 at tp=1 and tp=2 (default, NCCL) only
+#   W2tp   W2 at tp=1 and tp=2 (default, then each of W2_VARIANTS, ENV=VALUE each; default NCCL alone) only
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   ovb    a prefill GEMM and its all-reduce overlapped or not (overlap_bench.py), with NCCL's defaults, its stream
 #          at high priority, and 4 channels
@@ -73,14 +73,17 @@ for step in $steps; do
             e2e W2_tp1 "" W2
             e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl
             e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
-        W2tp)
+        W2tp)  # W2_VARIANTS: the tp=2 runs after the default (default "PAGEDLLM_TP_ALLREDUCE=nccl")
             [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl ;;
+            variants=(); for v in ${W2_VARIANTS:-PAGEDLLM_TP_ALLREDUCE=nccl}; do variants+=("W2@$v"); done
+            e2e W2_tp2 "--tensor-parallel-size 2" W2 "${variants[@]}" ;;
         prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
             for tp in ${PROF_TPS:-2 2symm 1}; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
-                ar_env=""; [ "$tp" = 2symm ] && ar_env=symm
+                # (PAGEDLLM_TP_ALLREDUCE set only for 2symm: an empty value is not "fused", and turned the fused
+                # all-reduce off in every tp=2 profile before session 35)
+                ar_env=(); [ "$tp" = 2symm ] && ar_env=(PAGEDLLM_TP_ALLREDUCE=symm)
                 echo "-- prof tp=$tp" >> "$summary"
-                PAGEDLLM_TP_ALLREDUCE=${ar_env:-${PAGEDLLM_TP_ALLREDUCE:-}} timeout "${STEP_TIMEOUT:-300}" \
+                env "${ar_env[@]}" timeout "${STEP_TIMEOUT:-300}" \
                     python3 benchmarks/tp_step_profile.py --tp "${tp%symm}" --json "$OUT/prof_tp$tp.json" \
                     2>&1 | grep -v "^INFO" | tail -32 | tee -a "$summary"
             done ;;

@@ -56,7 +56,9 @@ class EngineCore(EngineCoreControlsMixin):
         self.scheduler = Scheduler(config.scheduler_config, kv_config.groups, num_blocks, cc.enable_prefix_caching)
         self.step_trace: StepTrace | None = None
         if envs.PAGEDLLM_STEP_TRACE:  # latency-tail analysis, see engine/step_trace.py
-            self.step_trace = StepTrace(envs.PAGEDLLM_STEP_TRACE)
+            pc = config.parallel_config  # data-parallel cores: one file each
+            dp = f".dp{pc.data_parallel_rank}" if pc.data_parallel_size > 1 else ""
+            self.step_trace = StepTrace(envs.PAGEDLLM_STEP_TRACE + dp)
             self.step_trace.install(self.scheduler, self.executor)
         # Engine-wide logits processors may read the previous tokens on the host: no scheduling ahead.
         self.async_scheduling = config.scheduler_config.async_scheduling and not logits_processors
