@@ -25,6 +25,8 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedllm import envs
@@ -289,6 +291,7 @@ def paged_attention(
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
             FP8_F16=kv_fp8 and query.dtype != torch.float32 and envs.PAGEDLLM_FP8_ATTN_F16,
+            FP8_VT=kv_fp8 and os.environ.get("PAGEDLLM_FP8_ATTN_VT") == "1",
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
             num_warps=nw,

@@ -59,6 +59,7 @@ def _attn_tiles(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
     scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
@@ -75,7 +76,10 @@ def _attn_tiles(
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
         k_ptrs = k_cache_ptr + (blk * stride_kb + in_blk * stride_kt + kvh * stride_kh)[None, :] + offs_d[:, None]
-        v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
+        if V_T:  # V read as [HEAD_PAD, TILE_N] as K (FP8: 16-byte loads, 8 otherwise), transposed for the dot
+            v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[None, :] + offs_d[:, None]
+        else:
+            v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
         elif HEAD_PAD != HEAD_SIZE:
@@ -103,7 +107,15 @@ def _attn_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
-        if MASKED:
+        if V_T:
+            if MASKED:
+                v = tl.load(v_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+            elif HEAD_PAD != HEAD_SIZE:
+                v = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            v = tl.trans(v)
+        elif MASKED:
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
         elif HEAD_PAD != HEAD_SIZE:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -167,6 +179,7 @@ def _paged_attn_kernel(
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
+    FP8_VT: tl.constexpr = False,
 ):
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
@@ -289,6 +302,7 @@ def _paged_attn_kernel(
         False,
         DOT_PREC,
         SOFTCAP,
+        FP8_VT,
     )
     m_i, l_i, acc = _attn_tiles(
         m_i,
@@ -322,6 +336,7 @@ def _paged_attn_kernel(
         True,
         DOT_PREC,
         SOFTCAP,
+        FP8_VT,
     )
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)

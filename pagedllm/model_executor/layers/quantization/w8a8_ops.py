@@ -8,6 +8,8 @@ in float32 (quantized values times their scales), which is what the tests check 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedllm.triton_utils import HAS_TRITON
@@ -81,7 +83,7 @@ if HAS_TRITON:
     @triton.jit
     def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
                           QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                          BN: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr = 1):  # fmt: skip
         """Decode rows: the row's per-token quantization fused into the GEMV (each program re-reads the
         small activation row for its amax), BN weight rows streamed along K; one launch per linear."""
         m = tl.program_id(0)
@@ -98,7 +100,9 @@ if HAS_TRITON:
                 amax = tl.maximum(amax, tl.abs(xk))
             scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
         acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        # PIPE > 1: the loop's loads as cp.async, PIPE stages ahead (a plain range left them synchronous: the
+        # masked loads feed elementwise math, which Triton's pipeliner does not take on its own; sm_90 PTX).
+        for k0 in tl.range(0, K, BK, num_stages=PIPE):
             kk = k0 + offs_k
             k_ok = kk < K
             # `/` (not IEEE div_rn as in `_quant_rows_kernel`): here every program divides the whole row, and
@@ -134,6 +138,7 @@ def w8a8_gemv(
         x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
         out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, num_warps=4, num_stages=4,
+        PIPE=int(os.environ.get("PAGEDLLM_W8A8_GEMV_PIPE", "1")),
     )  # fmt: skip
     return out
 
