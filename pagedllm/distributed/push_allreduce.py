@@ -98,23 +98,11 @@ class PushDecode:
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """One row through the plain 16-bit row GEMV (no LoRA, no quantization), pushed; else None."""
-        from pagedllm.model_executor.layers import batch_invariant, triton_gemv
-        from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from pagedllm.model_executor.layers import triton_gemv
+        from pagedllm.model_executor.layers.linear import plain_row_gemv_weight
 
-        weight = getattr(layer, "weight", None)
-        if (
-            x.dim() != 2
-            or x.shape[0] != 1
-            or x.dtype != self.dtype
-            or type(getattr(layer, "quant_method", None)) is not UnquantizedLinearMethod
-            or getattr(layer, "packed_weight", None) is not None
-            or getattr(layer, "row_gemv_lora", None) is not None
-            or getattr(layer, "bias", None) is not None
-            or not isinstance(weight, torch.Tensor)
-            or weight.shape[0] != self.hidden
-            or batch_invariant.enabled()
-            or not triton_gemv.row_gemv_enabled(x, weight)
-        ):
+        weight = plain_row_gemv_weight(layer, x)
+        if weight is None or x.dtype != self.dtype or weight.shape[0] != self.hidden:
             return None
         return triton_gemv.row_gemv(x, weight, push=(self.peer_addr, self.epoch))
 

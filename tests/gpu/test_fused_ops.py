@@ -80,6 +80,22 @@ def test_silu_and_mul(dtype: torch.dtype, d: int, n_tokens: int) -> None:
     _close(triton_ops.silu_and_mul(x), ref)
 
 
+@pytest.mark.skipif(INTERPRET, reason="bit equality needs the GPU's rounding")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(14336, 4096), (7168, 4096), (1536, 576), (37, 200)])
+def test_row_gemv_glu_equals_gemv_then_silu_and_mul(dtype: torch.dtype, n: int, k: int) -> None:
+    """The batch-1 gate/up GEMV with SiLU-mul in its epilogue (`row_gemv(glu=True)`, LlamaMLP's decode path) is
+    bit-identical to the plain row GEMV followed by `triton_ops.silu_and_mul`."""
+    from pagedllm.model_executor.layers import triton_gemv
+
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    for _ in range(3):
+        x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+        want = triton_ops.silu_and_mul(triton_gemv.row_gemv(x, w))
+        assert torch.equal(triton_gemv.row_gemv(x, w, glu=True), want)
+
+
 def _qkv(n_tokens: int, h: int, kvh: int, d: int, dtype: torch.dtype, g: torch.Generator):
     qkv = torch.randn(n_tokens, (h + 2 * kvh) * d, generator=g).to(DEVICE, dtype)
     return qkv, *qkv.split([h * d, kvh * d, kvh * d], dim=-1)

@@ -107,6 +107,25 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, weight, bias)
 
 
+def plain_row_gemv_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The weight where `layer(x)`'s matmul would be exactly `triton_gemv.row_gemv(x, weight)`: one 16-bit row on
+    CUDA through the unquantized method, no bias, no LoRA, no packed CPU weight, no batch invariance
+    (where fused variants of that launch may replace it: the push all-reduce, the gate/up GLU); else None."""
+    weight = getattr(layer, "weight", None)
+    if (
+        type(getattr(layer, "quant_method", None)) is not UnquantizedLinearMethod
+        or not isinstance(weight, torch.Tensor)
+        or getattr(layer, "bias", None) is not None
+        or getattr(layer, "packed_weight", None) is not None
+        or getattr(layer, "row_gemv_lora", None) is not None
+        or layer._forward_hooks  # (LoRA adds its delta in a hook: a fused launch must not skip it)
+        or batch_invariant.enabled()
+        or not triton_gemv.row_gemv_enabled(x, weight)
+    ):
+        return None
+    return weight
+
+
 class LinearBase(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None

@@ -63,6 +63,7 @@ if HAS_TRITON:
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
         EVEN_A: tl.constexpr,  # R % BLOCK_N == 0 and K % BLOCK_K == 0
         PUSH: tl.constexpr,  # also store y's bits into the peer's receive buffer
+        GLU: tl.constexpr,  # rows i and i + N of the weight (2N rows) -> silu(x . w_i) * (x . w_(i+N)) at i
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -107,6 +108,18 @@ if HAS_TRITON:
                     tl.atomic_xchg(cnt_ptr + rb, 0)
                 return
             pid -= a_progs
+        if GLU:
+            # One program per output: the gate row and the up row in one [2, BLOCK_K] tile stream; both
+            # products rounded to the activation dtype, then `triton_ops.silu_and_mul`'s arithmetic.
+            two = tl.arange(0, 2)
+            rows = pid + two * N
+            w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + rk[None, :]
+            gu = _rows_dot(w_ptrs, x_ptr, K, rows < 2 * N, EVEN, 2, BLOCK_K).to(y_ptr.dtype.element_ty)
+            g = tl.sum(tl.where(two == 0, gu.to(tl.float32), 0.0), axis=0)
+            u = tl.sum(tl.where(two == 1, gu.to(tl.float32), 0.0), axis=0)
+            act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(y_ptr + pid, (act * u).to(y_ptr.dtype.element_ty))
+            return
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -168,17 +181,22 @@ def row_gemv(
     config: tuple[int, int, int, int] | None = None,
     lora: RowGemvLoRA | None = None,
     push: tuple[int, torch.Tensor] | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype; with `lora`, also its shrink
     (`lora.out`, in the same launch); with `push` = (a peer's receive-buffer address, the epoch tensor), also
-    the result's bits into that buffer (16-bit x only; distributed/push_allreduce.py)."""
+    the result's bits into that buffer (16-bit x only; distributed/push_allreduce.py). With `glu` (a merged
+    [gate; up] weight of 2N rows, no bias, LoRA or push): `silu_and_mul` of the product, [1, N], in one launch."""
     assert HAS_TRITON, "Triton is not installed"
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     n, k = weight.shape
     assert x.shape[1] == k
     bn, bk, nw, ns = config or row_gemv_config(n, k)
+    if glu:
+        assert n % 2 == 0 and bias is None and lora is None and push is None
+        n //= 2
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    n_blocks = triton.cdiv(n, bn)
+    n_blocks = n if glu else triton.cdiv(n, bn)
     r = 0
     if lora is not None:
         assert lora.a.shape[2] == k and lora.a.stride(2) == 1 and lora.out.dtype == torch.float32
@@ -208,6 +226,7 @@ def row_gemv(
         EVEN=n % bn == 0 and k % bk == 0,
         EVEN_A=r % bn == 0 and k % bk == 0,
         PUSH=push is not None,
+        GLU=glu,
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=nw,

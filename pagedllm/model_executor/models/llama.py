@@ -22,13 +22,14 @@ from pagedllm.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from pagedllm.distributed.pipeline import Intermediate, PPMissingLayer, get_pp_indices, is_first_stage, is_last_stage
-from pagedllm.model_executor.layers import triton_ops
+from pagedllm.model_executor.layers import triton_gemv, triton_ops
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    plain_row_gemv_weight,
 )
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -84,6 +85,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, n = self.chunk_tokens, x.shape[0]
+        if n == 1 and (gate_up_weight := plain_row_gemv_weight(self.gate_up_proj, x)) is not None:
+            # Batch-1 decode on CUDA: gate/up GEMV and SiLU-mul in one launch (same rounding, one kernel less)
+            return self.down_proj(triton_gemv.row_gemv(x, gate_up_weight, glu=True))
         if c <= 0 or n <= c:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         out: torch.Tensor | None = None

@@ -1,9 +1,13 @@
-"""The batch-1 push path (`distributed/push_allreduce.py`) with the Triton interpreter, one process playing both
-ranks' buffers: the row GEMV's pushed bits, the receive buffer's halves by epoch parity, the sentinel written
-back, a NaN sent as another NaN, and the norm's math. Run by `test_push_allreduce.py` in a subprocess with
-TRITON_INTERPRET=1 (it must be set before triton is imported); prints "ok". The interpreter rounds float32 to
-bfloat16 its own way, so the norm is compared within a bfloat16 step here; on GPUs the path is bit-identical to
-NCCL + the norm (tests/gpu/test_parallel_gpu.py, and the path's own self-check at start-up)."""
+"""The batch-1 row GEMV's fused variants with the Triton interpreter, run by `test_row_gemv_interpreted.py` in a
+subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported); prints "ok".
+
+- The push path (`distributed/push_allreduce.py`), one process playing both ranks' buffers: the pushed bits, the
+  receive buffer's halves by epoch parity, the sentinel written back, a NaN sent as another NaN, the norm's math.
+- The gate/up GLU (`row_gemv(glu=True)`): equal to the plain GEMV followed by `silu_and_mul`'s arithmetic.
+
+The interpreter rounds float32 to bfloat16 its own way, so results are compared within a bfloat16 step here; on
+GPUs both are bit-identical to the unfused launches (tests/gpu/test_fused_allreduce_norm_gpu.py,
+tests/gpu/test_fused_ops.py, and the push path's own self-check at start-up)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from pagedllm.distributed import push_allreduce
 from pagedllm.model_executor.layers import triton_gemv
 
 
-def main() -> None:
+def check_push() -> None:
     torch.manual_seed(0)
     hidden, k, dt = 96, 128, torch.bfloat16
     recv = torch.full((2 * hidden,), push_allreduce.SENTINEL, dtype=torch.int16)
@@ -47,6 +51,24 @@ def main() -> None:
         want = norm_w.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         torch.testing.assert_close(res_out.float(), h, atol=0, rtol=2**-7)
         torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=2**-6)
+
+
+def check_glu() -> None:
+    torch.manual_seed(1)
+    for n, k in ((48, 128), (37, 96)):  # K a multiple of the K step, and not (masked loads)
+        w = (torch.randn(2 * n, k) / 8).to(torch.bfloat16)
+        x = torch.randn(1, k).to(torch.bfloat16)
+        got = triton_gemv.row_gemv(x, w, glu=True)
+        assert got.shape == (1, n)
+        gu = triton_gemv.row_gemv(x, w).float()
+        g, u = gu[:, :n], gu[:, n:]
+        want = (g / (1 + torch.exp(-g))).to(torch.bfloat16).float() * u
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-6)
+
+
+def main() -> None:
+    check_push()
+    check_glu()
     print("ok")
 
 
