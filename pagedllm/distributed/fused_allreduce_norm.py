@@ -73,6 +73,22 @@ class PartialPath(PartialSender, Protocol):
 if HAS_TRITON:
 
     @triton.jit
+    def _add_norm_row(acc, res_ptr, out_ptr, res_out_ptr, w, row64, stride_r, n_cols, offs, mask, eps):
+        """One row's tail, shared with the copy-engine path (`ce_allreduce.py`): `acc` is the float32 sum of the
+        ranks' partials in rank order; rounded to the activation dtype (as NCCL's sum is), then the residual add
+        and RMSNorm exactly as `triton_ops.fused_add_rms_norm` does. Outputs are contiguous [rows, n_cols]."""
+        dt = res_out_ptr.dtype.element_ty
+        x = acc.to(dt)  # the all-reduced value, rounded as NCCL's is
+        r_in = tl.load(res_ptr + row64 * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r_in.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row64 * n_cols + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        normed = (xf * rstd).to(dt).to(tl.float32)
+        tl.store(out_ptr + row64 * n_cols + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _all_reduce_add_norm_kernel(
         x_ptr,
         res_ptr,
@@ -132,15 +148,7 @@ if HAS_TRITON:
                         peer = tl.load(bufs + r).to(tl.pointer_type(dt))
                         v = tl.load(peer + base + row64 * n_cols + offs, mask=mask, other=0.0, cache_modifier=".cv")
                     acc += v.to(tl.float32)
-                x = acc.to(dt)  # the all-reduced value, rounded as NCCL's is
-                r_in = tl.load(res_ptr + row64 * stride_r + offs, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r_in.to(tl.float32)).to(dt)
-                tl.store(res_out_ptr + row64 * n_cols + offs, x, mask=mask)
-                xf = x.to(tl.float32)
-                var = tl.sum(xf * xf, axis=0) / n_cols
-                rstd = 1.0 / tl.sqrt(var + eps)
-                normed = (xf * rstd).to(dt).to(tl.float32)
-                tl.store(out_ptr + row64 * n_cols + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+                _add_norm_row(acc, res_ptr, out_ptr, res_out_ptr, w, row64, stride_r, n_cols, offs, mask, eps)
 
 
 class FusedAllReduceNorm:
