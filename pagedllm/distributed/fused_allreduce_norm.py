@@ -182,8 +182,12 @@ class FusedAllReduceNorm:
         self._pending: PartialPath | None = None
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """`PartialSender.matmul`: the first path that takes x."""
-        assert self._pending is None, "a partial sum was sent and not reduced"
+        """`PartialSender.matmul`: the first path that takes x. A path that took one takes every matmul until the
+        norm: the pieces of one partial sum (an MLP block in token chunks calls down_proj per chunk)."""
+        if self._pending is not None:
+            out = self._pending.matmul(layer, x)
+            assert out is not None, "a path took a partial sum's first piece but not the next"
+            return out
         for path in self.paths:
             out = path.matmul(layer, x)
             if out is not None:
@@ -304,5 +308,10 @@ def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device
     fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
     if fused is None:
         return False
+    from pagedllm.distributed import ce_allreduce
+
+    prefill = ce_allreduce.try_create(fused, group, device, max_num_tokens)  # (collective; None: NCCL above max_rows)
+    if prefill is not None:
+        fused.paths.append(prefill)
     defer(fused, fused)
     return True
