@@ -61,7 +61,8 @@ class PartialSender(Protocol):
 
 class PartialPath(PartialSender, Protocol):
     """One way of sending partial sums early (batch-1 decode, large prefill steps); the norm after the
-    layer then only adds what the peers sent."""
+    layer then only adds what the peers sent. A path that took a matmul is handed every further one until the
+    norm and must take it (rows appended: an MLP block in token chunks calls down_proj once per chunk)."""
 
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
