@@ -24,7 +24,7 @@ only it) times, per shape, the engine's two ways of producing the norm after the
 - `ref`: `F.linear`, NCCL's all-reduce, `triton_ops.fused_add_rms_norm` (what a tp=2 prefill step does without it);
 - `ce`: the path's `matmul` (the GEMM in `--chunks` row chunks, each copied to the peer by a copy engine under
   the next chunk's GEMM) and `add_norm` (the wait, the sum and the norm in one kernel);
-- `*_pieces`: the same with the rows in `--pieces` matmuls, as the engine's MLP in 4,096-token chunks calls
+- `down_proj_pieces`: the same with the rows in `--pieces` matmuls, as the engine's MLP in 4,096-token chunks calls
   down_proj (the pieces copied into one tensor, then one norm);
 
 and whether the path's result equals NCCL + norm of the same partial sum bit for bit.
@@ -195,7 +195,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         path = _ce_path(rank, world, args, device)
         res["ce"] = {"unavailable": True} if path is None else {
             f"{name}{'_pieces' if p > 1 else ''}": _measure_ce(path, k, args.rows, p, args, device)
-            for name, k in shapes for p in dict.fromkeys((1, args.pieces))
+            for name, k in shapes for p in dict.fromkeys((1, args.pieces if name == "down_proj" else 1))
         }  # fmt: skip
     if rank == 0:
         queue.put(res)
@@ -211,7 +211,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sm-carveout", type=int, default=16, help="SMs cuBLAS leaves free in overlap_carveout (0: skip)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--pieces", type=int, default=4, help="matmuls per partial sum in the *_pieces copy-engine cases")
+    p.add_argument("--pieces", type=int, default=4, help="down_proj matmuls per partial sum (copy-engine case)")
     p.add_argument("--no-ce", action="store_true", help="skip the copy-engine case")
     p.add_argument("--ce-only", action="store_true", help="only the copy-engine case")
     p.add_argument("--json")
