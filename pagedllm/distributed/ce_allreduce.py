@@ -47,6 +47,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.fused_allreduce_norm import FusedAllReduceNorm
+from pagedllm.model_executor.layers import batch_invariant
+from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
@@ -113,9 +115,6 @@ class Admission:
     def layer_ok(self, layer: nn.Module, k: int) -> bool:
         """A plain dense weight [hidden, k] of the dtype, multiplied by `F.linear`: no quantization, packing,
         bias, LoRA, or batch-invariant GEMM (those layers compute their own way)."""
-        from pagedllm.model_executor.layers import batch_invariant
-        from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
-
         weight = getattr(layer, "weight", None)
         return (
             type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod
@@ -327,7 +326,6 @@ class CopyEnginePrefill:
         import torch.distributed as dist
 
         from pagedllm.model_executor.layers import triton_ops
-        from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
 
         a, dev, k = self.admit, self.device, 64
         gen = torch.Generator(device=dev).manual_seed(4321)
