@@ -19,7 +19,8 @@ NCCL's kernels need SMs that the GEMM's blocks hold. Copy engines need none. Her
 
 Epochs are a host counter: these steps are eager (`matmul` declines inside graph capture), and both ranks take
 the same decisions from shapes and config only, so they count the same calls. Flags hold epochs modulo 2^30
-and "arrived" means the flag is the epoch or one ahead (a peer is never further ahead, below).
+and "arrived" means the flag is the epoch or one ahead (a peer is never further ahead, below); each norm also
+rewrites one flag its call did not use (round robin), so that no flag falls 2^30 epochs behind.
 
 Why two receive slots (by the epoch's parity) suffice: rank B writes call e + 2's rows into A's slot e % 2 only
 after B's GEMM chunks of call e + 2, which follow (on B's stream) B's norm of call e + 1, which waited for A's
@@ -34,7 +35,8 @@ at the norm). A piece's copy then also runs under the next piece's gate/up GEMM 
 
 Lifetimes: each matmul output is `record_stream`-ed on the side stream, so its memory is not reused before the
 copies have read it. No SM work is ever queued on the side stream (copies and stream memory writes only), so
-the spinning norm kernel cannot starve what it waits for.
+the spinning norm kernel cannot starve what it waits for; and what it waits for is enqueued (host order) before
+it, so even streams sharing one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) do not deadlock.
 """
 
 from __future__ import annotations
