@@ -15,6 +15,9 @@
 #   prof   a W3-shaped decode profiled at tp=2 and tp=1 (tp_step_profile.py)
 #   ovb    a prefill GEMM and its all-reduce overlapped or not (overlap_bench.py), with NCCL's defaults, its stream
 #          at high priority, and 4 channels
+#   ce     the copy-engine prefill path (distributed/ce_allreduce.py): its two-GPU test, then overlap_bench.py
+#          --ce-only for each of CE_CHUNKS (default "2 4")
+#   W2ce   W2 at tp=1 and tp=2 with the copy-engine prefill path (default) and without (PAGEDLLM_TP_CE_PREFILL=0)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
 # Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
@@ -89,9 +92,20 @@ for step in $steps; do
             done ;;
         ovb)
             for setting in NONE=1 TORCH_NCCL_HIGH_PRIORITY=1 NCCL_MAX_NCHANNELS=4; do
-                env "$setting" timeout 200 python3 benchmarks/overlap_bench.py --world 2 \
+                env "$setting" timeout 200 python3 benchmarks/overlap_bench.py --world 2 --no-ce \
                     --json "$OUT/overlap_${setting%%=*}.json" 2>&1 | grep -E "x2|proj|Error" | tee -a "$summary"
             done ;;
+        ce)
+            timeout 400 python3 -m pytest -m gpu tests/gpu/test_ce_allreduce_gpu.py -q -p no:cacheprovider \
+                > "$OUT/tests_ce.log" 2>&1
+            echo "tests (ce) rc $?: $(tail -1 "$OUT/tests_ce.log")" | tee -a "$summary"
+            for c in ${CE_CHUNKS:-2 4}; do
+                timeout 200 python3 benchmarks/overlap_bench.py --world 2 --ce-only --chunks "$c" \
+                    --json "$OUT/overlap_ce_c$c.json" 2>&1 | grep -E "x2|proj|unavailable|Error" | tee -a "$summary"
+            done ;;
+        W2ce)
+            [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
+            e2e W2_tp2_ce "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_CE_PREFILL=0 ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W3tp4) [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;

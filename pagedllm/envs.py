@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
     PAGEDLLM_TP_FUSED_MAX_ROWS: int | None
+    PAGEDLLM_TP_CE_PREFILL: bool
+    PAGEDLLM_TP_CE_CHUNKS: int
     PAGEDLLM_MLP_CHUNK_TOKENS: int
     PAGEDLLM_FP8_ATTN_F16: bool
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
@@ -112,6 +114,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # With PAGEDLLM_TP_ALLREDUCE=fused: the largest batch (rows) the fused kernel takes (default 2,048; NCCL
     # and the separate norm above).
     "PAGEDLLM_TP_FUSED_MAX_ROWS": _opt_int("PAGEDLLM_TP_FUSED_MAX_ROWS"),
+    # With PAGEDLLM_TP_ALLREDUCE=fused at tp=2: steps above that size (prefill) send o_proj / down_proj partial
+    # sums to the peer with the GPU's copy engines while the GEMM's next row chunk runs (distributed/
+    # ce_allreduce.py); 0: NCCL for them, as before.
+    "PAGEDLLM_TP_CE_PREFILL": _flag("PAGEDLLM_TP_CE_PREFILL"),
+    # The row chunks of that GEMM (each at least 1,024 rows; at most 8).
+    "PAGEDLLM_TP_CE_CHUNKS": lambda: int(os.environ.get("PAGEDLLM_TP_CE_CHUNKS", "4")),
     # CUDA: steps of more tokens run the dense MLP blocks in chunks of this many (bounds the gate/up output, the
     # largest activation, and so the memory the profile takes from the KV cache); 0: never chunk.
     "PAGEDLLM_MLP_CHUNK_TOKENS": lambda: int(os.environ.get("PAGEDLLM_MLP_CHUNK_TOKENS", "4096")),

@@ -61,7 +61,8 @@ class PartialSender(Protocol):
 
 class PartialPath(PartialSender, Protocol):
     """One way of sending partial sums early (batch-1 decode, large prefill steps); the norm after the
-    layer then only adds what the peers sent."""
+    layer then only adds what the peers sent. A path that took a matmul is handed every further one until the
+    norm and must take it (rows appended: an MLP block in token chunks calls down_proj once per chunk)."""
 
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -71,6 +72,22 @@ class PartialPath(PartialSender, Protocol):
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _add_norm_row(acc, res_ptr, out_ptr, res_out_ptr, w, row64, stride_r, n_cols, offs, mask, eps):
+        """One row's tail, shared with the copy-engine path (`ce_allreduce.py`): `acc` is the float32 sum of the
+        ranks' partials in rank order; rounded to the activation dtype (as NCCL's sum is), then the residual add
+        and RMSNorm exactly as `triton_ops.fused_add_rms_norm` does. Outputs are contiguous [rows, n_cols]."""
+        dt = res_out_ptr.dtype.element_ty
+        x = acc.to(dt)  # the all-reduced value, rounded as NCCL's is
+        r_in = tl.load(res_ptr + row64 * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r_in.to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row64 * n_cols + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        normed = (xf * rstd).to(dt).to(tl.float32)
+        tl.store(out_ptr + row64 * n_cols + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _all_reduce_add_norm_kernel(
@@ -132,15 +149,7 @@ if HAS_TRITON:
                         peer = tl.load(bufs + r).to(tl.pointer_type(dt))
                         v = tl.load(peer + base + row64 * n_cols + offs, mask=mask, other=0.0, cache_modifier=".cv")
                     acc += v.to(tl.float32)
-                x = acc.to(dt)  # the all-reduced value, rounded as NCCL's is
-                r_in = tl.load(res_ptr + row64 * stride_r + offs, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r_in.to(tl.float32)).to(dt)
-                tl.store(res_out_ptr + row64 * n_cols + offs, x, mask=mask)
-                xf = x.to(tl.float32)
-                var = tl.sum(xf * xf, axis=0) / n_cols
-                rstd = 1.0 / tl.sqrt(var + eps)
-                normed = (xf * rstd).to(dt).to(tl.float32)
-                tl.store(out_ptr + row64 * n_cols + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+                _add_norm_row(acc, res_ptr, out_ptr, res_out_ptr, w, row64, stride_r, n_cols, offs, mask, eps)
 
 
 class FusedAllReduceNorm:
@@ -174,8 +183,12 @@ class FusedAllReduceNorm:
         self._pending: PartialPath | None = None
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """`PartialSender.matmul`: the first path that takes x."""
-        assert self._pending is None, "a partial sum was sent and not reduced"
+        """`PartialSender.matmul`: the first path that takes x. A path that took one takes every matmul until the
+        norm: the pieces of one partial sum (an MLP block in token chunks calls down_proj per chunk)."""
+        if self._pending is not None:
+            out = self._pending.matmul(layer, x)
+            assert out is not None, "a path took a partial sum's first piece but not the next"
+            return out
         for path in self.paths:
             out = path.matmul(layer, x)
             if out is not None:
@@ -279,27 +292,3 @@ def try_create(
         return None
     logger.info("tensor parallel: all-reduce fused with the residual add and RMSNorm up to %d rows", max_rows)
     return fused
-
-
-def fuse_model(model: nn.Module, max_num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Where the model supports it (`defer_tp_reductions`, the Llama family's dense layers) and the kernel
-    works on every rank: its row-parallel outputs stay partial and the norms after them reduce. Collective."""
-    from pagedllm.distributed import parallel_state as ps
-
-    inner: Any = getattr(model, "model", model)
-    defer = getattr(inner, "defer_tp_reductions", None)
-    if defer is None or not inner.supports_deferred_tp_reductions():
-        return False
-    group, world = ps.get_tp_group(), ps.get_tensor_model_parallel_world_size()
-    hidden = int(inner.config.hidden_size)
-    rank, max_rows = ps.get_tensor_model_parallel_rank(), default_max_rows(max_num_tokens)
-    fused = try_create(group, rank, world, device, dtype, hidden, max_rows)
-    if fused is None:
-        return False
-    from pagedllm.distributed import push_allreduce
-
-    push = push_allreduce.try_create(group, rank, world, device, dtype, hidden)
-    if push is not None:
-        fused.paths.append(push)
-    defer(fused, fused)
-    return True

@@ -78,7 +78,7 @@ def init_distributed(
     """Join the world of tp_size * pp_size workers and build this rank's TP and PP groups. With NCCL and
     `dtype` (the model's), small all-reduces of that dtype take the one-shot symmetric-memory path with
     PAGEDLLM_TP_ALLREDUCE=symm (the default fused all-reduce + RMSNorm is set up with the model:
-    `fused_allreduce_norm.fuse_model`)."""
+    `tp_fusion.fuse_model`)."""
     import torch.distributed as dist
 
     from pagedllm import envs

@@ -36,6 +36,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedllm.distributed.fused_allreduce_norm import _add_norm_row
+
 logger = logging.getLogger(__name__)
 
 SENTINEL = -1
@@ -55,23 +57,13 @@ if HAS_TRITON:
         dt = x_ptr.dtype.element_ty
         slot = recv_ptr + (epoch % 2) * n_cols + offs
         own = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r_in = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         bits = tl.load(slot, mask=mask, other=0, volatile=True)
         while tl.max(tl.where(bits == -1, 1, 0), axis=0) > 0:
             bits = tl.load(slot, mask=mask, other=0, volatile=True)
         peer = bits.to(dt, bitcast=True).to(tl.float32)
-        if RANK == 0:
-            acc = own + peer
-        else:
-            acc = peer + own
-        x = (acc.to(dt).to(tl.float32) + r_in).to(dt)  # the all-reduced value rounded as NCCL's, + residual
-        tl.store(res_out_ptr + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / n_cols
-        rstd = 1.0 / tl.sqrt(var + eps)
-        normed = (xf * rstd).to(dt).to(tl.float32)
-        tl.store(out_ptr + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        acc = own + peer if RANK == 0 else peer + own  # (rank order, as the other kernels sum)
+        _add_norm_row(acc, res_ptr, out_ptr, res_out_ptr, w, 0, 0, n_cols, offs, mask, eps)
         tl.store(slot, tl.full([BLOCK], -1, tl.int16), mask=mask)
         tl.store(epoch_ptr, epoch + 1)
 

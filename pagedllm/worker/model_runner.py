@@ -143,7 +143,7 @@ class ModelRunner:
 
             chunk_mlps(self.model, envs.PAGEDLLM_MLP_CHUNK_TOKENS)
         if self.wants_fused_tp_norms():
-            from pagedllm.distributed.fused_allreduce_norm import fuse_model
+            from pagedllm.distributed.tp_fusion import fuse_model
 
             fuse_model(self.model, self.max_num_tokens, self.dtype, self.device)
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))

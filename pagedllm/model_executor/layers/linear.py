@@ -107,10 +107,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, weight, bias)
 
 
-def plain_row_gemv_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The weight where `layer(x)`'s matmul would be exactly `triton_gemv.row_gemv(x, weight)`: one 16-bit row on
-    CUDA through the unquantized method, no bias, no LoRA, no packed CPU weight, no batch invariance
-    (where fused variants of that launch may replace it: the push all-reduce, the gate/up GLU); else None."""
+def plain_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The weight where `layer`'s matmul is exactly `x @ weight.T` through the unquantized method: no bias, no
+    LoRA, no packed CPU weight, no batch-invariant GEMM (where fused variants of that product may replace it:
+    the push all-reduce, the gate/up GLU, the copy-engine prefill); else None."""
     weight = getattr(layer, "weight", None)
     if (
         type(getattr(layer, "quant_method", None)) is not UnquantizedLinearMethod
@@ -120,10 +120,15 @@ def plain_row_gemv_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | N
         or getattr(layer, "row_gemv_lora", None) is not None
         or layer._forward_hooks  # (LoRA adds its delta in a hook: a fused launch must not skip it)
         or batch_invariant.enabled()
-        or not triton_gemv.row_gemv_enabled(x, weight)
     ):
         return None
     return weight
+
+
+def plain_row_gemv_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`plain_weight`, where `layer(x)` runs it through `triton_gemv.row_gemv` (one 16-bit row on CUDA)."""
+    weight = plain_weight(layer)
+    return weight if weight is not None and triton_gemv.row_gemv_enabled(x, weight) else None
 
 
 class LinearBase(nn.Module):
