@@ -63,8 +63,11 @@ logger = logging.getLogger(__name__)
 
 MAX_CHUNKS = 8
 """The most chunks a piece (a matmul's rows) is cut into."""
-MIN_CHUNK_ROWS = 1024
-"""Smaller chunks would run the GEMM below its efficient size (and each chunk costs an event and two copies)."""
+MIN_CHUNK_ROWS = 4096
+"""Smaller chunks run the GEMM below its efficient size and each costs an event and two copies: W2's down_proj,
+called in 4,096-row pieces (the MLP's token chunks), cut into 1,024-row chunks took 2.52 ms against NCCL's 2.00
+(2 x H200, `overlap_bench.py`, benchmarks/NOTES.md, session 35); a piece is then one chunk, and the pieces
+overlap each other's copies."""
 ROW_ALIGN = 128
 """Chunk boundaries on multiples of a GEMM tile's rows."""
 EPOCH_MOD = 1 << 30

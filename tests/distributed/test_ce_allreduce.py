@@ -40,7 +40,7 @@ ADMIT = ce.Admission(torch.bfloat16, HIDDEN, min_rows=2048, capacity=16384, chun
 
 @pytest.mark.parametrize(
     ("rows", "chunks", "step"),
-    [(16384, 4, 4096), (16384, 1, 16384), (16384, 64, 2048), (3000, 4, 1536), (2049, 4, 1152), (1500, 4, 1536)],
+    [(16384, 4, 4096), (16384, 1, 16384), (16384, 64, 4096), (16384, 2, 8192), (12000, 4, 6016), (3000, 4, 4096)],
 )
 def test_chunk_step(rows: int, chunks: int, step: int) -> None:
     assert ce.chunk_step(rows, chunks) == step
@@ -59,8 +59,8 @@ def test_piece_bounds_cover_the_rows_and_cut_at_multiples(start: int, rows: int,
 def test_admission_takes_prefill_sized_plain_matmuls() -> None:
     layer = _layer()
     x = torch.zeros(4096, K, dtype=torch.bfloat16)
-    assert ADMIT.step_for(layer, x) == 1024
-    assert ADMIT.step_for(layer, x.view(2, 2048, K)) == 1024  # rows counted over the leading dims
+    assert ADMIT.step_for(layer, x) == 4096
+    assert ADMIT.step_for(layer, x.view(2, 2048, K)) == 4096  # rows counted over the leading dims
     assert ADMIT.step_for(layer, torch.zeros(2048, K, dtype=torch.bfloat16)) is None  # the fused kernel's
     assert ADMIT.step_for(layer, torch.zeros(16385, K, dtype=torch.bfloat16)) is None  # over the buffer
     assert ADMIT.step_for(layer, x.float()) is None

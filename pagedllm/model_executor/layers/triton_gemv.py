@@ -109,16 +109,16 @@ if HAS_TRITON:
                 return
             pid -= a_progs
         if GLU:
-            # One program per output: the gate row and the up row in one [2, BLOCK_K] tile stream; both
-            # products rounded to the activation dtype, then `triton_ops.silu_and_mul`'s arithmetic.
-            two = tl.arange(0, 2)
-            rows = pid + two * N
-            w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + rk[None, :]
-            gu = _rows_dot(w_ptrs, x_ptr, K, rows < 2 * N, EVEN, 2, BLOCK_K).to(y_ptr.dtype.element_ty)
-            g = tl.sum(tl.where(two == 0, gu.to(tl.float32), 0.0), axis=0)
-            u = tl.sum(tl.where(two == 1, gu.to(tl.float32), 0.0), axis=0)
+            # One program per output: the gate row, then the up row, each as the plain launch's one-row
+            # program computes it (same tile layout, so the same float32 sums: bit-identical), rounded to the
+            # activation dtype, then `triton_ops.silu_and_mul`'s arithmetic.
+            r1 = pid + tl.arange(0, 1)
+            ok = r1 < N
+            g_ptrs = w_ptr + r1[:, None].to(tl.int64) * stride_wn + rk[None, :]
+            g = _rows_dot(g_ptrs, x_ptr, K, ok, EVEN, 1, BLOCK_K).to(y_ptr.dtype.element_ty).to(tl.float32)
+            u = _rows_dot(g_ptrs + N * stride_wn, x_ptr, K, ok, EVEN, 1, BLOCK_K)
             act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(y_ptr + pid, (act * u).to(y_ptr.dtype.element_ty))
+            tl.store(y_ptr + r1, (act * u.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty))
             return
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
