@@ -6,9 +6,6 @@ add + RMSNorm of the sum) and its compilation for sm_90. The two-GPU behaviour i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +18,7 @@ from pagedllm.distributed import ce_allreduce as ce
 from pagedllm.distributed.fused_allreduce_norm import FusedAllReduceNorm
 from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
+from tests.interpreted import run_interpreted
 
 HIDDEN, K = 64, 32
 
@@ -146,16 +144,8 @@ def test_pieces_of_a_partial_sum_go_to_the_path_that_took_the_first() -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, bool]:
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    check = Path(__file__).with_name("ce_interpret_check.py")
-    proc = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result: dict[str, bool] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_interpreted(Path(__file__).with_name("ce_interpret_check.py"))
+    result: dict[str, bool] = json.loads(out)
     return result
 
 

@@ -11,12 +11,12 @@ reported as its own test, which the engine does not depend on)."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.gpu.two_ranks import run_two_ranks
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -108,21 +108,7 @@ def _worker(rank: int, port: int, q: Any) -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict[str, list[str]]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(q.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():  # (a wait that never ends: the flags or the copies did not arrive)
-                p.kill()
+    return run_two_ranks(_worker)
 
 
 def test_reduction_bit_equal_to_nccl_then_norm(results: dict[int, dict[str, list[str]]]) -> None:

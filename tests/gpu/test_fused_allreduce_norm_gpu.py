@@ -5,12 +5,12 @@ inputs (the device-side epochs and the double buffer across many calls)."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.gpu.two_ranks import capture_graph, run_two_ranks
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -18,6 +18,24 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 
 ROWS = (1, 2, 7, 127, 128, 129, 300, 1000)
 HIDDEN = 4096
+
+
+def _replays(g: Any, xs: list, rs: list, rank: int, gen: Any, n: int, got: Any, reference: Any) -> list[str]:
+    """Replays graph `g` n times with fresh inputs written into `xs` / `rs`; after each, call i's outputs
+    (`got(i)` = (the partial sum it reduced, its (normed, residual) result)) against `reference(partial, rs[i])`:
+    the failures."""
+    failures = []
+    for it in range(n):
+        for x, r in zip(xs, rs, strict=True):
+            x.copy_(torch.randn(x.shape, device=x.device) * (rank + 1 + it))
+            r.copy_(torch.randn(r.shape, generator=gen, device=r.device))
+        g.replay()
+        for i in range(len(xs)):
+            partial, out = got(i)
+            want = reference(partial, rs[i])
+            if out is None or not (torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])):
+                failures.append(f"graph replay {it} call {i}")
+    return failures
 
 
 def _worker(rank: int, port: int, dtype_name: str, q: Any) -> None:
@@ -52,25 +70,11 @@ def _worker(rank: int, port: int, dtype_name: str, q: Any) -> None:
     if fused is not None:  # a graph of 5 calls over 3 sizes, replayed with fresh inputs
         xs = [torch.zeros(r, HIDDEN, device=dev, dtype=dtype) for r in (1, 129, 1, 300, 2)]
         rs = [torch.zeros_like(x) for x in xs]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused(xs[0], rs[0], weight, 1e-5)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = [fused(x, r, weight, 1e-5) for x, r in zip(xs, rs, strict=True)]
-        for it in range(4):
-            for x, r in zip(xs, rs, strict=True):
-                x.copy_(torch.randn(x.shape, device=dev) * (rank + 1 + it))
-                r.copy_(torch.randn(r.shape, generator=gen, device=dev))
-            g.replay()
-            for i, (x, r) in enumerate(zip(xs, rs, strict=True)):
-                want = reference(x, r)
-                out = outs[i]
-                assert out is not None
-                if not (torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])):
-                    failures.append(f"graph replay {it} call {i}")
+        g, outs = capture_graph(
+            lambda: fused(xs[0], rs[0], weight, 1e-5),
+            lambda: [fused(x, r, weight, 1e-5) for x, r in zip(xs, rs, strict=True)],
+        )
+        failures += _replays(g, xs, rs, rank, gen, 4, lambda i: (xs[i], outs[i]), reference)
     torch.cuda.synchronize()
     q.put((rank, failures))
     dist.barrier(group=group)
@@ -79,18 +83,7 @@ def _worker(rank: int, port: int, dtype_name: str, q: Any) -> None:
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_fused_matches_nccl_then_norm(dtype_name: str) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, dtype_name, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert results == {0: [], 1: []}
+    assert run_two_ranks(_worker, dtype_name) == {0: [], 1: []}
 
 
 def _push_worker(rank: int, port: int, q: Any) -> None:
@@ -141,23 +134,8 @@ def _push_worker(rank: int, port: int, q: Any) -> None:
                 failures.append(f"eager call {i} rows={rows} taken={taken}")
         xs = [torch.zeros(r, 1024, device=dev, dtype=dtype) for r in (1, 1, 5, 1)]
         rs = [torch.zeros(x.shape[0], HIDDEN, device=dev, dtype=dtype) for x in xs]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(xs[0], rs[0])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = [step(x, r) for x, r in zip(xs, rs, strict=True)]
-        for it in range(5):
-            for x, r in zip(xs, rs, strict=True):
-                x.copy_(torch.randn(x.shape, device=dev) * (rank + 1 + it))
-                r.copy_(torch.randn(r.shape, generator=gen, device=dev))
-            g.replay()
-            for i, (_, partial, got) in enumerate(outs):
-                want = reference(partial, rs[i])
-                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                    failures.append(f"graph replay {it} call {i}")
+        g, outs = capture_graph(lambda: step(xs[0], rs[0]), lambda: [step(x, r) for x, r in zip(xs, rs, strict=True)])
+        failures += _replays(g, xs, rs, rank, gen, 5, lambda i: (outs[i][1], outs[i][2]), reference)
     torch.cuda.synchronize()
     q.put((rank, failures))
     dist.barrier(group=group)
@@ -165,15 +143,4 @@ def _push_worker(rank: int, port: int, q: Any) -> None:
 
 
 def test_push_path_matches_nccl_then_norm() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_push_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert results == {0: [], 1: []}
+    assert run_two_ranks(_push_worker) == {0: [], 1: []}

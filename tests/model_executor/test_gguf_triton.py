@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+from tests.interpreted import run_interpreted
 from tests.model_executor.gguf_triton_check import CASES, TOL, TOL_FP16, TYPES, random_blocks, reference
 
 pytest.importorskip("triton")
@@ -31,15 +30,7 @@ CHECK = Path(__file__).with_name("gguf_triton_check.py")
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
     """Every case's relative error, from one interpreter subprocess."""
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(CHECK))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -3,24 +3,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 
 def test_push_and_glu_interpreted() -> None:
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    check = Path(__file__).with_name("row_gemv_interp_check.py")
-    proc = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1] == "ok"
+    assert run_interpreted(Path(__file__).with_name("row_gemv_interp_check.py")) == "ok"

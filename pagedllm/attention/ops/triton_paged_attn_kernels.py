@@ -27,6 +27,18 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_t_tile(ptrs, k_ok, d_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
+    """A [HEAD_PAD, TILE_N] K (or transposed V) tile: keys masked by `k_ok` where MASKED, padded head dims by
+    `d_ok` (`k_ok` is unused without MASKED)."""
+    if MASKED:
+        return tl.load(ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+    elif PADDED:
+        return tl.load(ptrs, mask=d_ok[:, None], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _attn_tiles(
     m_i,
     l_i,
@@ -80,12 +92,7 @@ def _attn_tiles(
             v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[None, :] + offs_d[:, None]
         else:
             v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
-        elif HEAD_PAD != HEAD_SIZE:
-            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _load_t_tile(k_ptrs, k_ok if MASKED else d_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # cap * tanh(s / cap)
@@ -108,13 +115,7 @@ def _attn_tiles(
         acc = acc * alpha[:, None]
         m_i = m_new
         if V_T:
-            if MASKED:
-                v = tl.load(v_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
-            elif HEAD_PAD != HEAD_SIZE:
-                v = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
-            v = tl.trans(v)
+            v = tl.trans(_load_t_tile(v_ptrs, k_ok if MASKED else d_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE))
         elif MASKED:
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
         elif HEAD_PAD != HEAD_SIZE:
