@@ -229,6 +229,16 @@ def paged_attention(
         part_out, part_m, part_l = bufs
     else:
         part_out = part_m = part_l = output  # unused by the kernel
+    fused_merge = num_splits > 1 and os.environ.get("PAGEDLLM_ATTN_FUSED_MERGE") == "1"
+    counters = None
+    if fused_merge:  # (an experiment: the last program of a tile's segments merges them, no merge launch)
+        n_cnt = (num_actual_tokens + num_reqs) * num_kv_heads  # the grid's q tiles (an upper bound) x kv heads
+        ckey = ("merge_counters", n_cnt, query.device)
+        counters = workspace.get(ckey) if workspace is not None else None
+        if counters is None:
+            counters = torch.zeros(n_cnt, dtype=torch.int32, device=query.device)
+            if workspace is not None:
+                workspace[ckey] = counters
 
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
@@ -294,10 +304,12 @@ def paged_attention(
             FP8_VT=kv_fp8 and os.environ.get("PAGEDLLM_FP8_ATTN_VT") == "1",
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
+            cnt_ptr=counters,
+            FUSED_MERGE=fused_merge,
             num_warps=nw,
             num_stages=ns,
         )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         kern._merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,
             part_out,

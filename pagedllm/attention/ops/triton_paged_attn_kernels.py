@@ -181,6 +181,8 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
     FP8_VT: tl.constexpr = False,
+    cnt_ptr=None,  # FUSED_MERGE: [q tiles x kv heads] int32 counters, zero between launches
+    FUSED_MERGE: tl.constexpr = False,
 ):
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
@@ -350,10 +352,48 @@ def _paged_attn_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (tok_g * num_heads + head) * NUM_SEGMENTS + seg
+        base = (tok_g * num_heads + head) * NUM_SEGMENTS
+        part = base + seg
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FUSED_MERGE:
+            # The last of the tile's NUM_SEGMENTS programs to finish merges them (an experiment,
+            # PAGEDLLM_ATTN_FUSED_MERGE: no merge launch). Its counter goes back to zero for the next launch.
+            tl.debug_barrier()  # every thread's partials are written before the counter moves
+            cnt = cnt_ptr + pid_q * (num_heads // GROUP) + kvh
+            done = tl.atomic_add(cnt, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if done == NUM_SEGMENTS - 1:
+                _merge_rows(
+                    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, base, tok_g, head, row_ok, offs_d, d_ok,
+                    stride_ot, stride_oh, HEAD_PAD, NUM_SEGMENTS,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _merge_rows(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, base, tok_g, head, row_ok, offs_d, d_ok, stride_ot, stride_oh,
+    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):  # fmt: skip
+    """The merge of `_merge_segments_kernel` for a program's [BLOCK_M] rows (segment by segment, in order), the
+    partials read from L2 (other programs wrote them)."""
+    m_max = tl.load(part_m_ptr + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in tl.static_range(1, NUM_SEGMENTS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros_like(m_use)
+    acc = tl.zeros([m_use.shape[0], HEAD_PAD], dtype=tl.float32)
+    for s in tl.static_range(NUM_SEGMENTS):
+        w = tl.math.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_use)
+        l_tot += tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg") * w
+        a = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        acc += a * w[:, None]
+    out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
