@@ -381,7 +381,8 @@ def _merge_rows(
     partials read from L2 (other programs wrote them)."""
     m_max = tl.load(part_m_ptr + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
     for s in tl.static_range(1, NUM_SEGMENTS):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+        m_s = tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros_like(m_use)
     acc = tl.zeros([m_use.shape[0], HEAD_PAD], dtype=tl.float32)
