@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     PAGEDLLM_FP32_LOGITS: bool
     PAGEDLLM_ROW_GEMV: bool
     PAGEDLLM_TP_PUSH: bool
+    PAGEDLLM_UVLOOP: bool
     PAGEDLLM_FUSED_ROPE_CACHE: bool
     PAGEDLLM_ATTN_LONGEST_FIRST: bool
     PAGEDLLM_LOG_TRITON_COMPILES: str | None
@@ -169,6 +170,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # With the fused tp=2 all-reduce: batch-1 row GEMVs push their partial sums into the peer's buffer as they
     # write them, and the norm after polls its own (distributed/push_allreduce.py); 0: the fused kernel pulls.
     "PAGEDLLM_TP_PUSH": _flag("PAGEDLLM_TP_PUSH"),
+    # API servers run on uvloop where it is installed (entrypoints/openai/server_main.py); 0: asyncio's loop.
+    "PAGEDLLM_UVLOOP": _flag("PAGEDLLM_UVLOOP"),
     # RoPE fused with the KV-cache write in the Triton attention backend.
     "PAGEDLLM_FUSED_ROPE_CACHE": _flag("PAGEDLLM_FUSED_ROPE_CACHE"),
     # Decode attention launches run the longest requests first (triton_paged_attn.wants_request_order).

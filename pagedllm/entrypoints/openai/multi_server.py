@@ -21,7 +21,6 @@ in all); LoRA adapters loaded at run time through one API server are known by na
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
 import shutil
 import signal
@@ -49,10 +48,10 @@ def _run_api_server(args: argparse.Namespace, config: EngineConfig, connections:
     """Entry point of one spawned API-server process."""
     exit_when_parent_dies("APIServerParentWatch")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from pagedllm.entrypoints.openai.server_main import run_server
+    from pagedllm.entrypoints.openai.server_main import run_event_loop, run_server
 
     try:
-        code = asyncio.run(run_server(args, connections, config=config))
+        code = run_event_loop(run_server(args, connections, config=config))
     except KeyboardInterrupt:
         code = 0
     sys.exit(code)

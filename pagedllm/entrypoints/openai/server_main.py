@@ -9,6 +9,7 @@ import asyncio
 import gc
 import signal
 import socket
+from collections.abc import Coroutine
 from typing import Any
 
 import uvicorn
@@ -119,9 +120,23 @@ async def run_server(
         engine.shutdown()
 
 
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Runs an API server's coroutine on uvloop where it is installed (as vLLM does; `PAGEDLLM_UVLOOP=0`: asyncio's
+    own loop). uvloop's socket transports are C: a streamed chunk's write, most of an API server's time per token
+    under many streams, costs less (benchmarks/NOTES.md, session 35)."""
+    if envs.PAGEDLLM_UVLOOP:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn replaces it while serving
     try:
-        return asyncio.run(run_server(args))
+        return run_event_loop(run_server(args))
     except KeyboardInterrupt:
         return 0
