@@ -1,6 +1,6 @@
 """The Triton kernels behind `triton_paged_attn.paged_attention` (see that module for the cache layout and
 the launch): `_paged_attn_kernel`, one program per (query tile, kv head, key segment), its online softmax
-over key tiles in `_attn_tiles`, and `_merge_segments_kernel`, which merges the split-KV segments' partials.
+over key tiles in `_attn_tiles` (the split-KV segments' partials are merged by `triton_split_merge`).
 
 Only imported where Triton is installed; nothing here compiles at import time.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from pagedllm.attention.ops.triton_split_merge import _merge_rows
 
 
 @triton.jit
@@ -370,61 +372,6 @@ def _paged_attn_kernel(
                     stride_ot, stride_oh, HEAD_PAD, NUM_SEGMENTS,
                 )  # fmt: skip
                 tl.atomic_xchg(cnt, 0)
-
-
-@triton.jit
-def _merge_rows(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, base, tok_g, head, row_ok, offs_d, d_ok, stride_ot, stride_oh,
-    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
-    """The merge of `_merge_segments_kernel` for a program's [BLOCK_M] rows (segment by segment, in order), the
-    partials read from L2 (other programs wrote them)."""
-    m_max = tl.load(part_m_ptr + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in tl.static_range(1, NUM_SEGMENTS):
-        m_s = tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_s)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_tot = tl.zeros_like(m_use)
-    acc = tl.zeros([m_use.shape[0], HEAD_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_SEGMENTS):
-        w = tl.math.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_use)
-        l_tot += tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg") * w
-        a = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        acc += a * w[:, None]
-    out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
-    dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _merge_segments_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    base = (t * num_heads + h) * NUM_SEGMENTS
-    offs_s = tl.arange(0, NUM_SEGMENTS)
-    offs_d = tl.arange(0, HEAD_PAD)
-    m = tl.load(part_m_ptr + base + offs_s)
-    l_s = tl.load(part_l_ptr + base + offs_s)
-    m_max = tl.max(m, 0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_use)  # empty segments: exp2(-inf) = 0
-    l_tot = tl.sum(l_s * w, 0)
-    acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-    dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 @triton.jit(do_not_specialize=["n"])
