@@ -28,6 +28,10 @@ def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+_SCALARS = frozenset((int, float, bool, type(None)))
+"""JSON values with nothing to check inside (their nesting is the list's plus one)."""
+
+
 def check_json_value(value: Any, depth: int = 0, where: str = "body") -> None:
     """Raise ValueError for nesting deeper than MAX_JSON_DEPTH or strings that are not valid Unicode."""
     if depth > MAX_JSON_DEPTH:
@@ -44,8 +48,10 @@ def check_json_value(value: Any, depth: int = 0, where: str = "body") -> None:
             check_json_value(k, depth + 1, where)
             check_json_value(v, depth + 1, f"{where}.{k}" if depth == 0 else where)
     elif isinstance(value, list):
+        deep = depth + 1 > MAX_JSON_DEPTH
         for v in value:
-            check_json_value(v, depth + 1, where)
+            if deep or type(v) not in _SCALARS:  # (a 512-token prompt's ids: 55 -> 6.5 us a request)
+                check_json_value(v, depth + 1, where)
 
 
 class OpenAIBaseModel(BaseModel):

@@ -74,6 +74,17 @@ def test_depth_limit() -> None:
         parse(CompletionRequest, f'{{"prompt": "x", "extra": {deep}}}')
 
 
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH - 2, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH])
+def test_depth_limit_counts_scalars_in_lists(levels: int) -> None:
+    """Numbers inside the innermost list sit one level deeper than it (checked without a call per number)."""
+    value = "[" * levels + "1, 2.5, true, null" + "]" * levels
+    if levels + 1 <= MAX_JSON_DEPTH:
+        parse(CompletionRequest, f'{{"prompt": "x", "extra": {value}}}')
+    else:
+        with pytest.raises(ValidationError, match="nested deeper"):
+            parse(CompletionRequest, f'{{"prompt": "x", "extra": {value}}}')
+
+
 def test_chat_messages_are_typed() -> None:
     req = parse(
         ChatCompletionRequest,
