@@ -10,7 +10,12 @@ import torch
 
 from pagedllm.attention import kv_quant
 from pagedllm.attention.ops import cpu_paged_attn
-from tests.csrc.test_cpu_kernels import DECODE_SHAPES, _reference_decode, _torch_path_decode
+from tests.csrc.test_cpu_kernels import (
+    DECODE_SHAPES,
+    _reference_decode,
+    _torch_path_decode,
+    check_batch_and_thread_invariant,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_paged_attn.available(), reason="no C compiler for the CPU kernels")
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -124,29 +129,7 @@ def test_fp8_batch_and_thread_invariant() -> None:
     kv_scales = _scales(0.05, 0.02)
     k_cache = kv_quant.quantize(torch.randn(200, 16, 3, 64, generator=g), kv_scales[0], torch.float8_e4m3fn)
     v_cache = kv_quant.quantize(torch.randn(200, 16, 3, 64, generator=g), kv_scales[1], torch.float8_e4m3fn)
-    seq_lens = torch.tensor([1500, 40, 700, 3], dtype=torch.int32)
-    bt = torch.randint(0, 200, (4, 94), generator=g, dtype=torch.int32)
-    query = torch.randn(4, 9, 64, generator=g)
-    runs = []
-    threads = torch.get_num_threads()
-    try:
-        for nt in (1, 2):
-            torch.set_num_threads(nt)
-            out = torch.empty_like(query)
-            cpu_paged_attn.paged_decode(
-                query, k_cache, v_cache, bt, seq_lens, torch.arange(4), out, 0.125, None, kv_scales
-            )
-            runs.append(out)
-            for d in range(4):
-                alone = torch.empty_like(query[:1])
-                cpu_paged_attn.paged_decode(
-                    query[d : d + 1], k_cache, v_cache, bt[d : d + 1], seq_lens[d : d + 1],
-                    torch.zeros(1, dtype=torch.long), alone, 0.125, None, kv_scales,
-                )  # fmt: skip
-                assert torch.equal(alone[0], out[d])
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(runs[0], runs[1])
+    check_batch_and_thread_invariant(k_cache, v_cache, g, kv_scales)
 
 
 def test_fp8_needs_scales() -> None:

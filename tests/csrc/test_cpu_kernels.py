@@ -3,6 +3,8 @@ paged cache, cache writes) and oneDNN-packed bf16 linears."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,13 +125,9 @@ def test_paged_decode_matches_reference(
     torch.testing.assert_close(torch_out.double(), ref, atol=tol, rtol=tol)
 
 
-@needs_kernels
-def test_paged_decode_is_batch_and_thread_invariant() -> None:
-    """A long context is split into fixed 512-key parts merged in order: a request's output is the same bits
-    alone or batched, with one thread or two."""
-    g = torch.Generator().manual_seed(5)
-    k_cache = torch.randn(200, 16, 3, 64, generator=g)
-    v_cache = torch.randn(200, 16, 3, 64, generator=g)
+def check_batch_and_thread_invariant(k_cache: torch.Tensor, v_cache: torch.Tensor, g: Any, *extra: Any) -> None:
+    """`paged_decode` over four requests (contexts 1,500 / 40 / 700 / 3, fragmented blocks) gives each request the
+    same bits alone as batched, with one thread as with two (`extra`: its trailing arguments, e.g. kv_scales)."""
     seq_lens = torch.tensor([1500, 40, 700, 3], dtype=torch.int32)
     bt = torch.randint(0, 200, (4, 94), generator=g, dtype=torch.int32)
     query = torch.randn(4, 9, 64, generator=g)
@@ -139,18 +137,29 @@ def test_paged_decode_is_batch_and_thread_invariant() -> None:
         for nt in (1, 2):
             torch.set_num_threads(nt)
             out = torch.empty_like(query)
-            cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, torch.arange(4), out, 0.125, None)
+            idx = torch.arange(4)
+            cpu_paged_attn.paged_decode(query, k_cache, v_cache, bt, seq_lens, idx, out, 0.125, None, *extra)
             runs.append(out)
             for d in range(4):
                 alone = torch.empty_like(query[:1])
                 cpu_paged_attn.paged_decode(
                     query[d : d + 1], k_cache, v_cache, bt[d : d + 1], seq_lens[d : d + 1],
-                    torch.zeros(1, dtype=torch.long), alone, 0.125, None,
+                    torch.zeros(1, dtype=torch.long), alone, 0.125, None, *extra,
                 )  # fmt: skip
                 assert torch.equal(alone[0], out[d])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(runs[0], runs[1])
+
+
+@needs_kernels
+def test_paged_decode_is_batch_and_thread_invariant() -> None:
+    """A long context is split into fixed 512-key parts merged in order: a request's output is the same bits
+    alone or batched, with one thread or two."""
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(200, 16, 3, 64, generator=g)
+    v_cache = torch.randn(200, 16, 3, 64, generator=g)
+    check_batch_and_thread_invariant(k_cache, v_cache, g)
 
 
 @needs_kernels
