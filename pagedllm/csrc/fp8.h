@@ -5,19 +5,8 @@
  * the output. The quantizing write is in kv_fp8.c. */
 #pragma once
 #include <stdint.h>
-#include <string.h>
 
-static inline uint32_t fp8_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float fp8_as_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h" /* f32_bits, f32_from_bits */
 
 /* The value computed branch-free from the code's bits (integer shifts and selects, one int -> float conversion
  * for subnormals: exact under -ffast-math, and no float32 denormal is involved), rather than read from a
@@ -28,18 +17,18 @@ static inline float e4m3fn_to_f32(uint8_t b) {
     const uint32_t em = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
     const float sub = (float)(int32_t)em * 0x1p-9f; /* exponent 0: m * 2^-9 */
     const uint32_t nrm = (em << 20) + (UINT32_C(120) << 23); /* (1 + m / 8) * 2^(e - 7) */
-    uint32_t u = em < 8 ? fp8_bits(sub) : nrm;
+    uint32_t u = em < 8 ? f32_bits(sub) : nrm;
     u = em == 0x7fu ? UINT32_C(0x7fc00000) : u; /* S.1111.111: NaN */
-    return fp8_as_float(u | sign);
+    return f32_from_bits(u | sign);
 }
 
 static inline float e5m2_to_f32(uint8_t b) {
     const uint32_t em = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
     const float sub = (float)(int32_t)em * 0x1p-16f; /* exponent 0: m * 2^-16 */
     const uint32_t nrm = (em << 21) + (UINT32_C(112) << 23); /* (1 + m / 4) * 2^(e - 15) */
-    uint32_t u = em < 4 ? fp8_bits(sub) : nrm;
+    uint32_t u = em < 4 ? f32_bits(sub) : nrm;
     u = em >= 0x7cu ? (em << 21) | UINT32_C(0x7f800000) : u; /* exponent 31: inf (m == 0) or NaN */
-    return fp8_as_float(u | sign);
+    return f32_from_bits(u | sign);
 }
 
 #define LOAD_E4M3(x) e4m3fn_to_f32(x)

@@ -17,11 +17,11 @@
 static inline uint8_t f32_to_e4m3fn(float f) {
     const uint32_t fp8_max = UINT32_C(1087) << 20;     /* 480.0f, the first value past the range */
     const uint32_t denorm_mask = UINT32_C(141) << 23; /* ((127 - 7) + (23 - 3) + 1) */
-    uint32_t u = fp8_bits(f);
+    uint32_t u = f32_bits(f);
     const uint32_t sign = u & UINT32_C(0x80000000);
     u ^= sign;
     /* below 2^-6, the smallest normal: the float adder rounds the value into the low bits */
-    const uint32_t sub = fp8_bits(fp8_as_float(u) + fp8_as_float(denorm_mask)) - denorm_mask;
+    const uint32_t sub = f32_bits(f32_from_bits(u) + f32_from_bits(denorm_mask)) - denorm_mask;
     uint32_t nrm = (u + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((u >> 20) & 1)) >> 20; /* rebias, round */
     nrm = (nrm & 0xff) == 0x7f ? 0x7e : nrm; /* a carry into the NaN code saturates */
     const uint32_t big = u > UINT32_C(0x7F800000) ? 0x7f : 0x7e;
@@ -34,10 +34,10 @@ static inline uint8_t f32_to_e5m2(float f) {
     const uint32_t fp32_inf = UINT32_C(255) << 23;
     const uint32_t fp8_max = UINT32_C(143) << 23;     /* 65536.0f */
     const uint32_t denorm_mask = UINT32_C(134) << 23; /* ((127 - 15) + (23 - 2) + 1) */
-    uint32_t u = fp8_bits(f);
+    uint32_t u = f32_bits(f);
     const uint32_t sign = u & UINT32_C(0x80000000);
     u ^= sign;
-    const uint32_t sub = fp8_bits(fp8_as_float(u) + fp8_as_float(denorm_mask)) - denorm_mask; /* below 2^-14 */
+    const uint32_t sub = f32_bits(f32_from_bits(u) + f32_from_bits(denorm_mask)) - denorm_mask; /* below 2^-14 */
     const uint32_t nrm = (u + ((uint32_t)(15 - 127) << 23) + 0xFFFFF + ((u >> 21) & 1)) >> 21;
     const uint32_t big = u > fp32_inf ? 0x7F : 0x7C;
     const uint32_t r = u >= fp8_max ? big : (u < (UINT32_C(113) << 23) ? sub : nrm);
@@ -57,25 +57,13 @@ static inline uint8_t quant_e5m2(float x, float scale) {
     return f32_to_e5m2(y);
 }
 
-/* Each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) quantized into its
- * cache slot; slot < 0 means "padding, skip". (The float32 / bfloat16 caches' writes are in paged_attn.c.) */
-#define DEFINE_FP8_CACHE_WRITE(SUFFIX, T, LOAD, QUANT)                                                        \
-    void reshape_and_cache_##SUFFIX(const T* key, int64_t k_stride_t, const T* value, int64_t v_stride_t,     \
-                                    uint8_t* k_cache, uint8_t* v_cache, const int64_t* slots,                 \
-                                    int64_t num_tokens, int64_t row, float k_scale, float v_scale) {          \
-        for (int64_t i = 0; i < num_tokens; i++) {                                                            \
-            const int64_t s = slots[i];                                                                       \
-            if (s < 0) continue;                                                                              \
-            const T* k = key + i * k_stride_t;                                                                \
-            const T* v = value + i * v_stride_t;                                                              \
-            uint8_t* kc = k_cache + s * row;                                                                  \
-            uint8_t* vc = v_cache + s * row;                                                                  \
-            for (int64_t e = 0; e < row; e++) kc[e] = QUANT(LOAD(k[e]), k_scale);                             \
-            for (int64_t e = 0; e < row; e++) vc[e] = QUANT(LOAD(v[e]), v_scale);                             \
-        }                                                                                                     \
-    }
-
-DEFINE_FP8_CACHE_WRITE(f32_kfp8e4m3, float, LOAD_F32, quant_e4m3fn)
-DEFINE_FP8_CACHE_WRITE(f32_kfp8e5m2, float, LOAD_F32, quant_e5m2)
-DEFINE_FP8_CACHE_WRITE(bf16_kfp8e4m3, uint16_t, bf16_to_f32, quant_e4m3fn)
-DEFINE_FP8_CACHE_WRITE(bf16_kfp8e5m2, uint16_t, bf16_to_f32, quant_e5m2)
+/* Each new token's K and V rows quantized into its cache slot, with the layer's K or V scale (DEFINE_CACHE_WRITE
+ * in bf16.h; the float32 / bfloat16 caches' writes are in paged_attn.c). */
+#define Q_E4M3_F32(x, kv) quant_e4m3fn(LOAD_F32(x), kv##_scale)
+#define Q_E5M2_F32(x, kv) quant_e5m2(LOAD_F32(x), kv##_scale)
+#define Q_E4M3_BF16(x, kv) quant_e4m3fn(bf16_to_f32(x), kv##_scale)
+#define Q_E5M2_BF16(x, kv) quant_e5m2(bf16_to_f32(x), kv##_scale)
+DEFINE_CACHE_WRITE(f32_kfp8e4m3, float, uint8_t, Q_E4M3_F32, , float k_scale, float v_scale)
+DEFINE_CACHE_WRITE(f32_kfp8e5m2, float, uint8_t, Q_E5M2_F32, , float k_scale, float v_scale)
+DEFINE_CACHE_WRITE(bf16_kfp8e4m3, uint16_t, uint8_t, Q_E4M3_BF16, , float k_scale, float v_scale)
+DEFINE_CACHE_WRITE(bf16_kfp8e5m2, uint16_t, uint8_t, Q_E5M2_BF16, , float k_scale, float v_scale)

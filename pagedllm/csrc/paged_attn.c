@@ -267,24 +267,9 @@ DEFINE_PAGED_DECODE_FP8(bf16_kfp8e4m3, uint16_t)
 DEFINE_DECODE(bf16_kfp8e5m2, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, LOAD_E5M2, 1, e5m2_row_to_f32)
 DEFINE_PAGED_DECODE_FP8(bf16_kfp8e5m2, uint16_t)
 
-/* Write each new token's K and V rows ([T, kvh, hd] of T, token stride given, heads contiguous) to its cache
- * slot (rows of C, converted by TO_C); slot < 0 means "padding, skip". */
-#define DEFINE_CACHE_WRITE(SUFFIX, T, C, TO_C)                                                              \
-    void reshape_and_cache_##SUFFIX(const T* key, int64_t k_stride_t, const T* value, int64_t v_stride_t,   \
-                                    C* k_cache, C* v_cache, const int64_t* slots, int64_t num_tokens,       \
-                                    int64_t row) {                                                          \
-        for (int64_t i = 0; i < num_tokens; i++) {                                                          \
-            const int64_t s = slots[i];                                                                     \
-            if (s < 0) continue;                                                                            \
-            const T* k = key + i * k_stride_t;                                                              \
-            const T* v = value + i * v_stride_t;                                                            \
-            C* kc = k_cache + s * row;                                                                      \
-            C* vc = v_cache + s * row;                                                                      \
-            for (int64_t e = 0; e < row; e++) kc[e] = TO_C(k[e]);                                           \
-            for (int64_t e = 0; e < row; e++) vc[e] = TO_C(v[e]);                                           \
-        }                                                                                                   \
-    }
-
-DEFINE_CACHE_WRITE(f32, float, float, AS_IS)
-DEFINE_CACHE_WRITE(bf16, uint16_t, uint16_t, AS_IS)
-DEFINE_CACHE_WRITE(f32_kbf16, float, uint16_t, f32_to_bf16)
+/* The float32 / bfloat16 caches' writes (DEFINE_CACHE_WRITE in bf16.h). */
+#define KEEP_KV(x, kv) (x)
+#define TO_BF16_KV(x, kv) f32_to_bf16(x)
+DEFINE_CACHE_WRITE(f32, float, float, KEEP_KV, )
+DEFINE_CACHE_WRITE(bf16, uint16_t, uint16_t, KEEP_KV, )
+DEFINE_CACHE_WRITE(f32_kbf16, float, uint16_t, TO_BF16_KV, )
