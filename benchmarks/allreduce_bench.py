@@ -133,6 +133,8 @@ def _gemv_reduce(group: Any, rank: int, dev: torch.device, fused: Any, weight: t
     """Batch 1 at tp=2, o_proj's and down_proj's per-rank GEMV shapes (Llama-3.1-8B) followed by their
     reduction: the add + norm alone (no communication: what tp=1 pays after its GEMV), the pull kernel, and the
     push path (`distributed/push_allreduce.py`); us per GEMV + reduction, `per_step` of them in a graph."""
+    import torch.distributed as dist
+
     from pagedllm.distributed import push_allreduce
     from pagedllm.model_executor.layers import triton_gemv, triton_ops
 
@@ -153,15 +155,8 @@ def _gemv_reduce(group: Any, rank: int, dev: torch.device, fused: Any, weight: t
             )
         for case, fn in cases.items():
             out[f"{name}_{case}_us"] = _graph_time(fn, args.per_step, args.iters) * 1e6
-            dist_barrier(group)
+            dist.barrier(group=group)  # (each case's graph time ends synchronized)
     return out
-
-
-def dist_barrier(group: Any) -> None:
-    import torch.distributed as dist
-
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
