@@ -133,6 +133,64 @@ def _tc_kernel(x_ptr, w_ptr, ws_ptr, part_ptr, out_ptr, cnt_ptr, N, K, K_SPLIT, 
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
+@triton.jit
+def _x_scale_wide(x_ptr, K, QMAX: tl.constexpr, AB: tl.constexpr):
+    """The row's scale read in AB-wide blocks (one or two L2 round trips, not K / BK of them)."""
+    offs = tl.arange(0, AB)
+    amax = tl.zeros([AB], dtype=tl.float32)
+    for k0 in range(0, K, AB):
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+    return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
+
+
+@triton.jit
+def _v2_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, N, K, QMAX: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, PIPE: tl.constexpr, AB: tl.constexpr, H2: tl.constexpr, PRE: tl.constexpr,
+               FLUSH: tl.constexpr):  # fmt: skip
+    """v2: the scale from one wide pass (or pre-quantized x: PRE), x times the reciprocal (the e4m3 conversion
+    saturates, so no clamp); H2: float16-pair FMAs flushed to float32 every FLUSH steps."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    if PRE:
+        scale = tl.load(xs_ptr)
+        inv = 1.0
+    else:
+        scale = _x_scale_wide(x_ptr, K, QMAX, AB)
+        inv = 1.0 / scale
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK * FLUSH, num_stages=PIPE):
+        if H2:
+            a16 = tl.zeros([BN, BK], dtype=tl.float16)
+        for j in tl.static_range(FLUSH):
+            kk = k0 + j * BK + offs_k
+            if PRE:
+                xq = tl.load(xq_ptr + kk)
+            else:
+                xq = (tl.load(x_ptr + kk).to(tl.float32) * inv).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + offs_n[:, None] * K + kk[None, :])
+            if H2:
+                xh = xq.to(tl.float16) * 0.00390625
+                a16 = _fma_f16x2(w.to(tl.float16), tl.broadcast_to(xh[None, :], [BN, BK]), a16)
+            else:
+                acc += w.to(tl.float32) * xq.to(tl.float32)[None, :]
+        if H2:
+            acc += a16.to(tl.float32)
+    res = tl.sum(acc, axis=1) * ((256.0 if H2 else 1.0) * scale) * tl.load(ws_ptr + offs_n)
+    tl.store(out_ptr + offs_n, res.to(out_ptr.dtype.element_ty))
+
+
+def run_v2(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bn: int, bk: int, warps: int, pipe: int, h2: int,
+           pre_q: int, flush: int, pre: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    n, k = w.shape
+    xq, xs = pre if pre_q and pre is not None else (x, ws)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _v2_kernel[(n // bn,)](
+        x, xq, xs, w, ws, out, n, k, QMAX=QMAX, BN=bn, BK=bk, PIPE=pipe, AB=min(triton.next_power_of_2(k), 8192),
+        H2=bool(h2), PRE=bool(pre_q), FLUSH=flush, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
 def run_ship(
     x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, bn: int, bk: int, warps: int, pipe: int
 ) -> torch.Tensor:
@@ -185,6 +243,13 @@ def candidates(only: list[str]) -> list[tuple]:
         c += [("pre", run_pre, cfg) for cfg in itertools.product((16, 32), (512,), (4, 8), (1, 3))]
     if "h2" in only:
         c += [("h2", run_h2, cfg) for cfg in itertools.product((16, 32), (256, 512), (4, 8), (1, 3), (4,))]
+    if "v2" in only:  # (bn, bk, warps, pipe, h2, pre-quantized x, flush)
+        c += [("v2", run_v2, cfg) for cfg in [
+            (16, 512, 4, 1, 0, 0, 1), (16, 512, 4, 3, 0, 0, 1), (16, 1024, 4, 3, 0, 0, 1), (8, 512, 4, 3, 0, 0, 1),
+            (16, 512, 2, 3, 0, 0, 1), (32, 512, 4, 3, 0, 0, 1), (16, 512, 4, 4, 0, 0, 1), (16, 512, 4, 3, 0, 0, 2),
+            (16, 512, 4, 3, 1, 0, 2), (16, 512, 4, 3, 1, 0, 4), (16, 256, 4, 3, 1, 0, 4), (8, 512, 4, 3, 1, 0, 4),
+            (16, 512, 4, 3, 0, 1, 1), (16, 512, 4, 3, 1, 1, 4), (8, 512, 4, 3, 1, 1, 4), (16, 512, 4, 4, 1, 1, 2),
+        ]]  # fmt: skip
     if "tc" in only:
         c += [("tc", run_tc, cfg) for cfg in itertools.product((32, 64), (128, 256), (4,), (3,), (1, 2, 4), (0,), (0,))]
         c += [
@@ -221,10 +286,11 @@ def main() -> None:
         for label, kw in variants:
             per, errs, ok = {}, {}, True
             for name, c in cases.items():
-                if c["n"] % cfg[0] or (kind == "h2" and c["k"] % (cfg[1] * cfg[4])) or cfg[1] > c["k"]:
+                flush = cfg[4] if kind == "h2" else (cfg[6] if kind == "v2" else 1)
+                if c["n"] % cfg[0] or c["k"] % (cfg[1] * flush) or cfg[1] > c["k"]:
                     ok = False
                     break
-                extra = dict(kw, pre=c["pre"]) if kind == "pre" else {}
+                extra = dict(kw, pre=c["pre"]) if kind in ("pre", "v2") else {}
                 try:
                     y = fn(c["x"], *c["ws"][0], *cfg, **extra).float().view(-1)
                 except Exception as e:  # noqa: BLE001 - a config Triton cannot build: skip it
