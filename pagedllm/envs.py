@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     PAGEDLLM_TP_CE_CHUNKS: int
     PAGEDLLM_MLP_CHUNK_TOKENS: int
     PAGEDLLM_FP8_ATTN_F16: bool
+    PAGEDLLM_W8A8_H2: bool
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -126,6 +127,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_MLP_CHUNK_TOKENS": lambda: int(os.environ.get("PAGEDLLM_MLP_CHUNK_TOKENS", "4096")),
     # Triton paged attention over an FP8 KV cache: both dots in float16 (0: in the query's dtype, as a bf16 cache).
     "PAGEDLLM_FP8_ATTN_F16": _flag("PAGEDLLM_FP8_ATTN_F16"),
+    # The FP8 W8A8 decode GEMV with 16-bit activations: float16-pair FMAs (0: float32 products, as float32 models).
+    "PAGEDLLM_W8A8_H2": _flag("PAGEDLLM_W8A8_H2"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

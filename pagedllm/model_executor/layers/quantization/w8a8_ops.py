@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
@@ -81,11 +82,37 @@ if HAS_TRITON:
         tl.store(s_ptr + row, scale)
 
     @triton.jit
+    def _row_scale(x_row, K, QMAX: tl.constexpr, AB: tl.constexpr):
+        """The per-token scale of one activation row, read AB elements at a time: one or two L2 round trips
+        before the weight stream starts (K / 512 of them, one per loop step, cost an H200 ~10 % of the GEMV)."""
+        offs = tl.arange(0, AB)
+        amax = tl.zeros([AB], dtype=tl.float32)
+        for k0 in range(0, K, AB):
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+        return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
+
+    @triton.jit
+    def _fma_f16x2(a, b, c):
+        """a * b + c on float16 pairs, one `fma.rn.f16x2` per two elements."""
+        return tl.inline_asm_elementwise(
+            "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.float16, is_pure=True, pack=2
+        )
+
+    @triton.jit
     def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
                           QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr = 1):  # fmt: skip
-        """Decode rows: the row's per-token quantization fused into the GEMV (each program re-reads the
-        small activation row for its amax), BN weight rows streamed along K; one launch per linear."""
+                          BN: tl.constexpr, BK: tl.constexpr, AB: tl.constexpr, H2: tl.constexpr,
+                          FLUSH: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr):  # fmt: skip
+        """Decode rows: the row's per-token quantization fused into the GEMV (each program reads the small
+        activation row for its amax first), BN weight rows streamed along K; one launch per linear.
+
+        H2 (FP8 weights, 16-bit activations): weights and quantized activations become float16 pairs (e4m3
+        converts exactly, two values an instruction) multiplied-added by `fma.rn.f16x2` into float16 partial
+        sums, added to the float32 accumulator every FLUSH steps: ~1 instruction a weight instead of the
+        float32 path's 2.5, which bound the GEMV by issue rather than bytes on an H200 (1.72x -> 1.35x its
+        floor per layer, benchmarks/w8a8_gemv_sweep.py). The activation is scaled by 2^-8 (exact) so that
+        |w x| <= 448 * 1.75 and a FLUSH-term partial sum stays far inside float16's range; the float16 sums
+        round at ~5e-4 relative, below the 16-bit output's own rounding. Float32 activations keep float32."""
         m = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -94,29 +121,39 @@ if HAS_TRITON:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
-            amax = tl.zeros([BK], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(xk))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
+            scale = _row_scale(x_row, K, QMAX, AB)
         acc = tl.zeros([BN, BK], dtype=tl.float32)
-        # PIPE > 1: the loop's loads as cp.async, PIPE stages ahead (a plain range left them synchronous: the
-        # masked loads feed elementwise math, which Triton's pipeliner does not take on its own; sm_90 PTX).
-        for k0 in tl.range(0, K, BK, num_stages=PIPE):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            # `/` (not IEEE div_rn as in `_quant_rows_kernel`): here every program divides the whole row, and
-            # div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md)
-            xq = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32) / scale
-            if IS_INT:
-                r = tl.floor(xq + 0.5)
-                r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
-                xq = tl.clamp(r, -128.0, 127.0)
-            else:
-                xq = tl.clamp(xq, -QMAX, QMAX).to(w_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + offs_n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * xq[None, :]
-        res = tl.sum(acc, axis=1) * scale * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        # tl.range's stages make the loads cp.async copies; a plain range left them synchronous (they feed
+        # elementwise math, which Triton's pipeliner does not take on its own): 88.6 -> 77.7 us a layer (H200)
+        for k0 in tl.range(0, K, BK * FLUSH, num_stages=PIPE):
+            if H2:
+                a16 = tl.zeros([BN, BK], dtype=tl.float16)
+            for j in tl.static_range(FLUSH):
+                kk = k0 + j * BK + offs_k
+                w_ptrs = w_ptr + offs_n[:, None] * K + kk[None, :]
+                if EVEN:
+                    xv = tl.load(x_row + kk)
+                    w = tl.load(w_ptrs)
+                else:
+                    k_ok = kk < K
+                    xv = tl.load(x_row + kk, mask=k_ok, other=0.0)
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                # `/` (not IEEE div_rn as in `_quant_rows_kernel`): here every program divides the whole row,
+                # and div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md)
+                xq = xv.to(tl.float32) / scale
+                if IS_INT:
+                    r = tl.floor(xq + 0.5)
+                    r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
+                    acc += w.to(tl.float32) * tl.clamp(r, -128.0, 127.0)[None, :]
+                elif H2:  # (the e4m3 conversion saturates at +-448: no clamp)
+                    xh = xq.to(w_ptr.dtype.element_ty).to(tl.float16) * 0.00390625
+                    a16 = _fma_f16x2(w.to(tl.float16), tl.broadcast_to(xh[None, :], [BN, BK]), a16)
+                else:
+                    xq = tl.clamp(xq, -QMAX, QMAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+                    acc += w.to(tl.float32) * xq[None, :]
+            if H2:
+                acc += a16.to(tl.float32)
+        res = tl.sum(acc, axis=1) * ((256.0 if H2 else 1.0) * scale) * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             res += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -132,13 +169,18 @@ def w8a8_gemv(
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bn, bk = 16, 512  # benchmarks/gemv_tune.py on an H100: 1.00x the copy floor per layer (256-wide K: 1.25x)
+    # benchmarks/w8a8_gemv_sweep.py on an H200 (Llama-3.1-8B's shapes, weights streamed from HBM): 16 rows x
+    # 512, 4 warps, 3 cp.async stages; float16 pairs in 4-step runs for FP8 weights and 16-bit activations
+    bn, bk = 16, 512
+    h2 = w.dtype == FP8_DTYPE and x.dtype in (torch.bfloat16, torch.float16) and envs.PAGEDLLM_W8A8_H2
+    flush = 4 if h2 else 1
+    ab = min(triton.next_power_of_2(k), 8192)
     qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
     _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
         x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
         out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, num_warps=4, num_stages=4,
-        PIPE=int(os.environ.get("PAGEDLLM_W8A8_GEMV_PIPE", "1")),
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, AB=ab, H2=h2,
+        FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=3, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -165,8 +207,6 @@ def quantize_rows(
 
 
 def _interpret() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
