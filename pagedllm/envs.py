@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MLP_CHUNK_TOKENS: int
     PAGEDLLM_FP8_ATTN_F16: bool
     PAGEDLLM_W8A8_H2: bool
+    PAGEDLLM_FP8_ACT_TWIN: bool
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -129,6 +130,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FP8_ATTN_F16": _flag("PAGEDLLM_FP8_ATTN_F16"),
     # The FP8 W8A8 decode GEMV with 16-bit activations: float16-pair FMAs (0: float32 products, as float32 models).
     "PAGEDLLM_W8A8_H2": _flag("PAGEDLLM_W8A8_H2"),
+    # CUDA decode rows: the RMSNorm / SiLU-mul before an FP8 linear also write their output quantized, which the
+    # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
+    "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

@@ -142,6 +142,11 @@ class ModelRunner:
             from pagedllm.model_executor.models.llama import chunk_mlps
 
             chunk_mlps(self.model, envs.PAGEDLLM_MLP_CHUNK_TOKENS)
+        if self.device.type == "cuda" and envs.PAGEDLLM_FP8_ACT_TWIN:
+            from pagedllm.model_executor.layers.quantization.act_twin import link_producers
+
+            if linked := link_producers(self.model):
+                logger.info("FP8 decode: %d norms / SiLU-muls also write their output quantized", linked)
         if self.wants_fused_tp_norms():
             from pagedllm.distributed.tp_fusion import fuse_model
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.model_executor.layers import cpu_ops, triton_ops
+from pagedllm.model_executor.layers.quantization import act_twin
 
 if TYPE_CHECKING:
     from pagedllm.distributed.fused_allreduce_norm import AllReduceNorm
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
     """
 
     tp_reduce: AllReduceNorm | None = None
+    fp8_twin = False  # the output feeds an FP8 linear: decode rows also carry their e4m3 twin (act_twin.py)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -52,9 +54,10 @@ class RMSNorm(nn.Module):
             x = tensor_model_parallel_all_reduce(x)  # too large for the fused kernel: NCCL, then the norm below
         if triton_ops.use_triton_ops(x) and self.weight.dtype == x.dtype:
             # One fused kernel instead of ~8 elementwise/reduction launches (same rounding).
+            twin = self.fp8_twin and act_twin.wants_twin(self, x)
             if residual is None:
-                return triton_ops.rms_norm(x, self.weight, self.variance_epsilon)
-            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+                return triton_ops.rms_norm(x, self.weight, self.variance_epsilon, twin)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, twin)
         if residual is not None and x.dim() == residual.dim() + 1:
             x = x.sum(dim=-2)
         if cpu_ops.usable(x):

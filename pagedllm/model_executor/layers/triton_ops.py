@@ -51,6 +51,9 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         PARTS: tl.constexpr = 1,
+        q_ptr=None,  # QUANT: [rows, n_cols] e4m3 out
+        qs_ptr=None,  # QUANT: [rows] float32 out
+        QUANT: tl.constexpr = False,  # also write the output quantized (quantization/act_twin.py)
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -71,7 +74,18 @@ if HAS_TRITON:
         rstd = 1.0 / tl.sqrt(var + eps)
         normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (w * normed).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        if QUANT:
+            _quant_row(y.to(tl.float32), q_ptr + row * n_cols + offs, qs_ptr + row, mask)
+
+    @triton.jit
+    def _quant_row(y, q_ptrs, s_ptr, mask):
+        """One row's per-token e4m3 quantization, as `w8a8_ops._quant_rows_kernel` computes it (to the bit)."""
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-10)
+        q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+        tl.store(s_ptr, scale)
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -81,6 +95,9 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
+        q_ptr=None,  # QUANT: [rows, d] e4m3 out
+        qs_ptr=None,  # QUANT: [rows] float32 out
+        QUANT: tl.constexpr = False,  # one program a row (BLOCK >= d) that also writes the row quantized
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -88,7 +105,10 @@ if HAS_TRITON:
         g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (act * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        if QUANT:
+            _quant_row(y.to(tl.float32), q_ptr + row * d + offs, qs_ptr + row, mask)
 
 
 def _norm_warps(block: int) -> int:
@@ -101,12 +121,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype."""
+def _twin(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers of an output's FP8 twin (quantization/act_twin.py): e4m3 rows and one float32 scale each."""
+    return (
+        torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=device),
+        torch.empty((n_rows, 1), dtype=torch.float32, device=device),
+    )
+
+
+def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    if twin is not None:
+        from pagedllm.model_executor.layers.quantization import act_twin
+
+        act_twin.attach(out, *twin)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool = False) -> torch.Tensor:
+    """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype; `fp8_twin`: the output also
+    carries its per-token e4m3 quantization (quantization/act_twin.py)."""
     require_triton()
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    twin = _twin(n_rows, n_cols, x.device) if fp8_twin else None
     if n_rows:
         block = next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
@@ -124,12 +162,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             HAS_RESIDUAL=False,
             BLOCK=block,
             num_warps=_norm_warps(block),
+            q_ptr=twin[0] if twin else None,
+            qs_ptr=twin[1] if twin else None,
+            QUANT=twin is not None,
         )
-    return out.view(x.shape)
+    return _with_twin(out.view(x.shape), twin)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * norm(x + residual), x + residual)`: one read of x and residual, two writes.
 
@@ -146,6 +187,7 @@ def fused_add_rms_norm(
     n_rows, n_cols = r2.shape
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     res_out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    twin = _twin(n_rows, n_cols, x.device) if fp8_twin else None
     if n_rows:
         block = next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
@@ -164,20 +206,25 @@ def fused_add_rms_norm(
             BLOCK=block,
             PARTS=parts,
             num_warps=_norm_warps(block),
+            q_ptr=twin[0] if twin else None,
+            qs_ptr=twin[1] if twin else None,
+            QUANT=twin is not None,
         )
-    return out.view(residual.shape), res_out.view(residual.shape)
+    return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d."""
+def silu_and_mul(x: torch.Tensor, fp8_twin: bool = False) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `fp8_twin` as in `rms_norm` (one program a row)."""
     require_triton()
     x2 = _rows(x)
     n_rows, width = x2.shape
     d = width // 2
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+    twin = _twin(n_rows, d, x.device) if fp8_twin else None
     if n_rows:
-        block = min(1024, next_pow2(d))
+        block = next_pow2(d) if twin else min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
-        )
-    return out.view(*x.shape[:-1], d)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=_norm_warps(block) if twin else 4,
+            q_ptr=twin[0] if twin else None, qs_ptr=twin[1] if twin else None, QUANT=twin is not None,
+        )  # fmt: skip
+    return _with_twin(out.view(*x.shape[:-1], d), twin)

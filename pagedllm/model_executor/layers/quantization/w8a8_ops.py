@@ -13,6 +13,7 @@ import os
 import torch
 
 from pagedllm import envs
+from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
@@ -99,10 +100,11 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def _w8a8_gemv_kernel(x_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_om,
-                          QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, AB: tl.constexpr, H2: tl.constexpr,
-                          FLUSH: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr):  # fmt: skip
+    def _w8a8_gemv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, static_ptr, bias_ptr, out_ptr, N, K, stride_xm,
+                          stride_om, QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, AB: tl.constexpr,
+                          H2: tl.constexpr, FLUSH: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr,
+                          PRE: tl.constexpr):  # fmt: skip
         """Decode rows: the row's per-token quantization fused into the GEMV (each program reads the small
         activation row for its amax first), BN weight rows streamed along K; one launch per linear.
 
@@ -112,13 +114,19 @@ if HAS_TRITON:
         float32 path's 2.5, which bound the GEMV by issue rather than bytes on an H200 (1.72x -> 1.35x its
         floor per layer, benchmarks/w8a8_gemv_sweep.py). The activation is scaled by 2^-8 (exact) so that
         |w x| <= 448 * 1.75 and a FLUSH-term partial sum stays far inside float16's range; the float16 sums
-        round at ~5e-4 relative, below the 16-bit output's own rounding. Float32 activations keep float32."""
+        round at ~5e-4 relative, below the 16-bit output's own rounding. Float32 activations keep float32.
+
+        PRE: the row comes quantized already (xq [M, K] e4m3, xs [M, 1]: its producer's twin, act_twin.py),
+        so no program reads or converts the 16-bit row (70.4 -> 63.4 us a layer on an H200)."""
         m = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BK)
         x_row = x_ptr + m * stride_xm
-        if STATIC:
+        if PRE:
+            scale = tl.load(xs_ptr + m)
+            x_row = xq_ptr + m * K
+        elif STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = _row_scale(x_row, K, QMAX, AB)
@@ -138,19 +146,24 @@ if HAS_TRITON:
                     k_ok = kk < K
                     xv = tl.load(x_row + kk, mask=k_ok, other=0.0)
                     w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                # `/` (not IEEE div_rn as in `_quant_rows_kernel`): here every program divides the whole row,
-                # and div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md)
-                xq = xv.to(tl.float32) / scale
                 if IS_INT:
-                    r = tl.floor(xq + 0.5)
-                    r = tl.where(((r - xq) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
+                    xf = xv.to(tl.float32) / scale  # (see below on `/`)
+                    r = tl.floor(xf + 0.5)
+                    r = tl.where(((r - xf) == 0.5) & ((r % 2) != 0), r - 1.0, r)  # half to even
                     acc += w.to(tl.float32) * tl.clamp(r, -128.0, 127.0)[None, :]
-                elif H2:  # (the e4m3 conversion saturates at +-448: no clamp)
-                    xh = xq.to(w_ptr.dtype.element_ty).to(tl.float16) * 0.00390625
-                    a16 = _fma_f16x2(w.to(tl.float16), tl.broadcast_to(xh[None, :], [BN, BK]), a16)
                 else:
-                    xq = tl.clamp(xq, -QMAX, QMAX).to(w_ptr.dtype.element_ty).to(tl.float32)
-                    acc += w.to(tl.float32) * xq[None, :]
+                    if PRE:
+                        xe = xv
+                    else:
+                        # `/` (not IEEE div_rn as in `_quant_rows_kernel`): every program divides the whole
+                        # row, and div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md). The e4m3
+                        # conversion saturates at +-448 on the GPU; the clamp is for the interpreter.
+                        xe = tl.clamp(xv.to(tl.float32) / scale, -QMAX, QMAX).to(w_ptr.dtype.element_ty)
+                    if H2:
+                        xh = xe.to(tl.float16) * 0.00390625
+                        a16 = _fma_f16x2(w.to(tl.float16), tl.broadcast_to(xh[None, :], [BN, BK]), a16)
+                    else:
+                        acc += w.to(tl.float32) * xe.to(tl.float32)[None, :]
             if H2:
                 acc += a16.to(tl.float32)
         res = tl.sum(acc, axis=1) * ((256.0 if H2 else 1.0) * scale) * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
@@ -163,9 +176,15 @@ GEMV_MAX_M = 4
 
 
 def w8a8_gemv(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    twin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [M <= GEMV_MAX_M, K] (contiguous rows) through `_w8a8_gemv_kernel` -> [M, N] in x's dtype."""
+    """x [M <= GEMV_MAX_M, K] (contiguous rows) through `_w8a8_gemv_kernel` -> [M, N] in x's dtype. `twin`:
+    x already quantized per token (e4m3 [M, K], float32 scales [M, 1]; FP8 weights, dynamic scales)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -176,11 +195,13 @@ def w8a8_gemv(
     flush = 4 if h2 else 1
     ab = min(triton.next_power_of_2(k), 8192)
     qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
+    pre = twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k)
+    xq, xs = twin if pre else (x, w_scale)  # type: ignore[misc]
     _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
-        x, w, w_scale, input_scale if input_scale is not None else w_scale, bias if bias is not None else w_scale,
-        out, n, k, x.stride(0), out.stride(0), QMAX=qmax, IS_INT=w.dtype == torch.int8,
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk, AB=ab, H2=h2,
-        FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=3, num_warps=4,
+        x, xq, xs, w, w_scale, input_scale if input_scale is not None else w_scale,
+        bias if bias is not None else w_scale, out, n, k, x.stride(0), out.stride(0), QMAX=qmax,
+        IS_INT=w.dtype == torch.int8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
+        AB=ab, H2=h2, FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=3, PRE=pre, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -231,7 +252,8 @@ def w8a8_linear(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
-        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias).view(*lead, n)
+        twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
+        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
     xq, xs = quantize_rows(x2, w.dtype, input_scale)
     out: torch.Tensor
     if m == 0:

@@ -1,0 +1,68 @@
+"""FP8 twins of decode activations: the kernel that makes a row (RMSNorm, SiLU-mul) also writes it quantized.
+
+An FP8 W8A8 linear quantizes its input per token. In the decode GEMV (`w8a8_ops.w8a8_gemv`) every program did
+that for the whole row again (an amax pass, then the division and conversion of each element it multiplies):
+an H200 spent ~10 % of the FP8 GEMV on it (benchmarks/w8a8_gemv_sweep.py: 70.4 us a layer quantizing in the
+GEMV, 63.4 us given the row quantized). The kernel that produces the row already holds all of it in one
+program, so it can write the e4m3 row and its scale as well, bit-identical to `w8a8_ops.quantize_rows`.
+
+The hand-off is the output tensor itself: the producer attaches `(q, scale)` to the tensor it returns, and
+the consumer uses them only when handed that very tensor object (a view, a slice or any op in between gives
+a new object without them, so nothing stale can be read). `link_producers` marks, once after loading, the
+producers whose output goes straight into an FP8 linear with dynamic activation scales (Llama-family decoder
+layers: input norm -> q/k/v, post-attention norm -> gate/up, SiLU-mul -> down); only decode batches
+(rows <= `MAX_ROWS`, the GEMV's) get twins.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MAX_ROWS = 4  # w8a8_ops.GEMV_MAX_M: the rows the decode GEMV takes
+_ATTR = "_pagedllm_fp8_twin"
+
+
+def attach(t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`t` with its quantized twin: q [rows, K] e4m3, scale [rows, 1] float32 (per token)."""
+    setattr(t, _ATTR, (q, scale))
+    return t
+
+
+def twin_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The twin attached to this tensor object by its producer, if any."""
+    return getattr(x, _ATTR, None)
+
+
+def wants_twin(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module` (a linked producer) should write a twin for its input x's rows."""
+    return getattr(module, "fp8_twin", False) and x.is_cuda and x.dim() >= 1 and x.numel() // x.shape[-1] <= MAX_ROWS
+
+
+def _takes_fp8_dynamic(linear: nn.Module | None) -> bool:
+    from pagedllm.model_executor.layers.quantization.fp8 import W8A8LinearMethod
+    from pagedllm.model_executor.layers.quantization.w8a8_ops import FP8_DTYPE
+
+    method = getattr(linear, "quant_method", None)
+    return isinstance(method, W8A8LinearMethod) and method.weight_dtype == FP8_DTYPE and not method.static_activations
+
+
+def link_producers(model: nn.Module) -> int:
+    """Mark the producers whose output feeds an FP8 dynamic-scale linear directly; returns how many."""
+    from pagedllm.model_executor.layers.activation import SiluAndMul
+    from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+
+    pairs: list[tuple[nn.Module, nn.Module | None]] = []
+    for m in model.modules():
+        if isinstance(m, LlamaDecoderLayer):
+            pairs.append((m.input_layernorm, getattr(m.self_attn, "qkv_proj", None)))
+            if type(m.mlp) is LlamaMLP:
+                pairs.append((m.post_attention_layernorm, m.mlp.gate_up_proj))
+        elif type(m) is LlamaMLP and isinstance(m.act_fn, SiluAndMul):
+            pairs.append((m.act_fn, m.down_proj))
+    n = 0
+    for producer, consumer in pairs:
+        if _takes_fp8_dynamic(consumer):
+            producer.fp8_twin = True
+            n += 1
+    return n

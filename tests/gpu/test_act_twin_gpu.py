@@ -1,0 +1,76 @@
+"""FP8 twins of decode activations (quantization/act_twin.py) on the device: the twin the RMSNorm / add-RMSNorm /
+SiLU-mul kernels write is `w8a8_ops.quantize_rows` of their output to the bit (the same e4m3 codes and scales),
+the FP8 decode GEMV reading it matches the emulated W8A8 math (the linking of producers is tested on the CPU,
+tests/model_executor/quantization/test_act_twin.py). GPU only: the Triton interpreter converts to e4m3 wrongly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from pagedllm.model_executor.layers import triton_ops  # noqa: E402
+from pagedllm.model_executor.layers.quantization import act_twin, w8a8_ops  # noqa: E402
+
+FP8 = w8a8_ops.FP8_DTYPE
+
+
+def _same_quantization(out: torch.Tensor) -> None:
+    twin = act_twin.twin_of(out)
+    assert twin is not None
+    q, s = twin
+    ref_q, ref_s = w8a8_ops.quantize_rows(out.reshape(-1, out.shape[-1]), FP8)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 4096), (3, 576), (4, 1000)])
+def test_norm_twins_are_the_quantizer_to_the_bit(dtype: torch.dtype, rows: int, cols: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(dtype)
+    r = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(cols, device="cuda", generator=g) + 0.5).to(dtype)
+    plain = triton_ops.rms_norm(x, w, 1e-6)
+    out = triton_ops.rms_norm(x, w, 1e-6, fp8_twin=True)
+    assert act_twin.twin_of(plain) is None
+    assert torch.equal(out, plain)  # the 16-bit output is unchanged
+    _same_quantization(out)
+    out2, res2 = triton_ops.fused_add_rms_norm(x, r, w, 1e-6, fp8_twin=True)
+    ref2, ref_res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(out2, ref2) and torch.equal(res2, ref_res)
+    assert act_twin.twin_of(res2) is None
+    _same_quantization(out2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "d"), [(1, 14336), (2, 3000), (4, 1536)])
+def test_silu_twins_are_the_quantizer_to_the_bit(dtype: torch.dtype, rows: int, d: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(d)
+    x = (torch.randn(rows, 2 * d, device="cuda", generator=g) * 2).to(dtype)
+    out = triton_ops.silu_and_mul(x, fp8_twin=True)
+    assert torch.equal(out, triton_ops.silu_and_mul(x))
+    _same_quantization(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (1, 14336, 4096), (3, 1000, 200), (2, 576, 1536)])
+def test_gemv_on_a_twin_matches_the_emulated_math(dtype: torch.dtype, m: int, k: int, n: int) -> None:
+    """The GEMV given the twin multiplies exactly the quantizer's e4m3 row: float32 activations within 1e-5 of
+    the emulated math's scale, 16-bit ones within 1e-2 (float16-pair sums, 16-bit output)."""
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    w, ws = w8a8_ops.quantize_weight_per_channel(torch.randn(n, k, device="cuda", generator=g) * 0.02, FP8)
+    x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(dtype)
+    xq, xs = w8a8_ops.quantize_rows(x, FP8)
+    ref = w8a8_ops._emulated(xq, xs, w, ws, None)
+    twin_x = act_twin.attach(x.clone(), xq, xs)
+    out = w8a8_ops.w8a8_linear(twin_x, w, ws, None, None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((out.float() - ref).abs().max()) <= tol * float(ref.abs().max())
+    # a twin of another row would change the result: the GEMV does read it
+    other = act_twin.attach(x.clone(), *w8a8_ops.quantize_rows(x * 2, FP8))
+    assert not torch.allclose(w8a8_ops.w8a8_linear(other, w, ws, None, None).float(), out.float(), rtol=0.5)

@@ -1,0 +1,38 @@
+"""FP8 twins of decode activations (quantization/act_twin.py): which producers get linked, and the hand-off's
+rule that only the very tensor object a producer returned carries its twin. The kernels are tested on the
+device (tests/gpu/test_act_twin_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from pagedllm.model_executor.layers.quantization import act_twin
+from pagedllm.model_executor.layers.quantization.base import set_current_quant_config
+from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
+from pagedllm.model_executor.models.llama import LlamaForCausalLM
+
+CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)  # fmt: skip
+
+
+def test_link_producers_only_for_fp8_dynamic_linears() -> None:
+    with set_current_quant_config(Fp8Config(serialized=False, static_activations=False, ignored=[])):
+        fp8_model = LlamaForCausalLM(CFG)
+    assert act_twin.link_producers(fp8_model) == 6  # 2 layers x (input norm, post-attention norm, SiLU-mul)
+    assert all(layer.input_layernorm.fp8_twin for layer in fp8_model.model.layers)
+    with set_current_quant_config(Fp8Config(serialized=True, static_activations=True, ignored=[])):
+        static_model = LlamaForCausalLM(CFG)
+    assert act_twin.link_producers(static_model) == 0
+    assert act_twin.link_producers(LlamaForCausalLM(CFG)) == 0
+
+
+def test_only_the_returned_tensor_object_carries_the_twin() -> None:
+    x = torch.randn(2, 8)
+    q, s = torch.zeros(2, 8, dtype=torch.float8_e4m3fn), torch.ones(2, 1)
+    out = act_twin.attach(x, q, s)
+    assert out is x and act_twin.twin_of(x) == (q, s)
+    assert act_twin.twin_of(x.view(2, 8)) is None
+    assert act_twin.twin_of(x[:1]) is None
+    assert act_twin.twin_of(x * 1) is None
+    assert act_twin.twin_of(torch.randn(2, 8)) is None
