@@ -81,9 +81,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_row(y, q_ptrs, s_ptr, mask):
-        """One row's per-token e4m3 quantization, as `w8a8_ops._quant_rows_kernel` computes it (to the bit)."""
+        """One row's per-token e4m3 quantization, as `w8a8_ops._quant_rows_kernel` computes it but for the
+        elementwise division: a multiplication by the scale's reciprocal (the IEEE division, ~40 instructions
+        an element in one program, cost W3-FP8 more than the GEMVs gained; an element's code can differ from
+        the quantizer's by one step where the quotient lies within an ulp of a rounding boundary)."""
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-10)
-        q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+        q = tl.clamp(y * tl.math.div_rn(1.0, scale), -448.0, 448.0)
         tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
         tl.store(s_ptr, scale)
 
@@ -95,9 +98,6 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
-        q_ptr=None,  # QUANT: [rows, d] e4m3 out
-        qs_ptr=None,  # QUANT: [rows] float32 out
-        QUANT: tl.constexpr = False,  # one program a row (BLOCK >= d) that also writes the row quantized
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -105,10 +105,7 @@ if HAS_TRITON:
         g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (act * u).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-        if QUANT:
-            _quant_row(y.to(tl.float32), q_ptr + row * d + offs, qs_ptr + row, mask)
+        tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _norm_warps(block: int) -> int:
@@ -213,18 +210,16 @@ def fused_add_rms_norm(
     return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
 
 
-def silu_and_mul(x: torch.Tensor, fp8_twin: bool = False) -> torch.Tensor:
-    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `fp8_twin` as in `rms_norm` (one program a row)."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d."""
     require_triton()
     x2 = _rows(x)
     n_rows, width = x2.shape
     d = width // 2
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
-    twin = _twin(n_rows, d, x.device) if fp8_twin else None
     if n_rows:
-        block = next_pow2(d) if twin else min(1024, next_pow2(d))
+        block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=_norm_warps(block) if twin else 4,
-            q_ptr=twin[0] if twin else None, qs_ptr=twin[1] if twin else None, QUANT=twin is not None,
-        )  # fmt: skip
-    return _with_twin(out.view(*x.shape[:-1], d), twin)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], d)

@@ -1,17 +1,20 @@
-"""FP8 twins of decode activations: the kernel that makes a row (RMSNorm, SiLU-mul) also writes it quantized.
+"""FP8 twins of decode activations: the RMSNorm that makes a row also writes it quantized.
 
-An FP8 W8A8 linear quantizes its input per token. In the decode GEMV (`w8a8_ops.w8a8_gemv`) every program did
+An FP8 W8A8 linear quantizes its input per token. In the decode GEMV (`w8a8_ops.w8a8_gemv`) every program does
 that for the whole row again (an amax pass, then the division and conversion of each element it multiplies):
 an H200 spent ~10 % of the FP8 GEMV on it (benchmarks/w8a8_gemv_sweep.py: 70.4 us a layer quantizing in the
-GEMV, 63.4 us given the row quantized). The kernel that produces the row already holds all of it in one
-program, so it can write the e4m3 row and its scale as well, bit-identical to `w8a8_ops.quantize_rows`.
+GEMV, 63.4 us given the row quantized). The norm kernel holds the whole row in one program, so it can write
+the e4m3 row and its scale as well (`triton_ops._quant_row`: the quantizer's scale to the bit, each element
+multiplied by its reciprocal). The SiLU-mul before down_proj spreads a row over programs: a one-program
+version that wrote the twin cost more than the GEMV saved (benchmarks/NOTES.md, session 36), so down_proj
+quantizes in the GEMV as before, as does o_proj (its input comes from the attention's programs).
 
 The hand-off is the output tensor itself: the producer attaches `(q, scale)` to the tensor it returns, and
 the consumer uses them only when handed that very tensor object (a view, a slice or any op in between gives
 a new object without them, so nothing stale can be read). `link_producers` marks, once after loading, the
-producers whose output goes straight into an FP8 linear with dynamic activation scales (Llama-family decoder
-layers: input norm -> q/k/v, post-attention norm -> gate/up, SiLU-mul -> down); only decode batches
-(rows <= `MAX_ROWS`, the GEMV's) get twins.
+norms whose output goes straight into an FP8 linear with dynamic activation scales (Llama-family decoder
+layers: input norm -> q/k/v, post-attention norm -> gate/up); only decode batches (rows <= `MAX_ROWS`, the
+GEMV's) get twins.
 """
 
 from __future__ import annotations
@@ -48,8 +51,7 @@ def _takes_fp8_dynamic(linear: nn.Module | None) -> bool:
 
 
 def link_producers(model: nn.Module) -> int:
-    """Mark the producers whose output feeds an FP8 dynamic-scale linear directly; returns how many."""
-    from pagedllm.model_executor.layers.activation import SiluAndMul
+    """Mark the norms whose output feeds an FP8 dynamic-scale linear directly; returns how many."""
     from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
 
     pairs: list[tuple[nn.Module, nn.Module | None]] = []
@@ -58,8 +60,6 @@ def link_producers(model: nn.Module) -> int:
             pairs.append((m.input_layernorm, getattr(m.self_attn, "qkv_proj", None)))
             if type(m.mlp) is LlamaMLP:
                 pairs.append((m.post_attention_layernorm, m.mlp.gate_up_proj))
-        elif type(m) is LlamaMLP and isinstance(m.act_fn, SiluAndMul):
-            pairs.append((m.act_fn, m.down_proj))
     n = 0
     for producer, consumer in pairs:
         if _takes_fp8_dynamic(consumer):
