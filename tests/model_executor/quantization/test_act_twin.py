@@ -36,3 +36,12 @@ def test_only_the_returned_tensor_object_carries_the_twin() -> None:
     assert act_twin.twin_of(x[:1]) is None
     assert act_twin.twin_of(x * 1) is None
     assert act_twin.twin_of(torch.randn(2, 8)) is None
+
+
+def test_twins_only_for_16_bit_decode_rows_on_cuda() -> None:
+    norm = torch.nn.Module()
+    norm.fp8_twin = True
+    cpu = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not act_twin.wants_twin(norm, cpu)  # (CUDA only)
+    meta = torch.empty(1, 8, dtype=torch.bfloat16, device="meta")
+    assert not act_twin.wants_twin(norm, meta)

@@ -38,8 +38,19 @@ def twin_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def wants_twin(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `module` (a linked producer) should write a twin for its input x's rows."""
-    return getattr(module, "fp8_twin", False) and x.is_cuda and x.dim() >= 1 and x.numel() // x.shape[-1] <= MAX_ROWS
+    """Whether `module` (a linked producer) should write a twin for its input x's rows: decode rows of 16 bits
+    (the GEMV's float16-pair path), not in batch-invariant mode. The norm kernel with the twin may contract
+    its float32 sum of squares differently (one more use of its registers), so an output element can differ
+    by one 16-bit ulp from the plain kernel's: batch-dependent, as the GEMV already is outside that mode."""
+    from pagedllm.model_executor.layers import batch_invariant
+
+    return (
+        getattr(module, "fp8_twin", False)
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.numel() // x.shape[-1] <= MAX_ROWS
+        and not batch_invariant.enabled()
+    )
 
 
 def _takes_fp8_dynamic(linear: nn.Module | None) -> bool:
