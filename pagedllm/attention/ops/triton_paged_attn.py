@@ -25,8 +25,6 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedllm import envs
@@ -230,16 +228,6 @@ def paged_attention(
         part_out, part_m, part_l = bufs
     else:
         part_out = part_m = part_l = output  # unused by the kernel
-    fused_merge = num_splits > 1 and os.environ.get("PAGEDLLM_ATTN_FUSED_MERGE") == "1"
-    counters = None
-    if fused_merge:  # (an experiment: the last program of a tile's segments merges them, no merge launch)
-        n_cnt = (num_actual_tokens + num_reqs) * num_kv_heads  # the grid's q tiles (an upper bound) x kv heads
-        ckey = ("merge_counters", n_cnt, query.device)
-        counters = workspace.get(ckey) if workspace is not None else None
-        if counters is None:
-            counters = torch.zeros(n_cnt, dtype=torch.int32, device=query.device)
-            if workspace is not None:
-                workspace[ckey] = counters
 
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
@@ -302,15 +290,12 @@ def paged_attention(
             SOFTCAP=bool(logits_soft_cap),
             KV_FP8=kv_fp8,
             FP8_F16=kv_fp8 and query.dtype != torch.float32 and envs.PAGEDLLM_FP8_ATTN_F16,
-            FP8_VT=kv_fp8 and os.environ.get("PAGEDLLM_FP8_ATTN_VT") == "1",
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
-            cnt_ptr=counters,
-            FUSED_MERGE=fused_merge,
             num_warps=nw,
             num_stages=ns,
         )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         split_merge._merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,
             part_out,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.attention.ops.triton_split_merge import _merge_rows
-
 
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -30,7 +28,7 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _load_t_tile(ptrs, k_ok, d_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
-    """A [HEAD_PAD, TILE_N] K (or transposed V) tile: keys masked by `k_ok` where MASKED, padded head dims by
+    """A [HEAD_PAD, TILE_N] K tile: keys masked by `k_ok` where MASKED, padded head dims by
     `d_ok` (`k_ok` is unused without MASKED)."""
     if MASKED:
         return tl.load(ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
@@ -73,7 +71,6 @@ def _attn_tiles(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    V_T: tl.constexpr = False,
 ):
     """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
     scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
@@ -90,10 +87,7 @@ def _attn_tiles(
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
         k_ptrs = k_cache_ptr + (blk * stride_kb + in_blk * stride_kt + kvh * stride_kh)[None, :] + offs_d[:, None]
-        if V_T:  # V read as [HEAD_PAD, TILE_N] as K (FP8: 16-byte loads, 8 otherwise), transposed for the dot
-            v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[None, :] + offs_d[:, None]
-        else:
-            v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
+        v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
         k = _load_t_tile(k_ptrs, k_ok if MASKED else d_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
         if SOFTCAP:
@@ -116,9 +110,7 @@ def _attn_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
-        if V_T:
-            v = tl.trans(_load_t_tile(v_ptrs, k_ok if MASKED else d_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE))
-        elif MASKED:
+        if MASKED:
             v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
         elif HEAD_PAD != HEAD_SIZE:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -182,9 +174,6 @@ def _paged_attn_kernel(
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
-    FP8_VT: tl.constexpr = False,
-    cnt_ptr=None,  # FUSED_MERGE: [q tiles x kv heads] int32 counters, zero between launches
-    FUSED_MERGE: tl.constexpr = False,
 ):
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
@@ -307,7 +296,6 @@ def _paged_attn_kernel(
         False,
         DOT_PREC,
         SOFTCAP,
-        FP8_VT,
     )
     m_i, l_i, acc = _attn_tiles(
         m_i,
@@ -341,7 +329,6 @@ def _paged_attn_kernel(
         True,
         DOT_PREC,
         SOFTCAP,
-        FP8_VT,
     )
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -359,19 +346,6 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-        if FUSED_MERGE:
-            # The last of the tile's NUM_SEGMENTS programs to finish merges them (an experiment,
-            # PAGEDLLM_ATTN_FUSED_MERGE: no merge launch). Its counter goes back to zero for the next launch.
-            tl.debug_barrier()  # every thread's partials are written before the counter moves
-            cnt = cnt_ptr + pid_q * (num_heads // GROUP) + kvh
-            done = tl.atomic_add(cnt, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if done == NUM_SEGMENTS - 1:
-                _merge_rows(
-                    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, base, tok_g, head, row_ok, offs_d, d_ok,
-                    stride_ot, stride_oh, HEAD_PAD, NUM_SEGMENTS,
-                )  # fmt: skip
-                tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["n"])

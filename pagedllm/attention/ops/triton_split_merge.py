@@ -1,7 +1,7 @@
 """Split-KV (flash-decoding) merge: a query row's partial softmax results over its key segments, combined
-into its output. `_merge_segments_kernel` runs as its own launch after `_paged_attn_kernel`; `_merge_rows` is the
-same merge for one program's rows, called inside that kernel by the last segment program of a tile when the
-launch merges in place (`PAGEDLLM_ATTN_FUSED_MERGE`, an experiment).
+into its output. `_merge_segments_kernel` runs as its own launch after `_paged_attn_kernel` (merging inside
+that kernel, by the last segment program of each tile, measured no faster on an H200: benchmarks/NOTES.md,
+session 36).
 
 Only imported where Triton is installed; nothing here compiles at import time.
 """
@@ -10,31 +10,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _merge_rows(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, base, tok_g, head, row_ok, offs_d, d_ok, stride_ot, stride_oh,
-    HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-):  # fmt: skip
-    """The merge of `_merge_segments_kernel` for a program's [BLOCK_M] rows (segment by segment, in order), the
-    partials read from L2 (other programs wrote them)."""
-    m_max = tl.load(part_m_ptr + base, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in tl.static_range(1, NUM_SEGMENTS):
-        m_s = tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_s)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_tot = tl.zeros_like(m_use)
-    acc = tl.zeros([m_use.shape[0], HEAD_PAD], dtype=tl.float32)
-    for s in tl.static_range(NUM_SEGMENTS):
-        w = tl.math.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_use)
-        l_tot += tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg") * w
-        a = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_PAD + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        acc += a * w[:, None]
-    out = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
-    dst = out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

@@ -9,7 +9,6 @@ keeps a [BLOCK_N, BLOCK_K] float32 partial-sum tile, reduced once at the end: no
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,15 +24,11 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _rows_dot(
-        w_ptrs, x_ptr, K, n_ok, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr
-    ):
-        """[BLOCK_N] float32 dot products of the weight rows at `w_ptrs` (+ k) with x [K]. PIPE > 1 (an
-        experiment, `PAGEDLLM_ROW_GEMV_PIPE`): the loop's loads as cp.async, PIPE stages ahead (a plain range
-        leaves them synchronous: loads feeding elementwise math are not pipelined on their own, sm_90 PTX)."""
+    def _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N] float32 dot products of the weight rows at `w_ptrs` (+ k) with x [K]."""
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPE):
+        for k0 in range(0, K, BLOCK_K):
             if EVEN:
                 w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
                 x = tl.load(x_ptr + k0 + rk)
@@ -71,7 +66,6 @@ if HAS_TRITON:
         GLU: tl.constexpr,  # rows i and i + N of the weight (2N rows) -> silu(x . w_i) * (x . w_(i+N)) at i
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PIPE: tl.constexpr = 1,  # see _rows_dot
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
@@ -121,15 +115,15 @@ if HAS_TRITON:
             r1 = pid + tl.arange(0, 1)
             ok = r1 < N
             g_ptrs = w_ptr + r1[:, None].to(tl.int64) * stride_wn + rk[None, :]
-            g = _rows_dot(g_ptrs, x_ptr, K, ok, EVEN, 1, BLOCK_K, PIPE).to(y_ptr.dtype.element_ty).to(tl.float32)
-            u = _rows_dot(g_ptrs + N * stride_wn, x_ptr, K, ok, EVEN, 1, BLOCK_K, PIPE)
+            g = _rows_dot(g_ptrs, x_ptr, K, ok, EVEN, 1, BLOCK_K).to(y_ptr.dtype.element_ty).to(tl.float32)
+            u = _rows_dot(g_ptrs + N * stride_wn, x_ptr, K, ok, EVEN, 1, BLOCK_K)
             act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
             tl.store(y_ptr + r1, (act * u.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty))
             return
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        y = _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN, BLOCK_N, BLOCK_K, PIPE)
+        y = _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
@@ -233,7 +227,6 @@ def row_gemv(
         EVEN_A=r % bn == 0 and k % bk == 0,
         PUSH=push is not None,
         GLU=glu,
-        PIPE=_row_gemv_pipe(),
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=nw,
@@ -258,11 +251,6 @@ def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.stride(-1) == 1
         and _row_gemv_on()
     )
-
-
-@functools.cache
-def _row_gemv_pipe() -> int:
-    return int(os.environ.get("PAGEDLLM_ROW_GEMV_PIPE", "1"))
 
 
 @functools.cache
