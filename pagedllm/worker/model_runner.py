@@ -29,6 +29,7 @@ from pagedllm.worker.async_output import AsyncCopier, InFlightTokens, Patch, Pen
 from pagedllm.worker.attn_inputs import build_commons, metadata_by_layer, tables_and_slots
 from pagedllm.worker.batch_update import BatchUpdater
 from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.cuda_rewrites import apply_cuda_rewrites
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.mixed_graph import MixedGraphRunner, capture_mixed_step_graphs
 from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner
@@ -138,40 +139,14 @@ class ModelRunner:
             self.lora = LoRAManager(
                 self.model, self.config.lora_config, self.max_num_reqs, self.max_num_tokens, self.device
             )
-        if self.device.type == "cuda" and self.lora is None and envs.PAGEDLLM_MLP_CHUNK_TOKENS > 0:
-            from pagedllm.model_executor.models.llama import chunk_mlps
-
-            chunk_mlps(self.model, envs.PAGEDLLM_MLP_CHUNK_TOKENS)
-        if self.device.type == "cuda" and envs.PAGEDLLM_FP8_ACT_TWIN:
-            from pagedllm.model_executor.layers.quantization.act_twin import link_producers
-
-            if linked := link_producers(self.model):
-                logger.info("FP8 decode: %d norms / SiLU-muls also write their output quantized", linked)
-        if self.wants_fused_tp_norms():
-            from pagedllm.distributed.tp_fusion import fuse_model
-
-            fuse_model(self.model, self.max_num_tokens, self.dtype, self.device)
+        apply_cuda_rewrites(
+            self.model, self.config, self.device, self.dtype, self.max_num_tokens, self.lora is not None
+        )
         logger.info("Model loaded in %.2f s (%d attention layers)", time.perf_counter() - t0, len(self.attn_layers))
         if self.config.speculative_config is not None:
             from pagedllm.spec_decode.runner import SpecDecodeRunner
 
             self.spec = SpecDecodeRunner(self.config.speculative_config, self)
-
-    def wants_fused_tp_norms(self) -> bool:
-        """CUDA, two tensor-parallel ranks and no pipeline stages (the measured case; PAGEDLLM_TP_ALLREDUCE=fused,
-        the default), and nothing that reads a layer's output between layers (LoRA's hooks on o_proj /
-        down_proj, EAGLE-3's on the layers' inputs)."""
-        from pagedllm import envs
-
-        pc = self.config.parallel_config
-        return (
-            pc.tensor_parallel_size == 2
-            and pc.pipeline_parallel_size == 1
-            and self.device.type == "cuda"
-            and envs.PAGEDLLM_TP_ALLREDUCE == "fused"
-            and self.lora is None
-            and self.config.speculative_config is None
-        )
 
     def pack_cpu_weights(self) -> int:
         """CPU: prepack the linear weights for oneDNN (`model_loader/cpu_packing.py`); returns how many."""
