@@ -3,7 +3,9 @@ M=1, each kernel configuration timed inside a CUDA graph (as W3's decode steps r
 and the weight-read floor (packed bytes / copy bandwidth measured here). Every configuration is checked against
 the dequantized float32 product before it is timed.
 
-    PYTHONPATH=. python benchmarks/gemv_tune.py [--only int4|fp8] [--out gemv_tune.json]
+    PYTHONPATH=. python benchmarks/gemv_tune.py [--only int4] [--out gemv_tune.json]
+
+(The FP8 GEMV's sweep is benchmarks/w8a8_gemv_sweep.py, over weights streamed from HBM.)
 
 Prints, per kernel family, the best configurations by the per-layer sum (qkv + o + gate_up + down) and the
 shipped default's figure."""
@@ -19,7 +21,7 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from pagedllm.benchmarks import floors
-from pagedllm.model_executor.layers.quantization import int4_ops, w8a8_ops
+from pagedllm.model_executor.layers.quantization import int4_ops
 from pagedllm.triton_utils import split_counters
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -62,28 +64,6 @@ def run_int4(c: dict, bn: int, br: int, mult: int, warps: int, stages: int, sms:
     return out
 
 
-def fp8_case(n: int, k: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(n, k, device="cuda", generator=g)
-    wq, ws = w8a8_ops.quantize_weight_per_channel(w, w8a8_ops.FP8_DTYPE)
-    x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
-    xq, xs = w8a8_ops.quantize_rows(x, w8a8_ops.FP8_DTYPE)
-    ref = (xq.float() * xs) @ (wq.float() * ws.view(-1, 1)).t()
-    return dict(x=x, w=wq, ws=ws.view(-1).contiguous(), ref=ref, bytes=wq.numel() + ws.numel() * 4)
-
-
-def run_fp8(c: dict, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
-    x, w, ws = c["x"], c["w"], c["ws"]
-    m, k = x.shape
-    n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    w8a8_ops._w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
-        x, w, ws, ws, ws, out, n, k, x.stride(0), out.stride(0), QMAX=w8a8_ops.FP8_MAX, IS_INT=False,
-        STATIC=False, HAS_BIAS=False, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
 def sweep(name: str, cases: dict, configs: list[tuple], run, bw: float) -> list[dict]:  # noqa: ANN001
     floor_ms = sum(c["bytes"] for c in cases.values()) / bw * 1e3
     rows = []
@@ -115,7 +95,7 @@ def sweep(name: str, cases: dict, configs: list[tuple], run, bw: float) -> list[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["int4", "fp8"], default=None)
+    p.add_argument("--only", choices=["int4"], default=None)
     p.add_argument("--out", default="gemv_tune.json")
     args = p.parse_args()
     bw = floors.copy_bandwidth_gbps() * 1e9  # the floor every bench command uses
@@ -137,10 +117,6 @@ def main() -> None:
         ]
         result["int4"] = sweep("int4", cases, cfgs, run_int4, bw)
         del cases
-    if args.only in (None, "fp8"):
-        cases = {s: fp8_case(n, k) for s, (n, k) in SHAPES.items()}
-        cfgs = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (2, 4)))
-        result["fp8"] = sweep("fp8", cases, cfgs, run_fp8, bw)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
 

@@ -9,6 +9,7 @@ in float32 (quantized values times their scales), which is what the tests check 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -130,6 +131,7 @@ if HAS_TRITON:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = _row_scale(x_row, K, QMAX, AB)
+        inv = tl.math.div_rn(1.0, scale)
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         # tl.range's stages make the loads cp.async copies; a plain range left them synchronous (they feed
         # elementwise math, which Triton's pipeliner does not take on its own): 88.6 -> 77.7 us a layer (H200)
@@ -154,10 +156,14 @@ if HAS_TRITON:
                 else:
                     if PRE:
                         xe = xv
+                    elif H2:
+                        # times the reciprocal, no clamp (the e4m3 conversion saturates at +-448 on the GPU):
+                        # two instructions an element fewer than `/` and a clamp (the sweep's 70.4 us a layer)
+                        xe = (xv.to(tl.float32) * inv).to(w_ptr.dtype.element_ty)
                     else:
                         # `/` (not IEEE div_rn as in `_quant_rows_kernel`): every program divides the whole
-                        # row, and div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md). The e4m3
-                        # conversion saturates at +-448 on the GPU; the clamp is for the interpreter.
+                        # row, and div_rn cost 15 % of the GEMV on an H100 (benchmarks/NOTES.md); the clamp
+                        # keeps the interpreter's conversion in range.
                         xe = tl.clamp(xv.to(tl.float32) / scale, -QMAX, QMAX).to(w_ptr.dtype.element_ty)
                     if H2:
                         xh = xe.to(tl.float16) * 0.00390625
@@ -175,6 +181,18 @@ if HAS_TRITON:
 GEMV_MAX_M = 4
 
 
+class W8A8Launch(NamedTuple):
+    """The decode GEMV's launch: BN weight rows x BK per program and step, warps, cp.async stages, and whether
+    FP8 weights with 16-bit activations take the float16-pair path (`PAGEDLLM_W8A8_H2`). The default is the best
+    of benchmarks/w8a8_gemv_sweep.py on an H200 (Llama-3.1-8B's shapes, weights streamed from HBM)."""
+
+    bn: int = 16
+    bk: int = 512
+    warps: int = 4
+    stages: int = 3
+    h2: bool = True
+
+
 def w8a8_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -182,16 +200,16 @@ def w8a8_gemv(
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     twin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    launch: W8A8Launch | None = None,
 ) -> torch.Tensor:
     """x [M <= GEMV_MAX_M, K] (contiguous rows) through `_w8a8_gemv_kernel` -> [M, N] in x's dtype. `twin`:
     x already quantized per token (e4m3 [M, K], float32 scales [M, 1]; FP8 weights, dynamic scales)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    # benchmarks/w8a8_gemv_sweep.py on an H200 (Llama-3.1-8B's shapes, weights streamed from HBM): 16 rows x
-    # 512, 4 warps, 3 cp.async stages; float16 pairs in 4-step runs for FP8 weights and 16-bit activations
-    bn, bk = 16, 512
-    h2 = w.dtype == FP8_DTYPE and x.dtype in (torch.bfloat16, torch.float16) and envs.PAGEDLLM_W8A8_H2
+    launch = launch or W8A8Launch()
+    bn, bk = launch.bn, launch.bk
+    h2 = launch.h2 and w.dtype == FP8_DTYPE and x.dtype in (torch.bfloat16, torch.float16) and envs.PAGEDLLM_W8A8_H2
     flush = 4 if h2 else 1
     ab = min(triton.next_power_of_2(k), 8192)
     qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
@@ -201,7 +219,8 @@ def w8a8_gemv(
         x, xq, xs, w, w_scale, input_scale if input_scale is not None else w_scale,
         bias if bias is not None else w_scale, out, n, k, x.stride(0), out.stride(0), QMAX=qmax,
         IS_INT=w.dtype == torch.int8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
-        AB=ab, H2=h2, FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=3, PRE=pre, num_warps=4,
+        AB=ab, H2=h2, FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=launch.stages, PRE=pre,
+        num_warps=launch.warps,
     )  # fmt: skip
     return out
 
