@@ -233,6 +233,14 @@ class LlamaDecoderLayer(nn.Module):
             prefix=prefix,
         )
 
+    def twin_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, linear) pairs where the producer's output goes straight into the linear: the norms that
+        may write an FP8 twin of their output for it (quantization/act_twin.py)."""
+        pairs: list[tuple[nn.Module, nn.Module]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if type(self.mlp) is LlamaMLP:
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
+
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ def wants_twin(module: nn.Module, x: torch.Tensor) -> bool:
     (the GEMV's float16-pair path), not in batch-invariant mode. The norm kernel with the twin may contract
     its float32 sum of squares differently (one more use of its registers), so an output element can differ
     by one 16-bit ulp from the plain kernel's: batch-dependent, as the GEMV already is outside that mode."""
-    from pagedllm.model_executor.layers import batch_invariant
+    from pagedllm.model_executor.layers import batch_invariant  # (envs and torch only)
 
     return (
         getattr(module, "fp8_twin", False)
@@ -53,27 +53,15 @@ def wants_twin(module: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def _takes_fp8_dynamic(linear: nn.Module | None) -> bool:
-    from pagedllm.model_executor.layers.quantization.fp8 import W8A8LinearMethod
-    from pagedllm.model_executor.layers.quantization.w8a8_ops import FP8_DTYPE
-
-    method = getattr(linear, "quant_method", None)
-    return isinstance(method, W8A8LinearMethod) and method.weight_dtype == FP8_DTYPE and not method.static_activations
-
-
 def link_producers(model: nn.Module) -> int:
-    """Mark the norms whose output feeds an FP8 dynamic-scale linear directly; returns how many."""
-    from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
-
-    pairs: list[tuple[nn.Module, nn.Module | None]] = []
-    for m in model.modules():
-        if isinstance(m, LlamaDecoderLayer):
-            pairs.append((m.input_layernorm, getattr(m.self_attn, "qkv_proj", None)))
-            if type(m.mlp) is LlamaMLP:
-                pairs.append((m.post_attention_layernorm, m.mlp.gate_up_proj))
+    """Mark the norms whose output feeds an FP8 dynamic-scale linear directly; returns how many. A decoder layer
+    names its (producer, consumer) pairs in `twin_pairs()` (it alone knows its data flow); a consumer takes a
+    twin where its quant method says so (`takes_fp8_twin`: FP8 weights, dynamic activation scales)."""
     n = 0
-    for producer, consumer in pairs:
-        if _takes_fp8_dynamic(consumer):
-            producer.fp8_twin = True
-            n += 1
+    for m in model.modules():
+        pairs = getattr(m, "twin_pairs", None)
+        for producer, consumer in pairs() if pairs is not None else ():
+            if getattr(getattr(consumer, "quant_method", None), "takes_fp8_twin", False):
+                producer.fp8_twin = True
+                n += 1
     return n

@@ -114,6 +114,11 @@ class W8A8LinearMethod(LinearMethodBase):
             set_weight_attrs(iscale, {"weight_loader": max_scalar_loader})
             layer.register_parameter("input_scale", iscale)
 
+    @property
+    def takes_fp8_twin(self) -> bool:
+        """Whether the input's FP8 twin (quantization/act_twin.py) is this method's own quantization of it."""
+        return self.weight_dtype == FP8_DTYPE and not self.static_activations
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return w8a8_linear(
             x,
