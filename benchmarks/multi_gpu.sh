@@ -76,10 +76,11 @@ for step in $steps; do
             e2e W2_tp1 "" W2
             e2e W2_tp2 "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_ALLREDUCE=nccl
             e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;
-        W2tp)  # W2_VARIANTS: the tp=2 runs after the default (default "PAGEDLLM_TP_ALLREDUCE=nccl")
+        W2tp|W2ce)  # W2_VARIANTS: the tp=2 runs after the default (W2tp: NCCL alone; W2ce: the copy-engine path off)
             [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            variants=(); for v in ${W2_VARIANTS:-PAGEDLLM_TP_ALLREDUCE=nccl}; do variants+=("W2@$v"); done
-            e2e W2_tp2 "--tensor-parallel-size 2" W2 "${variants[@]}" ;;
+            dflt=PAGEDLLM_TP_ALLREDUCE=nccl sfx=""; [ "$step" = W2ce ] && dflt=PAGEDLLM_TP_CE_PREFILL=0 sfx=_ce
+            variants=(); for v in ${W2_VARIANTS:-$dflt}; do variants+=("W2@$v"); done
+            e2e "W2_tp2$sfx" "--tensor-parallel-size 2" W2 "${variants[@]}" ;;
         prof)  # where a tp=2 / tp=1 W3 decode step's time goes (GPU busy vs idle, top kernels)
             for tp in ${PROF_TPS:-2 2symm 1}; do  # 2symm: tp=2 with the one-shot all-reduce (PAGEDLLM_TP_ALLREDUCE=symm)
                 # (PAGEDLLM_TP_ALLREDUCE set only for 2symm: an empty value is not "fused", and turned the fused
@@ -103,9 +104,6 @@ for step in $steps; do
                 timeout 200 python3 benchmarks/overlap_bench.py --world 2 --ce-only --chunks "$c" \
                     --json "$OUT/overlap_ce_c$c.json" 2>&1 | grep -E "x2|proj|unavailable|Error" | tee -a "$summary"
             done ;;
-        W2ce)
-            [ -z "${SKIP_TP1:-}" ] && e2e W2_tp1 "" W2
-            e2e W2_tp2_ce "--tensor-parallel-size 2" W2 W2@PAGEDLLM_TP_CE_PREFILL=0 ;;
         W2tp4) [ "$ngpu" -ge 4 ] && e2e W2_tp4 "--tensor-parallel-size 4" W2 ;;
         W3tp4) [ "$ngpu" -ge 4 ] && e2e W3_tp4 "--tensor-parallel-size 4" W3 ;;
         W2pp) e2e W2_pp2 "--pipeline-parallel-size 2" W2 ;;

@@ -121,7 +121,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # sums to the peer with the GPU's copy engines while the GEMM's next row chunk runs (distributed/
     # ce_allreduce.py); 0: NCCL for them, as before.
     "PAGEDLLM_TP_CE_PREFILL": _flag("PAGEDLLM_TP_CE_PREFILL"),
-    # The row chunks of that GEMM (each at least 1,024 rows; at most 8).
+    # How many row chunks that GEMM is cut into at most (never above 8; each at least ce_allreduce.MIN_CHUNK_ROWS rows).
     "PAGEDLLM_TP_CE_CHUNKS": lambda: int(os.environ.get("PAGEDLLM_TP_CE_CHUNKS", "4")),
     # CUDA: steps of more tokens run the dense MLP blocks in chunks of this many (bounds the gate/up output, the
     # largest activation, and so the memory the profile takes from the KV cache); 0: never chunk.
@@ -130,7 +130,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FP8_ATTN_F16": _flag("PAGEDLLM_FP8_ATTN_F16"),
     # The FP8 W8A8 decode GEMV with 16-bit activations: float16-pair FMAs (0: float32 products, as float32 models).
     "PAGEDLLM_W8A8_H2": _flag("PAGEDLLM_W8A8_H2"),
-    # CUDA decode rows: the RMSNorm / SiLU-mul before an FP8 linear also write their output quantized, which the
+    # CUDA decode rows: the RMSNorm before an FP8 linear also writes its output quantized, which the
     # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
     "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs

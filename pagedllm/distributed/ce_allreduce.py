@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.fused_allreduce_norm import FusedAllReduceNorm
+from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod, plain_weight
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
@@ -218,7 +219,7 @@ def recv_add_norm(
         RANK=rank,
         MOD=EPOCH_MOD,
         BLOCK=block,
-        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        num_warps=triton_ops.norm_warps(block),
     )
     return out.view(residual.shape), res_out.view(residual.shape)
 
@@ -320,8 +321,6 @@ class CopyEnginePrefill:
         receive slots)."""
         import torch.distributed as dist
 
-        from pagedllm.model_executor.layers import triton_ops
-
         a, dev, k = self.admit, self.device, 64
         gen = torch.Generator(device=dev).manual_seed(4321)
         layer = nn.Module()
@@ -330,9 +329,8 @@ class CopyEnginePrefill:
         norm_w = (torch.rand(a.hidden, generator=gen, device=dev) + 0.5).to(a.dtype)
         lo, mid = a.min_rows + 1, a.min_rows + 2 * MIN_CHUNK_ROWS + 77
         cases = [p for p in ((lo,), (mid,), (lo, 77)) if sum(p) <= a.capacity]
-        wrong: list[
-            tuple[int, ...]
-        ] = []  # (raised after every call: a rank that stopped early leaves its peer spinning)
+        # (raised after every call: a rank that stopped early leaves its peer spinning)
+        wrong: list[tuple[int, ...]] = []
         for pieces in cases:
             residual = torch.randn(sum(pieces), a.hidden, generator=gen, device=dev).to(a.dtype)
             xs = [(torch.randn(r, k, device=dev) * (self.rank + 1)).to(a.dtype) for r in pieces]

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers import triton_ops
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
@@ -176,7 +177,7 @@ class FusedAllReduceNorm:
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer signals before every rank's flags are zero
         self.block = next_pow2(hidden)
-        self.num_warps = 4 if self.block <= 1024 else 8 if self.block <= 4096 else 16
+        self.num_warps = triton_ops.norm_warps(self.block)
         self.paths: list[PartialPath] = []
         """Ways of sending partial sums from the matmul (tried in order); the rows of a path's matmul are
         reduced by that path at the next norm."""
@@ -266,7 +267,6 @@ def try_create(
     import torch.distributed as dist
 
     from pagedllm.distributed.agreement import all_ranks_true
-    from pagedllm.model_executor.layers import triton_ops
 
     fused: FusedAllReduceNorm | None = None
     try:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers import triton_ops
 from pagedllm.triton_utils import HAS_TRITON
 from pagedllm.utils import next_pow2
 
@@ -84,7 +85,7 @@ class PushDecode:
         self.recv.fill_(SENTINEL)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.block = next_pow2(hidden)
-        self.num_warps = 4 if self.block <= 1024 else 8 if self.block <= 4096 else 16
+        self.num_warps = triton_ops.norm_warps(self.block)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer pushes before every rank's buffer holds the sentinel
 
@@ -122,7 +123,7 @@ def try_create(
 
     from pagedllm import envs
     from pagedllm.distributed.agreement import all_ranks_true
-    from pagedllm.model_executor.layers import triton_gemv, triton_ops
+    from pagedllm.model_executor.layers import triton_gemv
 
     if world != 2 or dtype not in (torch.bfloat16, torch.float16) or not envs.PAGEDLLM_TP_PUSH:
         return None

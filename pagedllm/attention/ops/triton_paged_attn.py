@@ -48,7 +48,6 @@ if HAS_TRITON:
     import triton
 
     from pagedllm.attention.ops import triton_paged_attn_kernels as kern
-    from pagedllm.attention.ops import triton_split_merge as split_merge
 
 _LOG2E = 1.4426950408889634
 
@@ -296,7 +295,7 @@ def paged_attention(
             num_stages=ns,
         )
     if num_splits > 1:
-        split_merge._merge_segments_kernel[(num_actual_tokens, num_heads)](
+        kern._merge_segments_kernel[(num_actual_tokens, num_heads)](
             output,
             part_out,
             part_m,

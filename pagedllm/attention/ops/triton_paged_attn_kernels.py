@@ -1,6 +1,6 @@
 """The Triton kernels behind `triton_paged_attn.paged_attention` (see that module for the cache layout and
 the launch): `_paged_attn_kernel`, one program per (query tile, kv head, key segment), its online softmax
-over key tiles in `_attn_tiles` (the split-KV segments' partials are merged by `triton_split_merge`).
+over key tiles in `_attn_tiles`, and `_merge_segments_kernel`, which merges the split-KV segments' partials.
 
 Only imported where Triton is installed; nothing here compiles at import time.
 """
@@ -24,18 +24,6 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _load_t_tile(ptrs, k_ok, d_ok, MASKED: tl.constexpr, PADDED: tl.constexpr):
-    """A [HEAD_PAD, TILE_N] K tile: keys masked by `k_ok` where MASKED, padded head dims by
-    `d_ok` (`k_ok` is unused without MASKED)."""
-    if MASKED:
-        return tl.load(ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-    elif PADDED:
-        return tl.load(ptrs, mask=d_ok[:, None], other=0.0)
-    else:
-        return tl.load(ptrs)
 
 
 @triton.jit
@@ -88,7 +76,12 @@ def _attn_tiles(
         in_blk = k_pos % BLOCK_SIZE
         k_ptrs = k_cache_ptr + (blk * stride_kb + in_blk * stride_kt + kvh * stride_kh)[None, :] + offs_d[:, None]
         v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
-        k = _load_t_tile(k_ptrs, k_ok if MASKED else d_ok, d_ok, MASKED, HEAD_PAD != HEAD_SIZE)
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+        elif HEAD_PAD != HEAD_SIZE:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # log2 domain
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # cap * tanh(s / cap)
@@ -341,11 +334,40 @@ def _paged_attn_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        base = (tok_g * num_heads + head) * NUM_SEGMENTS
-        part = base + seg
+        part = (tok_g * num_heads + head) * NUM_SEGMENTS + seg
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * NUM_SEGMENTS
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m_ptr + base + offs_s)
+    l_s = tl.load(part_l_ptr + base + offs_s)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_use)  # empty segments: exp2(-inf) = 0
+    l_tot = tl.sum(l_s * w, 0)
+    acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -54,7 +54,7 @@ class RMSNorm(nn.Module):
             x = tensor_model_parallel_all_reduce(x)  # too large for the fused kernel: NCCL, then the norm below
         if triton_ops.use_triton_ops(x) and self.weight.dtype == x.dtype:
             # One fused kernel instead of ~8 elementwise/reduction launches (same rounding).
-            twin = self.fp8_twin and act_twin.wants_twin(self, x)
+            twin = act_twin.wants_twin(self, x)
             if residual is None:
                 return triton_ops.rms_norm(x, self.weight, self.variance_epsilon, twin)
             return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, twin)

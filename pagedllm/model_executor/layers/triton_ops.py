@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.triton_utils import HAS_TRITON, require_triton
 from pagedllm.utils import next_pow2
 
@@ -108,7 +109,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm_warps(block: int) -> int:
+def norm_warps(block: int) -> int:
+    """Warps of a one-program-per-row norm kernel over `block` columns (also the tp=2 all-reduce + norm kernels)."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
@@ -127,11 +129,7 @@ def _twin(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor,
 
 
 def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    if twin is not None:
-        from pagedllm.model_executor.layers.quantization import act_twin
-
-        act_twin.attach(out, *twin)
-    return out
+    return act_twin.attach(out, *twin) if twin is not None else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool = False) -> torch.Tensor:
@@ -158,7 +156,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool =
             eps,
             HAS_RESIDUAL=False,
             BLOCK=block,
-            num_warps=_norm_warps(block),
+            num_warps=norm_warps(block),
             q_ptr=twin[0] if twin else None,
             qs_ptr=twin[1] if twin else None,
             QUANT=twin is not None,
@@ -202,7 +200,7 @@ def fused_add_rms_norm(
             HAS_RESIDUAL=True,
             BLOCK=block,
             PARTS=parts,
-            num_warps=_norm_warps(block),
+            num_warps=norm_warps(block),
             q_ptr=twin[0] if twin else None,
             qs_ptr=twin[1] if twin else None,
             QUANT=twin is not None,
