@@ -7,12 +7,25 @@ import functools
 
 import torch
 
+from pagedllm import envs
+
 try:
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
+
+HAS_GDC = False
+if HAS_TRITON:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except ImportError:  # a Triton without grid dependency control: `pdl_args` gives {} and PDL stays False
+        pass
 
 
 def require_triton() -> None:
@@ -44,3 +57,76 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+# Programmatic dependent launch (PDL, sm_90+). A kernel launched with it may start while its predecessor in the
+# stream still runs: it announces at once that its own successor may launch (`gdc_launch_dependents`) and then
+# waits for its predecessor's completion and memory (`gdc_wait`) before it reads or writes anything another
+# kernel of the step touches. Only constant data (weights) may be read before the wait: a kernel's pre-wait part
+# can run alongside kernels several launches back. At batch 1 the decode step's small kernels (norms, RoPE,
+# attention) leave DRAM idle; a GEMV launched early prefetches its first weights into L2 meanwhile.
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel with a `PDL` constexpr: `{"PDL": True, "launch_pdl": True}` on a CUDA device
+    of compute capability 9 or newer with a Triton that has grid dependency control (`PAGEDLLM_PDL=0`: never),
+    else `{}` (the kernel's default PDL=False, an ordinary launch)."""
+    if device.type != "cuda" or not _pdl_on(device.index if device.index is not None else torch.cuda.current_device()):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _pdl_on(index: int) -> bool:
+    return HAS_GDC and bool(envs.PAGEDLLM_PDL) and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_prefetch_plan(rows: int, row_bytes: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(rows to prefetch, rows per prefetching program) for a PDL GEMV over `rows` weight rows of `row_bytes`
+    contiguous bytes each in a grid of `programs`: the first rows up to `PAGEDLLM_PDL_PREFETCH_MB`, spread over the
+    programs of the grid's first wave (those resident while the predecessor runs; 8 per SM assumed). (0, 1): none
+    (a row not a multiple of 16 bytes cannot be bulk-prefetched)."""
+    budget = envs.PAGEDLLM_PDL_PREFETCH_MB << 20
+    if budget <= 0 or row_bytes % 16 or rows == 0:
+        return 0, 1
+    pf_rows = min(rows, budget // row_bytes)
+    if pf_rows == 0:
+        return 0, 1
+    wave = max(1, min(programs, num_sms(device) * 8))
+    return pf_rows, -(-pf_rows // wave)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A PDL kernel's start: its successor may launch; then wait for the predecessor (no-op without PDL)."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
+    def pdl_trigger(PDL: tl.constexpr):
+        """The first half of `pdl_enter` (a kernel that prefetches constant data before it waits)."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """The second half of `pdl_enter`."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def prefetch_l2(ptr, nbytes):
+        """One bulk prefetch into L2 of `nbytes` (a multiple of 16) at `ptr` (16-byte aligned), issued by the
+        program's first thread (`cp.async.bulk.prefetch`, sm_90+); nothing waits for it."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptr, nbytes.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -34,12 +34,14 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import triton_ops
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON, pdl_args
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_utils import pdl_enter
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,9 @@ if HAS_TRITON:
         WORLD: tl.constexpr,
         MAXP: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         epoch = tl.load(epoch_ptr + pid) + 1
         tl.store(epoch_ptr + pid, epoch)
@@ -243,6 +247,7 @@ class FusedAllReduceNorm:
             MAXP=MAX_PROGRAMS,
             BLOCK=self.block,
             num_warps=self.num_warps,
+            **pdl_args(x.device),
         )
         return out.view(residual.shape), res_out.view(residual.shape)
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import triton_ops
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON, pdl_args
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -38,6 +38,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from pagedllm.distributed.fused_allreduce_norm import _add_norm_row
+    from pagedllm.triton_utils import pdl_enter
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,9 @@ if HAS_TRITON:
     @triton.jit
     def _recv_add_norm_kernel(
         x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, recv_ptr, epoch_ptr, n_cols, eps, RANK: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        pdl_enter(PDL)
         epoch = tl.load(epoch_ptr)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -108,7 +110,7 @@ class PushDecode:
         res_out = torch.empty_like(out)
         _recv_add_norm_kernel[(1,)](
             x2, r2, out, res_out, weight, self.recv, self.epoch, self.hidden, eps, RANK=self.rank,
-            BLOCK=self.block, num_warps=self.num_warps,
+            BLOCK=self.block, num_warps=self.num_warps, **pdl_args(x.device),
         )  # fmt: skip
         return out.view(residual.shape), res_out.view(residual.shape)
 

@@ -30,7 +30,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
-from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton
+from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton
 from pagedllm.utils import next_pow2
 
 __all__ = [
@@ -228,6 +228,7 @@ def paged_attention(
     else:
         part_out = part_m = part_l = output  # unused by the kernel
 
+    pdl = pdl_args(query.device)
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
         block_q = bm // group
@@ -293,6 +294,7 @@ def paged_attention(
             ORDERED=ordered,
             num_warps=nw,
             num_stages=ns,
+            **pdl,
         )
     if num_splits > 1:
         kern._merge_segments_kernel[(num_actual_tokens, num_heads)](
@@ -307,5 +309,6 @@ def paged_attention(
             HEAD_PAD=head_pad,
             NUM_SEGMENTS=num_splits,
             num_warps=4 if head_pad >= 128 else 2,
+            **pdl,
         )
     return output

@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.triton_utils import pdl_enter
+
 
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
@@ -167,7 +169,9 @@ def _paged_attn_kernel(
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
         num_kvh = num_heads // GROUP
@@ -352,7 +356,9 @@ def _merge_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * num_heads + h) * NUM_SEGMENTS

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.triton_utils import HAS_TRITON, require_triton
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton
 from pagedllm.utils import next_pow2
 
 if TYPE_CHECKING:
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_utils import pdl_enter
 
     @triton.jit
     def _rope_heads(
@@ -94,7 +96,9 @@ if HAS_TRITON:
         WRITE_CACHE: tl.constexpr,
         CACHE_BLOCK: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_HALF)
@@ -227,6 +231,7 @@ def rotary_embedding_(
         CACHE_BLOCK=block_size,
         BLOCK_D=next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
+        **pdl_args(query.device),
     )
 
 

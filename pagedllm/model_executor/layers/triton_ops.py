@@ -21,12 +21,14 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, require_triton
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_utils import pdl_enter
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -55,7 +57,9 @@ if HAS_TRITON:
         q_ptr=None,  # QUANT: [rows, n_cols] e4m3 out
         qs_ptr=None,  # QUANT: [rows] float32 out
         QUANT: tl.constexpr = False,  # also write the output quantized (quantization/act_twin.py)
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -99,7 +103,9 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < d
@@ -160,6 +166,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool =
             q_ptr=twin[0] if twin else None,
             qs_ptr=twin[1] if twin else None,
             QUANT=twin is not None,
+            **pdl_args(x.device),
         )
     return _with_twin(out.view(x.shape), twin)
 
@@ -204,6 +211,7 @@ def fused_add_rms_norm(
             q_ptr=twin[0] if twin else None,
             qs_ptr=twin[1] if twin else None,
             QUANT=twin is not None,
+            **pdl_args(x.device),
         )
     return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
 
@@ -218,6 +226,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_args(x.device)
         )
     return out.view(*x.shape[:-1], d)
