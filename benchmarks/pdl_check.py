@@ -31,7 +31,8 @@ def child(args: argparse.Namespace) -> None:
         gpu_memory_utilization=0.5,
     )
     rng = random.Random(7)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(rng.randint(8, 300))]) for _ in range(20)]
+    lens = [rng.randint(8, 300) for _ in range(20)]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(n)]) for n in lens]
     sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False, logprobs=2)
     outs = [o for p in prompts[:4] for o in llm.generate([p], sp, use_tqdm=False)]
     outs += llm.generate(prompts[4:], sp, use_tqdm=False)
