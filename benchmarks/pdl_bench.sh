@@ -4,9 +4,10 @@
 #   bash benchmarks/pdl_bench.sh [STEPS...]   (carry .whl, and .whl_serve on a multi-GPU kind)
 # STEPS (default: check W3 W3tp2 check2):
 #   check / check2   pdl_check.py at tp=1 / tp=2 (bf16 dummy Llama-3.1-8B; PDL on == off, tokens and logprobs)
-#   checkfp8         pdl_check.py with --quantization fp8 (the FP8 GEMV's prefetch and its twins)
-#   W3 / W3tp2       W3 at tp=1 / tp=2: the default, PDL off, no prefetch, and each of PDL_VARIANTS (ENV=VALUE
-#                    each; default PAGEDLLM_PDL_PREFETCH_MB=32)
+#   checkfp8         pdl_check.py with --quantization fp8 (the FP8 GEMV and its twins)
+#   det2 / det2on    pdl_check.py at tp=2, PDL off twice / on twice (whether tp=2 repeats itself at all)
+#   W3 / W3tp2       W3 at tp=1 / tp=2: the default, PDL off, and each of PDL_VARIANTS (ENV=VALUE each, commas
+#                    between the settings of one variant; default PAGEDLLM_PDL=late PAGEDLLM_PDL_PREFETCH_MB=16)
 #   W3fp8            W3-FP8 (benchmarks/quant_bench.sh) with PDL on, then off
 # Results under $OUT; summary last.
 set -uo pipefail
@@ -20,8 +21,8 @@ ngpu=$(nvidia-smi -L | wc -l)
 summary="$OUT/summary_pdl.txt"
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu: ${*:-default}" >> "$summary"
 w3() {  # name, extra engine flags
-    local variants=(W3 W3@PAGEDLLM_PDL=0 W3@PAGEDLLM_PDL_PREFETCH_MB=0)
-    for v in ${PDL_VARIANTS:-PAGEDLLM_PDL_PREFETCH_MB=32}; do variants+=("W3@$v"); done
+    local variants=(W3 W3@PAGEDLLM_PDL=0)
+    for v in ${PDL_VARIANTS:-PAGEDLLM_PDL=late PAGEDLLM_PDL_PREFETCH_MB=16}; do variants+=("W3@$v"); done
     OUT="$OUT/$1" E2E_CORRECTNESS=0 E2E_EXTRA="$2" timeout "${STEP_TIMEOUT:-300}" \
         bash benchmarks/gpu_e2e.sh run "${variants[@]}" > "$OUT/$1.log" 2>&1
     grep "Time per output" "$OUT/$1/summary.txt" | sed "s/^/$1: /" | cut -c1-150 | tee -a "$summary"
@@ -32,12 +33,15 @@ for step in ${*:-check W3 W3tp2 check2}; do
         check) timeout 300 python3 benchmarks/pdl_check.py 2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
         check2) [ "$ngpu" -ge 2 ] && timeout 300 python3 benchmarks/pdl_check.py --tp 2 2>&1 \
             | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
+        det2|det2on) v=0; [ "$step" = det2on ] && v=1
+            [ "$ngpu" -ge 2 ] && timeout 300 python3 benchmarks/pdl_check.py --tp 2 --a PAGEDLLM_PDL=$v --b PAGEDLLM_PDL=$v \
+                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
         checkfp8) timeout 300 python3 benchmarks/pdl_check.py --quantization fp8 2>&1 \
             | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
         W3) w3 W3_tp1 "" ;;
         W3tp2) [ "$ngpu" -ge 2 ] && w3 W3_tp2 "--tensor-parallel-size 2" ;;
         W3fp8)
-            for pdl in 1 0; do
+            for pdl in ${FP8_PDL:-1 0}; do
                 PAGEDLLM_PDL=$pdl OUT="$OUT/fp8_pdl$pdl" timeout 200 bash benchmarks/quant_bench.sh W3-FP8 > /dev/null 2>&1
                 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f'W3-FP8 PDL=$pdl: {r[\"time_per_output_token_ms\"]:.3f} ms')" \
                     "$OUT/fp8_pdl$pdl/W3-FP8.json" 2>&1 | tail -1 | tee -a "$summary"

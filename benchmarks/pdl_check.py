@@ -1,5 +1,5 @@
 """Programmatic dependent launch (triton_utils.pdl_args) changes no number: greedy tokens and their logprobs with
-PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (a kernel that read its predecessor's output before waiting
+PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (--a / --b: any two settings; the same twice: run to run) (a kernel that read its predecessor's output before waiting
 would show as a difference). Each setting runs in its own process (the flag is read once per process) on a
 dummy-weight checkpoint, CUDA graphs on: four prompts one at a time (batch 1: the row GEMVs with their L2
 prefetch) and sixteen together.
@@ -52,28 +52,30 @@ def main() -> int:
     p.add_argument("--quantization", default=None)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--env", action="append", default=[], help="K=V set for both runs")
+    p.add_argument("--a", default="PAGEDLLM_PDL=1", help="K=V[,K=V] of the first run")
+    p.add_argument("--b", default="PAGEDLLM_PDL=0", help="K=V[,K=V] of the second run (the same: run to run)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return 0
-    runs = {}
-    for pdl in ("1", "0"):
+    runs = []
+    for setting in (args.a, args.b):
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
-        env = dict(os.environ, PAGEDLLM_PDL=pdl, **dict(kv.split("=", 1) for kv in args.env))
+        env = dict(os.environ, **dict(kv.split("=", 1) for kv in [*args.env, *setting.split(",")]))
         cmd = [sys.executable, __file__, "--model", args.model, "--tp", str(args.tp), "--tokens", str(args.tokens)]
         cmd += ["--quantization", args.quantization] if args.quantization else []
         rc = subprocess.run(cmd + ["--child", path], env=env).returncode
         if rc:
-            print(f"pdl_check: the PAGEDLLM_PDL={pdl} run failed (rc {rc})")
+            print(f"pdl_check: the {setting} run failed (rc {rc})")
             return 1
         with open(path) as f:
-            runs[pdl] = json.load(f)
-    on, off = runs["1"], runs["0"]
+            runs.append(json.load(f))
+    on, off = runs
     diff = [i for i, (a, b) in enumerate(zip(on, off, strict=True)) if a != b]
     tag = f"{args.model} tp={args.tp} quantization={args.quantization} {' '.join(args.env)}"
-    print(f"pdl_check {tag}: {len(on)} sequences x {args.tokens} tokens, PDL on == off: {not diff}", end="")
+    print(f"pdl_check {tag}: {len(on)} sequences x {args.tokens} tokens, {args.a} == {args.b}: {not diff}", end="")
     print(f" (differ: {diff}; first at token {_first(on[diff[0]], off[diff[0]])})" if diff else "")
     return 1 if diff else 0
 

@@ -4,6 +4,7 @@ import `triton` only when `HAS_TRITON`, so importing them never fails and never 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -67,18 +68,23 @@ def _num_sms(index: int) -> int:
 # attention) leave DRAM idle; a GEMV launched early prefetches its first weights into L2 meanwhile.
 
 
-def pdl_args(device: torch.device) -> dict[str, bool]:
-    """Launch keywords for a kernel with a `PDL` constexpr: `{"PDL": True, "launch_pdl": True}` on a CUDA device
-    of compute capability 9 or newer with a Triton that has grid dependency control (`PAGEDLLM_PDL=0`: never),
-    else `{}` (the kernel's default PDL=False, an ordinary launch)."""
-    if device.type != "cuda" or not _pdl_on(device.index if device.index is not None else torch.cuda.current_device()):
+def pdl_args(device: torch.device) -> dict[str, Any]:
+    """Launch keywords for a kernel with a `PDL` constexpr: `{"PDL": mode, "launch_pdl": True}` on a CUDA device
+    of compute capability 9 or newer with a Triton that has grid dependency control, mode 1 (the successor may
+    launch once every program has started) or 2 (`PAGEDLLM_PDL=late`: once they exit); else `{}` (the kernel's
+    default PDL=0, an ordinary launch; `PAGEDLLM_PDL=0`)."""
+    if device.type != "cuda":
         return {}
-    return {"PDL": True, "launch_pdl": True}
+    mode = _pdl_mode(device.index if device.index is not None else torch.cuda.current_device())
+    return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
 @functools.cache
-def _pdl_on(index: int) -> bool:
-    return HAS_GDC and bool(envs.PAGEDLLM_PDL) and torch.cuda.get_device_capability(index)[0] >= 9
+def _pdl_mode(index: int) -> int:
+    setting = envs.PAGEDLLM_PDL.lower()
+    if not HAS_GDC or setting == "0" or torch.cuda.get_device_capability(index)[0] < 9:
+        return 0
+    return 2 if setting == "late" else 1
 
 
 def pdl_prefetch_plan(rows: int, row_bytes: int, programs: int, device: torch.device) -> tuple[int, int]:
@@ -100,15 +106,16 @@ if HAS_TRITON:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """A PDL kernel's start: its successor may launch; then wait for the predecessor (no-op without PDL)."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        """A PDL kernel's start: its successor may launch (mode 1); then wait for the predecessor (no-op
+        without PDL)."""
+        pdl_trigger(PDL)
+        pdl_wait(PDL)
 
     @triton.jit
     def pdl_trigger(PDL: tl.constexpr):
-        """The first half of `pdl_enter` (a kernel that prefetches constant data before it waits)."""
-        if PDL:
+        """The first half of `pdl_enter` (a kernel that prefetches constant data before it waits). Mode 2 never
+        triggers: a program's exit counts as its trigger."""
+        if PDL == 1:
             gdc_launch_dependents()
 
     @triton.jit

@@ -113,7 +113,7 @@ if HAS_TRITON:
         WORLD: tl.constexpr,
         MAXP: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
         pid = tl.program_id(0)

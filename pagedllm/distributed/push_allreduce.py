@@ -51,7 +51,7 @@ if HAS_TRITON:
     @triton.jit
     def _recv_add_norm_kernel(
         x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, recv_ptr, epoch_ptr, n_cols, eps, RANK: tl.constexpr,
-        BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
     ):  # fmt: skip
         pdl_enter(PDL)
         epoch = tl.load(epoch_ptr)

@@ -169,7 +169,7 @@ def _paged_attn_kernel(
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
@@ -356,7 +356,7 @@ def _merge_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)

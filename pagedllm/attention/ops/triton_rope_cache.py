@@ -96,7 +96,7 @@ if HAS_TRITON:
         WRITE_CACHE: tl.constexpr,
         CACHE_BLOCK: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)

@@ -70,7 +70,7 @@ if HAS_TRITON:
         GLU: tl.constexpr,  # rows i and i + N of the weight (2N rows) -> silu(x . w_i) * (x . w_(i+N)) at i
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)

@@ -57,7 +57,7 @@ if HAS_TRITON:
         q_ptr=None,  # QUANT: [rows, n_cols] e4m3 out
         qs_ptr=None,  # QUANT: [rows] float32 out
         QUANT: tl.constexpr = False,  # also write the output quantized (quantization/act_twin.py)
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -103,7 +103,7 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)

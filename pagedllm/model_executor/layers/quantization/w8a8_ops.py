@@ -107,7 +107,7 @@ if HAS_TRITON:
                           stride_om, QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, AB: tl.constexpr,
                           H2: tl.constexpr, FLUSH: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr,
-                          PRE: tl.constexpr, pf_rows=0, pf_step=1, PDL: tl.constexpr = False):  # fmt: skip
+                          PRE: tl.constexpr, pf_rows=0, pf_step=1, PDL: tl.constexpr = 0):  # fmt: skip
         """Decode rows: the row's per-token quantization fused into the GEMV (each program reads the small
         activation row for its amax first), BN weight rows streamed along K; one launch per linear.
 
