@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch (pagedllm/triton_utils.py: PAGEDLLM_PDL, PAGEDLLM_PDL_PREFETCH_MB) on the GPU, in
+# Programmatic dependent launch (pagedllm/triton_utils.py: PAGEDLLM_PDL=1 / early / 0) on the GPU, in
 # one device call: the bit-equality check (benchmarks/pdl_check.py), then A/B timings per step.
 #   bash benchmarks/pdl_bench.sh [STEPS...]   (carry .whl, and .whl_serve on a multi-GPU kind)
 # STEPS (default: check W3 W3tp2@1 W3tp2@0 check2):
@@ -7,7 +7,7 @@
 #   checkfp8         pdl_check.py with --quantization fp8 (the FP8 GEMV and its twins)
 #   det2 / det2on    pdl_check.py at tp=2, PDL off twice / on twice (whether tp=2 repeats itself at all)
 #   W3               W3 at tp=1: the default, PDL off, and each of PDL_VARIANTS (ENV=VALUE each, commas between the
-#                    settings of one variant; default PAGEDLLM_PDL=late)
+#                    settings of one variant; default PAGEDLLM_PDL=early)
 #   W3@M / W3tp2@M   W3 at tp=1 / tp=2 with PAGEDLLM_PDL=M alone (one engine per step)
 #   check@M/check2@M pdl_check.py at tp=1 / tp=2, PAGEDLLM_PDL=M against 0
 #   W3fp8            W3-FP8 (benchmarks/quant_bench.sh) with PDL on, then off
@@ -44,7 +44,7 @@ for step in ${*:-check W3 W3tp2@1 W3tp2@0 check2}; do
         W3|W3@*)  # W3: the default, PDL off and each of PDL_VARIANTS; W3@MODE: PAGEDLLM_PDL=MODE alone
             if [ "$step" = W3 ]; then
                 variants=(W3 W3@PAGEDLLM_PDL=0)
-                for v in ${PDL_VARIANTS:-PAGEDLLM_PDL=late}; do variants+=("W3@$v"); done
+                for v in ${PDL_VARIANTS:-PAGEDLLM_PDL=early}; do variants+=("W3@$v"); done
             else
                 variants=("W3@PAGEDLLM_PDL=${step#W3@}")
             fi

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (triton_utils.pdl_args) changes no number: greedy tokens and their logprobs with
-PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (--a / --b: any two settings; the same twice: run to run) (a kernel that read its predecessor's output before waiting
-would show as a difference). Each setting runs in its own process (the flag is read once per process) on a
-dummy-weight checkpoint, CUDA graphs on: four prompts one at a time (batch 1: the row GEMVs with their L2
-prefetch) and sixteen together.
+PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (a kernel that read its predecessor's output before waiting
+would show as a difference; --a / --b compare any two settings, the same one twice: run to run). Each setting runs
+in its own process (the flag is read once per process) on a dummy-weight checkpoint, CUDA graphs on: four prompts
+one at a time (batch 1: the row GEMVs, at tp=2 their push all-reduce) and sixteen together.
 
     PYTHONPATH=. python3 benchmarks/pdl_check.py [--model benchmarks/workloads/llama-3.1-8b] [--tp 2] [--env K=V]
 """

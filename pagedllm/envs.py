@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     PAGEDLLM_W8A8_H2: bool
     PAGEDLLM_FP8_ACT_TWIN: bool
     PAGEDLLM_PDL: str
-    PAGEDLLM_PDL_PREFETCH_MB: int
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -136,12 +135,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
     "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
     # CUDA (Hopper and newer): the decode path's Triton kernels launch with programmatic dependent launch, each
-    # waiting for its predecessor inside the kernel (triton_utils.pdl_args). "1": a kernel lets its successor
-    # launch as soon as all its programs have started; "late": only as its programs exit; "0": ordinary stream
-    # order.
+    # waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order; "early":
+    # the successor may launch once every program has started (an experiment, see triton_utils).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),
-    # With PDL: MiB of its weight a batch-1 GEMV prefetches into L2 while its predecessor still runs (0: none).
-    "PAGEDLLM_PDL_PREFETCH_MB": lambda: int(os.environ.get("PAGEDLLM_PDL_PREFETCH_MB", "0")),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

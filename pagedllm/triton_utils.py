@@ -60,19 +60,21 @@ def _num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-# Programmatic dependent launch (PDL, sm_90+). A kernel launched with it may start while its predecessor in the
-# stream still runs: it announces at once that its own successor may launch (`gdc_launch_dependents`) and then
-# waits for its predecessor's completion and memory (`gdc_wait`) before it reads or writes anything another
-# kernel of the step touches. Only constant data (weights) may be read before the wait: a kernel's pre-wait part
-# can run alongside kernels several launches back. At batch 1 the decode step's small kernels (norms, RoPE,
-# attention) leave DRAM idle; a GEMV launched early prefetches its first weights into L2 meanwhile.
+# Programmatic dependent launch (PDL, sm_90+). A kernel launched with it is scheduled as its predecessor in the
+# stream finishes (once every program of the predecessor has exited, or called `gdc_launch_dependents`) instead of
+# after the predecessor's completion has been processed, and waits for that completion and its memory inside the
+# kernel (`gdc_wait`), first thing, before it reads or writes anything. Each kernel boundary of a CUDA-graph decode
+# step then costs less: W3 4.278 -> 4.237 ms a token on an H200 (benchmarks/NOTES.md, session 37), tokens and
+# logprobs bit-identical (benchmarks/pdl_check.py). PAGEDLLM_PDL=early makes each program announce its
+# successor at its start (the successor's programs wait on the SMs meanwhile): faster at tp=2 (W3 2.58 against
+# 2.69 ms) but one of two equality checks at tp=2 failed with it, cause not found; an experiment, not a setting.
 
 
 def pdl_args(device: torch.device) -> dict[str, Any]:
-    """Launch keywords for a kernel with a `PDL` constexpr: `{"PDL": mode, "launch_pdl": True}` on a CUDA device
-    of compute capability 9 or newer with a Triton that has grid dependency control, mode 1 (the successor may
-    launch once every program has started) or 2 (`PAGEDLLM_PDL=late`: once they exit); else `{}` (the kernel's
-    default PDL=0, an ordinary launch; `PAGEDLLM_PDL=0`)."""
+    """Launch keywords for a kernel with a `PDL` constexpr (whose programs begin with `pdl_enter(PDL)`):
+    `{"PDL": mode, "launch_pdl": True}` on a CUDA device of compute capability 9 or newer with a Triton that has
+    grid dependency control, mode 1 (`PAGEDLLM_PDL=1`, the default) or 2 (`early`); else `{}` (PDL=0, an ordinary
+    launch; `PAGEDLLM_PDL=0`)."""
     if device.type != "cuda":
         return {}
     mode = _pdl_mode(device.index if device.index is not None else torch.cuda.current_device())
@@ -81,59 +83,29 @@ def pdl_args(device: torch.device) -> dict[str, Any]:
 
 @functools.cache
 def _pdl_mode(index: int) -> int:
-    setting = envs.PAGEDLLM_PDL.lower()
-    if not HAS_GDC or setting == "0" or torch.cuda.get_device_capability(index)[0] < 9:
+    return pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def pdl_mode_of(setting: str, supported: bool) -> int:
+    """The kernels' PDL constexpr for a `PAGEDLLM_PDL` value on a device that supports PDL or not."""
+    setting = setting.strip().lower()
+    if not supported or setting in ("0", "false", "off"):
         return 0
-    return 2 if setting == "late" else 1
-
-
-def pdl_prefetch_plan(rows: int, row_bytes: int, programs: int, device: torch.device) -> tuple[int, int]:
-    """(rows to prefetch, rows per prefetching program) for a PDL GEMV over `rows` weight rows of `row_bytes`
-    contiguous bytes each in a grid of `programs`: the first rows up to `PAGEDLLM_PDL_PREFETCH_MB`, spread over the
-    programs of the grid's first wave (those resident while the predecessor runs; 8 per SM assumed). (0, 1): none
-    (a row not a multiple of 16 bytes cannot be bulk-prefetched)."""
-    budget = envs.PAGEDLLM_PDL_PREFETCH_MB << 20
-    if budget <= 0 or row_bytes % 16 or rows == 0:
-        return 0, 1
-    pf_rows = min(rows, budget // row_bytes)
-    if pf_rows == 0:
-        return 0, 1
-    wave = max(1, min(programs, num_sms(device) * 8))
-    return pf_rows, -(-pf_rows // wave)
+    if setting in ("1", "true", "on"):
+        return 1
+    if setting == "early":
+        return 2
+    raise ValueError(f"PAGEDLLM_PDL must be 0, 1 or early, not {setting!r}")
 
 
 if HAS_TRITON:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """A PDL kernel's start: its successor may launch (mode 1); then wait for the predecessor (no-op
-        without PDL)."""
-        pdl_trigger(PDL)
-        pdl_wait(PDL)
-
-    @triton.jit
-    def pdl_trigger(PDL: tl.constexpr):
-        """The first half of `pdl_enter` (a kernel that prefetches constant data before it waits). Mode 2 never
-        triggers: a program's exit counts as its trigger."""
-        if PDL == 1:
+        """A PDL kernel's first step (no-op for PDL=0): with `early` (2) its successor may launch from now on;
+        then it waits for its predecessor's completion. Every program runs it before any early return: a kernel
+        whose programs skipped the wait could complete before its predecessor."""
+        if PDL == 2:
             gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_wait(PDL: tl.constexpr):
-        """The second half of `pdl_enter`."""
         if PDL:
             gdc_wait()
-
-    @triton.jit
-    def prefetch_l2(ptr, nbytes):
-        """One bulk prefetch into L2 of `nbytes` (a multiple of 16) at `ptr` (16-byte aligned), issued by the
-        program's first thread (`cp.async.bulk.prefetch`, sm_90+); nothing waits for it."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptr, nbytes.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )

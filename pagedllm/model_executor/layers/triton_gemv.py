@@ -14,16 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import envs
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, pdl_prefetch_plan
+from pagedllm.triton_utils import HAS_TRITON, pdl_args
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.triton_utils import pdl_trigger, pdl_wait, prefetch_l2
-
-if HAS_TRITON:
+    from pagedllm.triton_utils import pdl_enter
 
     @triton.jit
     def _rows_dot(w_ptrs, x_ptr, K, n_ok, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -60,8 +58,6 @@ if HAS_TRITON:
         stride_wn,
         stride_as,
         stride_ar,
-        pf_rows,  # PDL: weight rows [0, pf_rows) (and their up rows with GLU) are prefetched into L2 before the
-        pf_step,  # wait, pf_step rows by each of the first programs (triton_utils.pdl_prefetch_plan)
         HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr,
         EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
@@ -74,16 +70,7 @@ if HAS_TRITON:
     ):
         pid = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
-        pdl_trigger(PDL)
-        if PDL:
-            r0 = pid * pf_step
-            if r0 < pf_rows:
-                row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-                nbytes = tl.minimum(pf_step, pf_rows - r0) * row_bytes
-                prefetch_l2(w_ptr + r0.to(tl.int64) * stride_wn, nbytes)
-                if GLU:
-                    prefetch_l2(w_ptr + (r0 + N).to(tl.int64) * stride_wn, nbytes)
-        pdl_wait(PDL)
+        pdl_enter(PDL)
         if PUSH:  # (loaded first: its latency hides behind the weight stream)
             half = tl.load(epoch_ptr) % 2
         if HAS_LORA:
@@ -218,13 +205,7 @@ def row_gemv(
         r = lora.a.shape[1]
         assert lora.out.shape == (1, r) and lora.part.shape == (triton.cdiv(k, bk), r)
         assert lora.count.shape == (triton.cdiv(r, bn),) and lora.count.dtype == torch.int32
-    grid = n_blocks + triton.cdiv(r, bn) * triton.cdiv(k, bk)
-    pdl = pdl_args(x.device)
-    pf_rows, pf_step = 0, 1
-    if pdl and weight.stride(0) == k and weight.data_ptr() % 16 == 0:
-        pf_rows, pf_step = pdl_prefetch_plan(n * (2 if glu else 1), k * weight.element_size(), grid, x.device)
-        pf_rows //= 2 if glu else 1  # (GLU: gate rows [0, pf_rows) and their up rows)
-    _row_gemv_kernel[(grid,)](
+    _row_gemv_kernel[(n_blocks + triton.cdiv(r, bn) * triton.cdiv(k, bk),)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -242,8 +223,6 @@ def row_gemv(
         weight.stride(0),
         lora.a.stride(0) if lora is not None else 0,
         lora.a.stride(1) if lora is not None else 0,
-        pf_rows,
-        pf_step,
         HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None,
         EVEN=n % bn == 0 and k % bk == 0,
@@ -254,7 +233,7 @@ def row_gemv(
         BLOCK_K=bk,
         num_warps=nw,
         num_stages=ns,
-        **pdl,
+        **pdl_args(x.device),
     )
     if lora is not None:
         lora.done = True

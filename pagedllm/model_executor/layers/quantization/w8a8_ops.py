@@ -15,13 +15,13 @@ import torch
 
 from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, pdl_prefetch_plan
+from pagedllm.triton_utils import HAS_TRITON, pdl_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.triton_utils import pdl_trigger, pdl_wait, prefetch_l2
+    from pagedllm.triton_utils import pdl_enter
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -107,7 +107,7 @@ if HAS_TRITON:
                           stride_om, QMAX: tl.constexpr, IS_INT: tl.constexpr, STATIC: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, AB: tl.constexpr,
                           H2: tl.constexpr, FLUSH: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr,
-                          PRE: tl.constexpr, pf_rows=0, pf_step=1, PDL: tl.constexpr = 0):  # fmt: skip
+                          PRE: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
         """Decode rows: the row's per-token quantization fused into the GEMV (each program reads the small
         activation row for its amax first), BN weight rows streamed along K; one launch per linear.
 
@@ -120,16 +120,9 @@ if HAS_TRITON:
         round at ~5e-4 relative, below the 16-bit output's own rounding. Float32 activations keep float32.
 
         PRE: the row comes quantized already (xq [M, K] e4m3, xs [M, 1]: its producer's twin, act_twin.py),
-        so no program reads or converts the 16-bit row (70.4 -> 63.4 us a layer on an H200).
-
-        PDL: weight rows [0, pf_rows) are prefetched into L2 before the wait (row_gemv's scheme)."""
+        so no program reads or converts the 16-bit row (70.4 -> 63.4 us a layer on an H200)."""
+        pdl_enter(PDL)
         m = tl.program_id(0)
-        pdl_trigger(PDL)
-        if PDL:
-            r0 = tl.program_id(1) * pf_step
-            if (m == 0) & (r0 < pf_rows):
-                prefetch_l2(w_ptr + r0.to(tl.int64) * K, tl.minimum(pf_step, pf_rows - r0) * K)
-        pdl_wait(PDL)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BK)
@@ -225,16 +218,12 @@ def w8a8_gemv(
     qmax = FP8_MAX if w.dtype == FP8_DTYPE else INT8_MAX
     pre = twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k)
     xq, xs = twin if pre else (x, w_scale)  # type: ignore[misc]
-    pdl = pdl_args(x.device)
-    pf_rows, pf_step = 0, 1
-    if pdl and w.element_size() == 1 and w.is_contiguous() and w.data_ptr() % 16 == 0:
-        pf_rows, pf_step = pdl_prefetch_plan(n, k, triton.cdiv(n, bn), x.device)
     _w8a8_gemv_kernel[(m, triton.cdiv(n, bn))](
         x, xq, xs, w, w_scale, input_scale if input_scale is not None else w_scale,
         bias if bias is not None else w_scale, out, n, k, x.stride(0), out.stride(0), QMAX=qmax,
         IS_INT=w.dtype == torch.int8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
         AB=ab, H2=h2, FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=launch.stages, PRE=pre,
-        pf_rows=pf_rows, pf_step=pf_step, num_warps=launch.warps, **pdl,
+        num_warps=launch.warps, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

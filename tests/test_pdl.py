@@ -1,0 +1,129 @@
+"""Programmatic dependent launch (triton_utils.pdl_args): the setting's parsing, and, compiled for sm_90 on this
+CPU box, the invariant every PDL kernel relies on: its programs wait for the predecessor (`griddepcontrol.wait`)
+in the kernel's entry block, before any branch and before any global memory access. A kernel that touched memory
+first, or whose programs could return without waiting, could read a predecessor's output before it is written
+(the GPU check of the whole engine is benchmarks/pdl_check.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm import triton_utils
+from pagedllm.triton_utils import HAS_GDC, HAS_TRITON, pdl_args, pdl_mode_of
+
+
+def test_pdl_mode_of() -> None:
+    assert pdl_mode_of("1", True) == 1
+    assert pdl_mode_of(" On ", True) == 1
+    assert pdl_mode_of("early", True) == 2
+    assert pdl_mode_of("0", True) == 0
+    assert pdl_mode_of("1", False) == 0 and pdl_mode_of("early", False) == 0
+    with pytest.raises(ValueError, match="PAGEDLLM_PDL"):
+        pdl_mode_of("late", True)
+
+
+def test_no_pdl_off_cuda() -> None:
+    assert pdl_args(torch.device("cpu")) == {}
+
+
+_MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)", re.M)
+
+
+def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
+    from pagedllm.attention.ops import triton_paged_attn_kernels as attn
+    from pagedllm.attention.ops import triton_rope_cache as rope
+    from pagedllm.distributed import fused_allreduce_norm as pull
+    from pagedllm.distributed import push_allreduce as push
+    from pagedllm.model_executor.layers import triton_gemv, triton_ops
+    from pagedllm.model_executor.layers.quantization import w8a8_ops
+
+    bf = "*bf16"
+    gemv_ptrs = dict(x_ptr=bf, w_ptr=bf, b_ptr=bf, y_ptr=bf, a_ptr=bf, slot_ptr="*i32", s_ptr="*fp32")
+    gemv_ptrs.update(part_ptr="*fp32", cnt_ptr="*i32", epoch_ptr="*i64", push_addr="i64")
+    gemv = dict(HAS_BIAS=False, HAS_LORA=False, EVEN=True, EVEN_A=True, PUSH=False, GLU=False, BLOCK_N=1, BLOCK_K=512)
+    norm_ptrs = dict(x_ptr=bf, res_ptr=bf, out_ptr=bf, res_out_ptr=bf, w_ptr=bf, eps="fp32", q_ptr="*fp8e4nv")
+    norm_ptrs.update(qs_ptr="*fp32", recv_ptr="*i16", epoch_ptr="*i64", buf_ptrs="*u64", flag_ptrs="*u64")
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=True)
+    w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
+    w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
+    w8 = dict(QMAX=448.0, IS_INT=False, STATIC=False, HAS_BIAS=False, BN=16, BK=512, AB=4096, H2=True, FLUSH=4)
+    attn_ptrs = dict(out_ptr=bf, q_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, block_table_ptr="*i32")
+    attn_ptrs.update(seq_lens_ptr="*i32", qsl_ptr="*i32", part_out_ptr="*fp32", part_m_ptr="*fp32")
+    attn_ptrs.update(part_l_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", key_limit_ptr="*i32")
+    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
+    attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
+    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False)
+    rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
+    rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
+    rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
+    rope_c.update(CACHE_BLOCK=16, BLOCK_D=128)
+    return [
+        ("row_gemv", triton_gemv._row_gemv_kernel, gemv, gemv_ptrs),
+        ("row_gemv_glu", triton_gemv._row_gemv_kernel, dict(gemv, GLU=True), gemv_ptrs),
+        ("row_gemv_push", triton_gemv._row_gemv_kernel, dict(gemv, PUSH=True), gemv_ptrs),
+        ("row_gemv_lora", triton_gemv._row_gemv_kernel, dict(gemv, HAS_LORA=True, BLOCK_N=16), gemv_ptrs),
+        (
+            "add_rms_norm_twin",
+            triton_ops._rms_norm_kernel,
+            norm,
+            norm_ptrs,
+        ),
+        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024), norm_ptrs),
+        ("w8a8_gemv", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=True, PIPE=3, PRE=False), w8_ptrs),
+        ("w8a8_gemv_pre", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=False, PIPE=3, PRE=True), w8_ptrs),
+        ("push_recv_norm", push._recv_add_norm_kernel, dict(RANK=1, BLOCK=4096), norm_ptrs),
+        (
+            "pull_allreduce_norm",
+            pull._all_reduce_add_norm_kernel,
+            dict(RANK=0, WORLD=2, MAXP=128, BLOCK=4096),
+            norm_ptrs,
+        ),
+        ("rope_cache", rope._rope_kernel, rope_c, rope_ptrs),
+        ("paged_attn", attn._paged_attn_kernel, attn_c, attn_ptrs),
+        ("merge_segments", attn._merge_segments_kernel, dict(HEAD_SIZE=128, HEAD_PAD=128, NUM_SEGMENTS=16), attn_ptrs),
+    ]
+
+
+def _ptx(fn: Any, consts: dict[str, Any], ptrs: dict[str, str]) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = consts[name]
+        else:
+            signature[name] = ptrs.get(name, "i32")
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs={})
+    options = {"num_warps": 4, "num_stages": 1, "launch_pdl": True}
+    return str(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+
+
+@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("name", [k[0] for k in _kernels()] if HAS_TRITON else [])
+def test_wait_comes_first(name: str, mode: int) -> None:
+    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
+    from triton.compiler.errors import CompilationError
+
+    try:
+        ptx = _ptx(fn, dict(consts, PDL=mode), ptrs)
+    except CompilationError:
+        raise
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    body = ptx[ptx.index("{", ptx.index(".entry")) :]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0, "the kernel never waits for its predecessor"
+    before = body[:wait]
+    assert not _MEM.search(before), f"memory access before the wait: {_MEM.search(before)}"
+    assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:bra|ret)\b", before, re.M), "a branch before the wait"
+    assert ("griddepcontrol.launch_dependents" in body) == (mode == 2)
+    assert triton_utils.pdl_mode_of("early" if mode == 2 else "1", True) == mode
