@@ -83,7 +83,8 @@ def pdl_args(device: torch.device) -> dict[str, Any]:
 
 @functools.cache
 def _pdl_mode(index: int) -> int:
-    return pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9)
+    nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
+    return pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def pdl_mode_of(setting: str, supported: bool) -> int:
