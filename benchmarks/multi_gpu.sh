@@ -20,6 +20,11 @@
 #   W2ce   W2 at tp=1 and tp=2 with the copy-engine prefill path (default) and without (PAGEDLLM_TP_CE_PREFILL=0)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
+#   pdl@M / pdl2@M    benchmarks/pdl_check.py at tp=1 / tp=2: PAGEDLLM_PDL=M (1, early; programmatic dependent
+#          launch, pagedllm/triton_utils.py) against 0, greedy tokens and logprobs bit for bit; pdl2@0: 0 against 0
+#   W3pdl@M / W3tp2pdl@M   W3 at tp=1 / tp=2 with PAGEDLLM_PDL=M (one engine per step: a third tp=2 engine in one
+#          gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)
+#   W3fp8pdl   W3-FP8 (quant_bench.sh) for each PAGEDLLM_PDL value of FP8_PDL (default "1 0")
 # Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/pagedllm_multi_gpu}
@@ -123,10 +128,20 @@ for step in $steps; do
                         | sed "s/^/S2 dp=$dp api=$api: /" | tee -a "$summary"
                 done
             done ;;
+        pdl@*|pdl2@*)
+            tp=1; [ "${step%%@*}" = pdl2 ] && tp=2
+            [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "PAGEDLLM_PDL=${step#*@}" \
+                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
+        W3pdl@*) e2e "W3_tp1_pdl${step#*@}" "" "W3@PAGEDLLM_PDL=${step#*@}" ;;
+        W3tp2pdl@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_pdl${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL=${step#*@}" ;;
+        W3fp8pdl)
+            for pdl in ${FP8_PDL:-1 0}; do
+                PAGEDLLM_PDL=$pdl OUT="$OUT/fp8_pdl$pdl" timeout 200 bash benchmarks/quant_bench.sh W3-FP8 > /dev/null 2>&1
+                python3 -c "import json,sys; print(f'W3-FP8 PDL=$pdl: {json.load(open(sys.argv[1]))[\"time_per_output_token_ms\"]:.3f} ms')" \
+                    "$OUT/fp8_pdl$pdl/W3-FP8.json" 2>&1 | tail -1 | tee -a "$summary"
+            done ;;
     esac
-    # Whatever a timed-out step left (an engine and its spawned workers) would hold the GPUs' memory.
-    pkill -9 -f "python3 -m pagedllm|multiprocessing.spawn|multiprocessing.resource_tracker" && sleep 3
-    echo "($step: $((SECONDS - t0)) s)" >> "$summary"
+    end_step "$step" "$t0" "$summary"
 done
 echo "==== summary ===="
 cat "$summary"
