@@ -77,14 +77,15 @@ def pdl_args(device: torch.device) -> dict[str, Any]:
     launch; `PAGEDLLM_PDL=0`)."""
     if device.type != "cuda":
         return {}
-    mode = _pdl_mode(device.index if device.index is not None else torch.cuda.current_device())
-    return {"PDL": mode, "launch_pdl": True} if mode else {}
+    return _pdl_kwargs(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _pdl_mode(index: int) -> int:
+def _pdl_kwargs(index: int) -> dict[str, Any]:
+    """(One dict per device, unpacked by every launch: callers never mutate it.)"""
     nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
-    return pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9)
+    mode = pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9)
+    return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
 def pdl_mode_of(setting: str, supported: bool) -> int:
