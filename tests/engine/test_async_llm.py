@@ -178,7 +178,7 @@ def test_request_timeout_aborts_only_that_request(engine: AsyncLLM) -> None:
     """`request_timeout_s` (the server's --request-timeout): a request still running at its deadline is
     aborted and its reader gets RequestTimeoutError; one finishing in time is untouched; nothing stays."""
     from pagedllm.engine.exceptions import RequestTimeoutError
-    from pagedllm.entrypoints.openai.serving_base import request_error
+    from pagedllm.entrypoints.openai.errors import request_error
 
     async def consume(rid: str, max_tokens: int) -> int:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

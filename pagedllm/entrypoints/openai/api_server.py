@@ -21,6 +21,7 @@ from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing
 from pagedllm.entrypoints.openai.control_routes import add_control_routes
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, engine_dead_error, error_body, request_error
 from pagedllm.entrypoints.openai.middleware import (
     DEFAULT_BODY_TIMEOUT_S,
     PUBLIC_PATHS,
@@ -42,19 +43,13 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import (
-    DEFAULT_MAX_N,
-    OpenAIServingError,
-    SSEStream,
-    engine_dead_error,
-    error_body,
-    request_error,
-)
+from pagedllm.entrypoints.openai.serving_base import DEFAULT_MAX_N
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.streaming import SSEStream
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.entrypoints.web import mount_web_ui
 from pagedllm.logger import init_logger

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.errors import OpenAIServingError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
@@ -24,7 +25,6 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaToolCall,
     ToolCall,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIServingError
 from pagedllm.entrypoints.openai.tool_parsers import (
     ExtractedToolCallInformation,
     PartialParse,

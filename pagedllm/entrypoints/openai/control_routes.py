@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm import envs
 from pagedllm.engine.controls import EngineSleepingError
-from pagedllm.entrypoints.openai.serving_base import error_body
+from pagedllm.entrypoints.openai.errors import error_body
 
 
 def dev_mode() -> bool:

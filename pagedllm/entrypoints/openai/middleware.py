@@ -24,7 +24,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedllm.entrypoints.openai.serving_base import error_body
+from pagedllm.entrypoints.openai.errors import error_body
 from pagedllm.logger import init_logger
 
 logger = init_logger(__name__)

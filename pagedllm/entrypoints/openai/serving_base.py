@@ -1,25 +1,17 @@
-"""Shared plumbing of the OpenAI handlers: errors, model-name checks, sampling parameters, prompt
-length checks, SSE helpers, and merging of several prompts' output streams."""
+"""Shared plumbing of the OpenAI handlers: model-name checks, sampling parameters, prompt length checks and the
+logprobs of responses (errors in `errors.py`, SSE and stream merging in `streaming.py`)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
-from pagedllm.engine.mp_client import EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, engine_dead_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     CompletionLogProbs,
-    ErrorInfo,
-    ErrorResponse,
     TopLogprob,
     UsageInfo,
     _SamplingRequest,
@@ -27,60 +19,6 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.logprobs import Logprob, PromptLogprobs
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-T = TypeVar("T")
-
-_PARAM_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    413: "RequestEntityTooLarge",
-    422: "UnprocessableEntityError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class OpenAIServingError(Exception):
-    """Raised by handlers; rendered as `{"error": {...}}` with `status`."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.err_type = err_type or _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", ""))
-
-    @classmethod
-    def from_value_error(cls, e: Exception) -> OpenAIServingError:
-        """Engine ValueErrors read "field: message"; the field becomes the error's `param`."""
-        msg = str(e)
-        m = _PARAM_RE.match(msg)
-        return cls(msg, 400, m.group(1) if m else None)
-
-    def to_response(self) -> ErrorResponse:
-        return ErrorResponse(
-            error=ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=self.status)
-        )
-
-
-def request_error(e: Exception) -> OpenAIServingError:
-    """The HTTP error for an exception that ended one request (a timeout: 408; anything else: 500)."""
-    if isinstance(e, RequestTimeoutError):
-        return OpenAIServingError(str(e), 408, "request_timeout")
-    if isinstance(e, RequestFailedError):
-        return OpenAIServingError(str(e), 500)
-    return OpenAIServingError(f"{type(e).__name__}: {e}", 500)
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return OpenAIServingError(message, status, param).to_response().model_dump()
-
-
-def engine_dead_error(e: EngineDeadError | None = None) -> OpenAIServingError:
-    return OpenAIServingError(str(e or EngineDeadError()), 503)
 
 
 def sampling_supports(field: str) -> bool:
@@ -385,67 +323,8 @@ class OpenAIServing:
         )
 
 
-@dataclass
-class SSEStream:
-    """A streamed response: its SSE text chunks, and the engine requests to abort when it ends (a client
-    that disconnects before the first chunk never starts the iterator, so closing it aborts nothing)."""
-
-    iterator: AsyncIterator[str]
-    request_ids: list[str] = field(default_factory=list)
-
-
 def _lp_value(lp: Any) -> float:
     if lp is None:
         return float("-inf")
     v = float(getattr(lp, "logprob", lp))
     return max(v, -9999.0)  # JSON has no -inf; OpenAI clients expect a number
-
-
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-def sse_error(e: OpenAIServingError) -> str:
-    return sse(e.to_response().model_dump_json())
-
-
-async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they come, tagged with the iterator's index. Closing the
-    merged iterator (disconnect) cancels the producers, so each one aborts its request."""
-    if len(iterators) == 1:
-        it = iterators[0]
-        try:
-            async for item in it:
-                yield 0, item
-        finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()  # closed at our yield: abort the request now, not at garbage collection
-        return
-    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
-
-    async def drain(i: int, it: AsyncIterator[T]) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, item))
-        except Exception as e:
-            await queue.put(e)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.ensure_future(drain(i, it)) for i, it in enumerate(iterators)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()  # type: ignore[assignment]
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item  # type: ignore[misc]
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,6 +12,7 @@ from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import apply_chat_template, normalize_conversation
 from pagedllm.entrypoints.openai.chat_parsing import ChatOutputParsing, ChoiceStream, RequestParsing
 from pagedllm.entrypoints.openai.chunk_json import chunk_head, content_chunk_json
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, engine_dead_error, request_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -23,16 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
     messages_as_dicts,
     random_uuid,
 )
-from pagedllm.entrypoints.openai.serving_base import (
-    OpenAIServing,
-    OpenAIServingError,
-    SSEStream,
-    engine_dead_error,
-    merge_async_iterators,
-    request_error,
-    sse,
-    sse_error,
-)
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing
+from pagedllm.entrypoints.openai.streaming import SSEStream, merge_async_iterators, sse, sse_error
 from pagedllm.entrypoints.template_sandbox import TemplateSandbox
 from pagedllm.inputs import TokensPrompt
 from pagedllm.logger import init_logger

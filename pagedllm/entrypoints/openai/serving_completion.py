@@ -10,6 +10,7 @@ from pagedllm.beam_search import beam_search_async
 from pagedllm.engine.exceptions import RequestFailedError, RequestTimeoutError
 from pagedllm.engine.mp_client import EngineDeadError
 from pagedllm.entrypoints.openai.chunk_json import chunk_head, text_chunk_json
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, engine_dead_error, request_error
 from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -18,16 +19,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     random_uuid,
 )
-from pagedllm.entrypoints.openai.serving_base import (
-    OpenAIServing,
-    OpenAIServingError,
-    SSEStream,
-    engine_dead_error,
-    merge_async_iterators,
-    request_error,
-    sse,
-    sse_error,
-)
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing
+from pagedllm.entrypoints.openai.streaming import SSEStream, merge_async_iterators, sse, sse_error
 from pagedllm.inputs import TokensPrompt
 from pagedllm.logger import init_logger
 from pagedllm.logprobs import Logprob, PromptLogprobs

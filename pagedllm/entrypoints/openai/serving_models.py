@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.errors import OpenAIServingError
 from pagedllm.entrypoints.openai.protocol import ModelCard
-from pagedllm.entrypoints.openai.serving_base import OpenAIServingError
 from pagedllm.lora.request import LoRARequest
 
 

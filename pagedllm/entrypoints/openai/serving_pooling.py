@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import OpenAIServingError, error_body
 from pagedllm.entrypoints.openai.protocol import UsageInfo
 from pagedllm.entrypoints.openai.protocol_pooling import (
     ClassificationData,
@@ -36,7 +37,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
     ScoreResponse,
     ScoreResponseData,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIServing, OpenAIServingError, error_body
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing
 from pagedllm.inputs import PromptType, TokensPrompt
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling.llm_api import pair_token_ids, score_pairs

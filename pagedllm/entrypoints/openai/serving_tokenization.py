@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.entrypoints.openai.errors import OpenAIServingError
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -10,7 +11,6 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     messages_as_dicts,
 )
-from pagedllm.entrypoints.openai.serving_base import OpenAIServingError
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 LARGE_DECODE_TOKENS = 4096

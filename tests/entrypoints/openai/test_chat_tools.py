@@ -20,9 +20,10 @@ from pydantic import ValidationError  # noqa: E402
 
 from pagedllm.entrypoints.chat_utils import load_chat_template  # noqa: E402
 from pagedllm.entrypoints.openai.chat_parsing import AUTO_NEEDS_FLAGS, ChatOutputParsing  # noqa: E402
+from pagedllm.entrypoints.openai.errors import OpenAIServingError  # noqa: E402
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
-from pagedllm.entrypoints.openai.serving_base import OpenAIServingError, SSEStream  # noqa: E402
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat  # noqa: E402
+from pagedllm.entrypoints.openai.streaming import SSEStream  # noqa: E402
 from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
