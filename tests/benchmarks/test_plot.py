@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("matplotlib")
 from pagedllm.benchmarks.plot import main as compare_main  # noqa: E402
 from pagedllm.benchmarks.plot import plot_run, rate_from_token_times, spread_tokens  # noqa: E402
-from pagedllm.benchmarks.serve import RequestResult, serve_series  # noqa: E402
+from pagedllm.benchmarks.serve_metrics import RequestResult, serve_series  # noqa: E402
 
 
 def test_rate_bins_and_spread() -> None:
