@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 def validate(args: EngineArgsFields) -> None:
     """Every argument's check: a ValueError naming the argument (`EngineArgs._validate`); fills JSON-string
     `weight_transfer_config` / `profiler_config` in as dicts and `batch_invariant` from the environment."""
+    hints = get_type_hints(type(args))  # (the Literal fields' allowed values)
     if args.trust_remote_code:
         raise ValueError("trust_remote_code: only False is supported (pagedllm runs no model-repo code)")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -29,17 +30,17 @@ def validate(args: EngineArgsFields) -> None:
             raise ValueError(f"{name}: must be positive, got {v}")
     if args.max_logprobs < -1:
         raise ValueError(f"max_logprobs: must be -1 (no limit) or >= 0, got {args.max_logprobs}")
-    modes = get_args(get_type_hints(type(args))["logprobs_mode"])
+    modes = get_args(hints["logprobs_mode"])
     if args.logprobs_mode not in modes:
         raise ValueError(f"logprobs_mode: expected one of {', '.join(modes)}, got {args.logprobs_mode!r}")
     if args.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"scheduling_policy: expected 'fcfs' or 'priority', got {args.scheduling_policy!r}")
-    if args.load_format not in get_args(get_type_hints(type(args))["load_format"]):
+    if args.load_format not in get_args(hints["load_format"]):
         raise ValueError(f"load_format: unknown value {args.load_format!r}")
-    _validate_parallel(args)
+    _validate_parallel(args, hints)
     if args.quantization not in (None, "gguf") and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         raise ValueError(f"quantization: {args.quantization!r} with tensor / pipeline parallelism is not supported yet")
-    kv_dtypes = get_args(get_type_hints(type(args))["kv_cache_dtype"])
+    kv_dtypes = get_args(hints["kv_cache_dtype"])
     if args.kv_cache_dtype not in kv_dtypes:
         raise ValueError(f"kv_cache_dtype: expected one of {', '.join(kv_dtypes)}, got {args.kv_cache_dtype!r}")
     if args.calculate_kv_scales and not args.kv_cache_dtype.startswith("fp8"):
@@ -52,11 +53,11 @@ def validate(args: EngineArgsFields) -> None:
     _validate_controls(args)
 
 
-def _validate_parallel(args: EngineArgsFields) -> None:
+def _validate_parallel(args: EngineArgsFields, hints: dict[str, Any]) -> None:
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
-    backends = get_args(get_args(get_type_hints(type(args))["distributed_executor_backend"])[0])
+    backends = get_args(get_args(hints["distributed_executor_backend"])[0])
     backend = args.distributed_executor_backend
     if backend is not None and backend not in backends:
         raise ValueError(f"distributed_executor_backend: expected one of {', '.join(backends)}, got {backend!r}")

@@ -28,6 +28,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
     from pagedllm.triton_utils import pdl_enter
 
 
@@ -82,18 +83,7 @@ if HAS_TRITON:
         y = (w * normed).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
         if QUANT:
-            _quant_row(y.to(tl.float32), q_ptr + row * n_cols + offs, qs_ptr + row, mask)
-
-    @triton.jit
-    def _quant_row(y, q_ptrs, s_ptr, mask):
-        """One row's per-token e4m3 quantization, as `w8a8_ops._quant_rows_kernel` computes it but for the
-        elementwise division: a multiplication by the scale's reciprocal (the IEEE division, ~40 instructions
-        an element in one program, cost W3-FP8 more than the GEMVs gained; an element's code can differ from
-        the quantizer's by one step where the quotient lies within an ulp of a rounding boundary)."""
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-10)
-        q = tl.clamp(y * tl.math.div_rn(1.0, scale), -448.0, 448.0)
-        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
-        tl.store(s_ptr, scale)
+            quant_row_e4m3(y.to(tl.float32), q_ptr + row * n_cols + offs, qs_ptr + row, mask)
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -143,31 +133,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool =
     carries its per-token e4m3 quantization (quantization/act_twin.py)."""
     require_triton()
     x2 = _rows(x)
-    n_rows, n_cols = x2.shape
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    twin = _twin(n_rows, n_cols, x.device) if fp8_twin else None
-    if n_rows:
-        block = next_pow2(n_cols)
-        _rms_norm_kernel[(n_rows,)](
-            x2,
-            x2,
-            out,
-            out,
-            weight,
-            x2.stride(0),
-            x2.stride(0),
-            out.stride(0),
-            out.stride(0),
-            n_cols,
-            eps,
-            HAS_RESIDUAL=False,
-            BLOCK=block,
-            num_warps=norm_warps(block),
-            q_ptr=twin[0] if twin else None,
-            qs_ptr=twin[1] if twin else None,
-            QUANT=twin is not None,
-            **pdl_args(x.device),
-        )
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    twin = _twin(x2.shape[0], x2.shape[1], x.device) if fp8_twin else None
+    _launch_norm(x2, None, out, None, weight, eps, 1, twin)
     return _with_twin(out.view(x.shape), twin)
 
 
@@ -186,34 +154,51 @@ def fused_add_rms_norm(
     x2 = x.reshape(-1, parts * x.shape[-1]) if parts > 1 else _rows(x)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n_rows, n_cols = r2.shape
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    res_out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    twin = _twin(n_rows, n_cols, x.device) if fp8_twin else None
-    if n_rows:
-        block = next_pow2(n_cols)
-        _rms_norm_kernel[(n_rows,)](
-            x2,
-            r2,
-            out,
-            res_out,
-            weight,
-            x2.stride(0),
-            r2.stride(0),
-            out.stride(0),
-            res_out.stride(0),
-            n_cols,
-            eps,
-            HAS_RESIDUAL=True,
-            BLOCK=block,
-            PARTS=parts,
-            num_warps=norm_warps(block),
-            q_ptr=twin[0] if twin else None,
-            qs_ptr=twin[1] if twin else None,
-            QUANT=twin is not None,
-            **pdl_args(x.device),
-        )
+    out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
+    twin = _twin(r2.shape[0], r2.shape[1], x.device) if fp8_twin else None
+    _launch_norm(x2, r2, out, res_out, weight, eps, parts, twin)
     return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
+
+
+def _launch_norm(
+    x2: torch.Tensor,
+    r2: torch.Tensor | None,
+    out: torch.Tensor,
+    res_out: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    parts: int,
+    twin: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """`_rms_norm_kernel` over out's rows: with the residual `r2` (sum written to `res_out`) or without."""
+    n_rows, n_cols = out.shape
+    if not n_rows:
+        return
+    r2 = x2 if r2 is None else r2  # (unread without HAS_RESIDUAL)
+    res = out if res_out is None else res_out
+    block = next_pow2(n_cols)
+    _rms_norm_kernel[(n_rows,)](
+        x2,
+        r2,
+        out,
+        res,
+        weight,
+        x2.stride(0),
+        r2.stride(0),
+        out.stride(0),
+        res.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=res_out is not None,
+        BLOCK=block,
+        PARTS=parts,
+        num_warps=norm_warps(block),
+        q_ptr=twin[0] if twin else None,
+        qs_ptr=twin[1] if twin else None,
+        QUANT=twin is not None,
+        **pdl_args(x2.device),
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ An FP8 W8A8 linear quantizes its input per token. In the decode GEMV (`w8a8_ops.
 that for the whole row again (an amax pass, then the division and conversion of each element it multiplies):
 an H200 spent ~10 % of the FP8 GEMV on it (benchmarks/w8a8_gemv_sweep.py: 70.4 us a layer quantizing in the
 GEMV, 63.4 us given the row quantized). The norm kernel holds the whole row in one program, so it can write
-the e4m3 row and its scale as well (`triton_ops._quant_row`: the quantizer's scale to the bit, each element
+the e4m3 row and its scale as well (`w8a8_ops.quant_row_e4m3`: the quantizer's scale to the bit, each element
 multiplied by its reciprocal). The SiLU-mul before down_proj spreads a row over programs: a one-program
 version that wrote the twin cost more than the GEMV saved (benchmarks/NOTES.md, session 36), so down_proj
 quantizes in the GEMV as before, as does o_proj (its input comes from the attention's programs).
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm.model_executor.layers import batch_invariant
 
 MAX_ROWS = 4  # w8a8_ops.GEMV_MAX_M: the rows the decode GEMV takes
 _ATTR = "_pagedllm_fp8_twin"
@@ -42,8 +44,6 @@ def wants_twin(module: nn.Module, x: torch.Tensor) -> bool:
     (the GEMV's float16-pair path), not in batch-invariant mode. The norm kernel with the twin may contract
     its float32 sum of squares differently (one more use of its registers), so an output element can differ
     by one 16-bit ulp from the plain kernel's: batch-dependent, as the GEMV already is outside that mode."""
-    from pagedllm.model_executor.layers import batch_invariant  # (envs and torch only)
-
     return (
         getattr(module, "fp8_twin", False)
         and x.is_cuda

@@ -63,6 +63,12 @@ def _quantize_rows_torch(
 if HAS_TRITON:
 
     @triton.jit
+    def _token_scale(amax, QMAX: tl.constexpr):
+        """A row's per-token scale from its absolute maximum: one formula for every quantizer here (the twin's
+        codes are the quantizer's only if their scales are the same bits)."""
+        return tl.maximum(tl.math.div_rn(amax, QMAX), 1e-10)
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, QMAX: tl.constexpr,
                            IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
@@ -72,7 +78,7 @@ if HAS_TRITON:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), 1e-10)
+            scale = _token_scale(tl.max(tl.abs(x), axis=0), QMAX)
         q = tl.math.div_rn(x, scale)  # IEEE division, as torch's: a rounding boundary is crossed the same way
         if IS_INT:
             # round half to even, as torch.round
@@ -93,7 +99,18 @@ if HAS_TRITON:
         amax = tl.zeros([AB], dtype=tl.float32)
         for k0 in range(0, K, AB):
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
-        return tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-10)
+        return _token_scale(tl.max(amax, axis=0), QMAX)
+
+    @triton.jit
+    def quant_row_e4m3(y, q_ptrs, s_ptr, mask):
+        """One float32 row's per-token e4m3 quantization in one program (the RMSNorm's FP8 twin, act_twin.py):
+        `_quant_rows_kernel`'s scale, but each element multiplied by the scale's reciprocal (the IEEE division,
+        ~40 instructions an element in one program, cost W3-FP8 more than the GEMVs gained; an element's code can
+        differ from the quantizer's by one step where the quotient lies within an ulp of a rounding boundary)."""
+        scale = _token_scale(tl.max(tl.abs(y), axis=0), 448.0)
+        q = tl.clamp(y * tl.math.div_rn(1.0, scale), -448.0, 448.0)
+        tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+        tl.store(s_ptr, scale)
 
     @triton.jit
     def _fma_f16x2(a, b, c):
