@@ -24,6 +24,8 @@
 #          launch, pagedllm/triton_utils.py) against 0, greedy tokens and logprobs bit for bit; pdl2@0: 0 against 0
 #   W3pdl@M / W3tp2pdl@M   W3 at tp=1 / tp=2 with PAGEDLLM_PDL=M (one engine per step: a third tp=2 engine in one
 #          gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)
+#   pdle@SET / pdl2e@SET, W3early@SET / W3tp2early@SET   the same with PAGEDLLM_PDL_EARLY=SET (the kernels that
+#          trigger their successor at their start: names of triton_utils.KERNELS joined by +, or all)
 #   W3fp8pdl   W3-FP8 (quant_bench.sh) for each PAGEDLLM_PDL value of FP8_PDL (default "1 0")
 # Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
 set -uo pipefail
@@ -132,6 +134,12 @@ for step in $steps; do
             tp=1; [ "${step%%@*}" = pdl2 ] && tp=2
             [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "PAGEDLLM_PDL=${step#*@}" \
                 2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
+        pdle@*|pdl2e@*)  # PAGEDLLM_PDL_EARLY=SET (names joined by +) against PAGEDLLM_PDL=0
+            tp=1; [ "${step%%@*}" = pdl2e ] && tp=2
+            [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "PAGEDLLM_PDL_EARLY=${step#*@}" \
+                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
+        W3early@*) e2e "W3_tp1_early${step#*@}" "" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;
+        W3tp2early@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_early${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;
         W3pdl@*) e2e "W3_tp1_pdl${step#*@}" "" "W3@PAGEDLLM_PDL=${step#*@}" ;;
         W3tp2pdl@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_pdl${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL=${step#*@}" ;;
         W3fp8pdl)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     PAGEDLLM_W8A8_H2: bool
     PAGEDLLM_FP8_ACT_TWIN: bool
     PAGEDLLM_PDL: str
+    PAGEDLLM_PDL_EARLY: str
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -138,6 +139,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order; "early":
     # the successor may launch once every program has started (an experiment, see triton_utils).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),
+    # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma-separated, or "all") whose successor may
+    # launch once every one of their programs has started, instead of once they have exited.
+    "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", ""),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

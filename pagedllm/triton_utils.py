@@ -4,6 +4,7 @@ import `triton` only when `HAS_TRITON`, so importing them never fails and never 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import torch
@@ -65,38 +66,54 @@ def _num_sms(index: int) -> int:
 # after the predecessor's completion has been processed, and waits for that completion and its memory inside the
 # kernel (`gdc_wait`), first thing, before it reads or writes anything. Each kernel boundary of a CUDA-graph decode
 # step then costs less: W3 4.278 -> 4.237 ms a token on an H200 (benchmarks/NOTES.md, session 37), tokens and
-# logprobs bit-identical (benchmarks/pdl_check.py). PAGEDLLM_PDL=early makes each program announce its
-# successor at its start (the successor's programs wait on the SMs meanwhile): faster at tp=2 (W3 2.58 against
-# 2.69 ms) but one of two equality checks at tp=2 failed with it, cause not found; an experiment, not a setting.
+# logprobs bit-identical (benchmarks/pdl_check.py).
+#
+# "Early" kernels also announce their successor at their start (`gdc_launch_dependents`): its programs are
+# placed on the SMs and wait there, so they start the moment this kernel completes. Every kernel early (the
+# setting PAGEDLLM_PDL=early) lets chains of waiting programs pile up on the SMs: faster at tp=2 (W3 2.58
+# against 2.69 ms) but slower at tp=1 (4.31-4.34 against 4.24). PAGEDLLM_PDL_EARLY names the kernels that are
+# early under the default setting (KERNELS below); see benchmarks/NOTES.md, session 38, for the choice.
+
+KERNELS = ("norm", "silu", "rope", "attn", "merge", "gemv", "push", "recv", "pull", "w8a8")
+"""The names launchers pass to `pdl_args` (`push`: the row GEMV that sends its partial sum to the tp=2 peer;
+`recv` / `pull`: the tp=2 reductions that add the peer's partial sum; `w8a8`: the FP8 / INT8 decode GEMV)."""
 
 
-def pdl_args(device: torch.device) -> dict[str, Any]:
-    """Launch keywords for a kernel with a `PDL` constexpr (whose programs begin with `pdl_enter(PDL)`):
+def pdl_args(device: torch.device, kernel: str) -> dict[str, Any]:
+    """Launch keywords for `kernel` (one of `KERNELS`; its programs begin with `pdl_enter(PDL)`):
     `{"PDL": mode, "launch_pdl": True}` on a CUDA device of compute capability 9 or newer with a Triton that has
-    grid dependency control, mode 1 (`PAGEDLLM_PDL=1`, the default) or 2 (`early`); else `{}` (PDL=0, an ordinary
-    launch; `PAGEDLLM_PDL=0`)."""
+    grid dependency control, mode 2 (early) for the kernels named by `PAGEDLLM_PDL_EARLY` (all with
+    `PAGEDLLM_PDL=early`), 1 for the others; else `{}` (PDL=0, an ordinary launch; `PAGEDLLM_PDL=0`)."""
     if device.type != "cuda":
         return {}
-    return _pdl_kwargs(device.index if device.index is not None else torch.cuda.current_device())
+    return _pdl_kwargs(device.index if device.index is not None else torch.cuda.current_device(), kernel)
 
 
 @functools.cache
-def _pdl_kwargs(index: int) -> dict[str, Any]:
-    """(One dict per device, unpacked by every launch: callers never mutate it.)"""
+def _pdl_kwargs(index: int, kernel: str) -> dict[str, Any]:
+    """(One dict per device and kernel, unpacked by every launch: callers never mutate it.)"""
     nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
-    mode = pdl_mode_of(envs.PAGEDLLM_PDL, HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9)
+    supported = HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9
+    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, envs.PAGEDLLM_PDL_EARLY)
     return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
-def pdl_mode_of(setting: str, supported: bool) -> int:
-    """The kernels' PDL constexpr for a `PAGEDLLM_PDL` value on a device that supports PDL or not."""
+def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = "") -> int:
+    """The PDL constexpr of `kernel` for a `PAGEDLLM_PDL` value and a `PAGEDLLM_PDL_EARLY` list (comma-separated
+    (or `+`-separated) names from `KERNELS`, or `all`) on a device that supports PDL or not."""
     setting = setting.strip().lower()
+    names = {n.strip() for n in re.split(r"[,+]", early.lower()) if n.strip()}
+    unknown = names - {*KERNELS, "all"}
+    if unknown:
+        raise ValueError(f"PAGEDLLM_PDL_EARLY names unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    if kernel and kernel not in KERNELS:
+        raise ValueError(f"unknown PDL kernel name {kernel!r}")
     if not supported or setting in ("0", "false", "off"):
         return 0
-    if setting in ("1", "true", "on"):
-        return 1
     if setting == "early":
         return 2
+    if setting in ("1", "true", "on"):
+        return 2 if kernel in names or "all" in names else 1
     raise ValueError(f"PAGEDLLM_PDL must be 0, 1 or early, not {setting!r}")
 
 

@@ -26,8 +26,24 @@ def test_pdl_mode_of() -> None:
         pdl_mode_of("late", True)
 
 
+def test_pdl_early_kernels() -> None:
+    """PAGEDLLM_PDL_EARLY picks the early kernels under the default setting; `early` makes every kernel early,
+    0 none; a misspelt name is an error naming the variable, not a silently ordinary launch."""
+    assert pdl_mode_of("1", True, "recv", "push, recv") == 2
+    assert pdl_mode_of("1", True, "gemv", "push+recv") == 1 and pdl_mode_of("1", True, "push", "push+recv") == 2
+    assert pdl_mode_of("1", True, "gemv", "all") == 2
+    assert pdl_mode_of("early", True, "gemv", "") == 2
+    assert pdl_mode_of("0", True, "recv", "recv") == 0
+    assert pdl_mode_of("1", False, "recv", "recv") == 0
+    with pytest.raises(ValueError, match="PAGEDLLM_PDL_EARLY"):
+        pdl_mode_of("1", True, "recv", "recieve")
+    with pytest.raises(ValueError, match="kernel name"):
+        pdl_mode_of("1", True, "gemm", "")
+    assert set(triton_utils.KERNELS) >= {"norm", "gemv", "push", "recv"}
+
+
 def test_no_pdl_off_cuda() -> None:
-    assert pdl_args(torch.device("cpu")) == {}
+    assert pdl_args(torch.device("cpu"), "norm") == {}
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)", re.M)

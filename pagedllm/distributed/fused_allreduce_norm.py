@@ -247,7 +247,7 @@ class FusedAllReduceNorm:
             MAXP=MAX_PROGRAMS,
             BLOCK=self.block,
             num_warps=self.num_warps,
-            **pdl_args(x.device),
+            **pdl_args(x.device, "pull"),
         )
         return out.view(residual.shape), res_out.view(residual.shape)
 

@@ -233,7 +233,7 @@ def row_gemv(
         BLOCK_K=bk,
         num_warps=nw,
         num_stages=ns,
-        **pdl_args(x.device),
+        **pdl_args(x.device, "gemv" if push is None else "push"),
     )
     if lora is not None:
         lora.done = True
