@@ -6,6 +6,8 @@
 #   ar     NCCL vs one-shot all-reduce per decode step, copy bandwidth and matmul rate (allreduce_bench.py)
 #   tiny   tests/gpu/test_parallel_gpu.py, tiny float32 checkpoints only
 #   tests  tests/gpu/test_parallel_gpu.py, all (the SmolLM2 bf16 part needs the GGUF: `run` after `part1`)
+#   kernels  the decode path's kernel tests (fused ops, attention, quantized GEMVs, FP8 twin) and the two-rank
+#          reductions' tests
 #   W3     W3 at tp=1, tp=2 (the default: all-reduce fused with add + RMSNorm), tp=2 with each of TP_AR (other
 #          PAGEDLLM_TP_ALLREDUCE values, default "nccl") and of W3_VARIANTS (ENV=VALUE each), the same at tp=4
 #          where 4 GPUs
@@ -73,6 +75,12 @@ for step in $steps; do
                 > "$OUT/tests_$step.log" 2>&1
             echo "tests ($step) rc $?: $(tail -1 "$OUT/tests_$step.log")" | tee -a "$summary"
             grep -E "^(SmolLM2|llama|qwen3) " "$OUT/tests_$step.log" | cut -c1-240 | tee -a "$summary" ;;
+        kernels)  # the single-GPU kernel tests of the decode path and the two-rank reductions (PDL on)
+            timeout "${STEP_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_allreduce_norm_gpu.py \
+                tests/gpu/test_ce_allreduce_gpu.py tests/gpu/test_fused_ops.py tests/gpu/test_act_twin_gpu.py \
+                tests/gpu/test_quant_gpu.py tests/gpu/test_triton_attention.py > "$OUT/tests_kernels.log" 2>&1
+            echo "tests (kernels) rc $?: $(tail -1 "$OUT/tests_kernels.log")" | tee -a "$summary"
+            grep -E "^(FAILED|ERROR)" "$OUT/tests_kernels.log" | head -20 | tee -a "$summary" ;;
         W3)
             [ -z "${SKIP_TP1:-}" ] && e2e W3_tp1 "" W3
             variants=(); for v in ${TP_AR:-nccl}; do variants+=("W3@PAGEDLLM_TP_ALLREDUCE=$v"); done

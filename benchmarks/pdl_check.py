@@ -2,7 +2,9 @@
 PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (a kernel that read its predecessor's output before waiting
 would show as a difference; --a / --b compare any two settings, the same one twice: run to run). Each setting runs
 in its own process (the flag is read once per process) on a dummy-weight checkpoint, CUDA graphs on: four prompts
-one at a time (batch 1: the row GEMVs, at tp=2 their push all-reduce) and sixteen together.
+eight
+prompts one at a time (batch 1: the row GEMVs, at tp=2 their push all-reduce, the early kernels) and twelve
+together.
 
     PYTHONPATH=. python3 benchmarks/pdl_check.py [--model benchmarks/workloads/llama-3.1-8b] [--tp 2] [--env K=V]
 """
@@ -34,8 +36,8 @@ def child(args: argparse.Namespace) -> None:
     lens = [rng.randint(8, 300) for _ in range(20)]
     prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(n)]) for n in lens]
     sp = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False, logprobs=2)
-    outs = [o for p in prompts[:4] for o in llm.generate([p], sp, use_tqdm=False)]
-    outs += llm.generate(prompts[4:], sp, use_tqdm=False)
+    outs = [o for p in prompts[:8] for o in llm.generate([p], sp, use_tqdm=False)]
+    outs += llm.generate(prompts[8:], sp, use_tqdm=False)
     res = []
     for o in outs:
         c = o.outputs[0]

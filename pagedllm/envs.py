@@ -139,9 +139,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order; "early":
     # the successor may launch once every program has started (an experiment, see triton_utils).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),
-    # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma-separated, or "all") whose successor may
-    # launch once every one of their programs has started, instead of once they have exited.
-    "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", ""),
+    # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma- or +-separated, or "all") whose successor
+    # may launch once every one of their programs has started instead of once they have exited, in
+    # single-token 16-bit decode steps (triton_utils.early_ok); "" none.
+    "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", "norm,silu,rope,attn,merge,push,recv,pull"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

@@ -69,38 +69,53 @@ def _num_sms(index: int) -> int:
 # logprobs bit-identical (benchmarks/pdl_check.py).
 #
 # "Early" kernels also announce their successor at their start (`gdc_launch_dependents`): its programs are
-# placed on the SMs and wait there, so they start the moment this kernel completes. Every kernel early (the
-# setting PAGEDLLM_PDL=early) lets chains of waiting programs pile up on the SMs: faster at tp=2 (W3 2.58
-# against 2.69 ms) but slower at tp=1 (4.31-4.34 against 4.24). PAGEDLLM_PDL_EARLY names the kernels that are
-# early under the default setting (KERNELS below); see benchmarks/NOTES.md, session 38, for the choice.
+# placed on the SMs and wait there, and start the moment this kernel completes. That is safe only where the
+# successor is one of these kernels, which touch no memory before `gdc_wait`: a library kernel launched with PDL
+# (cuBLAS) may write its output or workspace before it waits, into memory the allocator just took back from a
+# tensor this kernel is still reading. So a kernel is early only in a single-token 16-bit decode step with the
+# row GEMVs on (`early_ok`), whose every kernel boundary is ours up to the LM head (itself a row GEMV there,
+# vocab_embedding.compute_logits), and only the kernels named by PAGEDLLM_PDL_EARLY. Measured at 16 rows, where
+# cuBLAS follows the norms, early kernels changed a token in 2 of 3 checks at tp=2; at one row, never in 6
+# (benchmarks/pdl_check.py; NOTES.md, sessions 37-38). The GEMVs stay late: early ones made tp=1 slower
+# (W3 4.29 against 4.18 ms) while the rest gave tp=2 W3 2.57 against 2.68 ms at the same tp=1 time.
+# PAGEDLLM_PDL=early (every kernel early at every size) is kept for experiments only.
 
 KERNELS = ("norm", "silu", "rope", "attn", "merge", "gemv", "push", "recv", "pull", "w8a8")
 """The names launchers pass to `pdl_args` (`push`: the row GEMV that sends its partial sum to the tp=2 peer;
 `recv` / `pull`: the tp=2 reductions that add the peer's partial sum; `w8a8`: the FP8 / INT8 decode GEMV)."""
 
 
-def pdl_args(device: torch.device, kernel: str) -> dict[str, Any]:
-    """Launch keywords for `kernel` (one of `KERNELS`; its programs begin with `pdl_enter(PDL)`):
-    `{"PDL": mode, "launch_pdl": True}` on a CUDA device of compute capability 9 or newer with a Triton that has
-    grid dependency control, mode 2 (early) for the kernels named by `PAGEDLLM_PDL_EARLY` (all with
-    `PAGEDLLM_PDL=early`), 1 for the others; else `{}` (PDL=0, an ordinary launch; `PAGEDLLM_PDL=0`)."""
-    if device.type != "cuda":
+def pdl_args(x: torch.Tensor, kernel: str, rows: int | None = None) -> dict[str, Any]:
+    """Launch keywords for `kernel` (one of `KERNELS`; its programs begin with `pdl_enter(PDL)`) on activations
+    `x` of `rows` tokens (default `x.shape[0]`): `{"PDL": mode, "launch_pdl": True}` on a CUDA device of compute
+    capability 9 or newer with a Triton that has grid dependency control, mode 2 (early) where `early_ok` and the
+    kernel is named by `PAGEDLLM_PDL_EARLY`, 1 otherwise; `{}` (PDL=0, an ordinary launch) elsewhere or with
+    `PAGEDLLM_PDL=0`."""
+    if x.device.type != "cuda":
         return {}
-    return _pdl_kwargs(device.index if device.index is not None else torch.cuda.current_device(), kernel)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _pdl_kwargs(index, kernel, early_ok(x, x.shape[0] if rows is None else rows))
+
+
+def early_ok(x: torch.Tensor, rows: int) -> bool:
+    """A launch of a single-token 16-bit decode step with the row GEMVs on: every kernel after an early one is
+    then a PDL kernel of ours (see above)."""
+    return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and bool(envs.PAGEDLLM_ROW_GEMV)
 
 
 @functools.cache
-def _pdl_kwargs(index: int, kernel: str) -> dict[str, Any]:
-    """(One dict per device and kernel, unpacked by every launch: callers never mutate it.)"""
+def _pdl_kwargs(index: int, kernel: str, may_be_early: bool) -> dict[str, Any]:
+    """(One dict per device and case, unpacked by every launch: callers never mutate it.)"""
     nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
     supported = HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9
-    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, envs.PAGEDLLM_PDL_EARLY)
+    early = envs.PAGEDLLM_PDL_EARLY if may_be_early else ""
+    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, early)
     return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
 def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = "") -> int:
-    """The PDL constexpr of `kernel` for a `PAGEDLLM_PDL` value and a `PAGEDLLM_PDL_EARLY` list (comma-separated
-    (or `+`-separated) names from `KERNELS`, or `all`) on a device that supports PDL or not."""
+    """The PDL constexpr of `kernel` for a `PAGEDLLM_PDL` value and a list of early kernels (names from `KERNELS`
+    separated by commas or `+`, or `all`) on a device that supports PDL or not."""
     setting = setting.strip().lower()
     names = {n.strip() for n in re.split(r"[,+]", early.lower()) if n.strip()}
     unknown = names - {*KERNELS, "all"}

@@ -43,7 +43,19 @@ def test_pdl_early_kernels() -> None:
 
 
 def test_no_pdl_off_cuda() -> None:
-    assert pdl_args(torch.device("cpu"), "norm") == {}
+    assert pdl_args(torch.zeros(1, 8, dtype=torch.bfloat16), "norm") == {}
+
+
+def test_early_only_in_one_row_16_bit_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Early kernels only where every successor is a kernel of ours (triton_utils): one token, 16-bit activations,
+    the row GEMVs on (with them off, cuBLAS follows the norms)."""
+    from pagedllm import envs
+
+    one, many = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(16, 8, dtype=torch.bfloat16)
+    assert triton_utils.early_ok(one, 1) and triton_utils.early_ok(one.half(), 1)
+    assert not triton_utils.early_ok(many, 16) and not triton_utils.early_ok(one.float(), 1)
+    monkeypatch.setattr(envs, "PAGEDLLM_ROW_GEMV", False, raising=False)
+    assert not triton_utils.early_ok(one, 1)
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)", re.M)

@@ -247,7 +247,7 @@ class FusedAllReduceNorm:
             MAXP=MAX_PROGRAMS,
             BLOCK=self.block,
             num_warps=self.num_warps,
-            **pdl_args(x.device, "pull"),
+            **pdl_args(x2, "pull"),
         )
         return out.view(residual.shape), res_out.view(residual.shape)
 

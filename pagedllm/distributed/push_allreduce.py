@@ -110,7 +110,7 @@ class PushDecode:
         res_out = torch.empty_like(out)
         _recv_add_norm_kernel[(1,)](
             x2, r2, out, res_out, weight, self.recv, self.epoch, self.hidden, eps, RANK=self.rank,
-            BLOCK=self.block, num_warps=self.num_warps, **pdl_args(x.device, "recv"),
+            BLOCK=self.block, num_warps=self.num_warps, **pdl_args(x2, "recv"),
         )  # fmt: skip
         return out.view(residual.shape), res_out.view(residual.shape)
 

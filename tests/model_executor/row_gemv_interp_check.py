@@ -4,6 +4,7 @@ subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported); p
 - The push path (`distributed/push_allreduce.py`), one process playing both ranks' buffers: the pushed bits, the
   receive buffer's halves by epoch parity, the sentinel written back, a NaN sent as another NaN, the norm's math.
 - The gate/up GLU (`row_gemv(glu=True)`): equal to the plain GEMV followed by `silu_and_mul`'s arithmetic.
+- Float32 output (`out_dtype`, the LM head's logits at one row): the float32 sums, with the bias, unrounded.
 
 The interpreter rounds float32 to bfloat16 its own way, so results are compared within a bfloat16 step here; on
 GPUs both are bit-identical to the unfused launches (tests/gpu/test_fused_allreduce_norm_gpu.py,
@@ -66,9 +67,23 @@ def check_glu() -> None:
         torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-6)
 
 
+def check_fp32_out() -> None:
+    torch.manual_seed(2)
+    for n, k in ((40, 128), (37, 96)):
+        w = (torch.randn(n, k) / 8).to(torch.bfloat16)
+        b = torch.randn(n).to(torch.bfloat16)
+        x = torch.randn(1, k).to(torch.bfloat16)
+        got = triton_gemv.row_gemv(x, w, b, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.shape == (1, n)
+        want = x.float() @ w.float().T + b.float()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(got, want.to(torch.bfloat16).float()), "rounded to bfloat16"
+
+
 def main() -> None:
     check_push()
     check_glu()
+    check_fp32_out()
     print("ok")
 
 

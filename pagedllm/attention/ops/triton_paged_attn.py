@@ -228,7 +228,7 @@ def paged_attention(
     else:
         part_out = part_m = part_l = output  # unused by the kernel
 
-    pdl = pdl_args(query.device, "attn")
+    pdl = pdl_args(query, "attn")
     for (bm, tn, nw, ns), filt in launches:
         assert bm >= group and bm >= 16 and tn >= 16
         block_q = bm // group
@@ -309,6 +309,6 @@ def paged_attention(
             HEAD_PAD=head_pad,
             NUM_SEGMENTS=num_splits,
             num_warps=4 if head_pad >= 128 else 2,
-            **pdl_args(query.device, "merge"),
+            **pdl_args(query, "merge"),
         )
     return output

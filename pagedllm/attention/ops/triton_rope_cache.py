@@ -231,7 +231,7 @@ def rotary_embedding_(
         CACHE_BLOCK=block_size,
         BLOCK_D=next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
-        **pdl_args(query.device, "rope"),
+        **pdl_args(query, "rope"),
     )
 
 

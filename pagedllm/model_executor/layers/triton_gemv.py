@@ -184,11 +184,13 @@ def row_gemv(
     lora: RowGemvLoRA | None = None,
     push: tuple[int, torch.Tensor] | None = None,
     glu: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for one row x [1, K] (CUDA, Triton), in x's dtype; with `lora`, also its shrink
     (`lora.out`, in the same launch); with `push` = (a peer's receive-buffer address, the epoch tensor), also
     the result's bits into that buffer (16-bit x only; distributed/push_allreduce.py). With `glu` (a merged
-    [gate; up] weight of 2N rows, no bias, LoRA or push): `silu_and_mul` of the product, [1, N], in one launch."""
+    [gate; up] weight of 2N rows, no bias, LoRA or push): `silu_and_mul` of the product, [1, N], in one launch.
+    `out_dtype` (float32: the LM head's logits) stores the float32 sums unrounded instead."""
     assert HAS_TRITON, "Triton is not installed"
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     n, k = weight.shape
@@ -197,7 +199,8 @@ def row_gemv(
     if glu:
         assert n % 2 == 0 and bias is None and lora is None and push is None
         n //= 2
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    assert out_dtype in (None, x.dtype) or (push is None and not glu)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     n_blocks = n if glu else triton.cdiv(n, bn)
     r = 0
     if lora is not None:
@@ -233,7 +236,7 @@ def row_gemv(
         BLOCK_K=bk,
         num_warps=nw,
         num_stages=ns,
-        **pdl_args(x.device, "gemv" if push is None else "push"),
+        **pdl_args(x, "gemv" if push is None else "push"),
     )
     if lora is not None:
         lora.done = True

@@ -197,7 +197,7 @@ def _launch_norm(
         q_ptr=twin[0] if twin else None,
         qs_ptr=twin[1] if twin else None,
         QUANT=twin is not None,
-        **pdl_args(x2.device, "norm"),
+        **pdl_args(x2, "norm"),
     )
 
 
@@ -211,6 +211,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_args(x.device, "silu")
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_args(x2, "silu")
         )
     return out.view(*x.shape[:-1], d)

@@ -19,7 +19,7 @@ from pagedllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu
+from pagedllm.model_executor.layers import batch_invariant, batch_invariant_gpu, triton_gemv
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
 from pagedllm.model_executor.layers.linear import set_weight_attrs
 
@@ -153,6 +153,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = packed_linear(hidden_states, packed, self.bias, self.packed_out_features)
         elif hidden_states.is_cuda and batch_invariant.enabled():  # one kernel shape for every batch
             logits = batch_invariant_gpu.linear(hidden_states, self.weight, self.bias, out_dtype=torch.float32)
+        elif triton_gemv.row_gemv_enabled(hidden_states, self.weight):
+            # One decode row: the row GEMV (float32 sums where `_fp32_logits_ok`, as the GEMM below writes).
+            # Also what triton_utils.early_ok relies on: every kernel of a one-row 16-bit decode step is ours.
+            fp32 = _fp32_logits_ok(hidden_states)
+            logits = triton_gemv.row_gemv(
+                hidden_states, self.weight, self.bias, out_dtype=torch.float32 if fp32 else None
+            )
         elif self.bias is None and _fp32_logits_ok(hidden_states):
             # 16-bit activations on the GPU: the GEMM writes its float32 accumulators instead of rounding
             # them to bf16 (whose ulp is 0.125 for logits in [16, 32), making near-equal logits tie): same

@@ -240,7 +240,7 @@ def w8a8_gemv(
         bias if bias is not None else w_scale, out, n, k, x.stride(0), out.stride(0), QMAX=qmax,
         IS_INT=w.dtype == torch.int8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, BN=bn, BK=bk,
         AB=ab, H2=h2, FLUSH=flush, EVEN=n % bn == 0 and k % (bk * flush) == 0, PIPE=launch.stages, PRE=pre,
-        num_warps=launch.warps, **pdl_args(x.device, "w8a8"),
+        num_warps=launch.warps, **pdl_args(x, "w8a8"),
     )  # fmt: skip
     return out
 
