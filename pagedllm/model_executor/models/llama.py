@@ -24,13 +24,9 @@ from pagedllm.distributed.parallel_state import (
 from pagedllm.distributed.pipeline import Intermediate, PPMissingLayer, get_pp_indices, is_first_stage, is_last_stage
 from pagedllm.model_executor.layers import triton_gemv, triton_ops
 from pagedllm.model_executor.layers.activation import SiluAndMul
+from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    plain_row_gemv_weight,
-)
+from pagedllm.model_executor.layers.linear import RowParallelLinear, plain_row_gemv_weight
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
