@@ -18,7 +18,8 @@ from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLine
 from pagedllm.model_executor.layers.linear import RowParallelLinear
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
-from pagedllm.model_executor.models.llama import LlamaForCausalLM, get_head_dim
+from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.model_executor.models.llama_attention import get_head_dim
 
 
 class GemmaRMSNorm(nn.Module):
