@@ -6,12 +6,13 @@ free, the lowest-ranked running request (FCFS: latest arrival; priority: highest
 latest arrival) is preempted: its blocks are freed and it is recomputed later.
 `num_computed_tokens` advances when a step is scheduled; the worker's sampled tokens come back through
 `update_from_output`.
+
+Requests come in and leave through `core/scheduler_requests.py` (`SchedulerRequestsMixin`), the step's
+results come back through `core/scheduler_update.py` (`SchedulerUpdateMixin`); this module schedules the step.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
@@ -19,39 +20,17 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
-from pagedllm.core.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from pagedllm.core.stop import append_until_stop, check_stop
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.scheduler_requests import SchedulerRequestsMixin
+from pagedllm.core.scheduler_update import SchedulerUpdateMixin
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
-from pagedllm.pooling_params import PooledData
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
 
 
-def needs_sync_step(sp: SamplingParams) -> bool:
-    """Whether sampling for this request reads its previous tokens on the host (so the next step cannot be
-    scheduled before they are known): penalties, min_tokens, bad words, logprobs. (A grammar's bitmask follows
-    the previous token too, but its fill waits for it off the critical path: `StructuredOutputManager.chain`.)"""
-    return bool(
-        sp.presence_penalty
-        or sp.frequency_penalty
-        or sp.repetition_penalty != 1.0
-        or sp.min_tokens
-        or sp.bad_words_token_ids
-        or sp.logprobs is not None
-        or sp.prompt_logprobs is not None
-    )
-
-
-class Scheduler:
+class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -95,80 +74,6 @@ class Scheduler:
         self.encoder: EncoderCacheManager | None = None
         """Multimodal: the worker's encoder cache as the scheduler tracks it (made at the first request with
         images; None keeps the plain path)."""
-
-    # ---- requests in and out -------------------------------------------------------------------
-    def add_request(self, core_req: EngineCoreRequest) -> None:
-        if core_req.request_id in self.requests:
-            raise ValueError(f"request_id: {core_req.request_id!r} is already running")
-        req = Request.from_engine_core_request(core_req, self.max_model_len, self.block_hasher)
-        if core_req.lora_request is not None:
-            self.lora_names[core_req.lora_request.lora_int_id] = core_req.lora_request.lora_name
-        req.stop_len = min(req.stop_len, self.max_model_len)
-        if req.mm_features and self.encoder is None:
-            n = self.config.max_num_batched_tokens
-            whole = self.config.disable_chunked_mm_input and self.config.enable_chunked_prefill
-            self.encoder = EncoderCacheManager(budget=n, capacity=max(n, self.max_model_len), whole_items=whole)
-        if req.sampling_params.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs: not available in this engine")
-            self.structured.add_request(req)  # compiles off the step loop
-            req.status = RequestStatus.WAITING_FOR_FSM
-        self.requests[req.request_id] = req
-        self.waiting.add(req)
-        self._new_to_worker.add(req.request_id)
-        if self.async_scheduling and (
-            needs_sync_step(req.sampling_params)
-            or (
-                self.structured is not None
-                and req.status == RequestStatus.WAITING_FOR_FSM
-                and self.structured.sync_only
-            )
-        ):
-            self._sync_only.add(req.request_id)
-
-    def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the current one's tokens are known."""
-        return self.async_scheduling and not self._sync_only
-
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Abort (or finish) requests wherever they are; unknown ids are ignored."""
-        out = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            req.status = status
-            self._free_request(req)
-            out.append(req)
-        return out
-
-    def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
-        """Finish requests that failed (request id -> error message) with `FinishReason.ERROR`: only they
-        end; their blocks are freed and the front end gets the message as the stop reason."""
-        failed = self.finish_requests(errors, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(req.request_id, [], FinishReason.ERROR, errors[req.request_id]) for req in failed]
-
-    def _free_request(self, req: Request) -> None:
-        if req.mm_features and self.encoder is not None:
-            self.encoder.release(req)
-        self.kv.free(req)
-        self.requests.pop(req.request_id, None)
-        self.finished_req_ids.add(req.request_id)
-        self._new_to_worker.discard(req.request_id)
-        self._sync_only.discard(req.request_id)
-        if self.structured is not None:
-            self.structured.remove(req.request_id)
-        self._grammar_errors.pop(req.request_id, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
 
     # ---- one step ------------------------------------------------------------------------------
     def step_budget(self) -> int:
@@ -410,127 +315,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
-
-    # ---- results back --------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
-        """The step's sampled tokens join their requests; stopped requests finish and free their blocks."""
-        failed = {**self._grammar_errors, **result.failed} if self._grammar_errors else result.failed
-        outputs: list[EngineCoreOutput] = self.fail_requests(failed) if failed else []
-        outputs_append = outputs.append
-        # Locals for the per-request loop (it runs for every running request, every step).
-        get_request = self.requests.get
-        running_status = RequestStatus.RUNNING
-        logprobs = result.logprobs
-        prompt_logprobs = result.prompt_logprobs
-        max_model_len = self.max_model_len
-        if result.pooler_output:
-            self._finish_pooled(result.pooler_output, outputs)
-        if self.spec is not None:
-            self.spec.update(self.requests, sched, result)
-        grammars = self.structured.states if self.structured is not None and self.structured.states else None
-        if grammars is not None:
-            self.structured.begin_update(sched, result)  # type: ignore[union-attr]
-        taking = self.structured.taking() if grammars is not None else frozenset()  # type: ignore[union-attr]
-        rejected: dict[str, str] = {}
-        for idx, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
-            req = get_request(rid)
-            if req is None or not tokens:
-                continue  # finished/aborted meanwhile, or a partial prefill chunk
-            pending = req.num_output_placeholders
-            if pending:  # one step's tokens (one, or a verification's accepted proposals and one more)
-                req.num_output_placeholders = pending - 1
-            status = req.status
-            if status != running_status and (status != RequestStatus.PREEMPTED or not self.async_scheduling):
-                continue
-            # (Async scheduling) a request preempted while its token was in flight keeps it (it was sampled,
-            # and a seeded request must not sample it again), then waits to recompute as usual.
-            if len(tokens) == 1:  # one sampled token (every decode): inline, no list building (NOTES H1/H10)
-                new_tokens, tok = tokens, tokens[0]
-                n = req.append_output_token(tok)
-                stopped = (n >= req.stop_len or tok in req.stop_token_set) and check_stop(req, tok, max_model_len)
-            else:
-                new_tokens, stopped = append_until_stop(req, tokens, max_model_len)
-            if grammars is not None and not stopped and (st := grammars.get(rid)) is not None:
-                # Only a request whose grammar has news goes to `advance` (the first one of a step publishes the
-                # worker's intake): terminated, a rejected token, or tokens not taken yet, unless the worker is
-                # taking this one token and it is not a stop token (see `taking`).
-                unseen = len(req.output_token_ids) - st.num_seen
-                if (
-                    st.terminated
-                    or st.error
-                    or (
-                        unseen > 0
-                        and not (
-                            unseen == 1
-                            and len(new_tokens) == 1
-                            and id(st) in taking
-                            and new_tokens[0] not in st.stop_ids
-                        )
-                    )
-                ):
-                    stopped = self.structured.advance(req, new_tokens, rejected)  # type: ignore[union-attr]
-            finish_reason = None
-            if stopped:
-                finish_reason = req.status.finish_reason
-                if status == running_status:
-                    self.running.remove(req)
-                else:
-                    self.waiting.remove(req)
-                self._free_request(req)
-            lps = logprobs[idx] if logprobs is not None else None
-            if lps is not None and len(lps) > len(new_tokens):
-                lps = lps.slice(0, len(new_tokens))
-            outputs_append(
-                EngineCoreOutput(
-                    rid,
-                    new_tokens,
-                    finish_reason,
-                    req.stop_reason,
-                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
-                    lps,
-                    prompt_logprobs.get(rid) if prompt_logprobs else None,
-                )
-            )
-        if rejected:
-            outputs.extend(self.fail_requests(rejected))
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
-
-    def _finish_pooled(self, pooled: dict[str, PooledData], outputs: list[EngineCoreOutput]) -> None:
-        """Pooling requests are prefill only: done (blocks freed at once) when their pooled result is in."""
-        for rid, data in pooled.items():
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            self.running.remove(req)
-            req.status = RequestStatus.FINISHED_STOPPED
-            self._free_request(req)
-            outputs.append(EngineCoreOutput(rid, [], FinishReason.STOP, pooling_output=data))
-
-    def make_stats(self) -> SchedulerStats:
-        q, h = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
-        stats = SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=q - self._last_queries,
-            prefix_cache_hits=h - self._last_hits,
-            num_preemptions=self.num_preemptions,
-            kv_blocks=self.kv.pool.snapshot_counts(),
-            spec_decoding_stats=self.spec.take_stats() if self.spec is not None else None,
-        )
-        if self.config.max_loras:
-            stats.waiting_lora_adapters = self._lora_counts(self.waiting)
-            stats.running_lora_adapters = self._lora_counts(self.running)
-        self._last_queries, self._last_hits = q, h
-        return stats
-
-    def _lora_counts(self, reqs: Iterable[Request]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for r in reqs:
-            if r.lora_id is not None:
-                name = self.lora_names.get(r.lora_id, str(r.lora_id))
-                counts[name] = counts.get(name, 0) + 1
-        return counts
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

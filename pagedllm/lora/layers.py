@@ -19,12 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLinear, QKVParallelLinear
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.triton_gemv import RowGemvLoRA
 
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

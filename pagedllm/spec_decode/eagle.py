@@ -23,7 +23,8 @@ from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import RowParallelLinear
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.loader import _default_dtype, get_weights_iterator, resolve_load_format
-from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, get_head_dim
+from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagedllm.model_executor.models.llama_attention import get_head_dim
 from pagedllm.spec_decode.draft_model import DraftModelProposer, _DraftState
 
 

@@ -95,7 +95,7 @@ class SpecDecodeRunner:
             release()
 
     def initialize_kv_cache(self, num_blocks: int, alloc: Any) -> None:
-        """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`model_runner.alloc_zeroed`)."""
+        """`alloc(shape, dtype, device)`: the runner's zeroed KV allocation (`runner_setup.alloc_zeroed`)."""
         init = getattr(self.proposer, "initialize_kv_cache", None)
         if init is not None:
             init(num_blocks, alloc)

@@ -123,7 +123,7 @@ class WorkerSleeper:
     def wake_kv_cache(self) -> None:
         if not self.kv_asleep:
             return
-        from pagedllm.worker.model_runner import alloc_zeroed
+        from pagedllm.worker.runner_setup import alloc_zeroed
 
         runner = self.runner
         for name, kv, nbytes in self._kv_sizes:

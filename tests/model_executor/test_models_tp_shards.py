@@ -96,7 +96,7 @@ def test_tp2_shards_reassemble(variant: str, tmp_path) -> None:  # noqa: ANN001
 
 def test_kv_head_replication_layout() -> None:
     """1 KV head, TP=2: each rank holds its half of the query heads and a full copy of the KV head."""
-    from pagedllm.model_executor.layers.linear import QKVParallelLinear
+    from pagedllm.model_executor.layers.fused_linear import QKVParallelLinear
 
     hd, heads, kv_heads, hidden = 4, 4, 1, 8
     w = torch.randn((heads + 2 * kv_heads) * hd, hidden)

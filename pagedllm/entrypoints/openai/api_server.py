@@ -35,10 +35,12 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+)
+from pagedllm.entrypoints.openai.protocol_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,

@@ -4,7 +4,10 @@ plus vLLM's extra sampling parameters. Unknown request fields are accepted and i
 Request bodies are strict: no coercion (`n: true`, `max_tokens: "16"` and `prompt: [[false]]` are 400s,
 not 1, 16 and token 0), no NaN or infinity in any number, integers that go to the engine within int64
 (the core's msgspec/torch types), text that is valid Unicode (a lone surrogate such as `"\ud800"` cannot
-be encoded to UTF-8, so the tokenizer would fail on it) and JSON nested at most `MAX_JSON_DEPTH` deep."""
+be encoded to UTF-8, so the tokenizer would fail on it) and JSON nested at most `MAX_JSON_DEPTH` deep.
+
+The pooling routes' bodies are in `protocol_pooling.py`, those of /tokenize and /detokenize in
+`protocol_tokenization.py`."""
 
 from __future__ import annotations
 
@@ -377,39 +380,3 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
-
-
-# ---- tokenization ----------------------------------------------------------------------------------
-class TokenizeCompletionRequest(OpenAIRequestModel):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
-
-
-class TokenizeChatRequest(OpenAIRequestModel):
-    model: str | None = None
-    messages: list[ChatCompletionMessageParam]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatCompletionToolsParam] | None = None
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(OpenAIRequestModel):
-    model: str | None = None
-    tokens: list[TokenId]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.errors import OpenAIServingError
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.protocol import messages_as_dicts
+from pagedllm.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    messages_as_dicts,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 

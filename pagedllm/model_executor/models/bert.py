@@ -19,7 +19,8 @@ from torch import nn
 
 from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.cpu_gemm import packed_linear
-from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
+from pagedllm.model_executor.layers.fused_linear import QKVParallelLinear
+from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.models.learned_pos import load_renamed
 
 ATTN_CHUNK_SEQS = 32

@@ -14,10 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLinear, QKVParallelLinear
+from pagedllm.model_executor.layers.linear import RowParallelLinear
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
-from pagedllm.model_executor.models.llama import LlamaForCausalLM, get_head_dim
+from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.model_executor.models.llama_attention import get_head_dim
 
 
 class GemmaRMSNorm(nn.Module):

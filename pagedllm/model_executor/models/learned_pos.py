@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.fused_linear import QKVParallelLinear
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
+from pagedllm.model_executor.models.llama_attention import LlamaAttention
 from pagedllm.model_executor.models.moe_common import MoeForCausalLM, SparseMoeBlock
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.model_executor.models.llama import LlamaAttention
+from pagedllm.model_executor.models.llama_attention import LlamaAttention
 from pagedllm.model_executor.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
 from pagedllm.model_executor.models.qwen2_vl_vision import QwenVisionTransformer
 from pagedllm.model_executor.models.vlm_base import VisionLanguageModel

@@ -17,9 +17,9 @@ from pagedllm.entrypoints.openai.protocol import (
     MAX_JSON_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,
-    TokenizeCompletionRequest,
     messages_as_dicts,
 )
+from pagedllm.entrypoints.openai.protocol_tokenization import TokenizeCompletionRequest
 from pagedllm.entrypoints.template_sandbox import TemplateLimitError, TemplateSandbox
 
 

@@ -133,7 +133,8 @@ class DecodeStack:
     @classmethod
     def build(cls, model: Any) -> DecodeStack | None:
         """A stack for `model` (a `LlamaModel`) if every layer is one it runs, else None."""
-        from pagedllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        from pagedllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+        from pagedllm.model_executor.models.llama_attention import LlamaAttention
 
         if not envs.PAGEDLLM_CPU_DECODE_STACK or batch_invariant.enabled():
             return None
