@@ -22,7 +22,7 @@
 #   W2ce   W2 at tp=1 and tp=2 with the copy-engine prefill path (default) and without (PAGEDLLM_TP_CE_PREFILL=0)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
-#   pdl@M / pdl2@M    benchmarks/pdl_check.py at tp=1 / tp=2: PAGEDLLM_PDL=M (1, early; programmatic dependent
+#   pdl@M / pdl2@M    benchmarks/pdl_check.py at tp=1 / tp=2: PAGEDLLM_PDL=M (1; programmatic dependent
 #          launch, pagedllm/triton_utils.py) against 0, greedy tokens and logprobs bit for bit; pdl2@0: 0 against 0
 #   W3pdl@M / W3tp2pdl@M   W3 at tp=1 / tp=2 with PAGEDLLM_PDL=M (one engine per step: a third tp=2 engine in one
 #          gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)

@@ -135,13 +135,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CUDA decode rows: the RMSNorm before an FP8 linear also writes its output quantized, which the
     # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
     "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
-    # CUDA (Hopper and newer): the decode path's Triton kernels launch with programmatic dependent launch, each
-    # waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order; "early":
-    # the successor may launch once every program has started (an experiment, see triton_utils).
+    # CUDA (Hopper and newer): single-token decode steps' Triton kernels launch with programmatic dependent
+    # launch, each waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order.
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),
     # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma- or +-separated, or "all") whose successor
-    # may launch once every one of their programs has started instead of once they have exited, in
-    # single-token 16-bit decode steps (triton_utils.early_ok); "" none.
+    # may launch once every one of their programs has started instead of once they have exited; "" none.
     "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", "norm,silu,rope,attn,merge,push,recv,pull"),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);

@@ -64,21 +64,18 @@ def _num_sms(index: int) -> int:
 # Programmatic dependent launch (PDL, sm_90+). A kernel launched with it is scheduled as its predecessor in the
 # stream finishes (once every program of the predecessor has exited, or called `gdc_launch_dependents`) instead of
 # after the predecessor's completion has been processed, and waits for that completion and its memory inside the
-# kernel (`gdc_wait`), first thing, before it reads or writes anything. Each kernel boundary of a CUDA-graph decode
-# step then costs less: W3 4.278 -> 4.237 ms a token on an H200 (benchmarks/NOTES.md, session 37), tokens and
-# logprobs bit-identical (benchmarks/pdl_check.py).
+# kernel (`gdc_wait`), first thing, before it reads or writes anything. "Early" kernels also announce their
+# successor at their start: its programs are placed on the SMs and wait there, starting the moment this kernel
+# completes. Each kernel boundary of a CUDA-graph decode step then costs less.
 #
-# "Early" kernels also announce their successor at their start (`gdc_launch_dependents`): its programs are
-# placed on the SMs and wait there, and start the moment this kernel completes. That is safe only where the
-# successor is one of these kernels, which touch no memory before `gdc_wait`: a library kernel launched with PDL
-# (cuBLAS) may write its output or workspace before it waits, into memory the allocator just took back from a
-# tensor this kernel is still reading. So a kernel is early only in a single-token 16-bit decode step with the
-# row GEMVs on (`early_ok`), whose every kernel boundary is ours up to the LM head (itself a row GEMV there,
-# vocab_embedding.compute_logits), and only the kernels named by PAGEDLLM_PDL_EARLY. Measured at 16 rows, where
-# cuBLAS follows the norms, early kernels changed a token in 2 of 3 checks at tp=2; at one row, never in 6
-# (benchmarks/pdl_check.py; NOTES.md, sessions 37-38). The GEMVs stay late: early ones made tp=1 slower
-# (W3 4.29 against 4.18 ms) while the rest gave tp=2 W3 2.57 against 2.68 ms at the same tp=1 time.
-# PAGEDLLM_PDL=early (every kernel early at every size) is kept for experiments only.
+# Where: only in single-token 16-bit decode steps with the row GEMVs on (`one_row_step`), where every kernel
+# boundary is between kernels of ours (the LM head too is a row GEMV there, vocab_embedding.compute_logits).
+# In steps of more rows cuBLAS GEMMs (and at tp=2 the pulled all-reduce) sit between our kernels, and there PDL
+# changed tokens: tp=2, 12 rows, 3 of 3 checks against PDL off, with and without early kernels, while PDL off
+# against itself stayed equal and one-row steps always did (benchmarks/pdl_check.py; NOTES.md, session 38; the
+# mechanism was not found: a library kernel that touches memory before it waits would explain it). Which
+# kernels are early: PAGEDLLM_PDL_EARLY; the GEMVs stay late (early ones made tp=1 W3 4.29 against 4.18 ms).
+# Measured on two H200s, W3 at tp=1 4.199 ms, tp=2 2.533 (without PDL 4.24-4.28 and 2.71-2.78).
 
 KERNELS = ("norm", "silu", "rope", "attn", "merge", "gemv", "push", "recv", "pull", "w8a8")
 """The names launchers pass to `pdl_args` (`push`: the row GEMV that sends its partial sum to the tp=2 peer;
@@ -87,29 +84,27 @@ KERNELS = ("norm", "silu", "rope", "attn", "merge", "gemv", "push", "recv", "pul
 
 def pdl_args(x: torch.Tensor, kernel: str, rows: int | None = None) -> dict[str, Any]:
     """Launch keywords for `kernel` (one of `KERNELS`; its programs begin with `pdl_enter(PDL)`) on activations
-    `x` of `rows` tokens (default `x.shape[0]`): `{"PDL": mode, "launch_pdl": True}` on a CUDA device of compute
-    capability 9 or newer with a Triton that has grid dependency control, mode 2 (early) where `early_ok` and the
-    kernel is named by `PAGEDLLM_PDL_EARLY`, 1 otherwise; `{}` (PDL=0, an ordinary launch) elsewhere or with
+    `x` of `rows` tokens (default `x.shape[0]`): in a `one_row_step` on a CUDA device of compute capability 9 or
+    newer with a Triton that has grid dependency control, `{"PDL": mode, "launch_pdl": True}` with mode 2 (early)
+    for the kernels named by `PAGEDLLM_PDL_EARLY`, else 1; `{}` (PDL=0, an ordinary launch) elsewhere or with
     `PAGEDLLM_PDL=0`."""
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or not one_row_step(x, x.shape[0] if rows is None else rows):
         return {}
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _pdl_kwargs(index, kernel, early_ok(x, x.shape[0] if rows is None else rows))
+    return _pdl_kwargs(x.device.index if x.device.index is not None else torch.cuda.current_device(), kernel)
 
 
-def early_ok(x: torch.Tensor, rows: int) -> bool:
-    """A launch of a single-token 16-bit decode step with the row GEMVs on: every kernel after an early one is
-    then a PDL kernel of ours (see above)."""
+def one_row_step(x: torch.Tensor, rows: int) -> bool:
+    """A launch of a single-token 16-bit decode step with the row GEMVs on: every kernel boundary is then one
+    between PDL kernels of ours (see above)."""
     return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and bool(envs.PAGEDLLM_ROW_GEMV)
 
 
 @functools.cache
-def _pdl_kwargs(index: int, kernel: str, may_be_early: bool) -> dict[str, Any]:
-    """(One dict per device and case, unpacked by every launch: callers never mutate it.)"""
+def _pdl_kwargs(index: int, kernel: str) -> dict[str, Any]:
+    """(One dict per device and kernel, unpacked by every launch: callers never mutate it.)"""
     nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
     supported = HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9
-    early = envs.PAGEDLLM_PDL_EARLY if may_be_early else ""
-    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, early)
+    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, envs.PAGEDLLM_PDL_EARLY)
     return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
@@ -123,20 +118,18 @@ def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = ""
         raise ValueError(f"PAGEDLLM_PDL_EARLY names unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
     if kernel and kernel not in KERNELS:
         raise ValueError(f"unknown PDL kernel name {kernel!r}")
+    if setting not in ("0", "false", "off", "1", "true", "on"):
+        raise ValueError(f"PAGEDLLM_PDL must be 0 or 1, not {setting!r}")
     if not supported or setting in ("0", "false", "off"):
         return 0
-    if setting == "early":
-        return 2
-    if setting in ("1", "true", "on"):
-        return 2 if kernel in names or "all" in names else 1
-    raise ValueError(f"PAGEDLLM_PDL must be 0, 1 or early, not {setting!r}")
+    return 2 if kernel in names or "all" in names else 1
 
 
 if HAS_TRITON:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """A PDL kernel's first step (no-op for PDL=0): with `early` (2) its successor may launch from now on;
+        """A PDL kernel's first step (no-op for PDL=0): an early kernel's (2) successor may launch from now on;
         then it waits for its predecessor's completion. Every program runs it before any early return: a kernel
         whose programs skipped the wait could complete before its predecessor."""
         if PDL == 2:

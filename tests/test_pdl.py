@@ -19,20 +19,20 @@ from pagedllm.triton_utils import HAS_GDC, HAS_TRITON, pdl_args, pdl_mode_of
 def test_pdl_mode_of() -> None:
     assert pdl_mode_of("1", True) == 1
     assert pdl_mode_of(" On ", True) == 1
-    assert pdl_mode_of("early", True) == 2
     assert pdl_mode_of("0", True) == 0
-    assert pdl_mode_of("1", False) == 0 and pdl_mode_of("early", False) == 0
-    with pytest.raises(ValueError, match="PAGEDLLM_PDL"):
-        pdl_mode_of("late", True)
+    assert pdl_mode_of("1", False) == 0
+    for bad in ("late", "early"):
+        with pytest.raises(ValueError, match="PAGEDLLM_PDL"):
+            pdl_mode_of(bad, True)
 
 
 def test_pdl_early_kernels() -> None:
-    """PAGEDLLM_PDL_EARLY picks the early kernels under the default setting; `early` makes every kernel early,
-    0 none; a misspelt name is an error naming the variable, not a silently ordinary launch."""
+    """PAGEDLLM_PDL_EARLY picks the early kernels; PAGEDLLM_PDL=0 none; a misspelt name is an error naming the
+    variable, not a silently ordinary launch."""
     assert pdl_mode_of("1", True, "recv", "push, recv") == 2
     assert pdl_mode_of("1", True, "gemv", "push+recv") == 1 and pdl_mode_of("1", True, "push", "push+recv") == 2
     assert pdl_mode_of("1", True, "gemv", "all") == 2
-    assert pdl_mode_of("early", True, "gemv", "") == 2
+    assert pdl_mode_of("1", True, "gemv", "") == 1
     assert pdl_mode_of("0", True, "recv", "recv") == 0
     assert pdl_mode_of("1", False, "recv", "recv") == 0
     with pytest.raises(ValueError, match="PAGEDLLM_PDL_EARLY"):
@@ -46,16 +46,16 @@ def test_no_pdl_off_cuda() -> None:
     assert pdl_args(torch.zeros(1, 8, dtype=torch.bfloat16), "norm") == {}
 
 
-def test_early_only_in_one_row_16_bit_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Early kernels only where every successor is a kernel of ours (triton_utils): one token, 16-bit activations,
-    the row GEMVs on (with them off, cuBLAS follows the norms)."""
+def test_pdl_only_in_one_row_16_bit_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL only where every kernel boundary is between kernels of ours (triton_utils): one token, 16-bit
+    activations, the row GEMVs on (with them off, cuBLAS follows the norms)."""
     from pagedllm import envs
 
     one, many = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(16, 8, dtype=torch.bfloat16)
-    assert triton_utils.early_ok(one, 1) and triton_utils.early_ok(one.half(), 1)
-    assert not triton_utils.early_ok(many, 16) and not triton_utils.early_ok(one.float(), 1)
+    assert triton_utils.one_row_step(one, 1) and triton_utils.one_row_step(one.half(), 1)
+    assert not triton_utils.one_row_step(many, 16) and not triton_utils.one_row_step(one.float(), 1)
     monkeypatch.setattr(envs, "PAGEDLLM_ROW_GEMV", False, raising=False)
-    assert not triton_utils.early_ok(one, 1)
+    assert not triton_utils.one_row_step(one, 1)
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)", re.M)
@@ -154,4 +154,4 @@ def test_wait_comes_first(name: str, mode: int) -> None:
     assert not _MEM.search(before), f"memory access before the wait: {_MEM.search(before)}"
     assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:bra|ret)\b", before, re.M), "a branch before the wait"
     assert ("griddepcontrol.launch_dependents" in body) == (mode == 2)
-    assert triton_utils.pdl_mode_of("early" if mode == 2 else "1", True) == mode
+    assert triton_utils.pdl_mode_of("1", True, "norm", "all" if mode == 2 else "") == mode

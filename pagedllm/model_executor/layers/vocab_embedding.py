@@ -155,7 +155,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = batch_invariant_gpu.linear(hidden_states, self.weight, self.bias, out_dtype=torch.float32)
         elif triton_gemv.row_gemv_enabled(hidden_states, self.weight):
             # One decode row: the row GEMV (float32 sums where `_fp32_logits_ok`, as the GEMM below writes).
-            # Also what triton_utils.early_ok relies on: every kernel of a one-row 16-bit decode step is ours.
+            # Also what triton_utils.one_row_step relies on: every kernel of a one-row 16-bit decode step is ours.
             fp32 = _fp32_logits_ok(hidden_states)
             logits = triton_gemv.row_gemv(
                 hidden_states, self.weight, self.bias, out_dtype=torch.float32 if fp32 else None
