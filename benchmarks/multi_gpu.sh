@@ -76,7 +76,7 @@ for step in $steps; do
             echo "tests ($step) rc $?: $(tail -1 "$OUT/tests_$step.log")" | tee -a "$summary"
             grep -E "^(SmolLM2|llama|qwen3) " "$OUT/tests_$step.log" | cut -c1-240 | tee -a "$summary" ;;
         kernels)  # the single-GPU kernel tests of the decode path and the two-rank reductions (PDL on)
-            timeout "${STEP_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_allreduce_norm_gpu.py \
+            timeout "${KERNELS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_allreduce_norm_gpu.py \
                 tests/gpu/test_ce_allreduce_gpu.py tests/gpu/test_fused_ops.py tests/gpu/test_act_twin_gpu.py \
                 tests/gpu/test_quant_gpu.py tests/gpu/test_triton_attention.py > "$OUT/tests_kernels.log" 2>&1
             echo "tests (kernels) rc $?: $(tail -1 "$OUT/tests_kernels.log")" | tee -a "$summary"
