@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     PAGEDLLM_FP8_ACT_TWIN: bool
     PAGEDLLM_PDL: str
     PAGEDLLM_PDL_EARLY: str
+    PAGEDLLM_PDL_ROWS: int
+    PAGEDLLM_PDL_OFF: str
     PAGEDLLM_CPU_ENCODER_BF16_GEMM: str
     PAGEDLLM_CPU_THREADS: int | None
     PAGEDLLM_GRAMMAR_FILL_THREADS: int | None
@@ -141,6 +143,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma- or +-separated, or "all") whose successor
     # may launch once every one of their programs has started instead of once they have exited; "" none.
     "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", "norm,silu,rope,attn,merge,push,recv,pull"),
+    # Experiments (triton_utils.pdl_args): PDL also in steps of up to this many rows (waiting kernels only; 0: none),
+    # and the kernels that never launch with it (names of triton_utils.KERNELS).
+    "PAGEDLLM_PDL_ROWS": lambda: int(os.environ.get("PAGEDLLM_PDL_ROWS", "0")),
+    "PAGEDLLM_PDL_OFF": lambda: os.environ.get("PAGEDLLM_PDL_OFF", ""),
     # Encoder models (BERT / XLM-R) with float32 checkpoints on the CPU: float32 with bf16 GEMMs
     # (pooling/cpu_mixed.py). "auto": for dtype="auto" where the CPU has native bf16 (AVX512-BF16 / AMX);
     # "1": also for dtype="float32" and without native bf16; "0": never.

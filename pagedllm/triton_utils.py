@@ -87,24 +87,46 @@ def pdl_args(x: torch.Tensor, kernel: str, rows: int | None = None) -> dict[str,
     `x` of `rows` tokens (default `x.shape[0]`): in a `one_row_step` on a CUDA device of compute capability 9 or
     newer with a Triton that has grid dependency control, `{"PDL": mode, "launch_pdl": True}` with mode 2 (early)
     for the kernels named by `PAGEDLLM_PDL_EARLY`, else 1; `{}` (PDL=0, an ordinary launch) elsewhere or with
-    `PAGEDLLM_PDL=0`."""
-    if x.device.type != "cuda" or not one_row_step(x, x.shape[0] if rows is None else rows):
+    `PAGEDLLM_PDL=0`. Two switches for finding why PDL changed tokens in batched tp=2 steps (session 38):
+    `PAGEDLLM_PDL_ROWS=N` also launches steps of up to N rows with PDL (waiting, never early), and
+    `PAGEDLLM_PDL_OFF` names kernels that never launch with it."""
+    if x.device.type != "cuda":
         return {}
-    return _pdl_kwargs(x.device.index if x.device.index is not None else torch.cuda.current_device(), kernel)
+    n = x.shape[0] if rows is None else rows
+    one = one_row_step(x, n)
+    max_rows, off = _pdl_switches()
+    if (not one and n > max_rows) or kernel in off:
+        return {}
+    return _pdl_kwargs(x.device.index if x.device.index is not None else torch.cuda.current_device(), kernel, one)
 
 
 def one_row_step(x: torch.Tensor, rows: int) -> bool:
     """A launch of a single-token 16-bit decode step with the row GEMVs on: every kernel boundary is then one
     between PDL kernels of ours (see above)."""
-    return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and bool(envs.PAGEDLLM_ROW_GEMV)
+    return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and _row_gemv_on()
 
 
 @functools.cache
-def _pdl_kwargs(index: int, kernel: str) -> dict[str, Any]:
-    """(One dict per device and kernel, unpacked by every launch: callers never mutate it.)"""
+def _row_gemv_on() -> bool:
+    return bool(envs.PAGEDLLM_ROW_GEMV)
+
+
+@functools.cache
+def _pdl_switches() -> tuple[int, frozenset[str]]:
+    """(PAGEDLLM_PDL_ROWS, PAGEDLLM_PDL_OFF's names), read once (every eager launch asks)."""
+    off = frozenset(n.strip() for n in re.split(r"[,+]", envs.PAGEDLLM_PDL_OFF.lower()) if n.strip())
+    if off - set(KERNELS):
+        raise ValueError(f"PAGEDLLM_PDL_OFF names unknown kernels {sorted(off - set(KERNELS))}")
+    return envs.PAGEDLLM_PDL_ROWS, off
+
+
+@functools.cache
+def _pdl_kwargs(index: int, kernel: str, may_be_early: bool) -> dict[str, Any]:
+    """(One dict per device, kernel and case, unpacked by every launch: callers never mutate it.)"""
     nvidia = torch.version.hip is None  # (ROCm reports capabilities 9.x too)
     supported = HAS_GDC and nvidia and torch.cuda.get_device_capability(index)[0] >= 9
-    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, envs.PAGEDLLM_PDL_EARLY)
+    early = envs.PAGEDLLM_PDL_EARLY if may_be_early else ""
+    mode = pdl_mode_of(envs.PAGEDLLM_PDL, supported, kernel, early)
     return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 

@@ -55,7 +55,28 @@ def test_pdl_only_in_one_row_16_bit_decode(monkeypatch: pytest.MonkeyPatch) -> N
     assert triton_utils.one_row_step(one, 1) and triton_utils.one_row_step(one.half(), 1)
     assert not triton_utils.one_row_step(many, 16) and not triton_utils.one_row_step(one.float(), 1)
     monkeypatch.setattr(envs, "PAGEDLLM_ROW_GEMV", False, raising=False)
-    assert not triton_utils.one_row_step(one, 1)
+    triton_utils._row_gemv_on.cache_clear()
+    try:
+        assert not triton_utils.one_row_step(one, 1)
+    finally:
+        monkeypatch.undo()
+        triton_utils._row_gemv_on.cache_clear()
+
+
+def test_pdl_off_names_known_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm import envs
+
+    monkeypatch.setattr(envs, "PAGEDLLM_PDL_OFF", "pull+norm", raising=False)
+    triton_utils._pdl_switches.cache_clear()
+    try:
+        assert triton_utils._pdl_switches()[1] == {"pull", "norm"}
+        monkeypatch.setattr(envs, "PAGEDLLM_PDL_OFF", "pul", raising=False)
+        triton_utils._pdl_switches.cache_clear()
+        with pytest.raises(ValueError, match="PAGEDLLM_PDL_OFF"):
+            triton_utils._pdl_switches()
+    finally:
+        monkeypatch.undo()
+        triton_utils._pdl_switches.cache_clear()
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)", re.M)
