@@ -28,7 +28,8 @@
 #          gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)
 #   pdle@SET / pdl2e@SET, W3early@SET / W3tp2early@SET   the same with PAGEDLLM_PDL_EARLY=SET (the kernels that
 #          trigger their successor at their start: names of triton_utils.KERNELS joined by +, or all)
-#   pdl2x@K=V:K=V   pdl_check.py at tp=2, run A with those settings against PDL off, e.g. to bisect session 38's
+#   pdl2x@K=V:K=V   pdl_check.py at tp=2, run A with those settings against PDL off (made once a call, reused
+#          by the later pdl2x steps), e.g. to bisect session 38's
 #          drift: pdl2x@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_PDL_OFF=pull (PDL in batched steps too, the pulled
 #          all-reduce without it), pdl2x@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_TP_ALLREDUCE=nccl
 #   W3fp8pdl   W3-FP8 (quant_bench.sh) for each PAGEDLLM_PDL value of FP8_PDL (default "1 0")
@@ -151,6 +152,7 @@ for step in $steps; do
                 2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
         pdl2x@*)  # pdl_check.py --tp 2 with run A = the K=V settings after @, separated by ':'
             [ "$ngpu" -ge 2 ] && timeout 300 python3 benchmarks/pdl_check.py --tp 2 --a "$(echo "${step#*@}" | tr ':' ',')" \
+                --reuse-b "$OUT/pdl_ref" \
                 2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
         W3early@*) e2e "W3_tp1_early${step#*@}" "" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;
         W3tp2early@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_early${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;

@@ -1,10 +1,8 @@
 """Programmatic dependent launch (triton_utils.pdl_args) changes no number: greedy tokens and their logprobs with
 PAGEDLLM_PDL=1 must equal PAGEDLLM_PDL=0 bit for bit (a kernel that read its predecessor's output before waiting
 would show as a difference; --a / --b compare any two settings, the same one twice: run to run). Each setting runs
-in its own process (the flag is read once per process) on a dummy-weight checkpoint, CUDA graphs on: four prompts
-eight
-prompts one at a time (batch 1: the row GEMVs, at tp=2 their push all-reduce, the early kernels) and twelve
-together.
+in its own process (the flag is read once per process) on a dummy-weight checkpoint, CUDA graphs on: eight prompts
+one at a time (batch 1: the row GEMVs, at tp=2 their push all-reduce, the early kernels) and twelve together.
 
     PYTHONPATH=. python3 benchmarks/pdl_check.py [--model benchmarks/workloads/llama-3.1-8b] [--tp 2] [--env K=V]
 """
@@ -12,9 +10,11 @@ together.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +56,12 @@ def main() -> int:
     p.add_argument("--env", action="append", default=[], help="K=V set for both runs")
     p.add_argument("--a", default="PAGEDLLM_PDL=1", help="K=V[,K=V] of the first run")
     p.add_argument("--b", default="PAGEDLLM_PDL=0", help="K=V[,K=V] of the second run (the same: run to run)")
+    p.add_argument(
+        "--reuse-b",
+        default=None,
+        help="a directory: run B's outputs are kept there and reused by later calls with the same arguments "
+        "(a bisection compares many A settings against one reference; the reference run is then made once)",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -63,6 +69,16 @@ def main() -> int:
         return 0
     runs = []
     for setting in (args.a, args.b):
+        key = [args.model, args.tp, args.quantization, args.tokens, sorted(args.env), setting]
+        kept = None
+        if setting is args.b and args.reuse_b:
+            os.makedirs(args.reuse_b, exist_ok=True)
+            kept = os.path.join(args.reuse_b, hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".json")
+            if os.path.exists(kept):
+                with open(kept) as f:
+                    runs.append(json.load(f))
+                print(f"pdl_check: run B ({setting}) reused from {kept}")
+                continue
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         env = dict(os.environ, **dict(kv.split("=", 1) for kv in [*args.env, *setting.split(",")]))
@@ -74,6 +90,8 @@ def main() -> int:
             return 1
         with open(path) as f:
             runs.append(json.load(f))
+        if kept is not None:
+            shutil.copyfile(path, kept)
     on, off = runs
     diff = [i for i, (a, b) in enumerate(zip(on, off, strict=True)) if a != b]
     tag = f"{args.model} tp={args.tp} quantization={args.quantization} {' '.join(args.env)}"
