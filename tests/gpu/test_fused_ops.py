@@ -96,6 +96,31 @@ def test_row_gemv_glu_equals_gemv_then_silu_and_mul(dtype: torch.dtype, n: int, 
         assert torch.equal(triton_gemv.row_gemv(x, w, glu=True), want)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the LM head's row GEMV is taken on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 64128, 1000])
+def test_lm_head_one_row_gemv(dtype: torch.dtype, vocab: int) -> None:
+    """`ParallelLMHead.compute_logits` at one 16-bit row runs the row GEMV (so that every kernel of a one-row
+    decode step is ours, triton_utils.one_row_step), with float32 output where the GEMM path writes float32
+    logits: within float32 summation-order noise of the exact products' sum, not rounded to 16 bits."""
+    from pagedllm.model_executor.layers import vocab_embedding
+
+    g = torch.Generator().manual_seed(vocab)
+    head = vocab_embedding.ParallelLMHead(vocab, 576, params_dtype=dtype).to(DEVICE)
+    head.weight.data.copy_((torch.randn(head.weight.shape, generator=g) / 24).to(dtype))
+    x = torch.randn(1, 576, generator=g).to(DEVICE, dtype)
+    one = head.compute_logits(x)
+    ref = (x.double() @ head.weight.double().T)[:, :vocab]
+    assert one.shape == (1, vocab)
+    if vocab_embedding._fp32_logits_ok(x):
+        assert one.dtype == torch.float32
+        torch.testing.assert_close(one.double(), ref, atol=1e-4, rtol=1e-4)
+        assert not torch.equal(one, one.to(dtype).float()), "logits rounded to the activation dtype"
+    else:
+        assert one.dtype == dtype
+        torch.testing.assert_close(one.double(), ref, atol=ATOL[dtype], rtol=RTOL[dtype])
+
+
 def _qkv(n_tokens: int, h: int, kvh: int, d: int, dtype: torch.dtype, g: torch.Generator):
     qkv = torch.randn(n_tokens, (h + 2 * kvh) * d, generator=g).to(DEVICE, dtype)
     return qkv, *qkv.split([h * d, kvh * d, kvh * d], dim=-1)
