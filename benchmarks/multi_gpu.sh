@@ -22,16 +22,13 @@
 #   W2ce   W2 at tp=1 and tp=2 with the copy-engine prefill path (default) and without (PAGEDLLM_TP_CE_PREFILL=0)
 #   W3log  W3 at tp=2 with PAGEDLLM_TP_ALLREDUCE=symm, the log kept
 #   S2     S2 served at rate inf: one engine core, then --data-parallel-size 2 (each with S2_API API servers)
-#   pdl@M / pdl2@M    benchmarks/pdl_check.py at tp=1 / tp=2: PAGEDLLM_PDL=M (1; programmatic dependent
-#          launch, pagedllm/triton_utils.py) against 0, greedy tokens and logprobs bit for bit; pdl2@0: 0 against 0
-#   W3pdl@M / W3tp2pdl@M   W3 at tp=1 / tp=2 with PAGEDLLM_PDL=M (one engine per step: a third tp=2 engine in one
-#          gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)
-#   pdle@SET / pdl2e@SET, W3early@SET / W3tp2early@SET   the same with PAGEDLLM_PDL_EARLY=SET (the kernels that
-#          trigger their successor at their start: names of triton_utils.KERNELS joined by +, or all)
-#   pdl2x@K=V:K=V   pdl_check.py at tp=2, run A with those settings against PDL off (made once a call, reused
-#          by the later pdl2x steps), e.g. to bisect session 38's
-#          drift: pdl2x@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_PDL_OFF=pull (PDL in batched steps too, the pulled
-#          all-reduce without it), pdl2x@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_TP_ALLREDUCE=nccl
+#   pdl@SPEC / pdl2@SPEC   benchmarks/pdl_check.py at tp=1 / tp=2: run A with SPEC against PDL off (greedy tokens
+#          and logprobs bit for bit; programmatic dependent launch, pagedllm/triton_utils.py; the PDL-off run is
+#          made once a call and reused by the later checks). SPEC: K=V settings separated by ':', or a bare M for
+#          PAGEDLLM_PDL=M (pdl2@0: off against off); e.g. to bisect session 38's drift,
+#          pdl2@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_PDL_OFF=pull, pdl2@PAGEDLLM_PDL_ROWS=4096:PAGEDLLM_TP_ALLREDUCE=nccl
+#   W3pdl@SPEC / W3tp2pdl@SPEC   W3 at tp=1 / tp=2 with SPEC (as above; one engine per step: a third tp=2 engine in
+#          one gpu_e2e.sh call failed twice in session 37, the previous run's workers still holding the GPUs)
 #   W3fp8pdl   W3-FP8 (quant_bench.sh) for each PAGEDLLM_PDL value of FP8_PDL (default "1 0")
 # Results under $OUT/<step>_<layout>/; a summary last; TAR=1 packs $OUT into $OUT.tgz.
 set -uo pipefail
@@ -63,6 +60,9 @@ e2e() {  # name, extra engine flags, workloads (gpu_e2e.sh), into $OUT/name
     shift 2
     OUT="$OUT/$name" E2E_CORRECTNESS=0 E2E_EXTRA="$extra" timeout "${STEP_TIMEOUT:-500}" bash benchmarks/gpu_e2e.sh run "$@" > "$OUT/$name.log" 2>&1
     sed "s/^/$name: /" "$OUT/$name/summary.txt" | grep -v "correctness skipped" | tee -a "$summary"
+}
+pdl_spec() {  # a pdl / W3pdl step's SPEC as comma-joined K=V settings: a bare M means PAGEDLLM_PDL=M
+    case $1 in *=*) echo "$1" | tr ':' ',' ;; *) echo "PAGEDLLM_PDL=$1" ;; esac
 }
 for step in $steps; do
     t0=$SECONDS
@@ -144,20 +144,10 @@ for step in $steps; do
             done ;;
         pdl@*|pdl2@*)
             tp=1; [ "${step%%@*}" = pdl2 ] && tp=2
-            [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "PAGEDLLM_PDL=${step#*@}" \
-                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
-        pdle@*|pdl2e@*)  # PAGEDLLM_PDL_EARLY=SET (names joined by +) against PAGEDLLM_PDL=0
-            tp=1; [ "${step%%@*}" = pdl2e ] && tp=2
-            [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "PAGEDLLM_PDL_EARLY=${step#*@}" \
-                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
-        pdl2x@*)  # pdl_check.py --tp 2 with run A = the K=V settings after @, separated by ':'
-            [ "$ngpu" -ge 2 ] && timeout 300 python3 benchmarks/pdl_check.py --tp 2 --a "$(echo "${step#*@}" | tr ':' ',')" \
-                --reuse-b "$OUT/pdl_ref" \
-                2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
-        W3early@*) e2e "W3_tp1_early${step#*@}" "" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;
-        W3tp2early@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_early${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL_EARLY=${step#*@}" ;;
-        W3pdl@*) e2e "W3_tp1_pdl${step#*@}" "" "W3@PAGEDLLM_PDL=${step#*@}" ;;
-        W3tp2pdl@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_pdl${step#*@}" "--tensor-parallel-size 2" "W3@PAGEDLLM_PDL=${step#*@}" ;;
+            [ "$ngpu" -ge $tp ] && timeout 300 python3 benchmarks/pdl_check.py --tp $tp --a "$(pdl_spec "${step#*@}")" \
+                --reuse-b "$OUT/pdl_ref" 2>&1 | grep -E "^pdl_check|Error" | tee -a "$summary" ;;
+        W3pdl@*) e2e "W3_tp1_pdl${step#*@}" "" "W3@$(pdl_spec "${step#*@}")" ;;
+        W3tp2pdl@*) [ "$ngpu" -ge 2 ] && e2e "W3_tp2_pdl${step#*@}" "--tensor-parallel-size 2" "W3@$(pdl_spec "${step#*@}")" ;;
         W3fp8pdl)
             for pdl in ${FP8_PDL:-1 0}; do
                 PAGEDLLM_PDL=$pdl OUT="$OUT/fp8_pdl$pdl" timeout 200 bash benchmarks/quant_bench.sh W3-FP8 > /dev/null 2>&1

@@ -68,10 +68,10 @@ def main() -> int:
         child(args)
         return 0
     runs = []
-    for setting in (args.a, args.b):
+    for run, setting in enumerate((args.a, args.b)):
         key = [args.model, args.tp, args.quantization, args.tokens, sorted(args.env), setting]
         kept = None
-        if setting is args.b and args.reuse_b:
+        if run == 1 and args.reuse_b:
             os.makedirs(args.reuse_b, exist_ok=True)
             kept = os.path.join(args.reuse_b, hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".json")
             if os.path.exists(kept):

@@ -103,21 +103,29 @@ def pdl_args(x: torch.Tensor, kernel: str, rows: int | None = None) -> dict[str,
 def one_row_step(x: torch.Tensor, rows: int) -> bool:
     """A launch of a single-token 16-bit decode step with the row GEMVs on: every kernel boundary is then one
     between PDL kernels of ours (see above)."""
-    return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and _row_gemv_on()
+    return rows == 1 and x.dtype in (torch.bfloat16, torch.float16) and row_gemv_on()
 
 
 @functools.cache
-def _row_gemv_on() -> bool:
+def row_gemv_on() -> bool:
+    """`PAGEDLLM_ROW_GEMV`, read once: batch-1 decode linears through `triton_gemv.row_gemv` (which asks too)."""
     return bool(envs.PAGEDLLM_ROW_GEMV)
+
+
+def _kernel_names(value: str, variable: str, extra: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The kernel names of a `PAGEDLLM_PDL_*` list (comma- or +-separated); an unknown one is an error naming
+    the variable, not a silently ordinary launch."""
+    names = frozenset(n.strip() for n in re.split(r"[,+]", value.lower()) if n.strip())
+    unknown = names - set(KERNELS) - extra
+    if unknown:
+        raise ValueError(f"{variable} names unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    return names
 
 
 @functools.cache
 def _pdl_switches() -> tuple[int, frozenset[str]]:
     """(PAGEDLLM_PDL_ROWS, PAGEDLLM_PDL_OFF's names), read once (every eager launch asks)."""
-    off = frozenset(n.strip() for n in re.split(r"[,+]", envs.PAGEDLLM_PDL_OFF.lower()) if n.strip())
-    if off - set(KERNELS):
-        raise ValueError(f"PAGEDLLM_PDL_OFF names unknown kernels {sorted(off - set(KERNELS))}")
-    return envs.PAGEDLLM_PDL_ROWS, off
+    return envs.PAGEDLLM_PDL_ROWS, _kernel_names(envs.PAGEDLLM_PDL_OFF, "PAGEDLLM_PDL_OFF")
 
 
 @functools.cache
@@ -134,10 +142,7 @@ def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = ""
     """The PDL constexpr of `kernel` for a `PAGEDLLM_PDL` value and a list of early kernels (names from `KERNELS`
     separated by commas or `+`, or `all`) on a device that supports PDL or not."""
     setting = setting.strip().lower()
-    names = {n.strip() for n in re.split(r"[,+]", early.lower()) if n.strip()}
-    unknown = names - {*KERNELS, "all"}
-    if unknown:
-        raise ValueError(f"PAGEDLLM_PDL_EARLY names unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    names = _kernel_names(early, "PAGEDLLM_PDL_EARLY", frozenset({"all"}))
     if kernel and kernel not in KERNELS:
         raise ValueError(f"unknown PDL kernel name {kernel!r}")
     if setting not in ("0", "false", "off", "1", "true", "on"):

@@ -55,12 +55,12 @@ def test_pdl_only_in_one_row_16_bit_decode(monkeypatch: pytest.MonkeyPatch) -> N
     assert triton_utils.one_row_step(one, 1) and triton_utils.one_row_step(one.half(), 1)
     assert not triton_utils.one_row_step(many, 16) and not triton_utils.one_row_step(one.float(), 1)
     monkeypatch.setattr(envs, "PAGEDLLM_ROW_GEMV", False, raising=False)
-    triton_utils._row_gemv_on.cache_clear()
+    triton_utils.row_gemv_on.cache_clear()
     try:
         assert not triton_utils.one_row_step(one, 1)
     finally:
         monkeypatch.undo()
-        triton_utils._row_gemv_on.cache_clear()
+        triton_utils.row_gemv_on.cache_clear()
 
 
 def test_pdl_off_names_known_kernels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,13 +8,11 @@ keeps a [BLOCK_N, BLOCK_K] float32 partial-sum tile, reduced once at the end: no
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm import envs
-from pagedllm.triton_utils import HAS_TRITON, pdl_args
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, row_gemv_on
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -255,10 +253,5 @@ def row_gemv_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
-        and _row_gemv_on()
+        and row_gemv_on()
     )
-
-
-@functools.cache
-def _row_gemv_on() -> bool:
-    return bool(envs.PAGEDLLM_ROW_GEMV)
