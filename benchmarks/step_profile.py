@@ -6,6 +6,7 @@ pure prefill, mixed. Optionally profiles a few steps with torch.profiler and pri
 Writes JSON under --out-dir. Example:
 
     python3 benchmarks/step_profile.py --workload W2 --num-prompts 300 --profile-steps 3
+    python3 benchmarks/step_profile.py --workload W2 --quantization fp8 --profile-steps 2   # W2-FP8
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over N prefill and N mixed steps")
     p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (W2-FP8)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (W2-KV8)")
+    p.add_argument("--row-limit", type=int, default=18, help="kernels listed per profiled step")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp"))
     args = p.parse_args()
 
@@ -45,6 +49,8 @@ def main() -> None:
         max_num_batched_tokens=16384,
         async_scheduling=False,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
@@ -102,7 +108,7 @@ def main() -> None:
             prof_done[want] += 1
             key = "cuda_time_total" if cuda else "cpu_time_total"
             tables[f"{want}{prof_done[want]} ({steps[-1]['tokens']} tok, {steps[-1]['decodes']} dec)"] = (
-                prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+                prof.key_averages().table(sort_by=key, row_limit=args.row_limit, max_name_column_width=60)
             )
         else:
             engine.step()
