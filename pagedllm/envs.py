@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     PAGEDLLM_FP8_ATTN_F16: bool
     PAGEDLLM_W8A8_H2: bool
     PAGEDLLM_FP8_ACT_TWIN: bool
+    PAGEDLLM_FP8_TWIN_PREFILL: bool
     PAGEDLLM_PDL: str
     PAGEDLLM_PDL_EARLY: str
     PAGEDLLM_PDL_ROWS: int
@@ -137,6 +138,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CUDA decode rows: the RMSNorm before an FP8 linear also writes its output quantized, which the
     # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
     "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
+    # Twins for batches of more rows too (the GEMM path then skips its quantization pass): the norms', and the
+    # SiLU-mul's before down_proj; 0: decode rows only (<= act_twin.MAX_ROWS), as before session 39.
+    "PAGEDLLM_FP8_TWIN_PREFILL": _flag("PAGEDLLM_FP8_TWIN_PREFILL"),
     # CUDA (Hopper and newer): single-token decode steps' Triton kernels launch with programmatic dependent
     # launch, each waiting for its predecessor inside the kernel (triton_utils.pdl_args). "0": ordinary stream order.
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),

@@ -93,6 +93,9 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
+        q_ptr=None,  # QUANT: [rows, d] e4m3 out
+        qs_ptr=None,  # QUANT: [rows] float32 out
+        QUANT: tl.constexpr = False,  # one program a row (BLOCK >= d) also writes the row quantized (act_twin.py)
         PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
@@ -102,7 +105,10 @@ if HAS_TRITON:
         g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (act * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        if QUANT:
+            quant_row_e4m3(y.to(tl.float32), q_ptr + row * d + offs, qs_ptr + row, mask)
 
 
 def norm_warps(block: int) -> int:
@@ -201,16 +207,20 @@ def _launch_norm(
     )
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d."""
+def silu_and_mul(x: torch.Tensor, fp8_twin: bool = False) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `fp8_twin`: one program a row, the output also
+    carrying its per-token e4m3 quantization (quantization/act_twin.py)."""
     require_triton()
     x2 = _rows(x)
     n_rows, width = x2.shape
     d = width // 2
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+    twin = _twin(n_rows, d, x.device) if fp8_twin else None
     if n_rows:
-        block = min(1024, next_pow2(d))
+        block = next_pow2(d) if twin else min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_args(x2, "silu")
-        )
-    return out.view(*x.shape[:-1], d)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=norm_warps(block) if twin else 4,
+            q_ptr=twin[0] if twin else None, qs_ptr=twin[1] if twin else None, QUANT=twin is not None,
+            **pdl_args(x2, "silu"),
+        )  # fmt: skip
+    return _with_twin(out.view(*x.shape[:-1], d), twin)

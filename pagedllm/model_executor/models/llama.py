@@ -22,6 +22,7 @@ from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLinear
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import RowParallelLinear, plain_row_gemv_weight
+from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 from pagedllm.model_executor.models.llama_attention import LlamaAttention
@@ -67,7 +68,7 @@ class LlamaMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         out: torch.Tensor | None = None
         for s in range(0, n, c):
-            y = self.down_proj(self.act_fn(self.gate_up_proj(x[s : s + c])))
+            y = self.down_proj(self.act_fn(self.gate_up_proj(act_twin.rows(x, s, s + c))))
             if out is None:  # (the output's width and dtype come from the layer: sized at the first chunk)
                 out = y.new_empty((n, *y.shape[1:]))
             out[s : s + c] = y
@@ -111,11 +112,12 @@ class LlamaDecoderLayer(nn.Module):
         )
 
     def twin_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
-        """(producer, linear) pairs where the producer's output goes straight into the linear: the norms that
-        may write an FP8 twin of their output for it (quantization/act_twin.py)."""
+        """(producer, linear) pairs where the producer's output goes straight into the linear: the norms and the
+        SiLU-mul, which may write an FP8 twin of their output for it (quantization/act_twin.py)."""
         pairs: list[tuple[nn.Module, nn.Module]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if type(self.mlp) is LlamaMLP:
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+            pairs.append((self.mlp.act_fn, self.mlp.down_proj))
         return pairs
 
     def forward(

@@ -19,8 +19,9 @@ CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def test_link_producers_only_for_fp8_dynamic_linears() -> None:
     with set_current_quant_config(Fp8Config(serialized=False, static_activations=False, ignored=[])):
         fp8_model = LlamaForCausalLM(CFG)
-    assert act_twin.link_producers(fp8_model) == 4  # 2 layers x (input norm, post-attention norm)
+    assert act_twin.link_producers(fp8_model) == 6  # 2 layers x (input norm, post-attention norm, SiLU-mul)
     assert all(layer.input_layernorm.fp8_twin for layer in fp8_model.model.layers)
+    assert all(layer.mlp.act_fn.fp8_twin for layer in fp8_model.model.layers)
     with set_current_quant_config(Fp8Config(serialized=True, static_activations=True, ignored=[])):
         static_model = LlamaForCausalLM(CFG)
     assert act_twin.link_producers(static_model) == 0
@@ -36,6 +37,16 @@ def test_only_the_returned_tensor_object_carries_the_twin() -> None:
     assert act_twin.twin_of(x[:1]) is None
     assert act_twin.twin_of(x * 1) is None
     assert act_twin.twin_of(torch.randn(2, 8)) is None
+
+
+def test_rows_slices_the_twin_along() -> None:
+    x, q, s = torch.randn(6, 8), torch.randn(6, 8).to(torch.float8_e4m3fn), torch.rand(6, 1)
+    part = act_twin.rows(act_twin.attach(x, q, s), 2, 5)
+    assert torch.equal(part, x[2:5])
+    twin = act_twin.twin_of(part)
+    assert twin is not None and twin[0].data_ptr() == q[2].data_ptr() and torch.equal(twin[1], s[2:5])
+    plain = act_twin.rows(torch.randn(6, 8), 0, 3)
+    assert plain.shape == (3, 8) and act_twin.twin_of(plain) is None
 
 
 def test_twins_only_for_16_bit_decode_rows_on_cuda() -> None:

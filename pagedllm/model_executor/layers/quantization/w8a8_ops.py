@@ -69,6 +69,15 @@ if HAS_TRITON:
         return tl.maximum(tl.math.div_rn(amax, QMAX), 1e-10)
 
     @triton.jit
+    def _div_rn(x, s, rcp):
+        """x / s rounded as IEEE division from rcp = RN(1 / s), in three instructions an element instead of
+        div_rn's ~40 (which made the per-token quantizer compute-bound: ~45 % of the copy bandwidth on an H200):
+        Markstein's correction, q = RN(x rcp), then RN(q + (x - q s) rcp) with the remainder exact in an FMA,
+        is the correctly rounded quotient (no over- or underflow here: |x / s| <= 448, s >= 1e-10)."""
+        q = x * rcp
+        return tl.fma(tl.fma(-q, s, x), rcp, q)
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, QMAX: tl.constexpr,
                            IS_INT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
@@ -79,7 +88,7 @@ if HAS_TRITON:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = _token_scale(tl.max(tl.abs(x), axis=0), QMAX)
-        q = tl.math.div_rn(x, scale)  # IEEE division, as torch's: a rounding boundary is crossed the same way
+        q = _div_rn(x, scale, tl.math.div_rn(1.0, scale))  # as torch's `/`: boundaries are crossed the same way
         if IS_INT:
             # round half to even, as torch.round
             r = tl.floor(q + 0.5)
@@ -103,12 +112,11 @@ if HAS_TRITON:
 
     @triton.jit
     def quant_row_e4m3(y, q_ptrs, s_ptr, mask):
-        """One float32 row's per-token e4m3 quantization in one program (the RMSNorm's FP8 twin, act_twin.py):
-        `_quant_rows_kernel`'s scale, but each element multiplied by the scale's reciprocal (the IEEE division,
-        ~40 instructions an element in one program, cost W3-FP8 more than the GEMVs gained; an element's code can
-        differ from the quantizer's by one step where the quotient lies within an ulp of a rounding boundary)."""
+        """One float32 row's per-token e4m3 quantization in one program (an FP8 twin, act_twin.py): exactly
+        `_quant_rows_kernel`'s scale and codes (`_div_rn`; div_rn itself, ~40 instructions an element in one
+        program, cost W3-FP8 more than the GEMVs gained)."""
         scale = _token_scale(tl.max(tl.abs(y), axis=0), 448.0)
-        q = tl.clamp(y * tl.math.div_rn(1.0, scale), -448.0, 448.0)
+        q = tl.clamp(_div_rn(y, scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
         tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
         tl.store(s_ptr, scale)
 
@@ -259,9 +267,10 @@ def quantize_rows(
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
     static = static_scale if static_scale is not None else s
+    block = triton.next_power_of_2(k)
     _quant_rows_kernel[(m,)](
         x, q, s, static, k, x.stride(0), QMAX=qmax, IS_INT=dtype == torch.int8,
-        STATIC=static_scale is not None, BLOCK=triton.next_power_of_2(k),
+        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )  # fmt: skip
     return q, s
 
@@ -293,7 +302,11 @@ def w8a8_linear(
     if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
         twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
         return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
-    xq, xs = quantize_rows(x2, w.dtype, input_scale)
+    twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
+    if twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k):
+        xq, xs = twin  # the producer's quantization of these very rows (act_twin.py): no pass of our own
+    else:
+        xq, xs = quantize_rows(x2, w.dtype, input_scale)
     out: torch.Tensor
     if m == 0:
         out = x2.new_empty(0, n)
