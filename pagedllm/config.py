@@ -152,6 +152,8 @@ class SchedulerConfig:
     """Token budget of a step in which no running request is decoding (only prompts are being prefilled); None:
     max_num_batched_tokens. The small CPU budget is there for concurrent decodes' inter-token latency, which
     no such step has: a long prompt alone then goes in fewer, bigger chunks (see `Scheduler.step_budget`)."""
+    schedule_conservativeness: float = 1.0
+    """Scale of the KV blocks admission keeps back for the running requests' growth (core/admission.py); 0: none."""
 
     @property
     def max_step_tokens(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.admission import AdmissionReserve
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheGroup, make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
@@ -50,6 +51,8 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
         self._new_to_worker: set[str] = set()
         """Requests the worker has never seen (or dropped): sent as NewRequestData."""
         self.num_preemptions = 0
+        self.admission = AdmissionReserve(config.schedule_conservativeness, self.block_size)
+        """The blocks admission leaves free for the running requests' growth (core/admission.py)."""
         self.num_busy = 0
         """Pipeline parallelism: running requests hidden from this schedule call (in a launched batch,
         `core/pipeline_scheduling.py`); they still count against max_num_seqs."""
@@ -204,6 +207,16 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
             loras = {r.lora_id for r in self.running if r.lora_id is not None} if max_loras else set()
             skipped: list[Request] = []
             max_seqs = self.config.max_num_seqs - self.num_busy
+            free_blocks = self.kv.pool.num_free_blocks
+            # (No reserve needed where even max_seqs requests of max_model_len tokens fit in the free blocks.)
+            admission = (
+                self.admission
+                if self.admission.enabled
+                and len(self.waiting)
+                and free_blocks < self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+                else None
+            )
+            reserve = admission.blocks(self.running) if admission is not None else 0
             while len(self.waiting) and budget > 0 and len(self.running) < max_seqs:
                 req = self.waiting.peek()
                 if req.status == RequestStatus.WAITING_FOR_FSM and not self.structured.ready(  # type: ignore[union-attr]
@@ -229,9 +242,16 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
                     if planned <= 0 or (planned < num_new and not self.config.enable_chunked_prefill):
                         break
                     num_new = planned
+                if admission is not None:
+                    bs = self.block_size
+                    if free_blocks - (-(-(num_hit + num_new) // bs) - num_hit // bs) < reserve:
+                        break  # the running requests' growth needs the room: admitting would end in a preemption
                 blocks = self.kv.allocate_slots(req, num_new, num_hit, hit_blocks)
                 if blocks is None:
                     break
+                if admission is not None:
+                    free_blocks = self.kv.pool.num_free_blocks
+                    reserve += admission.blocks_after(req, num_hit + num_new)
                 self.waiting.pop()
                 self.kv.record_lookup(req, num_hit)
                 if req.num_cached_tokens < 0:
@@ -314,6 +334,7 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.admission.observe_preemption()
         self.waiting.prepend(req)
 
     def reset_prefix_cache(self) -> bool:

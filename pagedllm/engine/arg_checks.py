@@ -28,6 +28,8 @@ def validate(args: EngineArgsFields) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"{name}: must be positive, got {v}")
+    if not args.schedule_conservativeness >= 0:
+        raise ValueError(f"schedule_conservativeness: must be >= 0, got {args.schedule_conservativeness}")
     if args.max_logprobs < -1:
         raise ValueError(f"max_logprobs: must be -1 (no limit) or >= 0, got {args.max_logprobs}")
     modes = get_args(hints["logprobs_mode"])

@@ -135,6 +135,16 @@ class EngineArgsFields:
             "Scheduler",
         ),
     )
+    schedule_conservativeness: float = field(
+        default=1.0,
+        metadata=_help(
+            "How much KV space admission keeps back for the running requests' growth (SGLang's name): "
+            "the rest of their prompts and their expected outputs (max_tokens, at most 4096 tokens each, "
+            "times the fraction of it finished requests used), scaled by this. It saves the recomputation "
+            "of preempted prefills when the cache is full. 0: admit while the prompt fits (vLLM).",
+            "Scheduler",
+        ),
+    )
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("Split long prompts across steps to fit the token budget.", "Scheduler")
     )

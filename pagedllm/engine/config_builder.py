@@ -108,6 +108,7 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
             max_loras=args.max_loras if args.enable_lora else 0,
             disable_chunked_mm_input=whole_mm,
             idle_max_num_batched_tokens=idle_batched,
+            schedule_conservativeness=args.schedule_conservativeness,
         ),
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -38,7 +38,12 @@ class _Everything:
 def _scheduler(num_blocks: int, budget: int, caching: bool, general: bool) -> Scheduler:
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=96, enable_chunked_prefill=True, policy="fcfs"
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=96,
+        enable_chunked_prefill=True,
+        policy="fcfs",
+        schedule_conservativeness=0.0,  # (the reference's requests carry stop_len 0: no admission reserve in either)
     )
     s = Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, caching)
     if general:

@@ -29,6 +29,7 @@ def _sched(
     async_scheduling: bool = False,
     max_model_len: int = 96,
     idle_budget: int | None = None,
+    conservativeness: float = 1.0,
 ) -> Scheduler:
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = SchedulerConfig(
@@ -39,6 +40,7 @@ def _sched(
         policy=policy,  # type: ignore[arg-type]
         async_scheduling=async_scheduling,
         idle_max_num_batched_tokens=idle_budget,
+        schedule_conservativeness=conservativeness,
     )
     return Scheduler(cfg, [KVCacheGroup(["l0"], spec)], num_blocks, enable_prefix_caching=True)
 
@@ -182,7 +184,7 @@ def test_max_model_len_caps_generation() -> None:
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_picks_the_lowest_ranked(policy: str) -> None:
     # 5 usable blocks of 4 tokens: three 6-token prompts take 2 blocks each once decoding past 8 tokens.
-    s = _sched(num_blocks=7, budget=64, max_seqs=3, policy=policy)
+    s = _sched(num_blocks=7, budget=64, max_seqs=3, policy=policy, conservativeness=0.0)  # admit all: preempt
     _add(s, "a", 6, priority=5, max_tokens=20)
     _add(s, "b", 6, priority=0, max_tokens=20)
     _add(s, "c", 6, priority=1, max_tokens=20)
@@ -230,3 +232,60 @@ def test_async_placeholders_do_not_overschedule() -> None:
     assert s.requests["r"].num_output_placeholders == 1
     out = _step(s, so2, {"r": 8})["r"]
     assert out.finish_reason == FinishReason.LENGTH and "r" not in s.requests
+
+
+def _run(s: Scheduler, steps: int = 400) -> tuple[int, int]:
+    """Runs the scheduler to completion with a fake worker: (tokens scheduled, preemptions)."""
+    w = FakeWorker()
+    tokens = 0
+    for _ in range(steps):
+        if not (s.running or len(s.waiting)):
+            break
+        so = s.schedule()
+        tokens += so.total_num_scheduled_tokens
+        s.update_from_output(so, w.execute(so))
+        check_pool(s)
+    assert not s.requests, "every request finishes"
+    return tokens, s.num_preemptions
+
+
+@pytest.mark.parametrize("conservativeness", [0.0, 1.0])
+def test_admission_reserve_saves_the_recomputed_prefills(conservativeness: float) -> None:
+    """W2 in small (core/admission.py): twelve 16-token prompts of 8 outputs each, a pool for ~8 of them. Admitting
+    while prompts fit (vLLM, conservativeness 0) preempts once decodes grow and recomputes those prefills;
+    keeping back the running requests' growth computes every token once."""
+    s = _sched(num_blocks=33, budget=64, max_seqs=16, max_model_len=64, conservativeness=conservativeness)
+    for i in range(12):
+        _add(s, f"r{i}", 16, max_tokens=8, ignore_eos=True)
+    tokens, preemptions = _run(s)
+    ideal = 12 * (16 + 8 - 1)
+    if conservativeness:
+        assert (tokens, preemptions) == (ideal, 0)
+    else:
+        assert preemptions > 0 and tokens > ideal
+
+
+def test_admission_reserve_never_holds_back_the_only_request() -> None:
+    s = _sched(num_blocks=9, budget=64, max_seqs=4, max_model_len=64)
+    _add(s, "a", 20, max_tokens=40, ignore_eos=True)  # its growth alone is more than the pool's 8 blocks
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 20}
+    _add(s, "b", 4, max_tokens=4, ignore_eos=True)
+    s.update_from_output(so, FakeWorker().execute(so))
+    assert "b" not in s.schedule().num_scheduled_tokens  # a's growth keeps b waiting
+
+
+def test_admission_ratio_learns_from_finished_requests() -> None:
+    from pagedllm.core.admission import AdmissionReserve
+
+    s = _sched(num_blocks=200, budget=64, max_seqs=16, max_model_len=96)
+    assert s.admission.ratio == 1.0
+    for i in range(6):  # every token is a stop token: one output of a budget of 40
+        _add(s, f"r{i}", 4, max_tokens=40, stop_token_ids=list(range(1000)))
+    _run(s)
+    assert s.admission.ratio < 0.6
+    low = s.admission.ratio
+    s.admission.observe_preemption()
+    assert s.admission.ratio == pytest.approx(low + 0.1)
+    with pytest.raises(ValueError, match="schedule_conservativeness"):
+        AdmissionReserve(-1.0, 16)

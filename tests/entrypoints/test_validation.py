@@ -35,6 +35,7 @@ def test_sampling_params_errors(kwargs: dict, field: str) -> None:
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"block_size": 7}, "block_size"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"schedule_conservativeness": -0.5}, "schedule_conservativeness"),
         ({"dtype": "int3"}, "dtype"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"load_format": "onnx"}, "load_format"),
