@@ -43,24 +43,22 @@ class AdmissionReserve:
     def enabled(self) -> bool:
         return self.scale > 0
 
-    def _tokens(self, req: Request) -> float:
-        """The tokens `req` may still add to its KV cache: the rest of its prompt, and its expected outputs."""
-        rest_prompt = req.num_prompt_tokens - req.num_computed_tokens
-        rest_out = min(req.stop_len - max(req.num_tokens, req.num_prompt_tokens), CLIP)
-        return max(rest_prompt, 0) + self.scale * self.ratio * max(rest_out, 0)
+    def _tokens(self, req: Request, num_computed: int) -> float:
+        """The tokens `req` may still add to its KV cache once `num_computed` are: the known ones not computed
+        yet (the rest of a prompt, or of a preempted request's recomputation), and its expected outputs."""
+        known = req.num_tokens
+        return max(known - num_computed, 0) + self.scale * self.ratio * max(min(req.stop_len - known, CLIP), 0)
 
     def blocks(self, running: Iterable[Request]) -> int:
         """Blocks to keep free for `running` (one pass over them; called only while requests wait)."""
         tokens = 0.0
         for req in running:
-            tokens += self._tokens(req)
+            tokens += self._tokens(req, req.num_computed_tokens)
         return int(tokens) // self.block_size
 
     def blocks_after(self, req: Request, num_computed: int) -> int:
         """What admitting `req` adds to the reserve once `num_computed` of its tokens are scheduled."""
-        rest_prompt = max(req.num_prompt_tokens - num_computed, 0)
-        rest_out = min(req.stop_len - max(req.num_tokens, req.num_prompt_tokens), CLIP)
-        return int(rest_prompt + self.scale * self.ratio * max(rest_out, 0)) // self.block_size
+        return int(self._tokens(req, num_computed)) // self.block_size
 
     def observe_preemption(self) -> None:
         """A running request had to be preempted after all: the reserve was too small."""

@@ -38,7 +38,7 @@ def _run(path: str, async_scheduling: bool, **kw: object) -> tuple[list, LLM]:
     "blocks", [pytest.param(None, marks=pytest.mark.slow), 40], ids=["roomy", "preempting"]
 )  # CI time: slow-marked, run by hand (pytest -m slow)
 def test_async_equals_sync(smollm2_path: str, blocks: int | None) -> None:
-    kw = {} if blocks is None else {"num_gpu_blocks_override": blocks}
+    kw = {} if blocks is None else {"num_gpu_blocks_override": blocks, "schedule_conservativeness": 0.0}
     sync_outs, _ = _run(smollm2_path, False, **kw)
     async_outs, llm = _run(smollm2_path, True, **kw)
     for sp, a, b in zip(SPS, sync_outs, async_outs):

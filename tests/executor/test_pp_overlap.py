@@ -105,7 +105,7 @@ def test_pp2_one_batch_at_a_time_when_turned_off(
 def test_pp2_batch_queue_with_preemption(checkpoint: str, reference: list[Any]) -> None:
     """A KV cache of 24 blocks of 16 tokens for 8 running requests of up to ~75 tokens: requests are
     preempted (recomputed later) while others are in flight."""
-    got, core = run_pp(checkpoint, many_prompts(), num_gpu_blocks_override=24)
+    got, core = run_pp(checkpoint, many_prompts(), num_gpu_blocks_override=24, schedule_conservativeness=0.0)
     assert_same_outputs(reference, got)
     assert core.scheduler.num_preemptions > 0
     assert core.batch_queue.max_in_flight == 2

@@ -51,6 +51,7 @@ def test_spec_decode_greedy_matches_hf_gpu(method: str, async_scheduling: bool, 
         skip_tokenizer_init=True,
         max_model_len=128,
         num_gpu_blocks_override=10,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         max_num_batched_tokens=16,
         speculative_config=spec,
         enforce_eager=eager,

@@ -41,7 +41,11 @@ SP24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     [
         ("default", {}),
         pytest.param("chunked_every_prompt", {"max_num_batched_tokens": 3}, marks=pytest.mark.slow),  # CI time
-        pytest.param("preemption", {"num_gpu_blocks_override": 12, "max_model_len": 128}, marks=pytest.mark.slow),
+        pytest.param(
+            "preemption",
+            {"num_gpu_blocks_override": 12, "max_model_len": 128, "schedule_conservativeness": 0.0},  # admit all
+            marks=pytest.mark.slow,
+        ),
         pytest.param("no_prefix_cache", {"enable_prefix_caching": False}, marks=pytest.mark.slow),  # CI time
     ],
 )

@@ -151,6 +151,7 @@ def test_preempted_image_requests_recompute_to_the_same_tokens(tiny_llava) -> No
         dtype="float32",
         max_model_len=96,
         num_gpu_blocks_override=7,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         block_size=16,
         max_num_batched_tokens=BUDGET,
         enable_prefix_caching=False,

@@ -78,6 +78,7 @@ def test_async_ngram_greedy_equals_hf(tiny_target) -> None:  # noqa: ANN001
     refs = [hf_greedy(hf, p, 40) for p in prompts]
     llm = LLM(
         path, dtype="float32", skip_tokenizer_init=True, max_model_len=128, num_gpu_blocks_override=14,
+        schedule_conservativeness=0.0,  # (admit all: the small cache preempts)
         max_num_batched_tokens=16, disable_log_stats=True, async_scheduling=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                             "prompt_lookup_min": 1},

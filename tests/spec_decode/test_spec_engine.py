@@ -50,7 +50,8 @@ def test_ngram_smollm2_greedy_equals_spec_off(smollm2_path: str, grounded_ids, r
     torch.set_num_threads(2)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in grounded_ids]
-    common = {"max_model_len": 256, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 18}
+    common = {"max_model_len": 256, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 18,
+              "schedule_conservativeness": 0.0}  # admit all: the small cache preempts  # fmt: skip
     ref_llm = _spec_engine(smollm2_path, **common)
     refs = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, sp, use_tqdm=False)]
     del ref_llm
@@ -95,6 +96,7 @@ def test_draft_model_greedy_equals_hf(tiny_pair, draft: str) -> None:  # noqa: A
         skip_tokenizer_init=True,
         max_model_len=128,
         num_gpu_blocks_override=10,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         max_num_batched_tokens=16,
         disable_log_stats=True,
         speculative_config={
@@ -202,6 +204,7 @@ def test_eagle_greedy_equals_hf(tiny_pair, tmp_path, with_embed: bool) -> None: 
         skip_tokenizer_init=True,
         max_model_len=128,
         num_gpu_blocks_override=10,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         max_num_batched_tokens=16,
         disable_log_stats=True,
         speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3},
@@ -270,6 +273,7 @@ def test_eagle3_greedy_equals_hf(tmp_path_factory) -> None:  # noqa: ANN001
         skip_tokenizer_init=True,
         max_model_len=128,
         num_gpu_blocks_override=10,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         max_num_batched_tokens=16,
         disable_log_stats=True,
         speculative_config={"method": "eagle3", "model": str(hdir), "num_speculative_tokens": 3},

@@ -21,7 +21,8 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def small_kv_server() -> Iterator[ServerProcess]:
     flags = [f for f in STRESS_FLAGS if f != "--trust-request-chat-template"]
-    extra = ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--no-enable-prefix-caching", "--max-model-len", "512"]
+    extra = ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--no-enable-prefix-caching", "--max-model-len", "512",
+             "--schedule-conservativeness", "0"]  # fmt: skip
     with ServerProcess([*flags, *extra]) as srv:
         yield srv
 

@@ -157,6 +157,7 @@ def test_chunked_prefill_preemption_async_equal_plain_run(smollm2_path: str, smo
         max_model_len=256,
         max_num_batched_tokens=16,
         num_gpu_blocks_override=20,
+        schedule_conservativeness=0.0,  # admit all: the small cache preempts
         async_scheduling=True,
         gguf_dequantize=True,
     )
