@@ -153,7 +153,7 @@ class SchedulerConfig:
     max_num_batched_tokens. The small CPU budget is there for concurrent decodes' inter-token latency, which
     no such step has: a long prompt alone then goes in fewer, bigger chunks (see `Scheduler.step_budget`)."""
     schedule_conservativeness: float = 1.0
-    """Scale of the KV blocks admission keeps back for the running requests' growth (core/admission.py); 0: none."""
+    """Scale of the KV room admission keeps for the running requests' next outputs (core/admission.py); 0: none."""
 
     @property
     def max_step_tokens(self) -> int:

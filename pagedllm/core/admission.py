@@ -5,13 +5,16 @@ run out of blocks: it preempts the latest arrival, whose whole prefill is thrown
 On W2 with FP8 weights (1,000 x 1,024 prompt tokens, 128 outputs, 950k KV tokens on an H200) that was 56
 preemptions and 59k recomputed prompt tokens, ~4 % of the run (benchmarks/NOTES.md, session 39).
 
-So, as SGLang does (its `new_token_ratio`), admission keeps back the blocks the running requests are expected
-to still need: the rest of their prompts, and `ratio` x their remaining output budget (max_tokens, at most
-`CLIP` tokens each). The ratio is learned from finished requests (outputs produced / budget, an exponential
-average), starting at 1.0: until a request has finished, outputs are assumed to run to max_tokens. A request
-that ends at EOS early lowers it, so chat traffic with large max_tokens reserves little. `scale`
-(`schedule_conservativeness`, SGLang's name) multiplies the reserve; 0 turns it off (vLLM's behaviour: admit
-while the prompt fits, preempt later).
+So admission keeps back the blocks the running requests will need soon: the rest of their known tokens (a
+prompt's next chunks, a preempted request's recomputation) and the outputs each still has to write to reach
+`HORIZON` outputs (fewer where its max_tokens ends sooner; none past the horizon). A fixed horizon rather than
+SGLang's share of max_tokens (its `new_token_ratio`): in a scheduler replay (`benchmarks/admission_replay.py`,
+NOTES session 39) reserving each request's whole expected output made long generations under memory pressure
+~16 % slower (smaller batches cost more than the recomputed prefills they save), and a window of the next 256
+outputs of every request held back admissions that never ran short (+2 % with room to spare), while room up to
+256 outputs removed W2's preemptions, helped chat-like traffic under pressure and long generations a little,
+and cost nothing with room to spare. `scale` (`schedule_conservativeness`, SGLang's name) multiplies the
+horizon; 0 turns the reserve off (vLLM's behaviour: admit while the prompt fits, preempt later).
 
 The reserve only decides admission: nothing is set aside in the block pool, and when nothing runs the
 reserve is 0, so a request that fits is always admitted (no deadlock).
@@ -23,31 +26,27 @@ from collections.abc import Iterable
 
 from pagedllm.core.request import Request
 
-CLIP = 4096
-"""Output tokens of one request counted at most (SGLang's CLIP_MAX_NEW_TOKENS)."""
-MIN_RATIO = 0.05
-EMA = 0.1
-"""Weight of a finished request in the learned ratio."""
+HORIZON = 256
+"""Outputs of each running request that admission keeps room for (times `schedule_conservativeness`)."""
 
 
 class AdmissionReserve:
     def __init__(self, scale: float, block_size: int) -> None:
-        if scale < 0:
+        if not scale >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {scale}")
-        self.scale = scale
+        self.horizon = scale * HORIZON
         self.block_size = block_size
-        self.ratio = 1.0
-        """Expected fraction of a request's output budget that it will produce (learned from finished ones)."""
 
     @property
     def enabled(self) -> bool:
-        return self.scale > 0
+        return self.horizon > 0
 
     def _tokens(self, req: Request, num_computed: int) -> float:
-        """The tokens `req` may still add to its KV cache once `num_computed` are: the known ones not computed
-        yet (the rest of a prompt, or of a preempted request's recomputation), and its expected outputs."""
+        """The tokens `req` will add to its KV cache soon once `num_computed` are: the known ones not computed
+        yet, and its outputs still to come up to the horizon (or its max_tokens)."""
         known = req.num_tokens
-        return max(known - num_computed, 0) + self.scale * self.ratio * max(min(req.stop_len - known, CLIP), 0)
+        more = min(req.stop_len - known, self.horizon - len(req.output_token_ids))
+        return max(known - num_computed, 0) + max(more, 0)
 
     def blocks(self, running: Iterable[Request]) -> int:
         """Blocks to keep free for `running` (one pass over them; called only while requests wait)."""
@@ -59,15 +58,3 @@ class AdmissionReserve:
     def blocks_after(self, req: Request, num_computed: int) -> int:
         """What admitting `req` adds to the reserve once `num_computed` of its tokens are scheduled."""
         return int(self._tokens(req, num_computed)) // self.block_size
-
-    def observe_preemption(self) -> None:
-        """A running request had to be preempted after all: the reserve was too small."""
-        self.ratio = min(1.0, self.ratio + 0.1)
-
-    def observe_finished(self, req: Request) -> None:
-        """A request stopped on its own (EOS, a stop string or its length): learn how much of its budget it used."""
-        budget = min(req.stop_len - req.num_prompt_tokens, CLIP)
-        if budget <= 0:
-            return
-        used = min(req.num_output_tokens / budget, 1.0)
-        self.ratio = max(MIN_RATIO, (1 - EMA) * self.ratio + EMA * used)

@@ -334,7 +334,6 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.admission.observe_preemption()
         self.waiting.prepend(req)
 
     def reset_prefix_cache(self) -> bool:

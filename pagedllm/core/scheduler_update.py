@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.admission import AdmissionReserve
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import FCFSQueue, PriorityQueue
@@ -36,7 +35,6 @@ class SchedulerUpdateMixin:
     running: list[Request]
     async_scheduling: bool
     num_preemptions: int
-    admission: AdmissionReserve
     _last_queries: int
     _last_hits: int
     spec: SpecDecodeScheduling | None
@@ -111,7 +109,6 @@ class SchedulerUpdateMixin:
                     self.running.remove(req)
                 else:
                     self.waiting.remove(req)
-                self.admission.observe_finished(req)
                 self._free_request(req)
             lps = logprobs[idx] if logprobs is not None else None
             if lps is not None and len(lps) > len(new_tokens):

@@ -139,9 +139,9 @@ class EngineArgsFields:
         default=1.0,
         metadata=_help(
             "How much KV space admission keeps back for the running requests' growth (SGLang's name): "
-            "the rest of their prompts and their expected outputs (max_tokens, at most 4096 tokens each, "
-            "times the fraction of it finished requests used), scaled by this. It saves the recomputation "
-            "of preempted prefills when the cache is full. 0: admit while the prompt fits (vLLM).",
+            "the rest of their prompts and room for up to 256 outputs each (fewer where max_tokens ends "
+            "sooner), times this. It saves recomputing the prefills of requests preempted soon after "
+            "admission when the cache is full. 0: admit while the prompt fits (vLLM).",
             "Scheduler",
         ),
     )

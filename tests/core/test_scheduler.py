@@ -275,17 +275,17 @@ def test_admission_reserve_never_holds_back_the_only_request() -> None:
     assert "b" not in s.schedule().num_scheduled_tokens  # a's growth keeps b waiting
 
 
-def test_admission_ratio_learns_from_finished_requests() -> None:
-    from pagedllm.core.admission import AdmissionReserve
+def test_admission_reserve_counts_the_horizon_and_the_known_tokens() -> None:
+    from pagedllm.core.admission import HORIZON, AdmissionReserve
 
-    s = _sched(num_blocks=200, budget=64, max_seqs=16, max_model_len=96)
-    assert s.admission.ratio == 1.0
-    for i in range(6):  # every token is a stop token: one output of a budget of 40
-        _add(s, f"r{i}", 4, max_tokens=40, stop_token_ids=list(range(1000)))
-    _run(s)
-    assert s.admission.ratio < 0.6
-    low = s.admission.ratio
-    s.admission.observe_preemption()
-    assert s.admission.ratio == pytest.approx(low + 0.1)
+    s = _sched(num_blocks=400, budget=8, max_seqs=4, max_model_len=1024)
+    _add(s, "long", 20, max_tokens=900, ignore_eos=True)
+    _add(s, "short", 4, max_tokens=8, ignore_eos=True)
+    s.schedule()  # long's first 8 prompt tokens: 12 known tokens to go, then HORIZON outputs
+    long, short = s.requests["long"], s.requests["short"]
+    assert s.admission.blocks([long]) == (12 + HORIZON) // 4
+    assert s.admission.blocks([short]) == (4 + 8) // 4  # max_tokens ends before the horizon
+    assert AdmissionReserve(0.5, 4).blocks([long]) == (12 + HORIZON // 2) // 4
+    assert not AdmissionReserve(0.0, 4).enabled
     with pytest.raises(ValueError, match="schedule_conservativeness"):
         AdmissionReserve(-1.0, 16)
