@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: one token budget per step, chunked prefill, preemption by recompute.
 
 Each step: running requests first (a decode token, or the next chunk of a prefill), then waiting ones
-while budget, `max_num_seqs` and KV blocks allow. When a running request needs a block and none is
+while budget, `max_num_seqs` and KV blocks allow, leaving free the blocks the running requests will need
+soon (`core/admission.py`). When a running request needs a block and none is
 free, the lowest-ranked running request (FCFS: latest arrival; priority: highest priority value, then
 latest arrival) is preempted: its blocks are freed and it is recomputed later.
 `num_computed_tokens` advances when a step is scheduled; the worker's sampled tokens come back through
