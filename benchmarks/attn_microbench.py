@@ -290,6 +290,7 @@ def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple
         cfg = dict(block_m=bm, tile_n=tn, num_warps=nw, num_stages=ns)
         variants.append((f"triton m{bm} n{tn} w{nw} s{ns}", lambda cfg=cfg: prefill(**cfg)))
     variants.append(("torch SDPA (dense, causal)", sdpa))
+    variants += varlen_candidates(q, k, v, qsl, L, n, h, kvh, qh, kh, vh)
     for name, fn in variants:
         try:
             ms = bench(fn, graph=False, reps=3)
@@ -299,6 +300,56 @@ def prefill_case(n: int, L: int, h: int, kvh: int, quick: bool = False) -> tuple
         pre[name] = {"ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12}
         print(f"prefill {shape} {name:32s} {ms * 1e3:9.1f} us {pre[name]['TFLOPs']:6.1f} TFLOP/s", flush=True)
     return pre, (k, v, kc, vc, slots)
+
+
+def varlen_candidates(q, k, v, qsl, L, n, h, kvh, qh, kh, vh) -> list[tuple[str, object]]:  # noqa: ANN001
+    """Library kernels a fresh-prompt prefill could call instead of the paged kernel (its keys are the step's own,
+    contiguous): FlashAttention-2's varlen entry point in aten (what a ragged batch needs), torch's `varlen_attn`
+    where this PyTorch has it (its signature changed between releases), and SDPA with one backend forced on the
+    dense [n, h, L, D] tensors (W2's equal-length chunks). Each is checked against SDPA's default first; one that
+    fails or disagrees is reported and left out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    scale = D**-0.5
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    ref_t = ref.transpose(1, 2).reshape(n * L, h, D)
+
+    def aten_flash():
+        return torch.ops.aten._flash_attention_forward(q, k, v, qsl, qsl, L, L, 0.0, True, False, scale=scale)[0]
+
+    def torch_varlen():
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+        return varlen_attn(q, k, v, qsl, qsl, L, L, scale=scale, **causal, **gqa)
+
+    def forced(backend):  # noqa: ANN001, ANN202
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+
+        return run
+
+    out: list[tuple[str, object]] = []
+    cands = [("aten flash varlen (FA2)", aten_flash, True), ("torch varlen_attn", torch_varlen, True)]
+    for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        cands.append((f"SDPA dense {b.name}", forced(b), False))
+    for name, fn, ragged in cands:
+        try:
+            got = fn()
+            e = rel_err(got.view(n * L, h, D) if ragged else got.transpose(1, 2).reshape(n * L, h, D), ref_t)
+        except Exception as exc:  # not in this PyTorch / not for these shapes
+            print(f"prefill {name}: unavailable: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        if e > 2e-2:
+            print(f"prefill {name}: relative error {e:.3g} against SDPA: left out")
+            continue
+        out.append((f"{name} (err {e:.1e})", fn))
+    return out
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
