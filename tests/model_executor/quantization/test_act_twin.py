@@ -49,7 +49,51 @@ def test_rows_slices_the_twin_along() -> None:
     assert plain.shape == (3, 8) and act_twin.twin_of(plain) is None
 
 
-def test_twins_only_for_16_bit_decode_rows_on_cuda() -> None:
+class _CudaLike:
+    """What `wants_twin` reads of a tensor, for a CUDA tensor on a machine without one."""
+
+    is_cuda = True
+
+    def __init__(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype, self.shape = dtype, (rows, 8)
+
+    def numel(self) -> int:
+        return self.shape[0] * 8
+
+    def dim(self) -> int:
+        return 2
+
+
+def test_which_batches_get_twins(monkeypatch) -> None:  # noqa: ANN001
+    norm, plain = torch.nn.Module(), torch.nn.Module()
+    norm.fp8_twin = True
+    x = _CudaLike
+    assert act_twin.wants_twin(norm, x(1)) and act_twin.wants_twin(norm, x(4))
+    assert act_twin.wants_twin(norm, x(300))  # batches above decode size too (the GEMM path reads them)
+    assert not act_twin.wants_twin(plain, x(300))  # not a linked producer
+    assert not act_twin.wants_twin(norm, x(4, torch.float32))
+    # the SiLU-mul asks for more than MAX_ROWS rows (its one-program-a-row variant lost at decode sizes)
+    assert not act_twin.wants_twin(norm, x(4), min_rows=act_twin.MAX_ROWS)
+    assert act_twin.wants_twin(norm, x(5), min_rows=act_twin.MAX_ROWS)
+    monkeypatch.setenv("PAGEDLLM_FP8_TWIN_PREFILL", "0")
+    assert act_twin.wants_twin(norm, x(4)) and not act_twin.wants_twin(norm, x(5))
+
+
+def test_the_gemm_path_reads_a_twin() -> None:
+    """Batches above the GEMV's rows take an attached twin instead of quantizing (CPU: the emulated GEMM)."""
+    from pagedllm.model_executor.layers.quantization import w8a8_ops
+
+    g = torch.Generator().manual_seed(0)
+    w, ws = w8a8_ops.quantize_weight_per_channel(torch.randn(24, 32, generator=g), w8a8_ops.FP8_DTYPE)
+    x = torch.randn(7, 32, generator=g)
+    plain = w8a8_ops.w8a8_linear(x, w, ws, None, None)
+    same = act_twin.attach(x.clone(), *w8a8_ops._quantize_rows_torch(x, w8a8_ops.FP8_DTYPE, None))
+    assert torch.equal(w8a8_ops.w8a8_linear(same, w, ws, None, None), plain)
+    other = act_twin.attach(x.clone(), *w8a8_ops._quantize_rows_torch(x * 3, w8a8_ops.FP8_DTYPE, None))
+    assert not torch.allclose(w8a8_ops.w8a8_linear(other, w, ws, None, None), plain, rtol=0.5)
+
+
+def test_no_twins_off_cuda() -> None:
     norm = torch.nn.Module()
     norm.fp8_twin = True
     cpu = torch.zeros(1, 8, dtype=torch.bfloat16)
