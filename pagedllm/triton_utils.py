@@ -51,6 +51,12 @@ def split_counters(device: torch.device, n: int, owner: str = "gemv") -> torch.T
     return cnt
 
 
+def row_warps(block: int) -> int:
+    """Warps of a one-program-per-row kernel over `block` columns (norms, the tp=2 all-reduce + norm kernels, the
+    per-token quantizer, the SiLU-mul writing an FP8 twin)."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the grid-size heuristics of the split kernels)."""
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

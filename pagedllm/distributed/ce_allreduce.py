@@ -51,7 +51,7 @@ from torch import nn
 from pagedllm.distributed.fused_allreduce_norm import FusedAllReduceNorm
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod, plain_weight
-from pagedllm.triton_utils import HAS_TRITON
+from pagedllm.triton_utils import HAS_TRITON, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -219,7 +219,7 @@ def recv_add_norm(
         RANK=rank,
         MOD=EPOCH_MOD,
         BLOCK=block,
-        num_warps=triton_ops.norm_warps(block),
+        num_warps=row_warps(block),
     )
     return out.view(residual.shape), res_out.view(residual.shape)
 

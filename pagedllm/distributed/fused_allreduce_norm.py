@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import triton_ops
-from pagedllm.triton_utils import HAS_TRITON, pdl_args
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -181,7 +181,7 @@ class FusedAllReduceNorm:
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer signals before every rank's flags are zero
         self.block = next_pow2(hidden)
-        self.num_warps = triton_ops.norm_warps(self.block)
+        self.num_warps = row_warps(self.block)
         self.paths: list[PartialPath] = []
         """Ways of sending partial sums from the matmul (tried in order); the rows of a path's matmul are
         reduced by that path at the next norm."""

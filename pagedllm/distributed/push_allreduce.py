@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import triton_ops
-from pagedllm.triton_utils import HAS_TRITON, pdl_args
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -87,7 +87,7 @@ class PushDecode:
         self.recv.fill_(SENTINEL)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.block = next_pow2(hidden)
-        self.num_warps = triton_ops.norm_warps(self.block)
+        self.num_warps = row_warps(self.block)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer pushes before every rank's buffer holds the sentinel
 

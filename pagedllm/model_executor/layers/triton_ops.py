@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -111,11 +111,6 @@ if HAS_TRITON:
             quant_row_e4m3(y.to(tl.float32), q_ptr + row * d + offs, qs_ptr + row, mask)
 
 
-def norm_warps(block: int) -> int:
-    """Warps of a one-program-per-row norm kernel over `block` columns (also the tp=2 all-reduce + norm kernels)."""
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, cols] tensor whose last dim is contiguous (a view where possible)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -199,7 +194,7 @@ def _launch_norm(
         HAS_RESIDUAL=res_out is not None,
         BLOCK=block,
         PARTS=parts,
-        num_warps=norm_warps(block),
+        num_warps=row_warps(block),
         q_ptr=twin[0] if twin else None,
         qs_ptr=twin[1] if twin else None,
         QUANT=twin is not None,
@@ -219,7 +214,7 @@ def silu_and_mul(x: torch.Tensor, fp8_twin: bool = False) -> torch.Tensor:
     if n_rows:
         block = next_pow2(d) if twin else min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=norm_warps(block) if twin else 4,
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=row_warps(block) if twin else 4,
             q_ptr=twin[0] if twin else None, qs_ptr=twin[1] if twin else None, QUANT=twin is not None,
             **pdl_args(x2, "silu"),
         )  # fmt: skip

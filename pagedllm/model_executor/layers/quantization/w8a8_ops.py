@@ -15,7 +15,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, row_warps
 
 if HAS_TRITON:
     import triton
@@ -270,7 +270,7 @@ def quantize_rows(
     block = triton.next_power_of_2(k)
     _quant_rows_kernel[(m,)](
         x, q, s, static, k, x.stride(0), QMAX=qmax, IS_INT=dtype == torch.int8,
-        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        STATIC=static_scale is not None, BLOCK=block, num_warps=row_warps(block),
     )  # fmt: skip
     return q, s
 
