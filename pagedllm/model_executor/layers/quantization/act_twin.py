@@ -55,10 +55,11 @@ def wants_twin(module: nn.Module, x: torch.Tensor, min_rows: int = 0) -> bool:
     `MAX_ROWS` unless PAGEDLLM_FP8_TWIN_PREFILL; not in batch-invariant mode. The norm kernel with the twin may
     contract its float32 sum of squares differently (one more use of its registers), so an output element can
     differ by one 16-bit ulp from the plain kernel's: batch-dependent, as the GEMV already is outside that mode."""
+    if not getattr(module, "fp8_twin", False):  # (every norm and SiLU-mul asks: the common answer first)
+        return False
     n = x.numel() // x.shape[-1] if x.dim() else 0
     return (
-        getattr(module, "fp8_twin", False)
-        and x.is_cuda
+        x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and min_rows < n
         and (n <= MAX_ROWS or envs.PAGEDLLM_FP8_TWIN_PREFILL)

@@ -69,11 +69,13 @@ if HAS_TRITON:
         return tl.maximum(tl.math.div_rn(amax, QMAX), 1e-10)
 
     @triton.jit
-    def _div_rn(x, s, rcp):
-        """x / s rounded as IEEE division from rcp = RN(1 / s), in three instructions an element instead of
-        div_rn's ~40 (which made the per-token quantizer compute-bound: ~45 % of the copy bandwidth on an H200):
-        Markstein's correction, q = RN(x rcp), then RN(q + (x - q s) rcp) with the remainder exact in an FMA,
-        is the correctly rounded quotient (no over- or underflow here: |x / s| <= 448, s >= 1e-10)."""
+    def _div_rn(x, s):
+        """x / s (s a scalar) rounded as IEEE division, in three instructions an element after one reciprocal
+        instead of div_rn's ~40 an element (which made the per-token quantizer compute-bound: ~45 % of the copy
+        bandwidth on an H200): Markstein's correction, with rcp = RN(1 / s), q = RN(x rcp), then
+        RN(q + (x - q s) rcp) with the remainder exact in an FMA, is the correctly rounded quotient (no over- or
+        underflow here: |x / s| <= 448, s >= 1e-10)."""
+        rcp = tl.math.div_rn(1.0, s)
         q = x * rcp
         return tl.fma(tl.fma(-q, s, x), rcp, q)
 
@@ -88,7 +90,7 @@ if HAS_TRITON:
             scale = tl.load(static_ptr).to(tl.float32)
         else:
             scale = _token_scale(tl.max(tl.abs(x), axis=0), QMAX)
-        q = _div_rn(x, scale, tl.math.div_rn(1.0, scale))  # as torch's `/`: boundaries are crossed the same way
+        q = _div_rn(x, scale)  # as torch's `/`: boundaries are crossed the same way
         if IS_INT:
             # round half to even, as torch.round
             r = tl.floor(q + 0.5)
@@ -116,7 +118,7 @@ if HAS_TRITON:
         `_quant_rows_kernel`'s scale and codes (`_div_rn`; div_rn itself, ~40 instructions an element in one
         program, cost W3-FP8 more than the GEMVs gained)."""
         scale = _token_scale(tl.max(tl.abs(y), axis=0), 448.0)
-        q = tl.clamp(_div_rn(y, scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
+        q = tl.clamp(_div_rn(y, scale), -448.0, 448.0)
         tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
         tl.store(s_ptr, scale)
 
@@ -299,10 +301,9 @@ def w8a8_linear(
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
-        twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
-        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
     twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
+    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
+        return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
     if twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k):
         xq, xs = twin  # the producer's quantization of these very rows (act_twin.py): no pass of our own
     else:
