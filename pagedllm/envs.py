@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     PAGEDLLM_MOE_DEFER_SUM: bool
     PAGEDLLM_MAX_CONCURRENT_BATCHES: int | None
     PAGEDLLM_STEP_TRACE: str | None
-    PAGEDLLM_PIECEWISE_MAX_TOKENS: int
+    PAGEDLLM_PIECEWISE_MAX_TOKENS: int | None
     PAGEDLLM_MIXED_GRAPHS: str
     CC: str | None
 
@@ -230,8 +230,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_MAX_CONCURRENT_BATCHES": _opt_int("PAGEDLLM_MAX_CONCURRENT_BATCHES"),
     # A file for the engine core's per-step trace (JSON lines; engine/step_trace.py), for latency-tail analysis.
     "PAGEDLLM_STEP_TRACE": lambda: os.environ.get("PAGEDLLM_STEP_TRACE"),
-    # Largest padded token count of the piecewise CUDA graphs of prefill / mixed steps (0: none; piecewise_graph.py).
-    "PAGEDLLM_PIECEWISE_MAX_TOKENS": lambda: int(os.environ.get("PAGEDLLM_PIECEWISE_MAX_TOKENS", "2048")),
+    # Largest padded token count of the CUDA graphs of prefill / mixed steps (0: none; unset: by the model's size,
+    # piecewise_graph.graph_tokens_for).
+    "PAGEDLLM_PIECEWISE_MAX_TOKENS": _opt_int("PAGEDLLM_PIECEWISE_MAX_TOKENS"),
     # How those steps are captured: "full" (one graph per step, attention included; worker/mixed_graph.py) or
     # "piecewise" (attention eager between the graphs; worker/piecewise_graph.py).
     "PAGEDLLM_MIXED_GRAPHS": lambda: os.environ.get("PAGEDLLM_MIXED_GRAPHS", "full"),

@@ -37,10 +37,30 @@ logger = init_logger(__name__)
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
     """Padded token counts: every 64 up to 1,024 (at most 63 padded rows: <= 12% extra GEMM work at 512
-    tokens), then every 256."""
+    tokens), then every 256 up to 4,096, then every 512 (<= 12% again; 52 sizes up to 16,384)."""
     sizes = [s for s in range(64, min(max_tokens, 1024) + 1, 64)]
-    sizes += [s for s in range(1280, max_tokens + 1, 256)]
+    sizes += [s for s in range(1280, min(max_tokens, 4096) + 1, 256)]
+    sizes += [s for s in range(4608, max_tokens + 1, 512)]
     return sizes
+
+
+HOST_S_PER_LAYER = 1e-3
+"""Host time of an eager prefill step's launches per decoder layer (SmolLM2's shape, 30 layers, 16,384 tokens:
+~30 ms on an H200 host, benchmarks/NOTES.md session 40)."""
+PREFILL_FLOPS = 6e14
+"""A 16-bit GEMM rate at prefill sizes (an H200 runs 8192^3 at ~790 TFLOP/s)."""
+
+
+def graph_tokens_for(model: torch.nn.Module, num_layers: int, vocab_size: int) -> int:
+    """The default largest graphed prefill / mixed step: the token count up to which the step's GEMMs take less
+    device time than launching it eagerly takes host time (2 FLOPs a weight a token, the vocabulary-sized
+    matrices left out: only a step's last tokens reach the output layer), at least 2,048. A 135M model's
+    16,384-token steps are host-bound eagerly (~30 ms of launches for ~13 ms of kernels: S2's offline run
+    0.786 -> 0.577 s with them graphed); an 8B model's GEMMs outlast the launches from ~1,300 tokens on."""
+    weights = sum(p.numel() for p in model.parameters() if p.ndim < 2 or p.shape[0] != vocab_size)
+    if not weights:
+        return 2048
+    return max(2048, int(num_layers * HOST_S_PER_LAYER * PREFILL_FLOPS / (2 * weights)))
 
 
 def plain_dense_model(model: torch.nn.Module) -> bool:
@@ -52,13 +72,17 @@ def plain_dense_model(model: torch.nn.Module) -> bool:
 
 def mixed_graph_max_tokens(runner: Any) -> int:
     """The largest padded token count of a `ModelRunner`'s (typed Any: its module imports this one) graphs for
-    prefill and mixed steps: min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) (default 2,048: bigger
-    steps are device-bound anyway, a 2,048-token prefill of an 8B model being ~50 ms of GEMMs), or 0 where they
+    prefill and mixed steps: min(PAGEDLLM_PIECEWISE_MAX_TOKENS, max_num_batched_tokens) (unset: by the model's
+    size, `graph_tokens_for`; bigger steps are device-bound anyway), or 0 where they
     do not apply: LoRA and multimodal steps take the eager path's inputs, as does speculation whose proposer
     reads the target's hidden states (EAGLE: its hooks catch intermediate layers), pooling models, MoE models,
     and tensor parallelism (not yet measured). N-gram and draft-model speculation take them: a batch-1 request's
     prompt otherwise ran eagerly, ~10 ms of host launches for SmolLM2 (NOTES, session 22)."""
-    max_tokens = min(envs.PAGEDLLM_PIECEWISE_MAX_TOKENS, runner.max_num_tokens)
+    cap = envs.PAGEDLLM_PIECEWISE_MAX_TOKENS
+    if cap is None:
+        mc = runner.model_config
+        cap = graph_tokens_for(runner.model, mc.num_layers, mc.vocab_size)
+    max_tokens = min(cap, runner.max_num_tokens)
     if (
         max_tokens < 64
         or runner.cuda_graphs is None

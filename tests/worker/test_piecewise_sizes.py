@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.worker.piecewise_graph import piecewise_sizes, plain_dense_model
+from pagedllm.worker.piecewise_graph import graph_tokens_for, piecewise_sizes, plain_dense_model
 
 
 def test_sizes_pad_by_at_most_64_up_to_1024() -> None:
@@ -16,6 +16,36 @@ def test_sizes_pad_by_at_most_64_up_to_1024() -> None:
     assert all(b - a == 256 for a, b in zip(sizes[len(small) - 1 :], sizes[len(small) :]))
     assert piecewise_sizes(100) == [64]  # capped by the step's token budget
     assert piecewise_sizes(32) == []
+
+
+def test_sizes_above_4096_pad_by_at_most_512() -> None:
+    sizes = piecewise_sizes(16384)
+    assert len(sizes) == 52 and sizes[-1] == 16384 and sizes == sorted(set(sizes))
+    assert piecewise_sizes(4096) == [s for s in sizes if s <= 4096]
+    big = [s for s in sizes if s >= 4096]
+    assert all(b - a == 512 for a, b in zip(big, big[1:]))
+    assert all((b - a - 1) / (a + 1) < 0.125 for a, b in zip(big, big[1:]))  # under 12.5% padded rows
+
+
+def _llama_shaped(hidden: int, inter: int, layers: int, vocab: int) -> torch.nn.Module:
+    """A decoder's weight shapes on the meta device (no memory): embedding, per layer q/k/v/o and the MLP."""
+    mods: list[torch.nn.Module] = [torch.nn.Embedding(vocab, hidden, device="meta")]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(hidden, hidden, bias=False, device="meta") for _ in range(4)]
+        mods += [torch.nn.Linear(hidden, inter, bias=False, device="meta") for _ in range(2)]
+        mods += [torch.nn.Linear(inter, hidden, bias=False, device="meta"), torch.nn.LayerNorm(hidden, device="meta")]
+    return torch.nn.Sequential(*mods)
+
+
+def test_graph_tokens_grow_as_the_model_shrinks() -> None:
+    """Small models' big prefill steps are host-bound when launched eagerly, so they get graphs up to the step
+    budget; an 8B model's stay at the 2,048-token floor (its GEMMs outlast the launches)."""
+    smol = graph_tokens_for(_llama_shaped(576, 1536, 30, 49152), 30, 49152)
+    eight_b = graph_tokens_for(_llama_shaped(4096, 14336, 32, 128256), 32, 128256)
+    assert smol >= 16384
+    assert eight_b == 2048
+    # the vocabulary-sized matrices do not count: a bigger vocabulary alone changes nothing
+    assert graph_tokens_for(_llama_shaped(576, 1536, 30, 100000), 30, 100000) == smol
 
 
 def test_moe_models_are_left_eager() -> None:

@@ -1,0 +1,143 @@
+"""How one engine core's time scales with its share of a served workload (issue 25, item 4: S2 at dp=2).
+
+At `--data-parallel-size 2` each core gets half of S2's 400 requests. Without HTTP, ZMQ or the client in between,
+this runs S2's request shape (512 random prompt tokens, 128 output tokens, greedy, EOS ignored) offline through
+one engine for each `--num-prompts` value (default 400 and 200: one core's load at dp=1 and at dp=2) and prints
+the wall time of each and their ratio: the scaling the engine core itself allows, a bound on what the served
+dp=2 run can show. With `--profile`, one more run per value under the torch profiler, summarized per CUDA-graph
+launch (a decode step is one graph): median device span, kernel-busy time and kernel count of the decode steps,
+the device time of the eager (prefill) work, and the decode steps' top kernels.
+
+    python3 benchmarks/dp_scaling.py [--num-prompts 400 200] [--profile] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_step_profile import _busy  # type: ignore[import-not-found]  # noqa: E402
+
+
+def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
+    """Kernels of one profiled run grouped by the host call that launched them (their correlation id): the
+    CUDA-graph launches carrying a whole step's layers (decode steps, or replays of piecewise prefill graphs)
+    apart from the eagerly launched kernels."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    graph_corr = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})
+    }
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    per_graph: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    eager: list[dict[str, Any]] = []
+    for k in kernels:
+        c = k.get("args", {}).get("correlation")
+        (per_graph[c] if c in graph_corr else eager).append(k)
+    # A decode step's graph holds every layer; smaller graphs are piecewise prefill segments.
+    sizes = [len(v) for v in per_graph.values()]
+    big = max(sizes) if sizes else 0
+    steps = [v for v in per_graph.values() if len(v) >= big // 2]
+    spans, busies = [], []
+    by_name: dict[str, float] = defaultdict(float)
+    for v in steps:
+        ivs = [(k["ts"], k["ts"] + k["dur"]) for k in v]
+        spans.append((max(b for _, b in ivs) - min(a for a, _ in ivs)) / 1e3)
+        busies.append(_busy(ivs) / 1e3)
+        for k in v:
+            by_name[k["name"][:80]] += k["dur"] / 1e3 / len(steps)
+    return {
+        "decode_graphs": len(steps),
+        "kernels_per_decode_graph": big,
+        "decode_span_ms_median": statistics.median(spans) if spans else None,
+        "decode_busy_ms_median": statistics.median(busies) if busies else None,
+        "decode_total_span_ms": sum(spans),
+        "other_graph_kernels_ms": sum(k["dur"] for v in per_graph.values() if len(v) < big // 2 for k in v) / 1e3,
+        "eager_kernels_ms": sum(k["dur"] for k in eager) / 1e3,
+        "eager_kernels": len(eager),
+        "decode_top_kernels_ms_per_step": sorted(by_name.items(), key=lambda x: -x[1])[:top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="benchmarks/workloads/serve-s2")
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[400, 200])
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per value (the minimum is reported)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from pagedllm import LLM, SamplingParams, TokensPrompt
+
+    trace_dir = tempfile.mkdtemp(prefix="dp_scaling_")
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        skip_tokenizer_init=True,
+        profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir} if args.profile else None,
+    )
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    rng = random.Random(0)
+
+    def prompts(n: int) -> list[TokensPrompt]:
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(vocab) for _ in range(args.input_len)]) for _ in range(n)]
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    llm.generate(prompts(64), sp, use_tqdm=False)  # warm-up, as the serving benchmark's 64 requests
+    env = {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_")}
+    result: dict[str, Any] = {"model": args.model, "env": env, "runs": {}}
+    for n in args.num_prompts:
+        walls = []
+        for _ in range(args.repeats):
+            batch = prompts(n)  # fresh tokens: no prefix-cache hits
+            t0 = time.perf_counter()
+            llm.generate(batch, sp, use_tqdm=False)
+            walls.append(time.perf_counter() - t0)
+        run: dict[str, Any] = {"walls_s": walls, "output_tok_s": n * args.output_len / min(walls)}
+        if args.profile:
+            llm.start_profile()
+            llm.generate(prompts(n), sp, use_tqdm=False)
+            run["profile"] = graph_steps(llm.stop_profile()[0])
+        result["runs"][n] = run
+        print(f"{n} prompts: wall {min(walls):.3f} s (runs {', '.join(f'{w:.3f}' for w in walls)}), "
+              f"{run['output_tok_s']:,.0f} output tok/s")  # fmt: skip
+        if "profile" in run and run["profile"]["decode_graphs"]:
+            p = run["profile"]
+            print(f"  decode graphs {p['decode_graphs']} x {p['kernels_per_decode_graph']} kernels: span "
+                  f"{p['decode_span_ms_median']:.3f} ms, busy {p['decode_busy_ms_median']:.3f} ms (median); all "
+                  f"decode graphs {p['decode_total_span_ms']:.1f} ms; eager kernels {p['eager_kernels']} "
+                  f"{p['eager_kernels_ms']:.1f} ms; other graphs {p['other_graph_kernels_ms']:.1f} ms")  # fmt: skip
+            for name, ms in p["decode_top_kernels_ms_per_step"]:
+                print(f"    {ms * 1e3:8.1f} us/step  {name}")
+    ns = args.num_prompts
+    if len(ns) >= 2:
+        a, b = result["runs"][ns[0]], result["runs"][ns[1]]
+        ratio = min(a["walls_s"]) / min(b["walls_s"]) * ns[1] / ns[0] * 2
+        result["dp2_bound"] = ratio
+        print(f"wall({ns[0]}) / wall({ns[1]}) scaled to two cores: {ratio:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
