@@ -19,13 +19,12 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_step_profile import _busy  # type: ignore[import-not-found]  # noqa: E402
+from tp_step_profile import _busy, dummy_llm, finish  # type: ignore[import-not-found]  # noqa: E402
 
 
 def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
@@ -83,17 +82,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from pagedllm import SamplingParams, TokensPrompt
 
-    trace_dir = tempfile.mkdtemp(prefix="dp_scaling_")
-    llm = LLM(
-        args.model,
-        load_format="dummy",
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        skip_tokenizer_init=True,
-        profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir} if args.profile else None,
-    )
+    llm = dummy_llm(args.model, args.max_model_len, args.profile, dtype=args.dtype)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     rng = random.Random(0)
 
@@ -133,10 +124,7 @@ def main() -> None:
         ratio = min(a["walls_s"]) / min(b["walls_s"]) * ns[1] / ns[0] * 2
         result["dp2_bound"] = ratio
         print(f"wall({ns[0]}) / wall({ns[1]}) scaled to two cores: {ratio:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    llm.llm_engine.engine_core.shutdown()
+    finish(llm, result, args.json)
 
 
 if __name__ == "__main__":

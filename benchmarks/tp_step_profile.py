@@ -55,6 +55,27 @@ def summarize(path: str, top: int = 12) -> dict[str, Any]:
     }
 
 
+def dummy_llm(model: str, max_model_len: int, profile: bool = True, **kwargs: Any) -> Any:
+    """An `LLM` of a config-only model with dummy weights, no tokenizer, and (with `profile`) the workers' torch
+    profiler writing into a fresh temporary directory (`start_profile` / `stop_profile`)."""
+    from pagedllm import LLM
+
+    trace_dir = tempfile.mkdtemp(prefix="step_profile_")
+    profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir} if profile else None
+    return LLM(
+        model, load_format="dummy", max_model_len=max_model_len, skip_tokenizer_init=True, profiler_config=profiler,
+        **kwargs,
+    )  # fmt: skip
+
+
+def finish(llm: Any, result: dict[str, Any], json_path: str | None) -> None:
+    """Write `result` to `json_path` (if given) and shut the engine down (its workers hold the GPUs)."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    llm.llm_engine.engine_core.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="benchmarks/workloads/llama-3.1-8b")
@@ -65,17 +86,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from pagedllm import SamplingParams, TokensPrompt
 
-    trace_dir = tempfile.mkdtemp(prefix="tp_profile_")
-    llm = LLM(
-        args.model,
-        load_format="dummy",
-        tensor_parallel_size=args.tp,
-        max_model_len=args.max_model_len,
-        skip_tokenizer_init=True,
-        profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir},
-    )
+    llm = dummy_llm(args.model, args.max_model_len, tensor_parallel_size=args.tp)
     prompt = [TokensPrompt(prompt_token_ids=[(i * 7919) % 200 + 10 for i in range(args.input_len)])]
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -101,10 +114,7 @@ def main() -> None:
               f"median gap {r['median_launch_gap_ms']} ms")  # fmt: skip
         for name, ms in r["top_kernels_ms"]:
             print(f"    {ms:9.2f} ms  {name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    llm.llm_engine.engine_core.shutdown()
+    finish(llm, result, args.json)
 
 
 if __name__ == "__main__":
