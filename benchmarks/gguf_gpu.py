@@ -14,6 +14,10 @@
    reads (packed weights + the remaining parameters but the input embedding) / the copy bandwidth measured
    in this run (`pagedllm.benchmarks.floors`). The target is <= 1.4x.
 
+   With --profile, one more 64-token request per model under the torch profiler: each decode step's (CUDA
+   graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
+   the fixed rest (attention, norms, RoPE, sampling) are read apart.
+
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
    (rep 20 ms); prints every row, the best per (type, shape) and the lines to paste into
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -143,6 +148,32 @@ def sweep(name: str, bw: float) -> dict[str, Any]:
     return res
 
 
+def profile_w3(llm: Any) -> dict[str, Any]:
+    """One 64-token W3 request under the workers' torch profiler: its decode steps' span, busy time and kernels."""
+    import sys
+
+    from pagedllm import SamplingParams, TokensPrompt
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dp_scaling import graph_steps  # type: ignore[import-not-found]
+
+    prompt = [TokensPrompt(prompt_token_ids=list(range(100, 228)))]
+    llm.reset_prefix_cache()
+    llm.start_profile()
+    llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False), use_tqdm=False
+    )
+    prof: dict[str, Any] = graph_steps(llm.stop_profile()[0], top=14)
+    if not prof["decode_graphs"]:
+        print("  no decode graphs in the profile")
+        return prof
+    print(f"  decode step: span {prof['decode_span_ms_median']:.3f} ms, busy {prof['decode_busy_ms_median']:.3f} ms, "
+          f"{prof['kernels_per_decode_graph']} kernels")  # fmt: skip
+    for kname, ms in prof["decode_top_kernels_ms_per_step"]:
+        print(f"    {ms * 1e3:8.1f} us/step  {kname}")
+    return prof
+
+
 def w3(llm: Any, reps: int) -> float:
     """W3's ms per output token (benchmarks/workloads, pagedllm bench latency's method)."""
     from pagedllm import SamplingParams, TokensPrompt
@@ -202,6 +233,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-w3", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
+    p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
     args = p.parse_args()
     bw = floors.copy_bandwidth_gbps() * 1e9
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "gemv": {}, "w3": {}}
@@ -220,8 +252,10 @@ def main() -> None:
     if not args.skip_w3:
         from pagedllm import LLM
 
+        prof_dir = {"profiler": "torch", "torch_profiler_dir": f"/tmp/gguf_gpu_profile_{os.getpid()}"}
         llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
-                  max_num_seqs=4, kv_cache_memory_bytes=2 << 30)  # fmt: skip
+                  max_num_seqs=4, kv_cache_memory_bytes=2 << 30,
+                  profiler_config=prof_dir if args.profile else None)  # fmt: skip
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         model = runner.model
         dense_bytes = floors.weight_read_bytes(model)
@@ -229,6 +263,8 @@ def main() -> None:
         fl = dense_bytes / bw * 1e3
         result["w3"]["bf16"] = dict(ms_per_token=ms, bytes_per_token=dense_bytes, floor_ms=fl, x_floor=ms / fl)
         print(f"W3 bf16: {ms:.3f} ms/token, floor {fl:.3f} ms, {ms / fl:.2f}x")
+        if args.profile:
+            result["w3"]["bf16"]["profile"] = profile_w3(llm)
         gen = torch.Generator(device="cuda").manual_seed(1)
         for name in args.types:
             runner.cuda_graphs = None
@@ -240,6 +276,8 @@ def main() -> None:
             fl = nbytes / bw * 1e3
             result["w3"][name] = dict(ms_per_token=ms, bytes_per_token=nbytes, floor_ms=fl, x_floor=ms / fl)
             print(f"W3 {name}: {ms:.3f} ms/token, floor {fl:.3f} ms ({nbytes / 1e9:.2f} GB), {ms / fl:.2f}x")
+            if args.profile:
+                result["w3"][name]["profile"] = profile_w3(llm)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 
