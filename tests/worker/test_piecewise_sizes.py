@@ -3,9 +3,17 @@ they apply to. The graphs themselves are tested on the GPU (tests/gpu/test_piece
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
-from pagedllm.worker.piecewise_graph import graph_tokens_for, piecewise_sizes, plain_dense_model
+from pagedllm.worker.piecewise_graph import (
+    graph_tokens_for,
+    mixed_graph_max_tokens,
+    piecewise_sizes,
+    plain_dense_model,
+)
 
 
 def test_sizes_pad_by_at_most_64_up_to_1024() -> None:
@@ -55,3 +63,26 @@ def test_moe_models_are_left_eager() -> None:
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     assert plain_dense_model(dense)
     assert not plain_dense_model(torch.nn.Sequential(torch.nn.Linear(4, 4), SparseMoeBlock()))
+
+
+def _runner(model: torch.nn.Module, layers: int, vocab: int, budget: int) -> SimpleNamespace:
+    """The fields of a `ModelRunner` that `mixed_graph_max_tokens` reads (a plain dense model on CUDA)."""
+    return SimpleNamespace(
+        model=model, max_num_tokens=budget, cuda_graphs=object(), lora=None, spec=None, mm=None,
+        config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)),
+        model_config=SimpleNamespace(runner_type="generate", num_layers=layers, vocab_size=vocab),
+    )  # fmt: skip
+
+
+def test_graphed_step_size_by_model_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    smol = _runner(_llama_shaped(576, 1536, 30, 49152), 30, 49152, 16384)
+    eight_b = _runner(_llama_shaped(4096, 14336, 32, 128256), 32, 128256, 16384)
+    monkeypatch.delenv("PAGEDLLM_PIECEWISE_MAX_TOKENS", raising=False)
+    assert mixed_graph_max_tokens(smol) == 16384  # the step budget caps the model's own figure
+    assert mixed_graph_max_tokens(eight_b) == 2048
+    smol.max_num_tokens = 8192
+    assert mixed_graph_max_tokens(smol) == 8192
+    monkeypatch.setenv("PAGEDLLM_PIECEWISE_MAX_TOKENS", "1024")  # a set value caps every model
+    assert mixed_graph_max_tokens(smol) == 1024 and mixed_graph_max_tokens(eight_b) == 1024
+    monkeypatch.setenv("PAGEDLLM_PIECEWISE_MAX_TOKENS", "0")
+    assert mixed_graph_max_tokens(smol) == 0
