@@ -51,13 +51,24 @@ PREFILL_FLOPS = 6e14
 """A 16-bit GEMM rate at prefill sizes (an H200 runs 8192^3 at ~790 TFLOP/s)."""
 
 
+def matmul_weights(model: torch.nn.Module, vocab_size: int) -> int:
+    """Weights a token multiplies in the decoder: the linear layers' logical input x output sizes (packed or
+    quantized storage aside), or else every 2-D parameter but the vocabulary-sized ones (embedding, LM head:
+    only a step's last tokens reach the output layer)."""
+    from pagedllm.model_executor.layers.linear import LinearBase
+
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if linears:
+        return sum(m.input_size * m.output_size for m in linears)
+    return sum(p.numel() for p in model.parameters() if p.ndim == 2 and p.shape[0] != vocab_size)
+
+
 def graph_tokens_for(model: torch.nn.Module, num_layers: int, vocab_size: int) -> int:
     """The default largest graphed prefill / mixed step: the token count up to which the step's GEMMs take less
-    device time than launching it eagerly takes host time (2 FLOPs a weight a token, the vocabulary-sized
-    matrices left out: only a step's last tokens reach the output layer), at least 2,048. A 135M model's
-    16,384-token steps are host-bound eagerly (~30 ms of launches for ~13 ms of kernels: S2's offline run
-    0.786 -> 0.577 s with them graphed); an 8B model's GEMMs outlast the launches from ~1,300 tokens on."""
-    weights = sum(p.numel() for p in model.parameters() if p.ndim < 2 or p.shape[0] != vocab_size)
+    device time than launching it eagerly takes host time (2 FLOPs a weight a token), at least 2,048. A 135M
+    model's 16,384-token steps are host-bound eagerly (~30 ms of launches for ~13 ms of kernels: S2's offline
+    run 0.786 -> 0.577 s with them graphed); an 8B model's GEMMs outlast the launches from ~1,300 tokens on."""
+    weights = matmul_weights(model, vocab_size)
     if not weights:
         return 2048
     return max(2048, int(num_layers * HOST_S_PER_LAYER * PREFILL_FLOPS / (2 * weights)))

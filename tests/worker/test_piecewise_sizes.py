@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.worker.piecewise_graph import (
     graph_tokens_for,
+    matmul_weights,
     mixed_graph_max_tokens,
     piecewise_sizes,
     plain_dense_model,
@@ -54,6 +55,19 @@ def test_graph_tokens_grow_as_the_model_shrinks() -> None:
     assert eight_b == 2048
     # the vocabulary-sized matrices do not count: a bigger vocabulary alone changes nothing
     assert graph_tokens_for(_llama_shaped(576, 1536, 30, 100000), 30, 100000) == smol
+
+
+def test_graph_tokens_count_logical_weights_of_packed_layers() -> None:
+    """The engine's linear layers count by their logical sizes, so a quantized model (int4 packed eight to an
+    int32) is not taken for a model eight times smaller."""
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    with torch.device("meta"):
+        dense = torch.nn.Sequential(ColumnParallelLinear(4096, 28672, bias=False), RowParallelLinear(14336, 4096))
+    assert matmul_weights(dense, 128256) == 4096 * 28672 + 14336 * 4096
+    for lin in dense:
+        lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape[0], lin.weight.shape[1] // 8, device="meta"))
+    assert matmul_weights(dense, 128256) == 4096 * 28672 + 14336 * 4096
 
 
 def test_moe_models_are_left_eager() -> None:
