@@ -142,6 +142,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
         def bad(field: str, msg: str) -> ValueError:
             return ValueError(f"{field}: {msg}")
 
+        for name in ("n", "best_of", "top_k", "seed", "logprobs", "prompt_logprobs", "max_tokens", "min_tokens"):
+            v = getattr(self, name)  # the engine core's batch arrays hold them as int64
+            if isinstance(v, int) and not -(2**63) <= v < 2**63:
+                raise bad(name, f"must fit in a signed 64-bit integer, got {v}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature is None or self.temperature < 0.0:
@@ -215,6 +219,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type:
             ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()),
             ("logprob_token_ids", self.logprob_token_ids or ()),
+            ("stop_token_ids", self.stop_token_ids or ()),  # (min_tokens masks them in the logits)
             ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
         ]
         for name, ids in checks:

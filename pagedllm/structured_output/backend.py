@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -93,22 +94,55 @@ def validate(params: StructuredOutputsParams, config: StructuredOutputsConfig | 
 
     config = config or StructuredOutputsConfig()
     kind = params.kind
+    what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}.get(kind, kind)
+    grammar: xgr.Grammar | None = None
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(_schema(params, config.disable_additional_properties), any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(
+                _schema(params, config.disable_additional_properties), any_whitespace=False
+            )
         elif kind == "regex":
-            xgr.Grammar.from_regex(params.regex or "")
+            grammar = xgr.Grammar.from_regex(params.regex or "")
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(params.grammar or "")
+            grammar = xgr.Grammar.from_ebnf(params.grammar or "")
         elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+            grammar = xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
         elif kind == "structural_tag":
-            args = _structural_tag_args(params.structural_tag or "")
-            if len(args) == 1:
-                xgr.Grammar.from_structural_tag(args[0])
+            grammar = xgr.Grammar.from_structural_tag(*_structural_tag_args(params.structural_tag or ""))
     except (RuntimeError, ValueError, TypeError, KeyError) as e:
-        what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}.get(kind, kind)
         raise ValueError(f"{_FIELD[kind]}: invalid {what}: {_short(e)}") from None
+    if grammar is not None and _matches_nothing(grammar):
+        raise ValueError(f"{_FIELD[kind]}: invalid {what}: no text can match it")
+
+
+@functools.cache
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler over a vocabulary of the 256 single bytes and a stop token (cheap: no tokenizer)."""
+    import xgrammar as xgr
+
+    vocab = [bytes([i]) for i in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+_MAX_EMPTINESS_CHECK_CHARS = 32768
+"""Larger grammars (as EBNF text) skip `_matches_nothing`: compiling them can take seconds even over 257
+tokens (a JSON object of 3000 optional properties: ~50 s), while a grammar matching nothing is small."""
+
+
+def _matches_nothing(grammar: xgr.Grammar) -> bool:
+    """Whether the grammar allows no first byte and not the empty text either (e.g. a JSON schema whose
+    `$ref`s only recurse): its requests would fail at their first token, as a grammar error. Grammars
+    above `_MAX_EMPTINESS_CHECK_CHARS` are not checked (False)."""
+    import xgrammar as xgr
+
+    if len(str(grammar)) > _MAX_EMPTINESS_CHECK_CHARS:
+        return False
+    compiled = _byte_compiler().compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
 
 
 def _short(e: BaseException) -> str:

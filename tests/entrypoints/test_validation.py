@@ -21,6 +21,10 @@ from tests.utils_model import make_tiny_hf_model
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"top_k": 2**63}, "top_k"),  # (killed the engine core's input batch: "too large to convert to C long")
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"n": 2**63}, "n"),
     ],
 )
 def test_sampling_params_errors(kwargs: dict, field: str) -> None:

@@ -185,7 +185,7 @@ class _SamplingRequest(OpenAIRequestModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    n: int = 1
+    n: Int64 = 1
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -194,10 +194,10 @@ class _SamplingRequest(OpenAIRequestModel):
     top_p: float | None = None
     user: str | None = None
     # vLLM extra parameters
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -209,12 +209,12 @@ class _SamplingRequest(OpenAIRequestModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    best_of: int | None = None
+    best_of: Int64 | None = None
     """Samples generated per prompt, of which the `n` with the highest cumulative logprob are returned
     (with use_beam_search: the beam width)."""
     echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    logprobs: Int64 | None = None
+    max_tokens: Int64 | None = 16
     suffix: str | None = None
     # vLLM extra parameters
     add_special_tokens: bool = True
@@ -226,9 +226,9 @@ class CompletionRequest(_SamplingRequest):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatCompletionMessageParam]
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(default=None, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = None
+    top_logprobs: Int64 | None = None
+    max_tokens: Int64 | None = Field(default=None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: Int64 | None = None
     response_format: dict[str, Any] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
@@ -242,6 +242,17 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_top_logprobs(self) -> ChatCompletionRequest:
+        """As vLLM: -1 (all) or a count >= 0, and a non-zero one only with `logprobs: true`."""
+        top = self.top_logprobs
+        if top is not None:
+            if top < -1:
+                raise ValueError(f"top_logprobs: must be a positive value or -1, got {top}")
+            if top != 0 and not self.logprobs:
+                raise ValueError("top_logprobs: when using `top_logprobs`, `logprobs` must be set to true")
+        return self
 
 
 # ---- completion responses -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIRequestModel, UsageInfo
+from pagedllm.entrypoints.openai.protocol import Int64, OpenAIBaseModel, OpenAIRequestModel, UsageInfo
 
 PoolingInput = str | list[str] | list[int] | list[list[int]]
 
@@ -26,7 +26,7 @@ class EmbeddingRequest(OpenAIRequestModel):
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
@@ -50,7 +50,7 @@ class ScoreRequest(OpenAIRequestModel):
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -76,7 +76,7 @@ class RerankRequest(OpenAIRequestModel):
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     return_documents: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -106,7 +106,7 @@ class ClassificationRequest(OpenAIRequestModel):
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -135,7 +135,7 @@ class PoolingRequest(OpenAIRequestModel):
     normalize: bool | None = None
     use_activation: bool | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class PoolingResponseData(OpenAIBaseModel):

@@ -298,7 +298,7 @@ class OpenAIServing:
         for tid, pos in zip(out.token_ids, out.logprobs):
             lp = pos.get(tid)
             tok = self.token_text(tid, lp)
-            tops = sorted(pos.items(), key=lambda kv: -_lp_value(kv[1]))[:top]
+            tops = sorted(pos.items(), key=lambda kv: -_lp_value(kv[1]))[: top if top >= 0 else None]  # -1: all
             content.append(
                 ChatCompletionLogProb(
                     token=tok,

@@ -137,6 +137,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if bad:
                 what = "echo with logprobs" if name == "echo" else name
                 raise OpenAIServingError(f"{name}: {what} is not supported with use_beam_search", 400, name)
+        constraint, source = self.structured_outputs(req)
+        if constraint is not None:
+            msg = f"{source}: structured outputs are not supported with use_beam_search"
+            raise OpenAIServingError(msg, 400, source)
         if req.temperature is not None and req.temperature < 0:
             raise OpenAIServingError(f"temperature: must be non-negative, got {req.temperature}", 400, "temperature")
 

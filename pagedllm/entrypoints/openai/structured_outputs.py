@@ -33,7 +33,9 @@ def _bad(param: str, msg: str) -> StructuredOutputsRequestError:
 def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if not isinstance(rf, dict):
         raise _bad("response_format", "must be an object")
-    kind = rf.get("type", "text")
+    if "type" not in rf:
+        raise _bad("response_format.type", "field required ('text', 'json_object' or 'json_schema')")
+    kind = rf["type"]
     if kind == "text":
         return None
     if kind == "json_object":
@@ -69,9 +71,7 @@ def structured_outputs_from_request(req: Any) -> tuple[StructuredOutputsParams |
     if not given:
         return None, ""
     active = [
-        (n, v)
-        for n, v in given
-        if not (n == "response_format" and isinstance(v, dict) and v.get("type", "text") == "text")
+        (n, v) for n, v in given if not (n == "response_format" and isinstance(v, dict) and v.get("type") == "text")
     ]
     if len(active) > 1:
         names = ", ".join(n for n, _ in active)
