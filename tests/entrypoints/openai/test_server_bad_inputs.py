@@ -117,8 +117,11 @@ def test_response_format_needs_a_type() -> None:
     ids=["json_ref_loop", "regex", "grammar"],
 )
 def test_constraint_matching_nothing_is_invalid(params: dict[str, Any]) -> None:
-    """Its requests would fail at their first token (the grammar allows none): a 500 before the fix."""
-    with pytest.raises(ValueError, match="no text can match it"):
+    """Its requests would fail at their first token (the grammar allows none): a 500 before the fix. (xgrammar
+    0.2.9 refuses the `$ref` loop itself; 0.2.8 compiles it, and the emptiness check catches it.)"""
+    with pytest.raises(
+        ValueError, match=r": invalid (JSON schema|regex|EBNF grammar): (no text can match it|Circular)"
+    ):
         validate(StructuredOutputsParams(**params))
 
 
