@@ -41,16 +41,11 @@ class AdmissionReserve:
     def enabled(self) -> bool:
         return self.horizon > 0
 
-    def _tokens(self, req: Request, num_computed: int) -> float:
-        """The tokens `req` will add to its KV cache soon once `num_computed` are: the known ones not computed
-        yet, and its outputs still to come up to the horizon (or its max_tokens)."""
-        known = req.num_tokens
-        more = min(req.stop_len - known, self.horizon - len(req.output_token_ids))
-        return max(known - num_computed, 0) + max(more, 0)
-
     def blocks(self, running: Iterable[Request]) -> int:
-        """Blocks to keep free for `running`: `_tokens` of each, inlined (one pass a step while requests wait
-        and the cache is tight: ~0.2 us a request on this box's CPU)."""
+        """Blocks to keep free for `running` (their tokens from `num_computed_tokens` on, as scheduled so far
+        this step): the known tokens not computed yet and the outputs still to come up to the horizon (or the
+        request's max_tokens), one pass a step while requests wait and the cache is tight (~0.2 us a request on
+        this box's CPU)."""
         horizon = self.horizon
         tokens = 0.0
         for req in running:
@@ -59,7 +54,3 @@ class AdmissionReserve:
             more = min(req.stop_len - known, horizon - len(req.output_token_ids))
             tokens += (rest if rest > 0 else 0) + (more if more > 0 else 0)
         return int(tokens) // self.block_size
-
-    def blocks_after(self, req: Request, num_computed: int) -> int:
-        """What admitting `req` adds to the reserve once `num_computed` of its tokens are scheduled."""
-        return int(self._tokens(req, num_computed)) // self.block_size

@@ -27,6 +27,7 @@ from pagedllm.core.scheduler_requests import SchedulerRequestsMixin
 from pagedllm.core.scheduler_update import SchedulerUpdateMixin
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.spec_decode.scheduling import SpecDecodeScheduling
+from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
@@ -214,7 +215,7 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
                 self.admission
                 if self.admission.enabled
                 and len(self.waiting)
-                and free_blocks < self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+                and free_blocks < self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
                 else None
             )
             reserve = admission.blocks(self.running) if admission is not None else 0
@@ -245,14 +246,11 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
                     num_new = planned
                 if admission is not None:
                     bs = self.block_size
-                    if free_blocks - (-(-(num_hit + num_new) // bs) - num_hit // bs) < reserve:
+                    if free_blocks - (cdiv(num_hit + num_new, bs) - num_hit // bs) < reserve:
                         break  # the running requests' growth needs the room: admitting would end in a preemption
                 blocks = self.kv.allocate_slots(req, num_new, num_hit, hit_blocks)
                 if blocks is None:
                     break
-                if admission is not None:
-                    free_blocks = self.kv.pool.num_free_blocks
-                    reserve += admission.blocks_after(req, num_hit + num_new)
                 self.waiting.pop()
                 self.kv.record_lookup(req, num_hit)
                 if req.num_cached_tokens < 0:
@@ -289,6 +287,9 @@ class Scheduler(SchedulerRequestsMixin, SchedulerUpdateMixin):
                 req.num_computed_tokens += num_new
                 if self.async_scheduling and req.num_computed_tokens >= req.num_tokens:
                     req.num_output_placeholders += 1
+                if admission is not None:  # the admitted request's own growth joins the reserve
+                    free_blocks = self.kv.pool.num_free_blocks
+                    reserve += admission.blocks((req,))
             for req in reversed(skipped):
                 self.waiting.prepend(req)
 
