@@ -1,6 +1,7 @@
 """Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
 
     PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K] [--sweep]
+        [--profile] [--tuned SWEEP_JSON]
 
 1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
    head) per type, random packed weights made on the GPU: each checked against the dequantized float32
@@ -92,28 +93,36 @@ def gemv_bench(name: str, bw: float) -> dict[str, Any]:
     return rows
 
 
-# Decode-GEMV tiles (BN, BK, warps) by quants per int32 word. Triton lays a [BN, BK / EPW] word tile as
-# 16-byte loads with min(32, BK / EPW / 4) threads across a row, so a thread holds R = BN * BK / EPW / 128 /
-# warps rows: R 4-8 shares x's conversion over more rows (fewer instructions per weight) at more registers.
-_TILES = {
-    8: [(64, 256, 4), (128, 256, 4), (64, 256, 2), (32, 512, 4), (64, 512, 4), (128, 512, 8)],
-    4: [(32, 256, 4), (64, 256, 4), (64, 128, 4), (128, 128, 4), (32, 512, 4), (64, 512, 8)],
-}
+# Decode-GEMV tiles (BN, BK, warps) of the int8-activation (IDP4A) kernel, which the sweep's bf16 activations
+# take for every type it times. A program quantizes its [BK] activation slice once for its BN rows, so the
+# per-weight share of that work falls with BN (SASS of the sm_90a loop, Q4_1: 2.28 instructions a weight at
+# BN 64, 1.68 at 128, 1.43 at 256, BK 256, 4 warps), at more registers a thread.
+_TILES = [(64, 256, 4), (128, 256, 4), (256, 256, 4), (128, 512, 4), (256, 256, 8), (128, 512, 8)]
 
 
 def sweep_configs(qtype: int, n: int, k: int, sms: int) -> list[gt.GemvConfig]:
     """At most 24 launches: each tile with split-K 1 and the splits that give ~4, 8 and 16 programs per SM
     (deduplicated), plus the current default (`gemv_config`)."""
     out: list[gt.GemvConfig] = []
-    for bn, bk, nw in _TILES[gt.quants_per_word(qtype)]:
+    for bn, bk, nw in _TILES:
         blocks, steps = -(-n // bn), -(-k // bk)
         splits = {1} | {max(1, min(steps, -(-per * sms // blocks))) for per in (4, 8, 16)}
         out += [gt.GemvConfig(bn, bk, nw, 1, s) for s in sorted(splits)]
-    default = gt.gemv_config(qtype, 1, n, k)
+    default = gt.gemv_config(qtype, 1, n, k, gt.int8_activations(qtype, torch.bfloat16))
     if default.split == 0:  # as the launcher resolves it
         bk = max(64, min(default.bk, 1 << (k - 1).bit_length()))
         default = default._replace(split=gt._auto_split(1, -(-n // default.bn), -(-k // bk), sms))
     return out[:23] + ([default] if default not in out[:23] else [])
+
+
+def load_tuned(path: str) -> None:
+    """`gguf_triton.TUNED` from a `--sweep` JSON: the best launch per (type, shape), for this process."""
+    with open(path) as f:
+        sw = json.load(f)["sweep"]
+    for name, shapes in sw.items():
+        for r in shapes.values():
+            gt.TUNED[(name, r["n"], r["k"])] = gt.GemvConfig(*r["best"]["config"])
+    print(f"TUNED from {path}: {len(gt.TUNED)} entries")
 
 
 def sweep(name: str, bw: float) -> dict[str, Any]:
@@ -234,7 +243,10 @@ def main() -> None:
     p.add_argument("--skip-w3", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
+    p.add_argument("--tuned", help="a --sweep JSON whose best launches replace gguf_triton.TUNED")
     args = p.parse_args()
+    if args.tuned:
+        load_tuned(args.tuned)
     bw = floors.copy_bandwidth_gbps() * 1e9
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "gemv": {}, "w3": {}}
     print(f"{result['device']}: copy {bw / 1e9:.0f} GB/s")

@@ -4,7 +4,9 @@ packed on the GPU.
 Kernels, every type, M = 1 / 5 (the split-K decode GEMV) and 33 / 300 (the dequant-GEMM), N odd and K a
 few blocks up to Llama-3.1-8B's 14336: float32 activations with IEEE dot products against the `gguf`
 package's dequantization times a float64 matmul (relative error <= 1e-5), bfloat16 activations within
-2e-2 of the largest output (the GEMM rounds the dequantized tile to bf16, the reference does not). A decode
+2e-2 of the largest output (the GEMM rounds the dequantized tile to bf16, the reference does not; the decode
+GEMV quantizes 16-bit activations to int8 per group of 32 for Q4_0 / Q4_1 / Q4_K / Q8_0, checked against
+that quantization within 2e-3). A decode
 GEMV captured in a CUDA graph replays correctly with new inputs (the split-K counters are reset by the
 kernel). The engine: the SmolLM2 Q4_1 GGUF (Q8_0 LM head) packed on CUDA gives the same greedy tokens in
 float32 as the same file dequantized at load (`gguf_dequantize=True`). The same kernel checks run on the
@@ -79,11 +81,35 @@ def test_mixed_parts_bias_float32_logits() -> None:
         assert ((out.double() - exact).abs().max() / exact.abs().max()).item() <= 2e-2
 
 
+INT8_SHAPES = [(1, 6144, 4096), (1, 4096, 14336), (5, 333, 2048), (8, 1027, 1280)]  # (M, N, K)
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in INT8_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_int8_activation_gemv(name: str, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """16-bit activations take the IDP4A GEMV: against the activations quantized as it does
+    (`gguf_triton.q8_activations`) times the dequantized weights in float64. The bound leaves room for a
+    quant off by one where the GPU's float rounding differs from torch's at a tie (~4e-4 each, seen on the
+    CPU's interpreter against a torch that divided by a reciprocal); a layout error is O(1)."""
+    m, n, k = shape
+    if k % GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]:
+        pytest.skip("K is not a multiple of the block")
+    w, ref = _weight(name, n, k)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    assert gt.int8_activations(w.qtype, x.dtype)
+    out = gq.gguf_matmul(x, [w], out_dtype=torch.float32)
+    exact = gt.q8_activations(x).double() @ ref.T
+    err = ((out.double() - exact).abs().max() / exact.abs().max()).item()
+    assert err <= 2e-3, f"relative error {err:.3g} against the int8 activations"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
-def test_decode_gemv_in_cuda_graph(name: str) -> None:
+def test_decode_gemv_in_cuda_graph(name: str, dtype: torch.dtype) -> None:
     """Captured once, replayed with new activations (twice, so the split-K counters must be back at 0)."""
     w, ref = _weight(name, 4096, 4096)
-    x = torch.randn(1, 4096, device="cuda")
+    x = torch.randn(1, 4096, device="cuda").to(dtype)
     gq.gguf_matmul(x, [w])  # eager first: compiles, allocates the split-K counters
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -93,8 +119,10 @@ def test_decode_gemv_in_cuda_graph(name: str) -> None:
         x.copy_(torch.randn(1, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
         graph.replay()
         torch.cuda.synchronize()
-        exact = x.double() @ ref.T
-        assert ((out.double() - exact).abs().max() / exact.abs().max()).item() <= 1e-5
+        q8 = gt.int8_activations(w.qtype, x.dtype)
+        exact = (gt.q8_activations(x) if q8 else x).double() @ ref.T
+        tol = 6e-3 if q8 else 1e-5 if dtype == torch.float32 else 2e-2  # (bf16 out: rounded to 2^-9)
+        assert ((out.double() - exact).abs().max() / exact.abs().max()).item() <= tol
         torch.testing.assert_close(out, gq.gguf_matmul(x, [w]), rtol=0, atol=0)  # the eager call: same bits
 
 

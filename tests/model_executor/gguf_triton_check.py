@@ -25,13 +25,17 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": 
 SHAPES_32 = [(1, 33, 3), (3, 257, 2), (1, 40, 32), (2, 19, 33), (17, 33, 3), (20, 70, 5)]
 SHAPES_256 = [(1, 33, 1), (3, 257, 2), (1, 40, 4), (2, 19, 5), (17, 33, 2), (20, 70, 1)]
 CASES = [f"{t}-{m}x{n}x{kb}" for t in TYPES for m, n, kb in (SHAPES_256 if t.endswith("_K") else SHAPES_32)]
+# The decode GEMV with float16 activations (the int8-activation IDP4A kernel for Q4_0 / Q4_1 / Q4_K / Q8_0,
+# emulated under the interpreter), against the activations quantized as it does (`gguf_triton.q8_activations`).
+CASES += [f"{c}-fp16" for c in CASES if int(c.split("-")[1].split("x")[0]) <= 8]
 CASES += ["mixed-parts-2", "mixed-parts-19", "fp16-gemv", "fp16-gemm", "layer-dispatch"]
 # Explicit decode-GEMV launches (BN, BK, warps, stages, split) at M = 5, N = 37 (odd, not a multiple of BN),
 # K = 640 (20 blocks of 32) / 768 (3 super-blocks): K a multiple of BK and split 1 (no masks, direct store),
 # and K not a multiple of BK with split-K (masked last step, partials summed by the last program).
 GEMV_CONFIGS = {"32": [(16, 128, 4, 1, 1), (32, 256, 4, 1, 3)], "256": [(16, 256, 4, 1, 1), (16, 512, 4, 1, 2)]}
 CASES += [f"cfg-{t}-" + "x".join(map(str, c)) for t in TYPES for c in GEMV_CONFIGS["256" if t.endswith("_K") else "32"]]
-TOL = 1e-5  # float32 activations, IEEE dot products (the figures are ~1e-7)
+CASES += [f"{c}-fp16" for c in CASES if c.startswith("cfg-")]
+TOL = 1e-5  # float32 activations, IEEE dot products; the IDP4A GEMV against its quantized activations (~1e-7)
 TOL_FP16 = 2e-3  # float16 activations: the GEMM's dequantized tile is rounded to float16
 
 
@@ -81,25 +85,31 @@ def run() -> dict[str, float]:
         w = gq.GGUFWeight(int(GGMLQuantizationType[name]), torch.from_numpy(raw), n, k)
         return w, torch.from_numpy(reference(name, raw, k))
 
+    def exact(x: torch.Tensor, w: gq.GGUFWeight, ref: torch.Tensor) -> torch.Tensor:
+        """x @ ref.T in float64, x as the kernel sees it (int8 per group of 32 for the IDP4A GEMV)."""
+        xs = gt.q8_activations(x) if x.shape[0] <= gt.GEMV_MAX_M and gt.int8_activations(w.qtype, x.dtype) else x
+        return xs.double() @ ref.T
+
     res: dict[str, float] = {}
     for case in CASES:
         name, _, shape = case.partition("-")
         if name not in TYPES:
             continue
+        shape, _, tag = shape.partition("-")
         m, n, kb = (int(v) for v in shape.split("x"))
         k = kb * GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
         w, ref = weight(name, n, k)
-        x = torch.randn(m, k)
-        res[case] = _rel(gq.gguf_matmul(x, [gt.prepare(w)]), x.double() @ ref.T)
+        x = torch.randn(m, k).to(torch.float16 if tag == "fp16" else torch.float32)
+        res[case] = _rel(gq.gguf_matmul(x, [gt.prepare(w)], out_dtype=torch.float32), exact(x, w, ref))
     for case in CASES:
         if case.startswith("cfg-"):
-            _, name, cfg = case.split("-")
+            _, name, cfg, *tag = case.split("-")
             k = 768 if name.endswith("_K") else 640
             w, ref = weight(name, 37, k)
-            x = torch.randn(5, k)
+            x = torch.randn(5, k).to(torch.float16 if tag else torch.float32)
             out = torch.full((5, 37), float("nan"))
             gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, gt.GemvConfig(*(int(v) for v in cfg.split("x"))))
-            res[case] = _rel(out, x.double() @ ref.T)
+            res[case] = _rel(out, exact(x, w, ref))
     # Parts of three types writing slices of one output, a bias, float32 logits from float16 activations.
     k = 512
     ws = [weight(t, n, k) for t, n in (("Q4_K", 24), ("Q6_K", 9), ("Q8_0", 40))]
@@ -112,7 +122,8 @@ def run() -> dict[str, float]:
     for m, tag in ((3, "gemv"), (18, "gemm")):
         x = torch.randn(m, k).half()
         out = gq.gguf_matmul(x, parts, out_dtype=torch.float32)
-        res[f"fp16-{tag}"] = _rel(out, x.double() @ ref_w.T) if out.dtype == torch.float32 else float("inf")
+        ref_x = torch.cat([exact(x, p, r) for p, (_, r) in zip(parts, ws, strict=True)], dim=1)
+        res[f"fp16-{tag}"] = _rel(out, ref_x) if out.dtype == torch.float32 else float("inf")
     # A linear layer whose GGUFLinearMethod holds prepared parts dispatches to the Triton path.
     from pagedllm.model_executor.layers.linear import ReplicatedLinear
 

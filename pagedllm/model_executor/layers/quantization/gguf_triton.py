@@ -4,9 +4,9 @@ and a dequant-GEMM (tensor cores) for prefill.
 
 `prepare` turns a file's blocks ([rows, row_bytes] uint8, `gguf.GGUFWeight`) into a `GGUFTritonWeight`:
 the quants as int32 words, each row's words contiguous (a program's tile of a row is one run, loaded with
-16-byte loads) and word-major inside each group (quant j of word w is element WPG * j + w of its group, so
-the GEMV's x slices are contiguous too: `gguf_triton_kernels`), the high bits of Q5_K / Q6_K in their own
-planes in the same order, and the scale fields in separate tensors with the K-quants' 6-bit scales and
+16-byte loads), inside each group in the "pair" layout of the int8-activation GEMV (Q4_0 / Q4_1 / Q4_K /
+Q8_0) or word-major (Q5_K / Q6_K; `gguf_triton_kernels` describes both), the high bits of Q5_K / Q6_K in
+their own planes in the word-major order, and the scale fields in separate tensors with the K-quants' 6-bit scales and
 mins decoded to bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead of
 144, Q5_K 180 instead of 176; the others equal). `dequantize` (torch, any device) is the layout-independent
 reference of the same decoding, checked against the `gguf` package's in the tests.
@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from pagedllm.triton_utils import HAS_TRITON, num_sms, require_triton, split_counters
+from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton, split_counters
 
 if HAS_TRITON:
     import triton
@@ -105,6 +105,20 @@ def dequantize(w: GGUFWeight) -> torch.Tensor:
     return (q * s[..., None] - m[..., None]).view(rows, cols)
 
 
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K % 32 == 0) as the int8-activation GEMV sees it, float32: per group of 32, d = amax / 127,
+    q = roundf(x * (127 / amax)) (half away from zero), value d * q. The reference of the kernel tests."""
+    xf = x.float().view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: torch turns a scalar division into a reciprocal
+    inv = torch.where(amax > 0, c127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    y = xf * inv
+    t = y.trunc()
+    f = y - t
+    q = t + (f >= 0.5).float() - (f <= -0.5).float()
+    return (q * (amax / c127)).view(x.shape)
+
+
 def _pack_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, cols] small ints -> int32 [rows, cols * bits / 32]: element 32/bits * w + j of a row is
     `bits` bits at bit j * bits of word w."""
@@ -125,6 +139,21 @@ def quants_per_word(qtype: int) -> int:
     return 4 if qtype == Q8_0 else 8
 
 
+Q8A_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0)
+"""Types in the pair layout, multiplied by the int8-activation GEMV (`_gguf_gemv_q8a_kernel`) for 16-bit
+activations."""
+
+
+def _pair_layout(qtype: int, u: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] quants in element order -> int32 words [rows, cols / EPW] of the pair layout: Q8_0's bytes
+    as they are; 4-bit: byte i of each group of 32 is element i | element 16 + i << 4."""
+    rows, cols = u.shape
+    if qtype == Q8_0:
+        return u.contiguous().view(torch.int32)
+    g = u.view(rows, cols // 32, 2, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous().view(torch.int32)
+
+
 def _word_major(qtype: int, u: torch.Tensor) -> torch.Tensor:
     """[rows, cols] quants in element order -> the word-major order of the kernels: inside each group of G,
     position w * EPW + j (quant j of word w) holds element WPG * j + w (WPG = G / EPW words a group)."""
@@ -141,10 +170,10 @@ def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTrit
     for r0 in range(0, w.rows, _ROW_CHUNK):
         raw = w.data[r0 : r0 + _ROW_CHUNK].to(device)
         u, f = _unpack(w.qtype, raw, w.cols)
-        u = _word_major(w.qtype, u)
-        if w.qtype == Q8_0:
-            f["lo"] = u.contiguous().view(torch.int32)
+        if w.qtype in Q8A_TYPES:
+            f["lo"] = _pair_layout(w.qtype, u)
         else:
+            u = _word_major(w.qtype, u)
             f["lo"] = _pack_bits(u & 0xF, 4)
             if w.qtype == Q5_K:
                 f["hi"] = _pack_bits(u >> 4, 1)
@@ -179,29 +208,12 @@ class GemvConfig(NamedTuple):
     split: int = 0
 
 
-# Sweep winners (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by (type name, N, K); any other
-# shape takes `_DEFAULT`. From an H100 (session 17, results/h100_s17/gguf_sweep.json): Llama-3.1-8B shapes,
-# M = 1, bf16 activations; (BN, BK, warps, stages, split).
-TUNED: dict[tuple[str, int, int], GemvConfig] = {
-    ("Q4_1", 6144, 4096): GemvConfig(64, 512, 4, 1, 6),
-    ("Q4_1", 4096, 4096): GemvConfig(64, 256, 4, 1, 9),
-    ("Q4_1", 28672, 4096): GemvConfig(64, 256, 4, 1, 5),
-    ("Q4_1", 4096, 14336): GemvConfig(64, 256, 4, 1, 9),
-    ("Q4_1", 128256, 4096): GemvConfig(64, 256, 4, 1, 1),
-    ("Q8_0", 6144, 4096): GemvConfig(64, 256, 4, 1, 6),
-    ("Q8_0", 4096, 4096): GemvConfig(64, 256, 4, 1, 9),
-    ("Q8_0", 28672, 4096): GemvConfig(32, 256, 4, 1, 1),
-    ("Q8_0", 4096, 14336): GemvConfig(32, 512, 4, 1, 5),
-    ("Q8_0", 128256, 4096): GemvConfig(32, 256, 4, 1, 1),
-    ("Q4_K", 6144, 4096): GemvConfig(64, 256, 4, 1, 11),
-    ("Q4_K", 4096, 4096): GemvConfig(64, 256, 2, 1, 9),
-    ("Q4_K", 28672, 4096): GemvConfig(64, 256, 4, 1, 2),
-    ("Q4_K", 4096, 14336): GemvConfig(64, 256, 2, 1, 9),
-    ("Q4_K", 128256, 4096): GemvConfig(64, 256, 2, 1, 1),
-}
-# 64 rows x 256 weights, 4 warps: Triton lays a [64, 32]-word tile as 16-byte loads, 8 threads across a
-# row's 128 bytes (one 128-byte line per 4 rows a warp) and 4 rows a thread, so each x slice and group sum
-# a thread computes serves 4 rows; 8 KB a step in flight per program (4-bit types).
+# Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
+# (type name, N, K); any other shape, and the float GEMV, take `_DEFAULT`. Empty until measured on an H200.
+TUNED: dict[tuple[str, int, int], GemvConfig] = {}
+# 64 rows x 256 weights, 4 warps: Triton lays the [64, 8, 4]-word tile (4-bit) as 16-byte loads, a group's 4
+# words per thread, so each activation word a thread holds serves several rows; 8 KB a step in flight per
+# program (4-bit types).
 _DEFAULT = GemvConfig(64, 256, 4, 1, 0)
 PROGRAMS_PER_SM = 8  # `_auto_split`'s target of programs per SM (a few resident, the rest a second wave)
 # The float exponent field of 2^23 (0x4B000000), passed to the GEMV as an argument: a register operand
@@ -210,10 +222,16 @@ PROGRAMS_PER_SM = 8  # `_auto_split`'s target of programs per SM (a few resident
 _EXP0 = 150 << 23
 
 
-def gemv_config(qtype: int, m: int, n: int, k: int) -> GemvConfig:
+def int8_activations(qtype: int, dtype: torch.dtype) -> bool:
+    """Whether the decode GEMV quantizes activations of `dtype` to int8 for a `qtype` weight (16-bit
+    activations and a pair-layout type; float32 activations keep the float kernel's exact products)."""
+    return qtype in Q8A_TYPES and dtype in (torch.bfloat16, torch.float16)
+
+
+def gemv_config(qtype: int, m: int, n: int, k: int, int8_act: bool = True) -> GemvConfig:
     """The decode GEMV's launch for an [n, k] weight of `qtype` and m activation rows: the single place
-    holding the chosen defaults (`TUNED`, else `_DEFAULT`)."""
-    return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT)
+    holding the chosen defaults (`TUNED` for the int8-activation kernel, else `_DEFAULT`)."""
+    return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT) if int8_act else _DEFAULT
 
 
 def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
@@ -230,8 +248,9 @@ def gguf_gemv_triton(
     require_triton()
     m, k = x.shape
     n = w.rows
+    q8a = int8_activations(w.qtype, x.dtype)
     g, epw = group_size(w.qtype), quants_per_word(w.qtype)
-    bn, bk, nw, ns, split = config or gemv_config(w.qtype, m, n, k)
+    bn, bk, nw, ns, split = config or gemv_config(w.qtype, m, n, k, q8a)
     bk = max(64, min(bk, triton.next_power_of_2(k)))
     n_blocks = triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
@@ -241,10 +260,19 @@ def gguf_gemv_triton(
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = split_counters(x.device, max(m * n_blocks, 1 << 16))
     ptrs, strides = _args(w)
-    kern._gguf_gemv_kernel[(m, n_blocks, split)](
-        x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split, _EXP0,
-        QT=w.qtype, EPW=epw, G=g, BN=bn, BK=bk, EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns,
-    )  # fmt: skip
+    grid = (m, n_blocks, split)
+    pdl = pdl_args(x, "gemv")
+    if q8a:
+        kern._gguf_gemv_q8a_kernel[grid](
+            x, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, x.stride(0), out.stride(0), strides[0], *strides[2:],
+            k_split, split, QT=w.qtype, BN=bn, BK=bk, EVEN_K=k % bk == 0, ASM=x.is_cuda, num_warps=nw,
+            num_stages=ns, **pdl,
+        )  # fmt: skip
+    else:
+        kern._gguf_gemv_kernel[grid](
+            x, *ptrs, part, out, cnt, m, n, k, x.stride(0), out.stride(0), *strides, k_split, split, _EXP0,
+            QT=w.qtype, EPW=epw, G=g, BN=bn, BK=bk, EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns, **pdl,
+        )  # fmt: skip
     return out
 
 

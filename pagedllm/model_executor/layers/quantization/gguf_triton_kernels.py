@@ -9,23 +9,27 @@ group of G elements:
     Q5_K  u = q (0..31)         as Q4_K                                                 G 32
     Q6_K  u = q (0..63)         c = 32    s = d * sc[j] (int8)   m = 0                  G 16 (d per 256)
 
-Layout: inside each group the quants are stored transposed, "word-major": with WPG = G / EPW int32 words
-per group (EPW quants a word), quant j of word w is element WPG * j + w of the group. So the j-th quants
-of a run of words belong to consecutive elements, and the GEMV loads each x_j slice it needs as one
-contiguous (vectorized) run instead of EPW strided gathers, while a word still lies in one group.
+Layouts (int32 words, a group's words contiguous in its row). "Pair" layout, Q4_0 / Q4_1 / Q4_K / Q8_0:
+the int8-activation GEMV's (`_gguf_gemv_q8a_kernel`); 4-bit: byte i of a group's 16 holds element i in its
+low nibble and element 16 + i in its high one (Q4_0 / Q4_1 as the file stores them, Q4_K's 32-element
+sub-blocks brought to the same form); Q8_0: the bytes in element order. So word w's low nibbles (bytes) are
+elements 4w..4w+3, the same 4 bytes an int8 activation word holds. "Word-major" layout, Q5_K / Q6_K: with
+WPG = G / EPW words per group (EPW quants a word), quant j of word w is element WPG * j + w of the group,
+so the float GEMV loads each x_j slice as one contiguous run.
 
-Decode GEMV cost model (why it is written as it is). At the packed-bytes floor a 4-bit GEMV must turn
-~7e12 weights/s into products on an H200, about 30 per SM per clock, and an SM issues 4 warp instructions a
-clock (integer ops at half the FMA rate): every instruction per weight counts. A quant is made a float by
-the exponent trick without shifting it down: the nibble (byte for Q8_0) stays in place at bit P < 20 of
-the word (the upper half of a word is shifted down by 12 once per word), `(word & mask) | E` is the float
-2^(23 - P) + u exactly, and one subtraction of the constant 2^(23 - P) + c leaves u - c. So a weight costs
-one LOP3 (E comes in as the argument EXP0 so that it sits in a register and the mask is the immediate),
-one FADD and one FFMA; int-to-float conversion (1/4 to 1/8 of the FMA rate) and a shift per quant are
-gone. Scales are applied once per group after summing its words in registers (a thread's 16-byte load
-holds whole groups); the x slices and their group sums are shared by the rows a thread holds. Checked on
-the SASS (compiled for sm_90a on a CPU): the 4-bit loop is ~4.0-4.5 instructions per weight (BN 64-128,
-BK 256), ~3.1 of them the three above, the rest x's bf16 conversion and the per-group work.
+Decode GEMV with 16-bit activations and a pair-layout type: the activations are quantized to int8 per
+group of 32 inside the program and the products summed by IDP4A, 4 per instruction (see the kernel).
+
+Float decode GEMV (float32 activations, and Q5_K / Q6_K). At the packed-bytes floor a 4-bit GEMV must
+turn ~7e12 weights/s into products on an H200, about 30 per SM per clock, and an SM issues 4 warp
+instructions a clock (integer ops at half the FMA rate): every instruction per weight counts. A quant is
+made a float by the exponent trick without shifting it down: the nibble (byte for Q8_0) stays in place at
+bit P < 20 of the word (the upper half of a word is shifted down by 12 once per word), `(word & mask) | E`
+is the float 2^(23 - P) + u exactly, and one subtraction of the constant 2^(23 - P) + c leaves u - c. So a
+weight costs one LOP3 (E comes in as the argument EXP0 so that it sits in a register and the mask is the
+immediate), one FADD and one FFMA. Scales are applied once per group after summing its words in
+registers. Checked on the SASS (sm_90a): the 4-bit loop is ~4.0-4.5 instructions per weight (BN 64-128,
+BK 256): issue-bound on an H200 (1.9-2.5x the packed floor, session 36), hence the IDP4A kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_utils import pdl_enter
 
     @triton.jit
     def _u2f(bits):
@@ -76,7 +82,7 @@ if HAS_TRITON:
     def _gguf_gemv_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr, cnt_ptr,
                           M, N, K, stride_xm, stride_om, stride_lo, stride_hi, stride_d, stride_sc, K_SPLIT, SPLIT,
                           EXP0, QT: tl.constexpr, EPW: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                          BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = x[m] @ dequant(W[n-block, k-slice]).T, split-K over programs.
 
         A program streams [BN, BK / EPW] tiles of int32 words (each row's words contiguous, 16-byte loads;
@@ -90,6 +96,8 @@ if HAS_TRITON:
         WPG: tl.constexpr = G // EPW
         GS: tl.constexpr = BK // G
         HAS_MIN: tl.constexpr = QT == 3 or QT == 12 or QT == 13
+        PAIR: tl.constexpr = QT != 13 and QT != 14  # the int8-activation kernel's layout (`_q8a` types)
+        pdl_enter(PDL)
         m_row = tl.program_id(0)
         pid_n = tl.program_id(1)
         split = tl.program_id(2)
@@ -98,7 +106,11 @@ if HAS_TRITON:
         r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
         offs_w = tl.arange(0, W)
         offs_g = tl.arange(0, GS)
-        xo = (offs_w // WPG) * G + offs_w % WPG  # element of quant 0 of each word, from the step's start
+        # Element of quant 0 of each word, from the step's start (quant j: + _xj(j)).
+        if PAIR:
+            xo = (offs_w // WPG) * G + (offs_w % WPG) * 4
+        else:
+            xo = (offs_w // WPG) * G + offs_w % WPG
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
         x_row = x_ptr + m_row * stride_xm
@@ -130,10 +142,11 @@ if HAS_TRITON:
             xw = tl.zeros([W], dtype=tl.float32)
             kx = tl.multiple_of(k0, BK)
             for j in tl.static_range(EPW):
+                xj_at = (j if QT == 8 else j // 2 + 16 * (j % 2)) if PAIR else j * WPG
                 if EVEN_K:
-                    xj = tl.load(x_row + kx + xo + j * WPG).to(tl.float32)
+                    xj = tl.load(x_row + kx + xo + xj_at).to(tl.float32)
                 else:
-                    xj = tl.load(x_row + kx + xo + j * WPG, mask=w_ok, other=0.0).to(tl.float32)
+                    xj = tl.load(x_row + kx + xo + xj_at, mask=w_ok, other=0.0).to(tl.float32)
                 t += _quant(words, hi16, hb, EXP0, j, QT) * xj[None, :]
                 if HAS_MIN:
                     xw += xj
@@ -165,7 +178,15 @@ if HAS_TRITON:
                 acc += tg * s + mt * xg
             else:
                 acc += tg * s
-        res = tl.sum(acc, axis=1)
+        _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
+                     offs_n, n_ok, SPLIT, BN)  # fmt: skip
+
+    @triton.jit
+    def _store_split(res, part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n, n_ok,
+                     SPLIT, BN: tl.constexpr):  # fmt: skip
+        """A GEMV program's [BN] sums: stored as the output (no split), or as its split-K partial, the last
+        program of the column block summing the partials in split order (an atomic counter it resets for the
+        next launch or CUDA-graph replay), as `int4_ops._int4_gemv_kernel` does."""
         if SPLIT == 1:
             tl.store(out_ptr + m_row * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
@@ -179,6 +200,123 @@ if HAS_TRITON:
                     tot += tl.load(part_ptr + (i * M + m_row) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + m_row * stride_om + offs_n, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(cnt_ptr + pid_n * M + m_row, 0)
+
+    @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
+        """c + the dot product of the 4 bytes of a and b (int32 words; b's bytes signed, a's signed if SIGNED
+        else unsigned): one IDP4A on the GPU, shifts and products under the interpreter (ASM false)."""
+        if ASM:
+            if SIGNED:
+                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+            else:
+                return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        else:
+            s = c
+            for i in tl.static_range(4):
+                ai = (a >> (8 * i)) & 0xFF
+                if SIGNED:
+                    ai = ai - ((ai & 0x80) << 1)
+                bi = (b >> (8 * i)) & 0xFF
+                s += ai * (bi - ((bi & 0x80) << 1))
+            return s
+
+    @triton.jit
+    def _round_away(y):
+        """roundf(y) as int32 (half away from zero), exactly: trunc, plus the sign where the (exact)
+        remainder reaches 0.5 (y + 0.5 would round up 0.5 - 2^-25)."""
+        t = y.to(tl.int32)
+        f = y - t.to(tl.float32)
+        return t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
+
+    @triton.jit
+    def _q8_words(x):
+        """x [GS, 4, 4] float32, the 32 elements of each group as 4 words of 4 -> (the int8 quants packed 4 a
+        word [GS, 4] int32, their sums [GS] int32) with the group scale `amax / 127` given by the caller's
+        `inv` already applied."""
+        q = _round_away(x)
+        sh = (tl.arange(0, 4) * 8)[None, None, :]
+        return tl.sum((q & 0xFF) << sh, axis=2), tl.sum(tl.sum(q, axis=2), axis=1)
+
+    @triton.jit
+    def _gguf_gemv_q8a_kernel(x_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K,
+                              stride_xm, stride_om, stride_lo, stride_d, stride_sc, K_SPLIT, SPLIT,
+                              QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                              ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+        """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
+        the pair layout (`gguf_triton.prepare`), split-K over programs: the activations quantized per group of
+        32 to int8 in the program (d = amax / 127, as llama.cpp's q8_1), each weight word dotted with the
+        matching activation word by IDP4A (4 products and their sum in one instruction; 4-bit words give two
+        words of nibbles, w & 0x0F0F0F0F with the group's first 16 elements and (w >> 4) & 0x0F0F0F0F with the
+        last 16), the integer sums of a group's words scaled once per group: d_x * (s * sum(u q) + m * sum(q)).
+        About 0.7 instructions a 4-bit weight against ~4 for the float kernel, which kept the GPU's issue rate
+        and not the memory the limit on an H200 (benchmarks/NOTES.md, session 41)."""
+        GS: tl.constexpr = BK // 32
+        WPG: tl.constexpr = 8 if QT == 8 else 4  # int32 words a group
+        HAS_MIN: tl.constexpr = QT != 8
+        pdl_enter(PDL)
+        m_row = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+        offs_g = tl.arange(0, GS)
+        offs_i = tl.arange(0, 4)
+        xe = offs_g[:, None, None] * 32 + offs_i[None, :, None] * 4 + offs_i[None, None, :]  # [GS, 4, 4]
+        lo_rows = lo_ptr + r[:, :, None] * stride_lo + (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]
+        x_row = x_ptr + m_row * stride_xm
+        d_rows = d_ptr + r * stride_d
+        zero = tl.zeros([BN, GS, 4], dtype=tl.int32)
+        k_begin = split * K_SPLIT
+        k_end = tl.minimum(k_begin + K_SPLIT, K)
+        acc = tl.zeros([BN, GS], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BK):
+            kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
+            g_ok = k0 + offs_g * 32 < k_end  # whole groups: K is a multiple of 32
+            if EVEN_K:
+                xl = tl.load(x_row + k0 + xe).to(tl.float32)
+                xh = tl.load(x_row + k0 + 16 + xe).to(tl.float32)
+                words = tl.load(lo_rows + kw, eviction_policy="evict_first")
+                if QT == 8:
+                    words2 = tl.load(lo_rows + kw + 4, eviction_policy="evict_first")
+            else:
+                xl = tl.load(x_row + k0 + xe, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+                xh = tl.load(x_row + k0 + 16 + xe, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+                words = tl.load(lo_rows + kw, mask=g_ok[None, :, None], other=0, eviction_policy="evict_first")
+                if QT == 8:
+                    words2 = tl.load(lo_rows + kw + 4, mask=g_ok[None, :, None], other=0, eviction_policy="evict_first")
+            amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
+            inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GS], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+            dx = tl.div_rn(amax, tl.full([GS], 127.0, tl.float32))
+            xlw, sql = _q8_words(xl * inv[:, None, None])
+            xhw, sqh = _q8_words(xh * inv[:, None, None])
+            if QT == 8:
+                p = _dp4a(words, xlw[None, :, :], _dp4a(words2, xhw[None, :, :], zero, ASM, True), ASM, True)
+            else:
+                p = _dp4a((words >> 4) & 0x0F0F0F0F, xhw[None, :, :], zero, ASM, False)
+                p = _dp4a(words & 0x0F0F0F0F, xlw[None, :, :], p, ASM, False)
+            tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
+            g = k0 // 32 + offs_g
+            mask = g_ok[None, :]
+            if QT == 12:
+                big = tl.load(d_rows + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
+                s = big * _u2f(tl.load(sc_ptr + r * stride_sc + g[None, :], mask=mask, other=0).to(tl.int32))
+                dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
+                mt = -dmin * _u2f(tl.load(mn_ptr + r * stride_sc + g[None, :], mask=mask, other=0).to(tl.int32))
+            else:
+                s = tl.load(d_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
+                if QT == 3:
+                    mt = tl.load(dm_ptr + r * stride_d + g[None, :], mask=mask, other=0.0).to(tl.float32)
+                else:
+                    mt = -8.0 * s  # Q4_0 (unused for Q8_0)
+            if HAS_MIN:
+                acc += (tg * s + mt * (sql + sqh).to(tl.float32)[None, :]) * dx[None, :]
+            else:
+                acc += tg * s * dx[None, :]
+        _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
+                     offs_n, n_ok, SPLIT, BN)  # fmt: skip
 
     @triton.jit
     def _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT: tl.constexpr):
@@ -229,8 +367,15 @@ if HAS_TRITON:
                 a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
             )
             e = kk[:, None]
-            # The word-major position of element e: word (e // G) * WPG + e % WPG, quant (e % G) // WPG.
-            p = (e // G) * G + (e % WPG) * EPW + (e % G) // WPG
+            # The quant position of element e (word p // EPW, quant p % EPW): in order for Q8_0; 4-bit pair
+            # layout: byte e % 16 of the group, its high nibble for the second 16; word-major (Q5_K, Q6_K):
+            # word (e // G) * WPG + e % WPG, quant (e % G) // WPG.
+            if QT == 8:
+                p = e
+            elif QT == 13 or QT == 14:
+                p = (e // G) * G + (e % WPG) * EPW + (e % G) // WPG
+            else:
+                p = (e // G) * G + (e % 16) * 2 + (e % G) // 16
             mask = k_ok[:, None] & n_ok[None, :]
             wd = tl.load(lo_ptr + r * stride_lo + p // EPW, mask=mask, other=0)
             if QT == 8:
