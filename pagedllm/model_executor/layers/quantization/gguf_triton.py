@@ -240,11 +240,43 @@ def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
     return max(1, min(k_steps, triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, m * n_blocks))))
 
 
+class Q8Act(NamedTuple):
+    """Activations quantized for the int8 GEMV (llama.cpp's q8_1), per group of 32 of each row: `q` int8
+    [M, K], `d` = amax / 127 and `s` = d * sum(q), float32 [M, K / 32]."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s: torch.Tensor
+
+
+_Q8_GROUPS = 32  # groups of 32 a program of the quantizer takes
+
+
+def quantize_q8(x: torch.Tensor) -> Q8Act:
+    """x [M, K] (16-bit, K % 32 == 0) quantized for the int8 GEMV (`_q8_quant_kernel`; reference
+    `q8_activations`)."""
+    require_triton()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    d = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    kern._q8_quant_kernel[(m, triton.cdiv(k // 32, _Q8_GROUPS))](
+        x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0), GB=_Q8_GROUPS, num_warps=4, **pdl_args(x, "gemv")
+    )
+    return Q8Act(q, d, s)
+
+
 def gguf_gemv_triton(
-    x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor, num_sms: int = 132, config: GemvConfig | None = None
+    x: torch.Tensor,
+    w: GGUFTritonWeight,
+    out: torch.Tensor,
+    num_sms: int = 132,
+    config: GemvConfig | None = None,
+    q8: Q8Act | None = None,
 ) -> torch.Tensor:
     """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place;
-    `config` overrides `gemv_config` (the sweep)."""
+    `config` overrides `gemv_config` (the sweep). 16-bit activations and a pair-layout type take the int8
+    GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first."""
     require_triton()
     m, k = x.shape
     n = w.rows
@@ -263,10 +295,12 @@ def gguf_gemv_triton(
     grid = (m, n_blocks, split)
     pdl = pdl_args(x, "gemv")
     if q8a:
+        q8 = q8 if q8 is not None else quantize_q8(x)
+        xq = q8.q.view(torch.int32)
         kern._gguf_gemv_q8a_kernel[grid](
-            x, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, x.stride(0), out.stride(0), strides[0], *strides[2:],
-            k_split, split, QT=w.qtype, BN=bn, BK=bk, EVEN_K=k % bk == 0, ASM=x.is_cuda, num_warps=nw,
-            num_stages=ns, **pdl,
+            xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
+            out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](
@@ -314,6 +348,7 @@ def gguf_matmul_triton(
             raise RuntimeError("gguf: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
         sms = num_sms(x2.device) if x2.is_cuda else 4
         start = 0
+        q8 = None
         for p in parts:
             if not isinstance(p, GGUFTritonWeight):
                 raise TypeError("gguf: parts for the Triton kernels must come from gguf_triton.prepare")
@@ -321,7 +356,9 @@ def gguf_matmul_triton(
                 raise ValueError(f"gguf: a {p.type_name} weight with {p.cols} columns cannot take {k} inputs")
             dst = out[:, start : start + p.rows]
             if m <= GEMV_MAX_M:
-                gguf_gemv_triton(x2, p, dst, sms)
+                if q8 is None and int8_activations(p.qtype, x2.dtype):
+                    q8 = quantize_q8(x2)  # once for every int8-GEMV part
+                gguf_gemv_triton(x2, p, dst, sms, q8=q8)
             else:
                 gguf_gemm_triton(x2, p, dst)
             start += p.rows

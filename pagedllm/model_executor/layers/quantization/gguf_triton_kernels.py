@@ -223,37 +223,42 @@ if HAS_TRITON:
             return s
 
     @triton.jit
-    def _round_away(y):
-        """roundf(y) as int32 (half away from zero), exactly: trunc, plus the sign where the (exact)
-        remainder reaches 0.5 (y + 0.5 would round up 0.5 - 2^-25)."""
+    def _q8_quant_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_qm, stride_dm, GB: tl.constexpr,
+                         PDL: tl.constexpr = 0):  # fmt: skip
+        """Activations for the int8 GEMV, llama.cpp's q8_1: per group of 32 elements of a row, d = amax / 127,
+        q = roundf(x * (127 / amax)) as int8, s = d * sum(q). A program takes GB groups of one row."""
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        g = tl.program_id(1) * GB + tl.arange(0, GB)
+        e = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+        ok = g < K // 32
+        x = tl.load(x_ptr + row * stride_xm + e, mask=ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GB], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+        d = tl.div_rn(amax, tl.full([GB], 127.0, tl.float32))
+        y = x * inv[:, None]
         t = y.to(tl.int32)
-        f = y - t.to(tl.float32)
-        return t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
+        f = y - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
+        q = t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
+        tl.store(q_ptr + row * stride_qm + e, q.to(tl.int8), mask=ok[:, None])
+        tl.store(d_ptr + row * stride_dm + g, d, mask=ok)
+        tl.store(s_ptr + row * stride_dm + g, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
 
     @triton.jit
-    def _q8_words(x):
-        """x [GS, 4, 4] float32, the 32 elements of each group as 4 words of 4 -> (the int8 quants packed 4 a
-        word [GS, 4] int32, their sums [GS] int32) with the group scale `amax / 127` given by the caller's
-        `inv` already applied."""
-        q = _round_away(x)
-        sh = (tl.arange(0, 4) * 8)[None, None, :]
-        return tl.sum((q & 0xFF) << sh, axis=2), tl.sum(tl.sum(q, axis=2), axis=1)
-
-    @triton.jit
-    def _gguf_gemv_q8a_kernel(x_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K,
-                              stride_xm, stride_om, stride_lo, stride_d, stride_sc, K_SPLIT, SPLIT,
-                              QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                              ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+    def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
+                              cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
+                              K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
-        the pair layout (`gguf_triton.prepare`), split-K over programs: the activations quantized per group of
-        32 to int8 in the program (d = amax / 127, as llama.cpp's q8_1), each weight word dotted with the
-        matching activation word by IDP4A (4 products and their sum in one instruction; 4-bit words give two
-        words of nibbles, w & 0x0F0F0F0F with the group's first 16 elements and (w >> 4) & 0x0F0F0F0F with the
-        last 16), the integer sums of a group's words scaled once per group: d_x * (s * sum(u q) + m * sum(q)).
-        About 0.7 instructions a 4-bit weight against ~4 for the float kernel, which kept the GPU's issue rate
-        and not the memory the limit on an H200 (benchmarks/NOTES.md, session 41)."""
+        the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
+        `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
+        word is dotted with the matching activation word by IDP4A (4 products and their sum in one
+        instruction; a 4-bit word gives two words of nibbles, w & 0x0F0F0F0F with the group's first 16
+        elements and (w >> 4) & 0x0F0F0F0F with the last 16), a group's word sums are scaled once:
+        d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
+        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
         GS: tl.constexpr = BK // 32
-        WPG: tl.constexpr = 8 if QT == 8 else 4  # int32 words a group
+        WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         HAS_MIN: tl.constexpr = QT != 8
         pdl_enter(PDL)
         m_row = tl.program_id(0)
@@ -264,9 +269,10 @@ if HAS_TRITON:
         r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
         offs_g = tl.arange(0, GS)
         offs_i = tl.arange(0, 4)
-        xe = offs_g[:, None, None] * 32 + offs_i[None, :, None] * 4 + offs_i[None, None, :]  # [GS, 4, 4]
-        lo_rows = lo_ptr + r[:, :, None] * stride_lo + (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]
-        x_row = x_ptr + m_row * stride_xm
+        gw = (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]  # [1, GS, 4]: words of the step's groups
+        lo_rows = lo_ptr + r[:, :, None] * stride_lo + gw
+        xw = (offs_g[:, None] * 8 + offs_i[None, :])[None, :, :] + 0 * r[:, :, None].to(tl.int32)  # [BN, GS, 4]
+        xq_row = xq_ptr + m_row * stride_xq
         d_rows = d_ptr + r * stride_d
         zero = tl.zeros([BN, GS, 4], dtype=tl.int32)
         k_begin = split * K_SPLIT
@@ -274,32 +280,30 @@ if HAS_TRITON:
         acc = tl.zeros([BN, GS], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BK):
             kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
-            g_ok = k0 + offs_g * 32 < k_end  # whole groups: K is a multiple of 32
+            kx = tl.multiple_of(k0 // 4, 8 * GS)
+            g = k0 // 32 + offs_g
+            g_ok = g * 32 < k_end  # whole groups: K is a multiple of 32
             if EVEN_K:
-                xl = tl.load(x_row + k0 + xe).to(tl.float32)
-                xh = tl.load(x_row + k0 + 16 + xe).to(tl.float32)
                 words = tl.load(lo_rows + kw, eviction_policy="evict_first")
                 if QT == 8:
                     words2 = tl.load(lo_rows + kw + 4, eviction_policy="evict_first")
+                xl = tl.load(xq_row + kx + xw)
+                xh = tl.load(xq_row + kx + 4 + xw)
             else:
-                xl = tl.load(x_row + k0 + xe, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-                xh = tl.load(x_row + k0 + 16 + xe, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-                words = tl.load(lo_rows + kw, mask=g_ok[None, :, None], other=0, eviction_policy="evict_first")
+                wm = g_ok[None, :, None]
+                words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
                 if QT == 8:
-                    words2 = tl.load(lo_rows + kw + 4, mask=g_ok[None, :, None], other=0, eviction_policy="evict_first")
-            amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
-            inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GS], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-            dx = tl.div_rn(amax, tl.full([GS], 127.0, tl.float32))
-            xlw, sql = _q8_words(xl * inv[:, None, None])
-            xhw, sqh = _q8_words(xh * inv[:, None, None])
+                    words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
+                xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
+                xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
             if QT == 8:
-                p = _dp4a(words, xlw[None, :, :], _dp4a(words2, xhw[None, :, :], zero, ASM, True), ASM, True)
+                p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
             else:
-                p = _dp4a((words >> 4) & 0x0F0F0F0F, xhw[None, :, :], zero, ASM, False)
-                p = _dp4a(words & 0x0F0F0F0F, xlw[None, :, :], p, ASM, False)
+                p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
+                p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
             tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-            g = k0 // 32 + offs_g
             mask = g_ok[None, :]
+            dx = tl.load(xd_ptr + m_row * stride_xd + g[None, :], mask=mask, other=0.0)
             if QT == 12:
                 big = tl.load(d_rows + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
                 s = big * _u2f(tl.load(sc_ptr + r * stride_sc + g[None, :], mask=mask, other=0).to(tl.int32))
@@ -312,9 +316,10 @@ if HAS_TRITON:
                 else:
                     mt = -8.0 * s  # Q4_0 (unused for Q8_0)
             if HAS_MIN:
-                acc += (tg * s + mt * (sql + sqh).to(tl.float32)[None, :]) * dx[None, :]
+                sx = tl.load(xs_ptr + m_row * stride_xd + g[None, :], mask=mask, other=0.0)
+                acc += tg * s * dx + mt * sx
             else:
-                acc += tg * s * dx[None, :]
+                acc += tg * s * dx
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
                      offs_n, n_ok, SPLIT, BN)  # fmt: skip
 
