@@ -94,25 +94,27 @@ def gemv_bench(name: str, bw: float) -> dict[str, Any]:
 
 
 # Decode-GEMV tiles (BN, BK, warps) of the int8-activation (IDP4A) kernel, which the sweep's bf16 activations
-# take for every type it times. A program quantizes its [BK] activation slice once for its BN rows, so the
-# per-weight share of that work falls with BN (SASS of the sm_90a loop, Q4_1: 2.28 instructions a weight at
-# BN 64, 1.68 at 128, 1.43 at 256, BK 256, 4 warps), at more registers a thread.
-_TILES = [(64, 256, 4), (128, 256, 4), (256, 256, 4), (128, 512, 4), (256, 256, 8), (128, 512, 8)]
+# take for every type it times, each without and with its prefetch of the next step (stages 1 / 2). The
+# session-41 sweep without prefetch found every tile latency-bound (1.7-3x the floor whatever the split):
+# a program waits out the memory latency each step, so the bytes in flight per SM (programs resident x tile
+# bytes) set the speed. Registers a thread (sm_90a, Q4_1, 4 warps): BN 32 56, BN 64 78 / 96 with prefetch,
+# BN 128 252 with prefetch (2 programs an SM).
+_TILES = [(32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 4), (128, 256, 4), (16, 512, 2)]
 
 
 def sweep_configs(qtype: int, n: int, k: int, sms: int) -> list[gt.GemvConfig]:
-    """At most 24 launches: each tile with split-K 1 and the splits that give ~4, 8 and 16 programs per SM
-    (deduplicated), plus the current default (`gemv_config`)."""
+    """Each tile without and with prefetch, with split-K 1 and the splits that give ~4, 8 and 16 programs
+    per SM (deduplicated), plus the current default (`gemv_config`)."""
     out: list[gt.GemvConfig] = []
     for bn, bk, nw in _TILES:
         blocks, steps = -(-n // bn), -(-k // bk)
         splits = {1} | {max(1, min(steps, -(-per * sms // blocks))) for per in (4, 8, 16)}
-        out += [gt.GemvConfig(bn, bk, nw, 1, s) for s in sorted(splits)]
+        out += [gt.GemvConfig(bn, bk, nw, st, s) for st in (1, 2) for s in sorted(splits)]
     default = gt.gemv_config(qtype, 1, n, k, gt.int8_activations(qtype, torch.bfloat16))
     if default.split == 0:  # as the launcher resolves it
         bk = max(64, min(default.bk, 1 << (k - 1).bit_length()))
         default = default._replace(split=gt._auto_split(1, -(-n // default.bn), -(-k // bk), sms))
-    return out[:23] + ([default] if default not in out[:23] else [])
+    return out + ([default] if default not in out else [])
 
 
 def load_tuned(path: str) -> None:

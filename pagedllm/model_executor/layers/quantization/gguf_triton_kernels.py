@@ -245,10 +245,50 @@ if HAS_TRITON:
         tl.store(s_ptr + row * stride_dm + g, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
 
     @triton.jit
+    def _q8a_load(lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
+                  QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+        """Everything the step at k0 reads, as loaded (converted by the step that uses it, so that a prefetch
+        leaves its loads in flight): the weight words [BN, GS, 4] (Q8_0: each group's first and second 4; the
+        4-bit types: the 4, twice), the activation words for them, the activations' d and d * sum(q) [1, GS],
+        and the weights' scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d)."""
+        g = k0 // 32 + offs_g
+        kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
+        kx = tl.multiple_of(k0 // 4, 8 * GS)
+        if EVEN_K:
+            gm = (g >= 0)[None, :]
+        else:
+            gm = (g * 32 < k_end)[None, :]  # whole groups: K is a multiple of 32
+        wm = gm[:, :, None]
+        words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
+        words2 = words
+        if QT == 8:
+            words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
+        xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
+        xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
+        dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
+        sx = dx
+        if QT != 8:
+            sx = tl.load(xs_row + g[None, :], mask=gm, other=0.0)
+        if QT == 12:
+            a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
+            b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
+            c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
+            e = tl.load(mn_rows + g[None, :], mask=gm, other=0)
+        else:
+            a = tl.load(d_rows + g[None, :], mask=gm, other=0.0)
+            b = a
+            if QT == 3:
+                b = tl.load(dm_rows + g[None, :], mask=gm, other=0.0)
+            c = a
+            e = a
+        return words, words2, xl, xh, dx, sx, a, b, c, e
+
+    @triton.jit
     def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                              PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -256,10 +296,12 @@ if HAS_TRITON:
         instruction; a 4-bit word gives two words of nibbles, w & 0x0F0F0F0F with the group's first 16
         elements and (w >> 4) & 0x0F0F0F0F with the last 16), a group's word sums are scaled once:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
-        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
+        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
+        PREFETCH: everything the next step reads is loaded before this step's values are used (Triton
+        pipelines no loads that feed no `tl.dot`, so a program otherwise waits out the memory latency every
+        step)."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
-        HAS_MIN: tl.constexpr = QT != 8
         pdl_enter(PDL)
         m_row = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -273,53 +315,50 @@ if HAS_TRITON:
         lo_rows = lo_ptr + r[:, :, None] * stride_lo + gw
         xw = (offs_g[:, None] * 8 + offs_i[None, :])[None, :, :] + 0 * r[:, :, None].to(tl.int32)  # [BN, GS, 4]
         xq_row = xq_ptr + m_row * stride_xq
+        xd_row = xd_ptr + m_row * stride_xd
+        xs_row = xs_ptr + m_row * stride_xd
         d_rows = d_ptr + r * stride_d
+        dm_rows = dm_ptr + r * stride_d
+        sc_rows = sc_ptr + r * stride_sc
+        mn_rows = mn_ptr + r * stride_sc
         zero = tl.zeros([BN, GS, 4], dtype=tl.int32)
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
+        k_last = k_begin + (k_end - 1 - k_begin) // BK * BK  # the last step's start
         acc = tl.zeros([BN, GS], dtype=tl.float32)
+        if PREFETCH:
+            nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
+                lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k_begin, k_end, offs_g,
+                QT, EVEN_K, WPG, GS,
+            )  # fmt: skip
         for k0 in range(k_begin, k_end, BK):
-            kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
-            kx = tl.multiple_of(k0 // 4, 8 * GS)
-            g = k0 // 32 + offs_g
-            g_ok = g * 32 < k_end  # whole groups: K is a multiple of 32
-            if EVEN_K:
-                words = tl.load(lo_rows + kw, eviction_policy="evict_first")
-                if QT == 8:
-                    words2 = tl.load(lo_rows + kw + 4, eviction_policy="evict_first")
-                xl = tl.load(xq_row + kx + xw)
-                xh = tl.load(xq_row + kx + 4 + xw)
+            if PREFETCH:  # the next step's loads in flight while this step's values are multiplied
+                words, words2, xl, xh, dx, sx, a, b, c, e = nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne
+                nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
+                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw,
+                    tl.minimum(k0 + BK, k_last), k_end, offs_g, QT, EVEN_K, WPG, GS,
+                )  # fmt: skip
             else:
-                wm = g_ok[None, :, None]
-                words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
-                if QT == 8:
-                    words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
-                xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
-                xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
+                words, words2, xl, xh, dx, sx, a, b, c, e = _q8a_load(
+                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
+                    QT, EVEN_K, WPG, GS,
+                )  # fmt: skip
             if QT == 8:
                 p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
             else:
                 p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
                 p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
             tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-            mask = g_ok[None, :]
-            dx = tl.load(xd_ptr + m_row * stride_xd + g[None, :], mask=mask, other=0.0)
             if QT == 12:
-                big = tl.load(d_rows + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = big * _u2f(tl.load(sc_ptr + r * stride_sc + g[None, :], mask=mask, other=0).to(tl.int32))
-                dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
-                mt = -dmin * _u2f(tl.load(mn_ptr + r * stride_sc + g[None, :], mask=mask, other=0).to(tl.int32))
+                s = a.to(tl.float32) * _u2f(c.to(tl.int32))
+                mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
             else:
-                s = tl.load(d_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
-                if QT == 3:
-                    mt = tl.load(dm_ptr + r * stride_d + g[None, :], mask=mask, other=0.0).to(tl.float32)
-                else:
-                    mt = -8.0 * s  # Q4_0 (unused for Q8_0)
-            if HAS_MIN:
-                sx = tl.load(xs_ptr + m_row * stride_xd + g[None, :], mask=mask, other=0.0)
-                acc += tg * s * dx + mt * sx
-            else:
+                s = a.to(tl.float32)
+                mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
+            if QT == 8:
                 acc += tg * s * dx
+            else:
+                acc += tg * s * dx + mt * sx
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
                      offs_n, n_ok, SPLIT, BN)  # fmt: skip
 
