@@ -99,7 +99,9 @@ def gemv_bench(name: str, bw: float) -> dict[str, Any]:
 # a program waits out the memory latency each step, so the bytes in flight per SM (programs resident x tile
 # bytes) set the speed. Registers a thread (sm_90a, Q4_1, 4 warps): BN 32 56, BN 64 78 / 96 with prefetch,
 # BN 128 252 with prefetch (2 programs an SM).
-_TILES = [(32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 4), (128, 256, 4), (16, 512, 2)]
+# Second sweep (session 41): the smallest tile tried, (16, 512, 2) with prefetch, won 12 of 15 shapes, so
+# this one goes down to a row a program (the bf16 row GEMV's shape: whole rows streamed, no split-K).
+_TILES = [(1, 2048, 2), (2, 1024, 2), (4, 1024, 2), (8, 512, 2), (8, 1024, 4), (16, 512, 2), (32, 512, 4)]
 
 
 def sweep_configs(qtype: int, n: int, k: int, sms: int) -> list[gt.GemvConfig]:
