@@ -291,7 +291,7 @@ def gguf_gemv_triton(
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = split_counters(x.device, max(m * n_blocks, 1 << 16))
     ptrs, strides = _args(w)
-    grid = (m, n_blocks, split)
+    grid = (n_blocks, m, split)
     pdl = pdl_args(x, "gemv")
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)

@@ -98,8 +98,8 @@ if HAS_TRITON:
         HAS_MIN: tl.constexpr = QT == 3 or QT == 12 or QT == 13
         PAIR: tl.constexpr = QT != 13 and QT != 14  # the int8-activation kernel's layout (`_q8a` types)
         pdl_enter(PDL)
-        m_row = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_n = tl.program_id(0)  # (grid x: a row a program makes more column blocks than y's 65,535)
+        m_row = tl.program_id(1)
         split = tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
@@ -303,8 +303,8 @@ if HAS_TRITON:
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         pdl_enter(PDL)
-        m_row = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_n = tl.program_id(0)  # (grid x: a row a program makes more column blocks than y's 65,535)
+        m_row = tl.program_id(1)
         split = tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_ok = offs_n < N
