@@ -135,8 +135,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_FP8_ATTN_F16": _flag("PAGEDLLM_FP8_ATTN_F16"),
     # The FP8 W8A8 decode GEMV with 16-bit activations: float16-pair FMAs (0: float32 products, as float32 models).
     "PAGEDLLM_W8A8_H2": _flag("PAGEDLLM_W8A8_H2"),
-    # CUDA decode rows: the RMSNorm before an FP8 linear also writes its output quantized, which the
-    # FP8 GEMV reads instead of quantizing the row in every program (quantization/act_twin.py; 0: off).
+    # CUDA decode rows: the RMSNorm (and SiLU-mul) before an FP8 linear or a GGUF int8 GEMV also writes its
+    # output quantized, which the GEMV reads instead of quantizing the row (quantization/act_twin.py; 0: off).
     "PAGEDLLM_FP8_ACT_TWIN": _flag("PAGEDLLM_FP8_ACT_TWIN"),
     # Twins for batches of more rows too (the GEMM path then skips its quantization pass): the norms', and the
     # SiLU-mul's before down_proj; 0: decode rows only (<= act_twin.MAX_ROWS), as before session 39.

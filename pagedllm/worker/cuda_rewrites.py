@@ -2,8 +2,8 @@
 layers run, not what they compute (each bit-identical or within its stated rounding, each with its switch).
 
 * dense MLP blocks in token chunks (`PAGEDLLM_MLP_CHUNK_TOKENS`; not with LoRA, whose hooks span the batch),
-* FP8 twins: norms that also write their decode rows quantized for the FP8 linear after them
-  (`quantization/act_twin.py`, `PAGEDLLM_FP8_ACT_TWIN`),
+* activation twins: norms (and SiLU-muls) that also write their decode rows quantized for the FP8 linear
+  or GGUF int8 GEMV after them (`quantization/act_twin.py`, `PAGEDLLM_FP8_ACT_TWIN`),
 * at two tensor-parallel ranks, the row-parallel layers' all-reduce fused into the next norm
   (`distributed/tp_fusion.py`, `PAGEDLLM_TP_ALLREDUCE`).
 """
@@ -50,7 +50,7 @@ def apply_cuda_rewrites(
         from pagedllm.model_executor.layers.quantization.act_twin import link_producers
 
         if linked := link_producers(model):
-            logger.info("FP8 decode: %d norms also write their output quantized", linked)
+            logger.info("Activation twins: %d norms / SiLU-muls also write their output quantized", linked)
     if wants_fused_tp_norms(config, device, has_lora):
         from pagedllm.distributed.tp_fusion import fuse_model
 

@@ -1,8 +1,10 @@
-"""FP8 twins of activations (quantization/act_twin.py) on the device: the twin the RMSNorm / add-RMSNorm and
+"""Twins of activations (quantization/act_twin.py) on the device: the FP8 twin the RMSNorm / add-RMSNorm and
 SiLU-mul kernels write is `w8a8_ops.quantize_rows` of their output (the same scales and e4m3 codes to the bit),
-the FP8 decode GEMV and the GEMM path reading it match the emulated W8A8 math / the path without it (the
-linking of producers is tested on the CPU, tests/model_executor/quantization/test_act_twin.py). GPU only: the
-Triton interpreter converts to e4m3 wrongly."""
+the FP8 decode GEMV and the GEMM path reading it match the emulated W8A8 math / the path without it; the q8
+twin (GGUF's int8 GEMV) is `gguf_triton.quantize_q8` of the output, and the GEMV on it gives the GEMV's
+result without it (the linking of producers is tested on the CPU,
+tests/model_executor/quantization/test_act_twin.py). GPU only: the Triton interpreter converts to e4m3
+wrongly."""
 
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ def test_norm_twins_are_the_quantizer(dtype: torch.dtype, rows: int, cols: int) 
     r = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
     w = (torch.rand(cols, device="cuda", generator=g) + 0.5).to(dtype)
     plain = triton_ops.rms_norm(x, w, 1e-6)
-    out = triton_ops.rms_norm(x, w, 1e-6, fp8_twin=True)
+    out = triton_ops.rms_norm(x, w, 1e-6, twin_kind="fp8")
     assert act_twin.twin_of(plain) is None
     _near(out, plain)
     _same_quantization(out)
-    out2, res2 = triton_ops.fused_add_rms_norm(x, r, w, 1e-6, fp8_twin=True)
+    out2, res2 = triton_ops.fused_add_rms_norm(x, r, w, 1e-6, twin_kind="fp8")
     ref2, ref_res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)
     _near(out2, ref2)
     assert torch.equal(res2, ref_res)
@@ -83,7 +85,7 @@ def test_silu_twins_are_the_quantizer(dtype: torch.dtype, rows: int, d: int) -> 
     x = (torch.randn(rows, 2 * d, device="cuda", generator=g) * 3).to(dtype)
     x[0, :8] *= 40  # an outlier row
     plain = triton_ops.silu_and_mul(x)
-    out = triton_ops.silu_and_mul(x, fp8_twin=True)
+    out = triton_ops.silu_and_mul(x, twin_kind="fp8")
     assert act_twin.twin_of(plain) is None
     assert torch.equal(out, plain)
     _same_quantization(out)
@@ -104,3 +106,56 @@ def test_gemm_path_on_a_twin_is_the_path_without(m: int) -> None:
     assert torch.equal(w8a8_ops.w8a8_linear(twin_x, w, ws, None, None), plain)
     other = act_twin.attach(x.clone(), *w8a8_ops.quantize_rows(x * 2, FP8))
     assert not torch.allclose(w8a8_ops.w8a8_linear(other, w, ws, None, None).float(), plain.float(), rtol=0.5)
+
+
+def _same_q8(out: torch.Tensor) -> None:
+    """The q8 twin is `quantize_q8` of the output: the same d and sums; quants equal but where the kernels'
+    float contraction rounds a tie of x * 127 / amax differently (one step, in at most 1 % of the elements)."""
+    from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+
+    twin = act_twin.twin_of(out)
+    assert isinstance(twin, act_twin.Q8Act)
+    ref = gt.quantize_q8(out.reshape(-1, out.shape[-1]))
+    assert torch.equal(twin.d, ref.d)
+    diff = (twin.q.int() - ref.q.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, diff.numel() // 100)
+    torch.testing.assert_close(twin.s, ref.s, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 4096), (3, 576), (8, 14336)])
+def test_q8_twins_of_norms_and_silu(dtype: torch.dtype, rows: int, cols: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(dtype)
+    r = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(cols, device="cuda", generator=g) + 0.5).to(dtype)
+    out = triton_ops.rms_norm(x, w, 1e-6, twin_kind="q8")
+    _near(out, triton_ops.rms_norm(x, w, 1e-6))
+    _same_q8(out)
+    out2, res2 = triton_ops.fused_add_rms_norm(x, r, w, 1e-6, twin_kind="q8")
+    _near(out2, triton_ops.fused_add_rms_norm(x, r, w, 1e-6)[0])
+    _same_q8(out2)
+    act = triton_ops.silu_and_mul(torch.cat([x, r], dim=1), twin_kind="q8")
+    assert torch.equal(act, triton_ops.silu_and_mul(torch.cat([x, r], dim=1)))
+    _same_q8(act)
+
+
+def test_gguf_gemv_reads_the_q8_twin() -> None:
+    """The int8 GEMV given the producer's twin gives its result without it (the twin is the same
+    quantization); a twin of other rows changes it (the GEMV does read it)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.model_executor.layers.quantization import gguf as gq
+    from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+    from tests.model_executor.gguf_triton_check import random_blocks
+
+    n, k = 1000, 2048
+    raw = random_blocks("Q4_1", n, k, np.random.default_rng(0))
+    w = gt.prepare(gq.GGUFWeight(int(GGMLQuantizationType["Q4_1"]), torch.from_numpy(raw), n, k), "cuda")
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    plain = gq.gguf_matmul(x, [w])
+    twin_x = act_twin.attach(x.clone(), gt.quantize_q8(x))
+    assert torch.equal(gq.gguf_matmul(twin_x, [w]), plain)
+    other = act_twin.attach(x.clone(), gt.quantize_q8(x * 2))
+    assert not torch.allclose(gq.gguf_matmul(other, [w]).float(), plain.float(), rtol=0.5)

@@ -13,7 +13,7 @@ from pagedllm.model_executor.layers.quantization import act_twin
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for the fused gate_up projection output of width 2*d."""
 
-    fp8_twin = False  # the output feeds an FP8 linear: batches above decode size carry its e4m3 twin (act_twin.py)
+    twin_kind: str | None = None  # the output feeds a quantized linear: it may carry a twin (act_twin.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_ops.use_triton_ops(x):

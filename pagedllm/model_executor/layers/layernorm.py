@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     """
 
     tp_reduce: AllReduceNorm | None = None
-    fp8_twin = False  # the output feeds an FP8 linear: decode rows also carry their e4m3 twin (act_twin.py)
+    twin_kind: str | None = None  # the output feeds a quantized linear: decode rows may carry a twin (act_twin.py)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

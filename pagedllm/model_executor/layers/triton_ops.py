@@ -28,6 +28,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import quant_groups_q8
     from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
     from pagedllm.triton_utils import pdl_enter
 
@@ -55,9 +56,10 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
         PARTS: tl.constexpr = 1,
-        q_ptr=None,  # QUANT: [rows, n_cols] e4m3 out
-        qs_ptr=None,  # QUANT: [rows] float32 out
-        QUANT: tl.constexpr = False,  # also write the output quantized (quantization/act_twin.py)
+        q_ptr=None,  # QUANT: [rows, n_cols] e4m3 (1) / int8 (2) out
+        qs_ptr=None,  # QUANT: [rows] float32 scales (1) / [rows, n_cols / 32] float32 d (2) out
+        qm_ptr=None,  # QUANT 2: [rows, n_cols / 32] float32 d * sum(q) out
+        QUANT: tl.constexpr = 0,  # also write the output quantized, 1: FP8, 2: q8 (quantization/act_twin.py)
         PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
@@ -82,8 +84,17 @@ if HAS_TRITON:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (w * normed).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-        if QUANT:
+        _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, 0, offs, mask, n_cols, QUANT, BLOCK)
+
+    @triton.jit
+    def _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, col0, offs, mask, n_cols, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+        """A producer's twin of its 16-bit output y (columns col0 + [0, BLOCK) of the row; act_twin.py): 1, the
+        row's per-token e4m3 (one program a row); 2, its int8 groups of 32 (`quant_groups_q8`)."""
+        if QUANT == 1:
             quant_row_e4m3(y.to(tl.float32), q_ptr + row * n_cols + offs, qs_ptr + row, mask)
+        elif QUANT == 2:
+            g_row = row * (n_cols // 32)
+            quant_groups_q8(y.to(tl.float32), q_ptr + row * n_cols, qs_ptr + g_row, qm_ptr + g_row, col0, n_cols, BLOCK)
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -93,9 +104,11 @@ if HAS_TRITON:
         stride_o,
         d,
         BLOCK: tl.constexpr,
-        q_ptr=None,  # QUANT: [rows, d] e4m3 out
-        qs_ptr=None,  # QUANT: [rows] float32 out
-        QUANT: tl.constexpr = False,  # one program a row (BLOCK >= d) also writes the row quantized (act_twin.py)
+        q_ptr=None,  # QUANT: [rows, d] e4m3 (1) / int8 (2) out
+        qs_ptr=None,  # QUANT: [rows] float32 (1) / [rows, d / 32] float32 d (2) out
+        qm_ptr=None,  # QUANT 2: [rows, d / 32] float32 d * sum(q) out
+        # also write the output quantized (act_twin.py), 1: FP8, one program a row (BLOCK >= d); 2: q8 groups
+        QUANT: tl.constexpr = 0,
         PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
@@ -107,8 +120,7 @@ if HAS_TRITON:
         act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
         y = (act * u).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-        if QUANT:
-            quant_row_e4m3(y.to(tl.float32), q_ptr + row * d + offs, qs_ptr + row, mask)
+        _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, tl.program_id(1) * BLOCK, offs, mask, d, QUANT, BLOCK)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -117,31 +129,49 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _twin(n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers of an output's FP8 twin (quantization/act_twin.py): e4m3 rows and one float32 scale each."""
+def _twin(kind: str | None, n_rows: int, n_cols: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """Buffers of an output's twin of `kind` (quantization/act_twin.py): "fp8", e4m3 rows and one float32
+    scale each; "q8", an `act_twin.Q8Act`; None: no twin."""
+    if kind == "q8":
+        groups = torch.empty((n_rows, n_cols // 32), dtype=torch.float32, device=device)
+        return act_twin.Q8Act(
+            torch.empty((n_rows, n_cols), dtype=torch.int8, device=device), groups, torch.empty_like(groups)
+        )
+    if kind is None:
+        return None
     return (
         torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=device),
         torch.empty((n_rows, 1), dtype=torch.float32, device=device),
     )
 
 
-def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    return act_twin.attach(out, *twin) if twin is not None else out
+def _twin_args(twin: tuple[torch.Tensor, ...] | None) -> dict[str, object]:
+    """The kernels' QUANT keywords for a twin's buffers."""
+    if twin is None:
+        return {}
+    q8 = isinstance(twin, act_twin.Q8Act)
+    return dict(q_ptr=twin[0], qs_ptr=twin[1], qm_ptr=twin[2] if q8 else None, QUANT=2 if q8 else 1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool = False) -> torch.Tensor:
-    """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype; `fp8_twin`: the output also
-    carries its per-token e4m3 quantization (quantization/act_twin.py)."""
+def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    if twin is None:
+        return out
+    return act_twin.attach(out, twin) if isinstance(twin, act_twin.Q8Act) else act_twin.attach(out, *twin)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, twin_kind: str | None = None) -> torch.Tensor:
+    """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype; `twin_kind` ("fp8" / "q8"):
+    the output also carries its quantization (quantization/act_twin.py)."""
     require_triton()
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    twin = _twin(x2.shape[0], x2.shape[1], x.device) if fp8_twin else None
+    twin = _twin(twin_kind, x2.shape[0], x2.shape[1], x.device)
     _launch_norm(x2, None, out, None, weight, eps, 1, twin)
     return _with_twin(out.view(x.shape), twin)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_twin: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, twin_kind: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * norm(x + residual), x + residual)`: one read of x and residual, two writes.
 
@@ -157,7 +187,7 @@ def fused_add_rms_norm(
         x2 = x2.contiguous()
     out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
-    twin = _twin(r2.shape[0], r2.shape[1], x.device) if fp8_twin else None
+    twin = _twin(twin_kind, r2.shape[0], r2.shape[1], x.device)
     _launch_norm(x2, r2, out, res_out, weight, eps, parts, twin)
     return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
 
@@ -170,7 +200,7 @@ def _launch_norm(
     weight: torch.Tensor,
     eps: float,
     parts: int,
-    twin: tuple[torch.Tensor, torch.Tensor] | None,
+    twin: tuple[torch.Tensor, ...] | None,
 ) -> None:
     """`_rms_norm_kernel` over out's rows: with the residual `r2` (sum written to `res_out`) or without."""
     n_rows, n_cols = out.shape
@@ -195,27 +225,25 @@ def _launch_norm(
         BLOCK=block,
         PARTS=parts,
         num_warps=row_warps(block),
-        q_ptr=twin[0] if twin else None,
-        qs_ptr=twin[1] if twin else None,
-        QUANT=twin is not None,
+        **_twin_args(twin),
         **pdl_args(x2, "norm"),
     )
 
 
-def silu_and_mul(x: torch.Tensor, fp8_twin: bool = False) -> torch.Tensor:
-    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `fp8_twin`: one program a row, the output also
-    carrying its per-token e4m3 quantization (quantization/act_twin.py)."""
+def silu_and_mul(x: torch.Tensor, twin_kind: str | None = None) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `twin_kind`: the output also carries its
+    quantization (quantization/act_twin.py), "fp8" per token (one program a row) or "q8" per group of 32."""
     require_triton()
     x2 = _rows(x)
     n_rows, width = x2.shape
     d = width // 2
     out = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
-    twin = _twin(n_rows, d, x.device) if fp8_twin else None
+    twin = _twin(twin_kind, n_rows, d, x.device)
     if n_rows:
-        block = next_pow2(d) if twin else min(1024, next_pow2(d))
+        one = twin_kind == "fp8"  # (the row's amax in one program)
+        block = next_pow2(d) if one else min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=row_warps(block) if twin else 4,
-            q_ptr=twin[0] if twin else None, qs_ptr=twin[1] if twin else None, QUANT=twin is not None,
-            **pdl_args(x2, "silu"),
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=row_warps(block) if one else 4,
+            **_twin_args(twin), **pdl_args(x2, "silu"),
         )  # fmt: skip
     return _with_twin(out.view(*x.shape[:-1], d), twin)

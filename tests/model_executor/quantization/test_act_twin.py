@@ -1,6 +1,6 @@
-"""FP8 twins of decode activations (quantization/act_twin.py): which producers get linked, and the hand-off's
-rule that only the very tensor object a producer returned carries its twin. The kernels are tested on the
-device (tests/gpu/test_act_twin_gpu.py)."""
+"""Twins of decode activations (quantization/act_twin.py), FP8 and q8 (the GGUF int8 GEMV's): which producers
+get linked, which batches get them, and the hand-off's rule that only the very tensor object a producer
+returned carries its twin. The kernels are tested on the device (tests/gpu/test_act_twin_gpu.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_link_producers_only_for_fp8_dynamic_linears() -> None:
     with set_current_quant_config(Fp8Config(serialized=False, static_activations=False, ignored=[])):
         fp8_model = LlamaForCausalLM(CFG)
     assert act_twin.link_producers(fp8_model) == 6  # 2 layers x (input norm, post-attention norm, SiLU-mul)
-    assert all(layer.input_layernorm.fp8_twin for layer in fp8_model.model.layers)
-    assert all(layer.mlp.act_fn.fp8_twin for layer in fp8_model.model.layers)
+    assert all(layer.input_layernorm.twin_kind == "fp8" for layer in fp8_model.model.layers)
+    assert all(layer.mlp.act_fn.twin_kind == "fp8" for layer in fp8_model.model.layers)
     with set_current_quant_config(Fp8Config(serialized=True, static_activations=True, ignored=[])):
         static_model = LlamaForCausalLM(CFG)
     assert act_twin.link_producers(static_model) == 0
@@ -66,7 +66,7 @@ class _CudaLike:
 
 def test_which_batches_get_twins(monkeypatch) -> None:  # noqa: ANN001
     norm, plain = torch.nn.Module(), torch.nn.Module()
-    norm.fp8_twin = True
+    norm.twin_kind = "fp8"
     x = _CudaLike
     assert act_twin.wants_twin(norm, x(1)) and act_twin.wants_twin(norm, x(4))
     assert act_twin.wants_twin(norm, x(300))  # batches above decode size too (the GEMM path reads them)
@@ -95,8 +95,59 @@ def test_the_gemm_path_reads_a_twin() -> None:
 
 def test_no_twins_off_cuda() -> None:
     norm = torch.nn.Module()
-    norm.fp8_twin = True
+    norm.twin_kind = "fp8"
     cpu = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert not act_twin.wants_twin(norm, cpu)  # (CUDA only)
     meta = torch.empty(1, 8, dtype=torch.bfloat16, device="meta")
     assert not act_twin.wants_twin(norm, meta)
+
+
+def test_link_producers_for_gguf_int8_linears() -> None:
+    """Layers whose linears hold GGUF parts prepared for the GPU's int8 GEMV link their producers as "q8";
+    Q6_K-only parts (the float GEMV) and the CPU's parts link none."""
+    from pagedllm.model_executor.layers.linear import LinearBase
+    from pagedllm.model_executor.layers.quantization import gguf as gq
+
+    def gguf_model(qtype: int, triton: bool) -> LlamaForCausalLM:
+        model = LlamaForCausalLM(CFG)
+        for m in model.modules():
+            if isinstance(m, LinearBase):
+                n, k = m.weight.shape
+                cls = gq.GGUFTritonWeight if triton else gq.GGUFWeight
+                gq.install(m, [cls(qtype, torch.empty(0, dtype=torch.uint8), n, k)])
+        return model
+
+    q4_1, q6_k = 3, 14
+    model = gguf_model(q4_1, True)
+    assert act_twin.link_producers(model) == 6
+    assert all(layer.post_attention_layernorm.twin_kind == "q8" for layer in model.model.layers)
+    assert all(layer.mlp.act_fn.twin_kind == "q8" for layer in model.model.layers)
+    assert act_twin.link_producers(gguf_model(q6_k, True)) == 0
+    assert act_twin.link_producers(gguf_model(q4_1, False)) == 0
+
+
+class _CudaRows(_CudaLike):
+    def __init__(self, rows: int, cols: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype, self.shape = dtype, (rows, cols)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def test_which_batches_get_q8_twins() -> None:
+    norm = torch.nn.Module()
+    norm.twin_kind = "q8"
+    x = _CudaRows
+    assert act_twin.wants_twin(norm, x(1)) == "q8" and act_twin.wants_twin(norm, x(act_twin.Q8_MAX_ROWS)) == "q8"
+    assert act_twin.wants_twin(norm, x(act_twin.Q8_MAX_ROWS + 1)) is None  # the GEMM path reads no twin
+    assert act_twin.wants_twin(norm, x(4), min_rows=act_twin.MAX_ROWS) == "q8"  # (the FP8 SiLU-mul's bound)
+    assert act_twin.wants_twin(norm, x(1, dtype=torch.float32)) is None
+    assert act_twin.wants_twin(norm, x(1, 40)) is None  # not whole groups of 32
+
+
+def test_rows_slices_a_q8_twin() -> None:
+    x = torch.randn(6, 64)
+    q8 = act_twin.Q8Act(torch.zeros(6, 64, dtype=torch.int8), torch.rand(6, 2), torch.rand(6, 2))
+    part = act_twin.rows(act_twin.attach(x, q8), 1, 4)
+    twin = act_twin.twin_of(part)
+    assert isinstance(twin, act_twin.Q8Act) and twin.q.shape == (3, 64) and torch.equal(twin.s, q8.s[1:4])

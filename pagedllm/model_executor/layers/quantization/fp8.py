@@ -115,9 +115,9 @@ class W8A8LinearMethod(LinearMethodBase):
             layer.register_parameter("input_scale", iscale)
 
     @property
-    def takes_fp8_twin(self) -> bool:
-        """Whether the input's FP8 twin (quantization/act_twin.py) is this method's own quantization of it."""
-        return self.weight_dtype == FP8_DTYPE and not self.static_activations
+    def twin_kind(self) -> str | None:
+        """ "fp8" where the input's FP8 twin (quantization/act_twin.py) is this method's own quantization of it."""
+        return "fp8" if self.weight_dtype == FP8_DTYPE and not self.static_activations else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return w8a8_linear(

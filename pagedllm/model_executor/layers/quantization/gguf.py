@@ -180,6 +180,15 @@ class GGUFLinearMethod(LinearMethodBase):
         return gguf_matmul(x, self.parts, bias)
 
     @property
+    def twin_kind(self) -> str | None:
+        """ "q8" where the GPU's int8 GEMV multiplies a part (`gguf_triton.Q8A_TYPES`): its input's producer may
+        write the int8 quantization with it (act_twin.py)."""
+        from pagedllm.model_executor.layers.quantization.gguf_triton import Q8A_TYPES
+
+        q8 = any(isinstance(p, GGUFTritonWeight) and p.qtype in Q8A_TYPES for p in self.parts)
+        return "q8" if q8 and self.parts[0].cols % 32 == 0 else None
+
+    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.model_executor.layers.quantization import act_twin
+from pagedllm.model_executor.layers.quantization.act_twin import Q8Act
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton, split_counters
@@ -208,12 +210,32 @@ class GemvConfig(NamedTuple):
 
 
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
-# (type name, N, K); any other shape, and the float GEMV, take `_DEFAULT`. Empty until measured on an H200.
-TUNED: dict[tuple[str, int, int], GemvConfig] = {}
-# 64 rows x 256 weights, 4 warps: Triton lays the [64, 8, 4]-word tile (4-bit) as 16-byte loads, a group's 4
-# words per thread, so each activation word a thread holds serves several rows; 8 KB a step in flight per
-# program (4-bit types).
-_DEFAULT = GemvConfig(64, 256, 4, 1, 0)
+# (type name, N, K); any other shape takes `_DEFAULT`, the float GEMV `_FLOAT_DEFAULT`. NVIDIA H200, Llama-3.1-8B
+# shapes, M = 1, bf16 activations (session 41, results/s41/call6/sweep.json): a row or a few a program, whole
+# rows (no split-K), 1-2 warps; (BN, BK, warps, stages, split).
+TUNED: dict[tuple[str, int, int], GemvConfig] = {
+    ("Q4_1", 6144, 4096): GemvConfig(4, 1024, 2, 1, 1),
+    ("Q4_1", 4096, 4096): GemvConfig(4, 1024, 2, 1, 1),
+    ("Q4_1", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1),
+    ("Q4_1", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
+    ("Q4_1", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
+    ("Q8_0", 6144, 4096): GemvConfig(2, 2048, 4, 1, 1),
+    ("Q8_0", 4096, 4096): GemvConfig(2, 1024, 2, 1, 1),
+    ("Q8_0", 28672, 4096): GemvConfig(1, 2048, 2, 1, 1),
+    ("Q8_0", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
+    ("Q8_0", 128256, 4096): GemvConfig(1, 2048, 2, 1, 1),
+    ("Q4_K", 6144, 4096): GemvConfig(4, 512, 1, 1, 1),
+    ("Q4_K", 4096, 4096): GemvConfig(4, 1024, 2, 1, 1),
+    ("Q4_K", 28672, 4096): GemvConfig(4, 512, 1, 1, 1),
+    ("Q4_K", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
+    ("Q4_K", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
+}
+# The int8 GEMV elsewhere: 2 rows x 1024 weights a step, 2 warps, split-K only where the rows leave SMs idle.
+# Why so small (the sweeps of session 41): Triton pipelines no loads that feed no `tl.dot`, so a program waits
+# out the memory latency every step, and the bytes in flight come from many small resident programs. Tiles of
+# 64-256 rows ran at 1.7-3x the packed floor whatever their split; (2, 1024, 2) gate_up 1.12x.
+_DEFAULT = GemvConfig(2, 1024, 2, 1, 0)
+_FLOAT_DEFAULT = GemvConfig(64, 256, 4, 1, 0)  # the float GEMV (float32 activations, Q5_K / Q6_K)
 PROGRAMS_PER_SM = 8  # `_auto_split`'s target of programs per SM (a few resident, the rest a second wave)
 # The float exponent field of 2^23 (0x4B000000), passed to the GEMV as an argument: a register operand
 # lets each quant's mask-and-or be one LOP3 with the mask as its immediate; as a constant, ptxas spent a MOV
@@ -230,7 +252,7 @@ def int8_activations(qtype: int, dtype: torch.dtype) -> bool:
 def gemv_config(qtype: int, m: int, n: int, k: int, int8_act: bool = True) -> GemvConfig:
     """The decode GEMV's launch for an [n, k] weight of `qtype` and m activation rows: the single place
     holding the chosen defaults (`TUNED` for the int8-activation kernel, else `_DEFAULT`)."""
-    return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT) if int8_act else _DEFAULT
+    return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT) if int8_act else _FLOAT_DEFAULT
 
 
 def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
@@ -239,16 +261,7 @@ def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
     return max(1, min(k_steps, triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, m * n_blocks))))
 
 
-class Q8Act(NamedTuple):
-    """Activations quantized for the int8 GEMV (llama.cpp's q8_1), per group of 32 of each row: `q` int8
-    [M, K], `d` = amax / 127 and `s` = d * sum(q), float32 [M, K / 32]."""
-
-    q: torch.Tensor
-    d: torch.Tensor
-    s: torch.Tensor
-
-
-_Q8_GROUPS = 32  # groups of 32 a program of the quantizer takes
+_Q8_BLOCK = 1024  # columns a program of the quantizer takes
 
 
 def quantize_q8(x: torch.Tensor) -> Q8Act:
@@ -259,8 +272,9 @@ def quantize_q8(x: torch.Tensor) -> Q8Act:
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     d = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
     s = torch.empty_like(d)
-    kern._q8_quant_kernel[(m, triton.cdiv(k // 32, _Q8_GROUPS))](
-        x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0), GB=_Q8_GROUPS, num_warps=4, **pdl_args(x, "gemv")
+    block = min(_Q8_BLOCK, triton.next_power_of_2(k))
+    kern._q8_quant_kernel[(m, triton.cdiv(k, block))](
+        x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0), BLOCK=block, num_warps=4, **pdl_args(x, "gemv")
     )
     return Q8Act(q, d, s)
 
@@ -347,7 +361,9 @@ def gguf_matmul_triton(
             raise RuntimeError("gguf: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
         sms = num_sms(x2.device) if x2.is_cuda else 4
         start = 0
-        q8 = None
+        q8 = act_twin.twin_of(x)  # the producer's quantization of these very rows, if it wrote one
+        if not (isinstance(q8, Q8Act) and q8.q.shape == x2.shape):
+            q8 = None
         for p in parts:
             if not isinstance(p, GGUFTritonWeight):
                 raise TypeError("gguf: parts for the Triton kernels must come from gguf_triton.prepare")

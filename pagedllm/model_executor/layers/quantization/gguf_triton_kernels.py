@@ -223,26 +223,37 @@ if HAS_TRITON:
             return s
 
     @triton.jit
-    def _q8_quant_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_qm, stride_dm, GB: tl.constexpr,
-                         PDL: tl.constexpr = 0):  # fmt: skip
-        """Activations for the int8 GEMV, llama.cpp's q8_1: per group of 32 elements of a row, d = amax / 127,
-        q = roundf(x * (127 / amax)) as int8, s = d * sum(q). A program takes GB groups of one row."""
-        pdl_enter(PDL)
-        row = tl.program_id(0)
-        g = tl.program_id(1) * GB + tl.arange(0, GB)
+    def quant_groups_q8(y, q_ptr, d_ptr, s_ptr, col0, n_cols, BLOCK: tl.constexpr):
+        """Elements col0 .. col0 + BLOCK of a row, y [BLOCK] float32 (zero past n_cols; col0 and n_cols
+        multiples of 32), quantized for the int8 GEMV, llama.cpp's q8_1: per group of 32, d = amax / 127,
+        q = roundf(x * (127 / amax)) as int8 at q_ptr + column, d and s = d * sum(q) at d_ptr / s_ptr + group.
+        The quantizer of `_q8_quant_kernel` and of the norms' and SiLU-mul's twins (act_twin.py)."""
+        GB: tl.constexpr = BLOCK // 32
+        x = tl.reshape(y, [GB, 32])
+        g = col0 // 32 + tl.arange(0, GB)
         e = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-        ok = g < K // 32
-        x = tl.load(x_ptr + row * stride_xm + e, mask=ok[:, None], other=0.0).to(tl.float32)
+        ok = g * 32 < n_cols
         amax = tl.max(tl.abs(x), axis=1)
         inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GB], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
         d = tl.div_rn(amax, tl.full([GB], 127.0, tl.float32))
-        y = x * inv[:, None]
-        t = y.to(tl.int32)
-        f = y - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
+        v = x * inv[:, None]
+        t = v.to(tl.int32)
+        f = v - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
         q = t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
-        tl.store(q_ptr + row * stride_qm + e, q.to(tl.int8), mask=ok[:, None])
-        tl.store(d_ptr + row * stride_dm + g, d, mask=ok)
-        tl.store(s_ptr + row * stride_dm + g, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+        tl.store(q_ptr + e, q.to(tl.int8), mask=ok[:, None])
+        tl.store(d_ptr + g, d, mask=ok)
+        tl.store(s_ptr + g, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+
+    @triton.jit
+    def _q8_quant_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_qm, stride_dm, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = 0):  # fmt: skip
+        """`quant_groups_q8` over x [M, K]: a program per (row, BLOCK columns)."""
+        pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        col0 = tl.program_id(1) * BLOCK
+        offs = col0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        quant_groups_q8(x, q_ptr + row * stride_qm, d_ptr + row * stride_dm, s_ptr + row * stride_dm, col0, K, BLOCK)
 
     @triton.jit
     def _q8a_load(lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,

@@ -302,6 +302,8 @@ def w8a8_linear(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
+    if isinstance(twin, act_twin.Q8Act):  # (a GGUF int8 GEMV's: not an e4m3 row)
+        twin = None
     if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
         return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
     if twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k):
