@@ -42,6 +42,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from pagedllm.benchmarks import floors
+from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
 
@@ -247,6 +248,7 @@ def main() -> None:
     p.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K"], choices=list(TYPE_IDS))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-w3", action="store_true")
+    p.add_argument("--skip-gemv", action="store_true", help="W3 only (2.)")
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
     p.add_argument("--tuned", help="a --sweep JSON whose best launches replace gguf_triton.TUNED")
@@ -265,7 +267,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         return
-    for name in args.types:
+    for name in [] if args.skip_gemv else args.types:
         result["gemv"][name] = gemv_bench(name, bw)
     if not args.skip_w3:
         from pagedllm import LLM
@@ -288,12 +290,14 @@ def main() -> None:
             runner.cuda_graphs = None
             torch.cuda.empty_cache()
             packed = swap_to_gguf(model, name, gen)
+            linked = act_twin.link_producers(model)  # as a GGUF model's load does (worker/cuda_rewrites.py)
             runner.capture_cuda_graphs()  # the old graphs ran the dense weights
             nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
             ms = w3(llm, args.reps)
             fl = nbytes / bw * 1e3
             result["w3"][name] = dict(ms_per_token=ms, bytes_per_token=nbytes, floor_ms=fl, x_floor=ms / fl)
-            print(f"W3 {name}: {ms:.3f} ms/token, floor {fl:.3f} ms ({nbytes / 1e9:.2f} GB), {ms / fl:.2f}x")
+            print(f"W3 {name}: {ms:.3f} ms/token, floor {fl:.3f} ms ({nbytes / 1e9:.2f} GB), {ms / fl:.2f}x, "
+                  f"{linked} producers writing q8 twins")  # fmt: skip
             if args.profile:
                 result["w3"][name]["profile"] = profile_w3(llm)
     with open(args.json, "w") as f:
