@@ -28,7 +28,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import quant_groups_q8
+    from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
     from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
     from pagedllm.triton_utils import pdl_enter
 

@@ -49,7 +49,7 @@ class Q8Act(NamedTuple):
     s: torch.Tensor
 
 
-def attach(t: torch.Tensor, *twin: "torch.Tensor | Q8Act") -> torch.Tensor:
+def attach(t: torch.Tensor, *twin: torch.Tensor | Q8Act) -> torch.Tensor:
     """`t` with its quantized twin: (q [rows, K] e4m3, scale [rows, 1] float32 per token), or a `Q8Act`."""
     setattr(t, _ATTR, twin[0] if len(twin) == 1 else tuple(twin))
     return t

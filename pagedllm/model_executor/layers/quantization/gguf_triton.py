@@ -1,15 +1,18 @@
 """GGUF weights kept packed on the GPU: the load-time re-layout and the launchers of the Triton kernels
-(`gguf_triton_kernels`): a split-K GEMV for decode (M <= `GEMV_MAX_M`) that streams every packed byte once,
-and a dequant-GEMM (tensor cores) for prefill.
+(`gguf_triton_kernels`): a GEMV for decode (M <= `GEMV_MAX_M`) that streams every packed byte once, with
+int8 activations and IDP4A for 16-bit activations and the pair-layout types (`Q8A_TYPES`; the activations
+quantized by `quantize_q8` or handed over as their producer's twin, act_twin.py), with float products
+otherwise; and a dequant-GEMM (tensor cores) for prefill.
 
 `prepare` turns a file's blocks ([rows, row_bytes] uint8, `gguf.GGUFWeight`) into a `GGUFTritonWeight`:
 the quants as int32 words, each row's words contiguous (a program's tile of a row is one run, loaded with
-16-byte loads), inside each group in the "pair" layout of the int8-activation GEMV (Q4_0 / Q4_1 / Q4_K /
-Q8_0) or word-major (Q5_K / Q6_K; `gguf_triton_kernels` describes both), the high bits of Q5_K / Q6_K in
-their own planes in the word-major order, and the scale fields in separate tensors with the K-quants' 6-bit scales and
-mins decoded to bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead of
-144, Q5_K 180 instead of 176; the others equal). `dequantize` (torch, any device) is the layout-independent
-reference of the same decoding, checked against the `gguf` package's in the tests.
+16-byte loads), inside each group in the "pair" layout of the int8 GEMV (Q4_0 / Q4_1 / Q4_K / Q8_0) or
+word-major (Q5_K / Q6_K; `gguf_triton_kernels` describes both), the high bits of Q5_K / Q6_K in their own
+planes in the word-major order, and the scale fields in separate tensors with the K-quants' 6-bit scales
+and mins decoded to bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead
+of 144, Q5_K 180 instead of 176; the others equal). `dequantize` (torch, any device) is the
+layout-independent reference of the same decoding, checked against the `gguf` package's in the tests;
+`q8_activations` the reference of the int8 GEMV's activations.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton,
 if HAS_TRITON:
     import triton
 
+    from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as int8
     from pagedllm.model_executor.layers.quantization import gguf_triton_kernels as kern
 
 GEMV_MAX_M = 8
@@ -142,7 +146,7 @@ def quants_per_word(qtype: int) -> int:
 
 
 Q8A_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0)
-"""Types in the pair layout, multiplied by the int8-activation GEMV (`_gguf_gemv_q8a_kernel`) for 16-bit
+"""Types in the pair layout, multiplied by the int8-activation GEMV (`gguf_triton_int8`) for 16-bit
 activations."""
 
 
@@ -273,7 +277,7 @@ def quantize_q8(x: torch.Tensor) -> Q8Act:
     d = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
     s = torch.empty_like(d)
     block = min(_Q8_BLOCK, triton.next_power_of_2(k))
-    kern._q8_quant_kernel[(m, triton.cdiv(k, block))](
+    int8._q8_quant_kernel[(m, triton.cdiv(k, block))](
         x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0), BLOCK=block, num_warps=4, **pdl_args(x, "gemv")
     )
     return Q8Act(q, d, s)
@@ -310,7 +314,7 @@ def gguf_gemv_triton(
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)
-        kern._gguf_gemv_q8a_kernel[grid](
+        int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
             EVEN_K=k % bk == 0, ASM=x.is_cuda, PREFETCH=ns > 1, num_warps=nw, num_stages=1, **pdl,

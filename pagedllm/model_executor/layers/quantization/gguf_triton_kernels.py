@@ -10,15 +10,15 @@ group of G elements:
     Q6_K  u = q (0..63)         c = 32    s = d * sc[j] (int8)   m = 0                  G 16 (d per 256)
 
 Layouts (int32 words, a group's words contiguous in its row). "Pair" layout, Q4_0 / Q4_1 / Q4_K / Q8_0:
-the int8-activation GEMV's (`_gguf_gemv_q8a_kernel`); 4-bit: byte i of a group's 16 holds element i in its
+the int8-activation GEMV's (`gguf_triton_int8`); 4-bit: byte i of a group's 16 holds element i in its
 low nibble and element 16 + i in its high one (Q4_0 / Q4_1 as the file stores them, Q4_K's 32-element
 sub-blocks brought to the same form); Q8_0: the bytes in element order. So word w's low nibbles (bytes) are
 elements 4w..4w+3, the same 4 bytes an int8 activation word holds. "Word-major" layout, Q5_K / Q6_K: with
 WPG = G / EPW words per group (EPW quants a word), quant j of word w is element WPG * j + w of the group,
 so the float GEMV loads each x_j slice as one contiguous run.
 
-Decode GEMV with 16-bit activations and a pair-layout type: the activations are quantized to int8 per
-group of 32 inside the program and the products summed by IDP4A, 4 per instruction (see the kernel).
+Decode GEMV with 16-bit activations and a pair-layout type: int8 activations and IDP4A, 4 products an
+instruction (`gguf_triton_int8`).
 
 Float decode GEMV (float32 activations, and Q5_K / Q6_K). At the packed-bytes floor a 4-bit GEMV must
 turn ~7e12 weights/s into products on an H200, about 30 per SM per clock, and an SM issues 4 warp
@@ -200,178 +200,6 @@ if HAS_TRITON:
                     tot += tl.load(part_ptr + (i * M + m_row) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + m_row * stride_om + offs_n, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(cnt_ptr + pid_n * M + m_row, 0)
-
-    @triton.jit
-    def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
-        """c + the dot product of the 4 bytes of a and b (int32 words; b's bytes signed, a's signed if SIGNED
-        else unsigned): one IDP4A on the GPU, shifts and products under the interpreter (ASM false)."""
-        if ASM:
-            if SIGNED:
-                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                 dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-            else:
-                return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                 dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-        else:
-            s = c
-            for i in tl.static_range(4):
-                ai = (a >> (8 * i)) & 0xFF
-                if SIGNED:
-                    ai = ai - ((ai & 0x80) << 1)
-                bi = (b >> (8 * i)) & 0xFF
-                s += ai * (bi - ((bi & 0x80) << 1))
-            return s
-
-    @triton.jit
-    def quant_groups_q8(y, q_ptr, d_ptr, s_ptr, col0, n_cols, BLOCK: tl.constexpr):
-        """Elements col0 .. col0 + BLOCK of a row, y [BLOCK] float32 (zero past n_cols; col0 and n_cols
-        multiples of 32), quantized for the int8 GEMV, llama.cpp's q8_1: per group of 32, d = amax / 127,
-        q = roundf(x * (127 / amax)) as int8 at q_ptr + column, d and s = d * sum(q) at d_ptr / s_ptr + group.
-        The quantizer of `_q8_quant_kernel` and of the norms' and SiLU-mul's twins (act_twin.py)."""
-        GB: tl.constexpr = BLOCK // 32
-        x = tl.reshape(y, [GB, 32])
-        g = col0 // 32 + tl.arange(0, GB)
-        e = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-        ok = g * 32 < n_cols
-        amax = tl.max(tl.abs(x), axis=1)
-        inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GB], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-        d = tl.div_rn(amax, tl.full([GB], 127.0, tl.float32))
-        v = x * inv[:, None]
-        t = v.to(tl.int32)
-        f = v - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
-        q = t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
-        tl.store(q_ptr + e, q.to(tl.int8), mask=ok[:, None])
-        tl.store(d_ptr + g, d, mask=ok)
-        tl.store(s_ptr + g, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
-
-    @triton.jit
-    def _q8_quant_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_qm, stride_dm, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = 0):  # fmt: skip
-        """`quant_groups_q8` over x [M, K]: a program per (row, BLOCK columns)."""
-        pdl_enter(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        col0 = tl.program_id(1) * BLOCK
-        offs = col0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        quant_groups_q8(x, q_ptr + row * stride_qm, d_ptr + row * stride_dm, s_ptr + row * stride_dm, col0, K, BLOCK)
-
-    @triton.jit
-    def _q8a_load(lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
-                  QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
-        """Everything the step at k0 reads, as loaded (converted by the step that uses it, so that a prefetch
-        leaves its loads in flight): the weight words [BN, GS, 4] (Q8_0: each group's first and second 4; the
-        4-bit types: the 4, twice), the activation words for them, the activations' d and d * sum(q) [1, GS],
-        and the weights' scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d)."""
-        g = k0 // 32 + offs_g
-        kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
-        kx = tl.multiple_of(k0 // 4, 8 * GS)
-        if EVEN_K:
-            gm = (g >= 0)[None, :]
-        else:
-            gm = (g * 32 < k_end)[None, :]  # whole groups: K is a multiple of 32
-        wm = gm[:, :, None]
-        words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
-        words2 = words
-        if QT == 8:
-            words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
-        xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
-        xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
-        dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
-        sx = dx
-        if QT != 8:
-            sx = tl.load(xs_row + g[None, :], mask=gm, other=0.0)
-        if QT == 12:
-            a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
-            b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
-            c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
-            e = tl.load(mn_rows + g[None, :], mask=gm, other=0)
-        else:
-            a = tl.load(d_rows + g[None, :], mask=gm, other=0.0)
-            b = a
-            if QT == 3:
-                b = tl.load(dm_rows + g[None, :], mask=gm, other=0.0)
-            c = a
-            e = a
-        return words, words2, xl, xh, dx, sx, a, b, c, e
-
-    @triton.jit
-    def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
-                              cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
-                              K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                              PDL: tl.constexpr = 0):  # fmt: skip
-        """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
-        the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
-        `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
-        word is dotted with the matching activation word by IDP4A (4 products and their sum in one
-        instruction; a 4-bit word gives two words of nibbles, w & 0x0F0F0F0F with the group's first 16
-        elements and (w >> 4) & 0x0F0F0F0F with the last 16), a group's word sums are scaled once:
-        d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
-        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
-        PREFETCH: everything the next step reads is loaded before this step's values are used (Triton
-        pipelines no loads that feed no `tl.dot`, so a program otherwise waits out the memory latency every
-        step)."""
-        GS: tl.constexpr = BK // 32
-        WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
-        pdl_enter(PDL)
-        pid_n = tl.program_id(0)  # (grid x: a row a program makes more column blocks than y's 65,535)
-        m_row = tl.program_id(1)
-        split = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
-        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
-        offs_g = tl.arange(0, GS)
-        offs_i = tl.arange(0, 4)
-        gw = (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]  # [1, GS, 4]: words of the step's groups
-        lo_rows = lo_ptr + r[:, :, None] * stride_lo + gw
-        xw = (offs_g[:, None] * 8 + offs_i[None, :])[None, :, :] + 0 * r[:, :, None].to(tl.int32)  # [BN, GS, 4]
-        xq_row = xq_ptr + m_row * stride_xq
-        xd_row = xd_ptr + m_row * stride_xd
-        xs_row = xs_ptr + m_row * stride_xd
-        d_rows = d_ptr + r * stride_d
-        dm_rows = dm_ptr + r * stride_d
-        sc_rows = sc_ptr + r * stride_sc
-        mn_rows = mn_ptr + r * stride_sc
-        zero = tl.zeros([BN, GS, 4], dtype=tl.int32)
-        k_begin = split * K_SPLIT
-        k_end = tl.minimum(k_begin + K_SPLIT, K)
-        k_last = k_begin + (k_end - 1 - k_begin) // BK * BK  # the last step's start
-        acc = tl.zeros([BN, GS], dtype=tl.float32)
-        if PREFETCH:
-            nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
-                lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k_begin, k_end, offs_g,
-                QT, EVEN_K, WPG, GS,
-            )  # fmt: skip
-        for k0 in range(k_begin, k_end, BK):
-            if PREFETCH:  # the next step's loads in flight while this step's values are multiplied
-                words, words2, xl, xh, dx, sx, a, b, c, e = nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne
-                nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
-                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw,
-                    tl.minimum(k0 + BK, k_last), k_end, offs_g, QT, EVEN_K, WPG, GS,
-                )  # fmt: skip
-            else:
-                words, words2, xl, xh, dx, sx, a, b, c, e = _q8a_load(
-                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
-                    QT, EVEN_K, WPG, GS,
-                )  # fmt: skip
-            if QT == 8:
-                p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
-            else:
-                p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
-                p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
-            tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-            if QT == 12:
-                s = a.to(tl.float32) * _u2f(c.to(tl.int32))
-                mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
-            else:
-                s = a.to(tl.float32)
-                mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
-            if QT == 8:
-                acc += tg * s * dx
-            else:
-                acc += tg * s * dx + mt * sx
-        _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
-                     offs_n, n_ok, SPLIT, BN)  # fmt: skip
 
     @triton.jit
     def _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT: tl.constexpr):
