@@ -19,7 +19,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _store_split, _u2f
+    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
     from pagedllm.triton_utils import pdl_enter
 
     @triton.jit
@@ -135,12 +135,7 @@ if HAS_TRITON:
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         pdl_enter(PDL)
-        pid_n = tl.program_id(0)  # (grid x: a row a program makes more column blocks than y's 65,535)
-        m_row = tl.program_id(1)
-        split = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
-        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+        pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_g = tl.arange(0, GS)
         offs_i = tl.arange(0, 4)
         gw = (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]  # [1, GS, 4]: words of the step's groups

@@ -98,12 +98,7 @@ if HAS_TRITON:
         HAS_MIN: tl.constexpr = QT == 3 or QT == 12 or QT == 13
         PAIR: tl.constexpr = QT != 13 and QT != 14  # the int8-activation kernel's layout (`_q8a` types)
         pdl_enter(PDL)
-        pid_n = tl.program_id(0)  # (grid x: a row a program makes more column blocks than y's 65,535)
-        m_row = tl.program_id(1)
-        split = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
-        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+        pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_w = tl.arange(0, W)
         offs_g = tl.arange(0, GS)
         # Element of quant 0 of each word, from the step's start (quant j: + _xj(j)).
@@ -180,6 +175,16 @@ if HAS_TRITON:
                 acc += tg * s
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
                      offs_n, n_ok, SPLIT, BN)  # fmt: skip
+
+    @triton.jit
+    def _gemv_program(N, BN: tl.constexpr):
+        """A GEMV program's place: (column block, activation row, K split, its BN rows, which of them are < N,
+        the rows clamped to N - 1 as int64 [BN, 1], so that no weight load needs a row mask). Column blocks
+        are on grid x: a row a program makes more of them than grid y's 65,535 (the LM head's 128,256)."""
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        r = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+        return pid_n, tl.program_id(1), tl.program_id(2), offs_n, offs_n < N, r
 
     @triton.jit
     def _store_split(res, part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n, n_ok,
