@@ -88,6 +88,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     from pagedllm.distributed import fused_allreduce_norm as pull
     from pagedllm.distributed import push_allreduce as push
     from pagedllm.model_executor.layers import triton_gemv, triton_ops
+    from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as gguf_int8
+    from pagedllm.model_executor.layers.quantization import gguf_triton_kernels as gguf_kern
     from pagedllm.model_executor.layers.quantization import w8a8_ops
 
     bf = "*bf16"
@@ -96,7 +98,13 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gemv = dict(HAS_BIAS=False, HAS_LORA=False, EVEN=True, EVEN_A=True, PUSH=False, GLU=False, BLOCK_N=1, BLOCK_K=512)
     norm_ptrs = dict(x_ptr=bf, res_ptr=bf, out_ptr=bf, res_out_ptr=bf, w_ptr=bf, eps="fp32", q_ptr="*fp8e4nv")
     norm_ptrs.update(qs_ptr="*fp32", recv_ptr="*i16", epoch_ptr="*i64", buf_ptrs="*u64", flag_ptrs="*u64")
-    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=True)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1)
+    q8_ptrs = dict(norm_ptrs, q_ptr="*i8", qs_ptr="*fp32", qm_ptr="*fp32", d_ptr="*fp32", s_ptr="*fp32")
+    gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
+    gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
+    gguf_ptrs.update(cnt_ptr="*i32")
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PREFETCH=False)
+    gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
     w8 = dict(QMAX=448.0, IS_INT=False, STATIC=False, HAS_BIAS=False, BN=16, BK=512, AB=4096, H2=True, FLUSH=4)
@@ -122,7 +130,13 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
             norm,
             norm_ptrs,
         ),
-        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024), norm_ptrs),
+        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=0), norm_ptrs),
+        ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1), norm_ptrs),
+        ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2), q8_ptrs),
+        ("add_rms_norm_q8_twin", triton_ops._rms_norm_kernel, dict(norm, QUANT=2), q8_ptrs),
+        ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
+        ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
+        ("gguf_gemv_float", gguf_kern._gguf_gemv_kernel, gguf_f, gguf_ptrs),
         ("w8a8_gemv", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=True, PIPE=3, PRE=False), w8_ptrs),
         ("w8a8_gemv_pre", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=False, PIPE=3, PRE=True), w8_ptrs),
         ("push_recv_norm", push._recv_add_norm_kernel, dict(RANK=1, BLOCK=4096), norm_ptrs),
