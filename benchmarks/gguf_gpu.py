@@ -95,26 +95,23 @@ def gemv_bench(name: str, bw: float) -> dict[str, Any]:
 
 
 # Decode-GEMV tiles (BN, BK, warps) of the int8-activation (IDP4A) kernel, which the sweep's bf16 activations
-# take for every type it times, each without and with its prefetch of the next step (stages 1 / 2). The
-# session-41 sweep without prefetch found every tile latency-bound (1.7-3x the floor whatever the split):
-# a program waits out the memory latency each step, so the bytes in flight per SM (programs resident x tile
-# bytes) set the speed. Registers a thread (sm_90a, Q4_1, 4 warps): BN 32 56, BN 64 78 / 96 with prefetch,
-# BN 128 252 with prefetch (2 programs an SM).
-# Second sweep (session 41): the smallest tile tried, (16, 512, 2) with prefetch, won 12 of 15 shapes, so
-# this one goes down to a row a program (the bf16 row GEMV's shape: whole rows streamed, no split-K).
-# Third (after the second's first four shapes: (2, 1024, 2) / (4, 1024, 2) / (1, 2048, 2), split 1, no
-# prefetch, won all four, Q4_1 per layer 62.5 -> 41.3 us): one and two warps around those.
+# take for every type it times. History (session 41, NOTES): tiles of 32-256 rows, with and without a prefetch
+# of the next step (since removed), were latency-bound (1.7-3x the floor whatever the split): a program waits
+# out the memory latency each step, so the bytes in flight per SM (programs resident x tile bytes) set the
+# speed, and the smallest tile tried, (16, 512, 2), won 12 of 15 shapes. Going down to a row a program (the
+# bf16 row GEMV's shape: whole rows, no split-K), (2, 1024, 2) / (4, 1024, 2) / (1, 2048, 2) won; these are
+# one and two warps around those.
 _TILES = [(1, 1024, 1), (1, 2048, 2), (2, 1024, 2), (2, 2048, 4), (4, 1024, 2), (4, 512, 1), (8, 512, 2)]
 
 
 def sweep_configs(qtype: int, n: int, k: int, sms: int) -> list[gt.GemvConfig]:
-    """Each tile without and with prefetch, with split-K 1 and the splits that give ~4, 8 and 16 programs
-    per SM (deduplicated), plus the current default (`gemv_config`)."""
+    """Each tile with split-K 1 and the splits that give ~4, 8 and 16 programs per SM (deduplicated), plus
+    the current default (`gemv_config`)."""
     out: list[gt.GemvConfig] = []
     for bn, bk, nw in _TILES:
         blocks, steps = -(-n // bn), -(-k // bk)
         splits = {1} | {max(1, min(steps, -(-per * sms // blocks))) for per in (4, 8, 16)}
-        out += [gt.GemvConfig(bn, bk, nw, st, s) for st in (1, 2) for s in sorted(splits)]
+        out += [gt.GemvConfig(bn, bk, nw, 1, s) for s in sorted(splits)]
     default = gt.gemv_config(qtype, 1, n, k, gt.int8_activations(qtype, torch.bfloat16))
     if default.split == 0:  # as the launcher resolves it
         bk = max(64, min(default.bk, 1 << (k - 1).bit_length()))

@@ -3,7 +3,7 @@ thread and step, instructions per weight, the instruction mix and the registers 
 figures behind `gguf_triton_int8`'s design notes and benchmarks/NOTES.md).
 
     PYTHONPATH=. python3 benchmarks/gguf_sass_census.py [--types Q4_1 Q8_0 Q4_K] [--tiles 2x1024x2 64x256x4]
-        [--prefetch] [--float]
+        [--float]
 
 The main loop is the longest backward branch of the SASS (`cuobjdump -sass` from Triton's own copy). A step
 covers BN x BK weights spread over the program's threads. The Triton here (3.9) may lay a kernel out
@@ -35,14 +35,14 @@ POINTERS = {
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_gemv(qtype: int, bn: int, bk: int, warps: int, prefetch: bool, use_float: bool) -> bytes:
+def compile_gemv(qtype: int, bn: int, bk: int, warps: int, use_float: bool) -> bytes:
     """The cubin of one GEMV launch (pointers and strides given Triton's divisible-by-16 specialization)."""
     if use_float:
         fn = kern._gguf_gemv_kernel
         consts = dict(QT=qtype, EPW=4 if qtype == 8 else 8, G=16 if qtype == 14 else 32, BN=bn, BK=bk, EVEN_K=True)
     else:
         fn = int8._gguf_gemv_q8a_kernel
-        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PREFETCH=prefetch)
+        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True)
     consts["PDL"] = 0
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -81,13 +81,12 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0", "Q4_K"], choices=list(TYPES))
     ap.add_argument("--tiles", nargs="+", default=["2x1024x2", "4x512x1", "16x512x2", "64x256x4", "128x256x4"],
                     help="BNxBKxWARPS")  # fmt: skip
-    ap.add_argument("--prefetch", action="store_true", help="the int8 GEMV's PREFETCH variant")
     ap.add_argument("--float", action="store_true", help="the float GEMV instead of the int8 one")
     args = ap.parse_args()
     for name in args.types:
         for tile in args.tiles:
             bn, bk, warps = (int(v) for v in tile.split("x"))
-            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.prefetch, args.float))
+            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.float))
             per_weight = len(loop) * warps * 32 / (bn * bk)
             mix = ", ".join(f"{k} {v}" for k, v in Counter(loop).most_common(8))
             print(f"{name} BN {bn:3d} BK {bk:4d} warps {warps}: {len(loop):4d} instructions a thread-step, "

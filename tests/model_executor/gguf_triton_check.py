@@ -32,7 +32,7 @@ CASES += ["mixed-parts-2", "mixed-parts-19", "fp16-gemv", "fp16-gemm", "layer-di
 # Explicit decode-GEMV launches (BN, BK, warps, stages, split) at M = 5, N = 37 (odd, not a multiple of BN),
 # K = 640 (20 blocks of 32) / 768 (3 super-blocks): K a multiple of BK and split 1 (no masks, direct store),
 # and K not a multiple of BK with split-K (masked last step, partials summed by the last program).
-# Stages 2: the int8 GEMV's prefetch of the next step (the float GEMV ignores it), over 2-5 steps a program.
+# The stages-2 configurations: more launches over 2-5 K steps a program (stages change no kernel's code).
 GEMV_CONFIGS = {
     "32": [(16, 128, 4, 1, 1), (32, 256, 4, 1, 3), (32, 128, 4, 2, 2), (16, 256, 4, 2, 1)],
     "256": [(16, 256, 4, 1, 1), (16, 512, 4, 1, 2), (16, 256, 4, 2, 1), (16, 512, 4, 2, 1)],

@@ -202,9 +202,9 @@ def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
 
 class GemvConfig(NamedTuple):
     """A decode-GEMV launch: rows per program (BN), weights per row per K step (BK, a power of 2 >= 64),
-    warps, stages, and the split-K factor (0: `_auto_split`). Triton does not software-pipeline loads that
-    feed no `tl.dot` (the sm_90a SASS is the same for num_stages 1 and 3), so for the int8 GEMV stages >= 2
-    means the kernel's own prefetch of the next step (`PREFETCH`); the float GEMV ignores it."""
+    warps, num_stages, and the split-K factor (0: `_auto_split`). Stages change nothing today: Triton does
+    not software-pipeline loads that feed no `tl.dot` (the sm_90a SASS is the same for 1 and 3); a prefetch
+    of the next step written into the int8 kernel won no shape of the session-41 sweep and was removed."""
 
     bn: int
     bk: int
@@ -317,7 +317,7 @@ def gguf_gemv_triton(
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
-            EVEN_K=k % bk == 0, ASM=x.is_cuda, PREFETCH=ns > 1, num_warps=nw, num_stages=1, **pdl,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](

@@ -79,10 +79,10 @@ if HAS_TRITON:
     @triton.jit
     def _q8a_load(lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
                   QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
-        """Everything the step at k0 reads, as loaded (converted by the step that uses it, so that a prefetch
-        leaves its loads in flight): the weight words [BN, GS, 4] (Q8_0: each group's first and second 4; the
-        4-bit types: the 4, twice), the activation words for them, the activations' d and d * sum(q) [1, GS],
-        and the weights' scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d)."""
+        """Everything the step at k0 reads, as loaded: the weight words [BN, GS, 4] (Q8_0: each group's first
+        and second 4; the 4-bit types: the 4, twice), the activation words for them, the activations' d and
+        d * sum(q) [1, GS], and the weights' scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else
+        d; the unused ones repeat d)."""
         g = k0 // 32 + offs_g
         kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
         kx = tl.multiple_of(k0 // 4, 8 * GS)
@@ -119,8 +119,7 @@ if HAS_TRITON:
     def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                              PDL: tl.constexpr = 0):  # fmt: skip
+                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -128,10 +127,7 @@ if HAS_TRITON:
         instruction; a 4-bit word gives two words of nibbles, w & 0x0F0F0F0F with the group's first 16
         elements and (w >> 4) & 0x0F0F0F0F with the last 16), a group's word sums are scaled once:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
-        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
-        PREFETCH: everything the next step reads is loaded before this step's values are used (Triton
-        pipelines no loads that feed no `tl.dot`, so a program otherwise waits out the memory latency every
-        step)."""
+        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         pdl_enter(PDL)
@@ -151,25 +147,12 @@ if HAS_TRITON:
         zero = tl.zeros([BN, GS, 4], dtype=tl.int32)
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
-        k_last = k_begin + (k_end - 1 - k_begin) // BK * BK  # the last step's start
         acc = tl.zeros([BN, GS], dtype=tl.float32)
-        if PREFETCH:
-            nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
-                lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k_begin, k_end, offs_g,
+        for k0 in range(k_begin, k_end, BK):
+            words, words2, xl, xh, dx, sx, a, b, c, e = _q8a_load(
+                lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
                 QT, EVEN_K, WPG, GS,
             )  # fmt: skip
-        for k0 in range(k_begin, k_end, BK):
-            if PREFETCH:  # the next step's loads in flight while this step's values are multiplied
-                words, words2, xl, xh, dx, sx, a, b, c, e = nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne
-                nw, nw2, nxl, nxh, ndx, nsx, na, nb, nc, ne = _q8a_load(
-                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw,
-                    tl.minimum(k0 + BK, k_last), k_end, offs_g, QT, EVEN_K, WPG, GS,
-                )  # fmt: skip
-            else:
-                words, words2, xl, xh, dx, sx, a, b, c, e = _q8a_load(
-                    lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
-                    QT, EVEN_K, WPG, GS,
-                )  # fmt: skip
             if QT == 8:
                 p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
             else:

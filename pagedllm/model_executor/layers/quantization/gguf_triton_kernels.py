@@ -96,12 +96,12 @@ if HAS_TRITON:
         WPG: tl.constexpr = G // EPW
         GS: tl.constexpr = BK // G
         HAS_MIN: tl.constexpr = QT == 3 or QT == 12 or QT == 13
-        PAIR: tl.constexpr = QT != 13 and QT != 14  # the int8-activation kernel's layout (`_q8a` types)
+        PAIR: tl.constexpr = QT != 13 and QT != 14  # the pair layout (`gguf_triton.Q8A_TYPES`)
         pdl_enter(PDL)
         pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_w = tl.arange(0, W)
         offs_g = tl.arange(0, GS)
-        # Element of quant 0 of each word, from the step's start (quant j: + _xj(j)).
+        # Element of quant 0 of each word, from the step's start (quant j: + xj_at below).
         if PAIR:
             xo = (offs_w // WPG) * G + (offs_w % WPG) * 4
         else:
