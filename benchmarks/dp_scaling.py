@@ -50,12 +50,21 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
     steps = [v for v in per_graph.values() if len(v) >= big // 2]
     spans, busies = [], []
     by_name: dict[str, float] = defaultdict(float)
+    # A kernel's share of the step's critical path: its end minus the previous kernel's (by end time). With
+    # PDL a kernel starts early and waits, so its duration overstates it; the gap before a late start (the
+    # launch) counts to the kernel that waited for it.
+    crit: dict[str, float] = defaultdict(float)
     for v in steps:
         ivs = [(k["ts"], k["ts"] + k["dur"]) for k in v]
         spans.append((max(b for _, b in ivs) - min(a for a, _ in ivs)) / 1e3)
         busies.append(_busy(ivs) / 1e3)
         for k in v:
             by_name[k["name"][:80]] += k["dur"] / 1e3 / len(steps)
+        prev = None
+        for k in sorted(v, key=lambda k: k["ts"] + k["dur"]):
+            end = k["ts"] + k["dur"]
+            crit[k["name"][:80]] += (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
+            prev = end
     return {
         "decode_graphs": len(steps),
         "kernels_per_decode_graph": big,
@@ -66,6 +75,7 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         "eager_kernels_ms": sum(k["dur"] for k in eager) / 1e3,
         "eager_kernels": len(eager),
         "decode_top_kernels_ms_per_step": sorted(by_name.items(), key=lambda x: -x[1])[:top],
+        "decode_critical_ms_per_step": sorted(crit.items(), key=lambda x: -x[1])[:top],
     }
 
 

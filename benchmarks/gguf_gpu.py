@@ -182,30 +182,37 @@ def profile_w3(llm: Any) -> dict[str, Any]:
         return prof
     print(f"  decode step: span {prof['decode_span_ms_median']:.3f} ms, busy {prof['decode_busy_ms_median']:.3f} ms, "
           f"{prof['kernels_per_decode_graph']} kernels")  # fmt: skip
+    crit = dict(prof["decode_critical_ms_per_step"])
     for kname, ms in prof["decode_top_kernels_ms_per_step"]:
-        print(f"    {ms * 1e3:8.1f} us/step  {kname}")
+        print(f"    {ms * 1e3:8.1f} us/step ({crit.get(kname, 0.0) * 1e3:7.1f} on the critical path)  {kname}")
     return prof
 
 
-def w3(llm: Any, reps: int) -> float:
-    """W3's ms per output token (benchmarks/workloads, pagedllm bench latency's method)."""
+def w3(llm: Any, reps: int) -> tuple[float, list[int]]:
+    """W3's ms per output token (benchmarks/workloads, pagedllm bench latency's method) and its greedy tokens
+    (to compare two trees' kernels on the same random weights)."""
     from pagedllm import SamplingParams, TokensPrompt
 
     rng = random.Random(3)
     prompt = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(128)])]
 
+    tokens: list[int] = []
+
     def run(n: int) -> float:
         llm.reset_prefix_cache()
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
-        llm.generate(prompt, sp, use_tqdm=False)
-        return time.perf_counter() - t
+        out = llm.generate(prompt, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens[:] = out[0].outputs[0].token_ids
+        return dt
 
     for _ in range(2):
         run(256)
     full = statistics.median(run(256) for _ in range(reps))
+    greedy = list(tokens)
     one = statistics.median(run(1) for _ in range(reps))
-    return (full - one) / 255 * 1e3
+    return (full - one) / 255 * 1e3, greedy
 
 
 def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
@@ -276,9 +283,11 @@ def main() -> None:
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         model = runner.model
         dense_bytes = floors.weight_read_bytes(model)
-        ms = w3(llm, args.reps)
+        ms, toks = w3(llm, args.reps)
         fl = dense_bytes / bw * 1e3
-        result["w3"]["bf16"] = dict(ms_per_token=ms, bytes_per_token=dense_bytes, floor_ms=fl, x_floor=ms / fl)
+        result["w3"]["bf16"] = dict(
+            ms_per_token=ms, bytes_per_token=dense_bytes, floor_ms=fl, x_floor=ms / fl, tokens=toks
+        )
         print(f"W3 bf16: {ms:.3f} ms/token, floor {fl:.3f} ms, {ms / fl:.2f}x")
         if args.profile:
             result["w3"]["bf16"]["profile"] = profile_w3(llm)
@@ -290,9 +299,11 @@ def main() -> None:
             linked = act_twin.link_producers(model)  # as a GGUF model's load does (worker/cuda_rewrites.py)
             runner.capture_cuda_graphs()  # the old graphs ran the dense weights
             nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
-            ms = w3(llm, args.reps)
+            ms, toks = w3(llm, args.reps)
             fl = nbytes / bw * 1e3
-            result["w3"][name] = dict(ms_per_token=ms, bytes_per_token=nbytes, floor_ms=fl, x_floor=ms / fl)
+            result["w3"][name] = dict(
+                ms_per_token=ms, bytes_per_token=nbytes, floor_ms=fl, x_floor=ms / fl, tokens=toks
+            )
             print(f"W3 {name}: {ms:.3f} ms/token, floor {fl:.3f} ms ({nbytes / 1e9:.2f} GB), {ms / fl:.2f}x, "
                   f"{linked} producers writing q8 twins")  # fmt: skip
             if args.profile:

@@ -103,7 +103,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
     gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True)
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -111,10 +111,11 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     attn_ptrs = dict(out_ptr=bf, q_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, block_table_ptr="*i32")
     attn_ptrs.update(seq_lens_ptr="*i32", qsl_ptr="*i32", part_out_ptr="*fp32", part_m_ptr="*fp32")
     attn_ptrs.update(part_l_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", key_limit_ptr="*i32")
-    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32", tq_ptr="*i8")
+    attn_ptrs.update(td_ptr="*fp32", ts_ptr="*fp32")
     attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
     attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
-    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False)
+    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, TWIN=False)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
     rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
     rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
@@ -148,7 +149,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ),
         ("rope_cache", rope._rope_kernel, rope_c, rope_ptrs),
         ("paged_attn", attn._paged_attn_kernel, attn_c, attn_ptrs),
-        ("merge_segments", attn._merge_segments_kernel, dict(HEAD_SIZE=128, HEAD_PAD=128, NUM_SEGMENTS=16), attn_ptrs),
+        ("paged_attn_one_segment", attn._paged_attn_kernel, dict(attn_c, NUM_SEGMENTS=1), attn_ptrs),
+        ("paged_attn_q8_twin", attn._paged_attn_kernel, dict(attn_c, TWIN=True), attn_ptrs),
     ]
 
 
@@ -190,3 +192,25 @@ def test_wait_comes_first(name: str, mode: int) -> None:
     assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:bra|ret)\b", before, re.M), "a branch before the wait"
     assert ("griddepcontrol.launch_dependents" in body) == (mode == 2)
     assert triton_utils.pdl_mode_of("1", True, "norm", "all" if mode == 2 else "") == mode
+
+
+@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+def test_gguf_preload_only_reads_before_the_wait() -> None:
+    """The int8 GGUF GEMV's PRE variant (the CUDA default) reads its first step's weights before waiting:
+    loads only (weights no kernel of the step writes), no store or atomic, and the wait still comes."""
+    from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as gguf_int8
+
+    bf = "*bf16"
+    ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
+    ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
+    try:
+        ptx = _ptx(
+            gguf_int8._gguf_gemv_q8a_kernel, dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1), ptrs
+        )
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    body = ptx[ptx.index("{", ptx.index(".entry")) :]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0
+    before = [m.group(0).strip() for m in _MEM.finditer(body[:wait])]
+    assert before and all(re.search(r"\bld\.", op) for op in before), before

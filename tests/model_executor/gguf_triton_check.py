@@ -19,6 +19,7 @@ import numpy as np
 # ggml type names with a kernel, and the offsets of each block's float16 fields (random bytes there could
 # be inf / NaN).
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+INT8 = ["Q4_0", "Q4_1", "Q8_0", "Q4_K"]  # the types the int8-activation GEMV takes
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 # (M, N, K in blocks of the type): M <= 8 runs the GEMV (K = 32 blocks of 32 / 4 of 256 splits K over
 # programs), M > 8 the dequant-GEMM; N odd and not a multiple of the tiles.
@@ -39,6 +40,8 @@ GEMV_CONFIGS = {
 }
 CASES += [f"cfg-{t}-" + "x".join(map(str, c)) for t in TYPES for c in GEMV_CONFIGS["256" if t.endswith("_K") else "32"]]
 CASES += [f"{c}-fp16" for c in CASES if c.startswith("cfg-")]
+# The int8 GEMV reading its first step's weights before the PDL wait (the CUDA default; a no-op wait here).
+CASES += [f"{c}-pre" for c in CASES if c.startswith("cfg-") and c.endswith("-fp16") and c.split("-")[1] in INT8]
 TOL = 1e-5  # float32 activations, IEEE dot products; the IDP4A GEMV against its quantized activations (~1e-7)
 TOL_FP16 = 2e-3  # float16 activations: the GEMM's dequantized tile is rounded to float16
 
@@ -112,7 +115,8 @@ def run() -> dict[str, float]:
             w, ref = weight(name, 37, k)
             x = torch.randn(5, k).to(torch.float16 if tag else torch.float32)
             out = torch.full((5, 37), float("nan"))
-            gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, gt.GemvConfig(*(int(v) for v in cfg.split("x"))))
+            cfg_t = gt.GemvConfig(*(int(v) for v in cfg.split("x")))
+            gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, cfg_t, preload="pre" in tag)
             res[case] = _rel(out, exact(x, w, ref))
     # Parts of three types writing slices of one output, a bias, float32 logits from float16 activations.
     k = 512

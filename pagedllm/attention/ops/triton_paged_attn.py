@@ -15,9 +15,10 @@ finds its request by binary search over `query_start_loc` -- no host-side per-re
 launches (every request one tile) use one program per request instead.
 
 With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
-segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum);
-a second kernel merges them. That path exists for batches with few (kv head, request) pairs and long
-contexts, where one program per pair cannot fill the GPU.
+segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum); the
+last of a tile's programs to finish merges them (a per-tile arrival count, `_split_counts`), and may also
+write the output rows' q8_1 quantization for o_proj's int8 GEMV (`q8_twin`). That path exists for batches
+with few (kv head, request) pairs and long contexts, where one program per pair cannot fill the GPU.
 
 Importing this module never calls Triton (the kernels compile on first launch) and works without
 Triton installed (`HAS_TRITON` is then False and the launchers raise).
@@ -42,6 +43,7 @@ __all__ = [
     "request_order",
     "reshape_and_cache",
     "wants_request_order",
+    "writes_q8_twin",
 ]
 
 if HAS_TRITON:
@@ -162,6 +164,7 @@ def paged_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_limit: torch.Tensor | None = None,
     req_order: torch.Tensor | None = None,
+    q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -174,6 +177,9 @@ def paged_attention(
     (`CommonAttentionMetadata.key_limit`); None compiles and runs the plain causal kernel.
     `req_order` (`request_order`'s [num_reqs] permutation): the order in which a one-segment decode launch runs
     its requests (see `wants_request_order`); other launches ignore it. It changes no value of the output.
+    `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
+    float32; split-KV launches only, `writes_q8_twin`): also written, the output rows quantized as
+    `quant_groups_q8` quantizes them.
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -227,6 +233,19 @@ def paged_attention(
         part_out, part_m, part_l = bufs
     else:
         part_out = part_m = part_l = output  # unused by the kernel
+    if q8_twin is not None:
+        assert writes_q8_twin(num_splits, head_size), "a q8 twin needs split-KV and whole groups of 32 a head"
+        tq, td, ts = q8_twin
+    else:
+        tq = td = ts = output  # (unread without TWIN)
+    counts = output
+    if num_splits > 1:
+        tiles = max(num_reqs if filt == 1 else num_actual_tokens + num_reqs for _, filt in launches)
+        counts = _split_counts(tiles * num_kv_heads, query.device)
+    # The merge takes a [heads, segments, head] tile of partials at a time: at most 8,192 values.
+    merge_heads = next_pow2(group)
+    while merge_heads > 1 and merge_heads * num_splits * head_pad > 8192:
+        merge_heads //= 2
 
     pdl = pdl_args(query, "attn")
     for (bm, tn, nw, ns), filt in launches:
@@ -274,6 +293,12 @@ def paged_attention(
             v_scale,
             key_limit if key_limit is not None else seq_lens,  # (unread without KEY_LIMIT)
             req_order if ordered else seq_lens,  # (unread without ORDERED)
+            counts,
+            tq,
+            td,
+            ts,
+            tq.stride(0),
+            td.stride(0),
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -292,23 +317,34 @@ def paged_attention(
             FP8_F16=kv_fp8 and query.dtype != torch.float32 and envs.PAGEDLLM_FP8_ATTN_F16,
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
+            MERGE_HEADS=merge_heads,
+            TWIN=q8_twin is not None,
             num_warps=nw,
             num_stages=ns,
             **pdl,
         )
-    if num_splits > 1:
-        kern._merge_segments_kernel[(num_actual_tokens, num_heads)](
-            output,
-            part_out,
-            part_m,
-            part_l,
-            num_heads,
-            output.stride(0),
-            output.stride(1),
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            NUM_SEGMENTS=num_splits,
-            num_warps=4 if head_pad >= 128 else 2,
-            **pdl_args(query, "merge"),
-        )
     return output
+
+
+def writes_q8_twin(num_splits: int, head_size: int) -> bool:
+    """Whether a launch can write o_proj's q8 twin: split-KV (the merge writes it) and heads of whole groups of
+    32 (a group never spans two heads)."""
+    return num_splits > 1 and head_size % 32 == 0 and next_pow2(head_size) == head_size
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(n: int, device: torch.device) -> torch.Tensor:
+    """Zeros for `n` (query tile, kv head) arrival counts of the split-KV merge, kept per device: each launch
+    returns them to zero, so one buffer serves every launch, layer and CUDA-graph replay (grown, never
+    shrunk). A CUDA-graph capture records a zeroing without running it, so the buffer must exist before: the
+    start-up warm-up's split launches make it, with room for 4,096 counts (a split launch has fewer (request,
+    kv head) pairs than the GPU has SMs)."""
+    buf = _COUNTS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-KV counts for {n} tiles first needed inside a CUDA-graph capture")
+        buf = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32, device=device)
+        _COUNTS[device] = buf
+    return buf

@@ -1,6 +1,7 @@
 """The Triton kernels behind `triton_paged_attn.paged_attention` (see that module for the cache layout and
 the launch): `_paged_attn_kernel`, one program per (query tile, kv head, key segment), its online softmax
-over key tiles in `_attn_tiles`, and `_merge_segments_kernel`, which merges the split-KV segments' partials.
+over key tiles in `_attn_tiles`; with split-KV segments the last of a tile's programs to finish merges their
+partials (`_merge_tile`), in the same launch.
 
 Only imported where Triton is installed; nothing here compiles at import time.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
 from pagedllm.triton_utils import pdl_enter
 
 
@@ -151,6 +153,12 @@ def _paged_attn_kernel(
     v_scale_ptr,
     key_limit_ptr,
     order_ptr,
+    count_ptr,
+    tq_ptr,
+    td_ptr,
+    ts_ptr,
+    stride_tq,
+    stride_td,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -169,6 +177,8 @@ def _paged_attn_kernel(
     KEY_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
+    MERGE_HEADS: tl.constexpr = 1,
+    TWIN: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
@@ -342,38 +352,104 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        # The tile's last program to get here merges (a launch less than a merge kernel, ~2 us a layer of a
+        # batch-1 decode step): every thread's stores come before the count's release, the merging program's
+        # loads after its acquire, from L2 (.cg). The count goes back to 0 for the next layer's launch.
+        tl.debug_barrier()
+        count = count_ptr + pid_q * (num_heads // GROUP) + kvh
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
+            tl.store(count, 0)
+            _merge_tile(
+                out_ptr,
+                part_out_ptr,
+                part_m_ptr,
+                part_l_ptr,
+                tq_ptr,
+                td_ptr,
+                ts_ptr,
+                q_start,
+                qb * BLOCK_Q,
+                tl.minimum(q_len, (qb + 1) * BLOCK_Q),
+                kvh,
+                num_heads,
+                stride_ot,
+                stride_oh,
+                stride_tq,
+                stride_td,
+                GROUP,
+                HEAD_SIZE,
+                HEAD_PAD,
+                NUM_SEGMENTS,
+                MERGE_HEADS,
+                TWIN,
+            )
 
 
 @triton.jit
-def _merge_segments_kernel(
+def _merge_tile(
     out_ptr,
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    tq_ptr,
+    td_ptr,
+    ts_ptr,
+    q_start,
+    t_begin,
+    t_end,
+    kvh,
     num_heads,
     stride_ot,
     stride_oh,
+    stride_tq,
+    stride_td,
+    GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    MERGE_HEADS: tl.constexpr,
+    TWIN: tl.constexpr,
 ):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    base = (t * num_heads + h) * NUM_SEGMENTS
+    """The split-KV segments' partials of tokens [t_begin, t_end) of a request (from `q_start`) for the GROUP
+    query heads of kv head `kvh`, merged into the output, MERGE_HEADS heads at a time (a [heads, segments,
+    head] tile). TWIN: the output rows' q8_1 quantization too (`quant_groups_q8`, o_proj's int8 GEMV input;
+    HEAD_PAD == HEAD_SIZE, a multiple of 32)."""
+    offs_h = tl.arange(0, MERGE_HEADS)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_PAD)
-    m = tl.load(part_m_ptr + base + offs_s)
-    l_s = tl.load(part_l_ptr + base + offs_s)
-    m_max = tl.max(m, 0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_use)  # empty segments: exp2(-inf) = 0
-    l_tot = tl.sum(l_s * w, 0)
-    acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-    dst = out_ptr + t * stride_ot + h * stride_oh + offs_d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    for t in range(t_begin, t_end):
+        tok = (q_start + t).to(tl.int64)
+        for h0 in range(0, GROUP, MERGE_HEADS):
+            h_ok = h0 + offs_h < GROUP
+            head = kvh * GROUP + h0 + offs_h
+            part = (tok * num_heads + head)[:, None] * NUM_SEGMENTS + offs_s[None, :]  # [heads, segments]
+            m = tl.load(part_m_ptr + part, mask=h_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_l_ptr + part, mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
+            m_max = tl.max(m, 1)
+            m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+            w = tl.math.exp2(m - m_use[:, None])  # empty segments: exp2(-inf) = 0
+            l_tot = tl.sum(l_s * w, 1)
+            acc = tl.load(
+                part_out_ptr + part[:, :, None] * HEAD_PAD + offs_d[None, None, :],
+                mask=h_ok[:, None, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            o = tl.sum(acc * w[:, :, None], 1) / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+            o = o.to(out_ptr.dtype.element_ty)
+            dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(dst, o, mask=h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
+            if TWIN:
+                col0 = (kvh * GROUP + h0) * HEAD_SIZE
+                quant_groups_q8(
+                    tl.reshape(o.to(tl.float32), [MERGE_HEADS * HEAD_PAD]),
+                    tq_ptr + tok * stride_tq,
+                    td_ptr + tok * stride_td,
+                    ts_ptr + tok * stride_td,
+                    col0,
+                    (kvh + 1) * GROUP * HEAD_SIZE,
+                    MERGE_HEADS * HEAD_PAD,
+                )
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization.act_twin import Q8Act
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
@@ -290,10 +291,13 @@ def gguf_gemv_triton(
     num_sms: int = 132,
     config: GemvConfig | None = None,
     q8: Q8Act | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place;
     `config` overrides `gemv_config` (the sweep). 16-bit activations and a pair-layout type take the int8
-    GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first."""
+    GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first. `preload`: the int8
+    GEMV reads its first step's weights before its PDL wait (None: under PDL unless
+    PAGEDLLM_GGUF_GEMV_PRELOAD=0)."""
     require_triton()
     m, k = x.shape
     n = w.rows
@@ -311,13 +315,15 @@ def gguf_gemv_triton(
     ptrs, strides = _args(w)
     grid = (n_blocks, m, split)
     pdl = pdl_args(x, "gemv")
+    pre = bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD if preload is None else preload
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
-            EVEN_K=k % bk == 0, ASM=x.is_cuda, num_warps=nw, num_stages=ns, **pdl,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, num_warps=nw,
+            num_stages=ns, **pdl,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](

@@ -77,30 +77,28 @@ if HAS_TRITON:
         quant_groups_q8(x, q_ptr + row * stride_qm, d_ptr + row * stride_dm, s_ptr + row * stride_dm, col0, K, BLOCK)
 
     @triton.jit
-    def _q8a_load(lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
-                  QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
-        """Everything the step at k0 reads, as loaded: the weight words [BN, GS, 4] (Q8_0: each group's first
-        and second 4; the 4-bit types: the 4, twice), the activation words for them, the activations' d and
-        d * sum(q) [1, GS], and the weights' scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else
-        d; the unused ones repeat d)."""
+    def _q8a_groups(k0, k_end, offs_g, EVEN_K: tl.constexpr):
+        """The step at k0's groups and their mask [1, GS] (K is a multiple of 32: whole groups)."""
         g = k0 // 32 + offs_g
-        kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
-        kx = tl.multiple_of(k0 // 4, 8 * GS)
         if EVEN_K:
             gm = (g >= 0)[None, :]
         else:
-            gm = (g * 32 < k_end)[None, :]  # whole groups: K is a multiple of 32
+            gm = (g * 32 < k_end)[None, :]
+        return g, gm
+
+    @triton.jit
+    def _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
+                   QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+        """The weights the step at k0 reads: the words [BN, GS, 4] (Q8_0: each group's first and second 4; the
+        4-bit types: the 4, twice) and the scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d;
+        the unused ones repeat d)."""
+        g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
+        kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
         wm = gm[:, :, None]
         words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
         words2 = words
         if QT == 8:
             words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
-        xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
-        xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
-        dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
-        sx = dx
-        if QT != 8:
-            sx = tl.load(xs_row + g[None, :], mask=gm, other=0.0)
         if QT == 12:
             a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
             b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
@@ -113,13 +111,51 @@ if HAS_TRITON:
                 b = tl.load(dm_rows + g[None, :], mask=gm, other=0.0)
             c = a
             e = a
-        return words, words2, xl, xh, dx, sx, a, b, c, e
+        return words, words2, a, b, c, e
+
+    @triton.jit
+    def _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT: tl.constexpr, EVEN_K: tl.constexpr,
+                   GS: tl.constexpr):  # fmt: skip
+        """The activations the step at k0 reads: the int8 words matching the weight words [BN, GS, 4] (low and
+        high halves of each group), d and d * sum(q) [1, GS]."""
+        g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
+        kx = tl.multiple_of(k0 // 4, 8 * GS)
+        wm = gm[:, :, None]
+        xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
+        xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
+        dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
+        sx = dx
+        if QT != 8:
+            sx = tl.load(xs_row + g[None, :], mask=gm, other=0.0)
+        return xl, xh, dx, sx
+
+    @triton.jit
+    def _q8a_step(acc, words, words2, a, b, c, e, xl, xh, dx, sx, zero, QT: tl.constexpr, ASM: tl.constexpr):
+        """acc [BN, GS] plus one step's products: IDP4A word sums scaled once a group."""
+        if QT == 8:
+            p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
+        else:
+            p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
+            p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
+        tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
+        if QT == 12:
+            s = a.to(tl.float32) * _u2f(c.to(tl.int32))
+            mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
+        else:
+            s = a.to(tl.float32)
+            mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
+        if QT == 8:
+            acc += tg * s * dx
+        else:
+            acc += tg * s * dx + mt * sx
+        return acc
 
     @triton.jit
     def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
+                              PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -130,7 +166,8 @@ if HAS_TRITON:
         the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
-        pdl_enter(PDL)
+        if not PRE:
+            pdl_enter(PDL)
         pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_g = tl.arange(0, GS)
         offs_i = tl.arange(0, 4)
@@ -148,26 +185,18 @@ if HAS_TRITON:
         k_begin = split * K_SPLIT
         k_end = tl.minimum(k_begin + K_SPLIT, K)
         acc = tl.zeros([BN, GS], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BK):
-            words, words2, xl, xh, dx, sx, a, b, c, e = _q8a_load(
-                lo_rows, xq_row, xd_row, xs_row, d_rows, dm_rows, sc_rows, mn_rows, xw, k0, k_end, offs_g,
-                QT, EVEN_K, WPG, GS,
-            )  # fmt: skip
-            if QT == 8:
-                p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
-            else:
-                p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
-                p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
-            tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-            if QT == 12:
-                s = a.to(tl.float32) * _u2f(c.to(tl.int32))
-                mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
-            else:
-                s = a.to(tl.float32)
-                mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
-            if QT == 8:
-                acc += tg * s * dx
-            else:
-                acc += tg * s * dx + mt * sx
+        k_first = k_begin
+        if PRE:  # the first step's weights, read before the wait: no kernel before this one writes them
+            w0, w1, a, b, c, e = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k_begin, k_end, offs_g,
+                                            QT, EVEN_K, WPG, GS)  # fmt: skip
+            pdl_enter(PDL)
+            xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k_begin, k_end, offs_g, QT, EVEN_K, GS)
+            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
+            k_first = k_begin + BK
+        for k0 in range(k_first, k_end, BK):
+            w0, w1, a, b, c, e = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
+                                            QT, EVEN_K, WPG, GS)  # fmt: skip
+            xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS)
+            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
                      offs_n, n_ok, SPLIT, BN)  # fmt: skip
