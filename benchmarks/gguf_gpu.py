@@ -215,6 +215,21 @@ def w3(llm: Any, reps: int) -> tuple[float, list[int]]:
     return (full - one) / 255 * 1e3, greedy
 
 
+def recapture_decode_graphs(runner: Any) -> None:
+    """The decode CUDA graphs again (a launch setting read at capture changed); W3's other graphs (its
+    128-token prefill) take no decode GEMV."""
+    from pagedllm.utils import cdiv
+    from pagedllm.worker.cuda_graph import CudaGraphRunner
+
+    runner.cuda_graphs = None
+    torch.cuda.empty_cache()
+    runner.cuda_graphs = CudaGraphRunner(
+        runner.model, runner.kv_cache_config.groups, runner.builders, runner.max_num_reqs,
+        cdiv(runner.max_model_len, runner.block_size), runner.max_model_len, runner.device,
+    )  # fmt: skip
+    runner.cuda_graphs.capture()
+
+
 def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
     """Every linear layer and the LM head get random packed `name` weights (dense weights dropped);
     returns the packed bytes."""
@@ -256,6 +271,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
     p.add_argument("--tuned", help="a --sweep JSON whose best launches replace gguf_triton.TUNED")
+    p.add_argument(
+        "--preload", type=int, nargs="+", help="W3 of each type at these PAGEDLLM_GGUF_GEMV_PRELOAD values too"
+    )
     args = p.parse_args()
     if args.tuned:
         load_tuned(args.tuned)
@@ -308,6 +326,12 @@ def main() -> None:
                   f"{linked} producers writing q8 twins")  # fmt: skip
             if args.profile:
                 result["w3"][name]["profile"] = profile_w3(llm)
+            for pre in args.preload or []:
+                os.environ["PAGEDLLM_GGUF_GEMV_PRELOAD"] = str(pre)
+                recapture_decode_graphs(runner)
+                ms, toks = w3(llm, args.reps)
+                result["w3"][f"{name}@preload{pre}"] = dict(ms_per_token=ms, floor_ms=fl, x_floor=ms / fl, tokens=toks)
+                print(f"W3 {name} PAGEDLLM_GGUF_GEMV_PRELOAD={pre}: {ms:.3f} ms/token, {ms / fl:.2f}x")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 
