@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PREFILL_DOT: bool
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
-    PAGEDLLM_GGUF_GEMV_PRELOAD: int
+    PAGEDLLM_GGUF_GEMV_PRELOAD: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -109,9 +109,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # GGUF weights packed on CUDA (Triton kernels): off until they have run on a GPU (verified only under
     # Triton's interpreter so far); off = dequantized at load, as before.
     "PAGEDLLM_GGUF_CUDA_PACKED": _flag("PAGEDLLM_GGUF_CUDA_PACKED", "0"),
-    # The GGUF int8 decode GEMV under PDL reads its first steps' weights (up to this many K steps) before waiting
-    # for the kernel before it; 0: none (benchmarks/NOTES.md, session 42).
-    "PAGEDLLM_GGUF_GEMV_PRELOAD": lambda: int(os.environ.get("PAGEDLLM_GGUF_GEMV_PRELOAD", "1")),
+    # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
+    # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
+    "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
     # 1: the decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for

@@ -103,7 +103,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
     gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=0)
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -205,7 +205,7 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
     try:
         ptx = _ptx(
-            gguf_int8._gguf_gemv_q8a_kernel, dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=2, PDL=1), ptrs
+            gguf_int8._gguf_gemv_q8a_kernel, dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1), ptrs
         )
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
         pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")

@@ -40,7 +40,7 @@ GEMV_CONFIGS = {
 }
 CASES += [f"cfg-{t}-" + "x".join(map(str, c)) for t in TYPES for c in GEMV_CONFIGS["256" if t.endswith("_K") else "32"]]
 CASES += [f"{c}-fp16" for c in CASES if c.startswith("cfg-")]
-# The int8 GEMV reading its first steps' weights before the PDL wait (the CUDA default; a no-op wait here).
+# The int8 GEMV reading its first step's weights before the PDL wait (the CUDA default; a no-op wait here).
 CASES += [f"{c}-pre" for c in CASES if c.startswith("cfg-") and c.endswith("-fp16") and c.split("-")[1] in INT8]
 TOL = 1e-5  # float32 activations, IEEE dot products; the IDP4A GEMV against its quantized activations (~1e-7)
 TOL_FP16 = 2e-3  # float16 activations: the GEMM's dequantized tile is rounded to float16
@@ -116,7 +116,7 @@ def run() -> dict[str, float]:
             x = torch.randn(5, k).to(torch.float16 if tag else torch.float32)
             out = torch.full((5, 37), float("nan"))
             cfg_t = gt.GemvConfig(*(int(v) for v in cfg.split("x")))
-            gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, cfg_t, preload=4 if "pre" in tag else 0)
+            gt.gguf_gemv_triton(x, gt.prepare(w), out, 4, cfg_t, preload="pre" in tag)
             res[case] = _rel(out, exact(x, w, ref))
     # Parts of three types writing slices of one output, a bias, float32 logits from float16 activations.
     k = 512

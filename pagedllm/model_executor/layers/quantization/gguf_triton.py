@@ -260,13 +260,6 @@ def gemv_config(qtype: int, m: int, n: int, k: int, int8_act: bool = True) -> Ge
     return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT) if int8_act else _FLOAT_DEFAULT
 
 
-def preload_steps(steps: int, default: int, preload: int | None) -> int:
-    """The K steps a program of the int8 GEMV reads before its PDL wait: `preload` (else `default`), as a power
-    of two within the program's `steps` (whole steps of one K range: with split-K, at most one)."""
-    n = min(default if preload is None else preload, steps)
-    return 1 << (n.bit_length() - 1) if n > 0 else 0
-
-
 def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
     """Split K until about PROGRAMS_PER_SM programs per SM exist (enough loads in flight to cover the
     memory latency), never below one K step per program."""
@@ -298,13 +291,13 @@ def gguf_gemv_triton(
     num_sms: int = 132,
     config: GemvConfig | None = None,
     q8: Q8Act | None = None,
-    preload: int | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place;
     `config` overrides `gemv_config` (the sweep). 16-bit activations and a pair-layout type take the int8
-    GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first. `preload`: the K steps
-    whose weights the int8 GEMV reads before its PDL wait (`preload_steps`; None: PAGEDLLM_GGUF_GEMV_PRELOAD's
-    under PDL, else 0)."""
+    GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first. `preload`: the int8
+    GEMV reads its first step's weights before its PDL wait (None: under PDL unless
+    PAGEDLLM_GGUF_GEMV_PRELOAD=0)."""
     require_triton()
     m, k = x.shape
     n = w.rows
@@ -322,7 +315,7 @@ def gguf_gemv_triton(
     ptrs, strides = _args(w)
     grid = (n_blocks, m, split)
     pdl = pdl_args(x, "gemv")
-    pre = preload_steps(steps if split == 1 else 1, envs.PAGEDLLM_GGUF_GEMV_PRELOAD if pdl else 0, preload)
+    pre = bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD if preload is None else preload
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)

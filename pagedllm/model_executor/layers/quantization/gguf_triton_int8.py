@@ -154,7 +154,7 @@ if HAS_TRITON:
     def _gguf_gemv_q8a_kernel(xq_ptr, xd_ptr, xs_ptr, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, part_ptr, out_ptr,
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = 0,
+                              EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
                               PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
@@ -166,7 +166,7 @@ if HAS_TRITON:
         the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
-        if PRE == 0:
+        if not PRE:
             pdl_enter(PDL)
         pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_g = tl.arange(0, GS)
@@ -186,21 +186,12 @@ if HAS_TRITON:
         k_end = tl.minimum(k_begin + K_SPLIT, K)
         acc = tl.zeros([BN, GS], dtype=tl.float32)
         k_first = k_begin
-        if PRE > 0:
-            # The first PRE steps' weights, read before the wait (no kernel before this one writes them), as
-            # one step of PRE * BK weights; the host keeps them within the program's K range.
-            GP: tl.constexpr = PRE * GS
-            offs_p = tl.arange(0, GP)
-            gwp = (offs_p[:, None] * WPG + offs_i[None, :])[None, :, :]
-            xwp = (offs_p[:, None] * 8 + offs_i[None, :])[None, :, :] + 0 * r[:, :, None].to(tl.int32)
-            pw = _q8a_wload(lo_ptr + r[:, :, None] * stride_lo + gwp, d_rows, dm_rows, sc_rows, mn_rows, k_begin,
-                            k_end, offs_p, QT, EVEN_K, WPG, GP)  # fmt: skip
+        if PRE:  # the first step's weights, read before the wait: no kernel of the step writes them
+            pw = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k_begin, k_end, offs_g, QT, EVEN_K, WPG, GS)
             pdl_enter(PDL)
-            px = _q8a_xload(xq_row, xd_row, xs_row, xwp, k_begin, k_end, offs_p, QT, EVEN_K, GP)
-            zp = tl.zeros([BN, GP, 4], dtype=tl.int32)
-            acc_p = _q8a_step(tl.zeros([BN, GP], dtype=tl.float32), *pw, *px, zp, QT, ASM)
-            acc += tl.sum(tl.reshape(acc_p, [BN, PRE, GS]), axis=1)
-            k_first = k_begin + PRE * BK
+            px = _q8a_xload(xq_row, xd_row, xs_row, xw, k_begin, k_end, offs_g, QT, EVEN_K, GS)
+            acc = _q8a_step(acc, *pw, *px, zero, QT, ASM)
+            k_first = k_begin + BK
         for k0 in range(k_first, k_end, BK):
             w0, w1, a, b, c, e = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
                                             QT, EVEN_K, WPG, GS)  # fmt: skip
