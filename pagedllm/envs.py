@@ -150,7 +150,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1"),
     # With PAGEDLLM_PDL=1: the kernels (triton_utils.KERNELS, comma- or +-separated, or "all") whose successor
     # may launch once every one of their programs has started instead of once they have exited; "" none.
-    "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", "norm,silu,rope,attn,merge,push,recv,pull"),
+    "PAGEDLLM_PDL_EARLY": lambda: os.environ.get("PAGEDLLM_PDL_EARLY", "norm,silu,rope,attn,push,recv,pull"),
     # Experiments (triton_utils.pdl_args): PDL also in steps of up to this many rows (waiting kernels only; 0: none),
     # and the kernels that never launch with it (names of triton_utils.KERNELS).
     "PAGEDLLM_PDL_ROWS": lambda: int(os.environ.get("PAGEDLLM_PDL_ROWS", "0")),

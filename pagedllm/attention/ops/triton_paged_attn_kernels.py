@@ -11,7 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
 from pagedllm.triton_utils import pdl_enter
 
 
@@ -154,11 +153,6 @@ def _paged_attn_kernel(
     key_limit_ptr,
     order_ptr,
     count_ptr,
-    tq_ptr,
-    td_ptr,
-    ts_ptr,
-    stride_tq,
-    stride_td,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -178,7 +172,6 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
-    TWIN: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
@@ -352,9 +345,10 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-        # The tile's last program to get here merges (a launch less than a merge kernel, ~2 us a layer of a
-        # batch-1 decode step): every thread's stores come before the count's release, the merging program's
-        # loads after its acquire, from L2 (.cg). The count goes back to 0 for the next layer's launch.
+        # The tile's last program to get here merges (a launch less than a separate merge kernel: W3 bf16
+        # 4.20 -> 4.14 ms on the H200, benchmarks/NOTES.md session 42): every thread's stores come before the
+        # count's release, the merging program's loads after its acquire, from L2 (.cg). The count goes back to
+        # 0 for the next layer's launch.
         tl.debug_barrier()
         count = count_ptr + pid_q * (num_heads // GROUP) + kvh
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
@@ -364,9 +358,6 @@ def _paged_attn_kernel(
                 part_out_ptr,
                 part_m_ptr,
                 part_l_ptr,
-                tq_ptr,
-                td_ptr,
-                ts_ptr,
                 q_start,
                 qb * BLOCK_Q,
                 tl.minimum(q_len, (qb + 1) * BLOCK_Q),
@@ -374,14 +365,11 @@ def _paged_attn_kernel(
                 num_heads,
                 stride_ot,
                 stride_oh,
-                stride_tq,
-                stride_td,
                 GROUP,
                 HEAD_SIZE,
                 HEAD_PAD,
                 NUM_SEGMENTS,
                 MERGE_HEADS,
-                TWIN,
             )
 
 
@@ -391,9 +379,6 @@ def _merge_tile(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
-    tq_ptr,
-    td_ptr,
-    ts_ptr,
     q_start,
     t_begin,
     t_end,
@@ -401,19 +386,15 @@ def _merge_tile(
     num_heads,
     stride_ot,
     stride_oh,
-    stride_tq,
-    stride_td,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     MERGE_HEADS: tl.constexpr,
-    TWIN: tl.constexpr,
 ):
     """The split-KV segments' partials of tokens [t_begin, t_end) of a request (from `q_start`) for the GROUP
     query heads of kv head `kvh`, merged into the output, MERGE_HEADS heads at a time (a [heads, segments,
-    head] tile). TWIN: the output rows' q8_1 quantization too (`quant_groups_q8`, o_proj's int8 GEMV input;
-    HEAD_PAD == HEAD_SIZE, a multiple of 32)."""
+    head] tile, its loads all in flight at once)."""
     offs_h = tl.arange(0, MERGE_HEADS)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -439,17 +420,6 @@ def _merge_tile(
             o = o.to(out_ptr.dtype.element_ty)
             dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(dst, o, mask=h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
-            if TWIN:
-                col0 = (kvh * GROUP + h0) * HEAD_SIZE
-                quant_groups_q8(
-                    tl.reshape(o.to(tl.float32), [MERGE_HEADS * HEAD_PAD]),
-                    tq_ptr + tok * stride_tq,
-                    td_ptr + tok * stride_td,
-                    ts_ptr + tok * stride_td,
-                    col0,
-                    (kvh + 1) * GROUP * HEAD_SIZE,
-                    MERGE_HEADS * HEAD_PAD,
-                )
 
 
 @triton.jit(do_not_specialize=["n"])
