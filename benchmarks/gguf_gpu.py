@@ -1,7 +1,7 @@
 """Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
 
     PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K] [--sweep]
-        [--profile] [--tuned SWEEP_JSON]
+        [--profile] [--tuned SWEEP_JSON] [--skip-gemv] [--preload 0 1] [--l2-prefetch - o o,qkv]
 
 1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
    head) per type, random packed weights made on the GPU: each checked against the dequantized float32
@@ -17,7 +17,11 @@
 
    With --profile, one more 64-token request per model under the torch profiler: each decode step's (CUDA
    graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
-   the fixed rest (attention, norms, RoPE, sampling) are read apart.
+   the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
+   share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
+   --preload / --l2-prefetch: W3 of each type again with those settings (PAGEDLLM_GGUF_GEMV_PRELOAD,
+   PAGEDLLM_ATTN_L2_PREFETCH), the decode graphs captured again, in the same process (A/B); every W3 keeps
+   its greedy tokens in the JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
@@ -41,7 +45,9 @@ from typing import Any
 import torch
 from triton.testing import do_bench_cudagraph
 
+from pagedllm import envs
 from pagedllm.benchmarks import floors
+from pagedllm.model_executor.layers.l2_prefetch import link_attention_prefetch, parse_targets
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
@@ -274,6 +280,9 @@ def main() -> None:
     p.add_argument(
         "--preload", type=int, nargs="+", help="W3 of each type at these PAGEDLLM_GGUF_GEMV_PRELOAD values too"
     )
+    p.add_argument(
+        "--l2-prefetch", nargs="+", help='W3 of each type with these PAGEDLLM_ATTN_L2_PREFETCH targets too ("-": off)'
+    )
     args = p.parse_args()
     if args.tuned:
         load_tuned(args.tuned)
@@ -315,6 +324,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             packed = swap_to_gguf(model, name, gen)
             linked = act_twin.link_producers(model)  # as a GGUF model's load does (worker/cuda_rewrites.py)
+            link_attention_prefetch(model, parse_targets(envs.PAGEDLLM_ATTN_L2_PREFETCH))  # (the new weights)
             runner.capture_cuda_graphs()  # the old graphs ran the dense weights
             nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
             ms, toks = w3(llm, args.reps)
@@ -326,6 +336,13 @@ def main() -> None:
                   f"{linked} producers writing q8 twins")  # fmt: skip
             if args.profile:
                 result["w3"][name]["profile"] = profile_w3(llm)
+            for targets in args.l2_prefetch or []:
+                linked = link_attention_prefetch(model, parse_targets("" if targets == "-" else targets))
+                recapture_decode_graphs(runner)
+                ms, toks = w3(llm, args.reps)
+                result["w3"][f"{name}@l2{targets}"] = dict(ms_per_token=ms, floor_ms=fl, x_floor=ms / fl, tokens=toks)
+                print(f"W3 {name} L2 prefetch {targets} ({linked} layers): {ms:.3f} ms/token, {ms / fl:.2f}x")
+            link_attention_prefetch(model, ())
             for pre in args.preload or []:
                 os.environ["PAGEDLLM_GGUF_GEMV_PRELOAD"] = str(pre)
                 recapture_decode_graphs(runner)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
+    PAGEDLLM_ATTN_L2_PREFETCH: str
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -112,6 +113,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
     # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
+    # Small decode batches' attention asks L2 for the weights of GEMVs after it: "o" (that layer's o_proj),
+    # "qkv" (the next layer's), comma-separated; empty: off (an experiment, model_executor/layers/l2_prefetch.py).
+    "PAGEDLLM_ATTN_L2_PREFETCH": lambda: os.environ.get("PAGEDLLM_ATTN_L2_PREFETCH", ""),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
     # 1: the decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for

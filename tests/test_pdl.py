@@ -111,10 +111,10 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     attn_ptrs = dict(out_ptr=bf, q_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, block_table_ptr="*i32")
     attn_ptrs.update(seq_lens_ptr="*i32", qsl_ptr="*i32", part_out_ptr="*fp32", part_m_ptr="*fp32")
     attn_ptrs.update(part_l_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", key_limit_ptr="*i32")
-    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32")
+    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32", pf_ptr="*i64")
     attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
     attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
-    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4)
+    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, NPF=0)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
     rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
     rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
@@ -212,3 +212,21 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     assert wait >= 0
     before = [m.group(0).strip() for m in _MEM.finditer(body[:wait])]
     assert before and all(re.search(r"\bld\.", op) for op in before), before
+
+
+@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+def test_attention_l2_prefetch_before_the_wait() -> None:
+    """The attention with an L2-prefetch table (layers/l2_prefetch.py) reads the table and issues bulk L2
+    prefetches before its wait, nothing else: no store, atomic or other load."""
+    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == "paged_attn")
+    try:
+        ptx = _ptx(fn, dict(consts, NPF=2, PDL=2), ptrs)
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    body = ptx[ptx.index("{", ptx.index(".entry")) :]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0
+    ops = [line.strip() for line in body[:wait].splitlines() if _MEM.match(line) or "cp.async" in line]
+    assert sum("ld.global.b64" in op for op in ops) == 4, ops  # (address, bytes) of the two ranges
+    assert all("ld.global.b64" in op or "cp.async.bulk.prefetch.L2.global" in op for op in ops), ops
+    assert any("cp.async.bulk.prefetch.L2.global" in op for op in ops)

@@ -42,6 +42,8 @@ from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
 
+PREFETCH_MAX_ROWS = 8  # decode batches whose GEMVs stream their weights (gguf_triton.GEMV_MAX_M)
+
 
 @dataclass
 class TritonAttentionMetadata:
@@ -93,6 +95,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    l2_prefetch: torch.Tensor | None = None
+    """Byte ranges (int64 [N, 2] on the device: address, bytes) that the decode launches of small batches ask
+    L2 for: the weights of the GEMVs after the attention (`layers.l2_prefetch.link_attention_prefetch`)."""
+
     def configure(self) -> None:
         # RoPE fused with the KV-cache write (NOTES session 5 #1; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off).
         self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
@@ -158,6 +164,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             kv_scales=kv_scales,
             key_limit=md.key_limit,
             req_order=req_order,
+            l2_prefetch=self.l2_prefetch if md.max_query_len == 1 and n <= PREFETCH_MAX_ROWS else None,
         )
         return output
 

@@ -163,6 +163,7 @@ def paged_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_limit: torch.Tensor | None = None,
     req_order: torch.Tensor | None = None,
+    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -175,6 +176,8 @@ def paged_attention(
     (`CommonAttentionMetadata.key_limit`); None compiles and runs the plain causal kernel.
     `req_order` (`request_order`'s [num_reqs] permutation): the order in which a one-segment decode launch runs
     its requests (see `wants_request_order`); other launches ignore it. It changes no value of the output.
+    `l2_prefetch` (int64 [N, 2] device table of (address, bytes), `layers.l2_prefetch`): byte ranges the
+    programs ask L2 for before they start (the next GEMVs' weights; CUDA only, a hint that changes no value).
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -284,6 +287,7 @@ def paged_attention(
             key_limit if key_limit is not None else seq_lens,  # (unread without KEY_LIMIT)
             req_order if ordered else seq_lens,  # (unread without ORDERED)
             counts,
+            l2_prefetch if l2_prefetch is not None else counts,  # (unread without NPF)
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -303,6 +307,7 @@ def paged_attention(
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
+            NPF=l2_prefetch.shape[0] if l2_prefetch is not None and query.is_cuda else 0,
             num_warps=nw,
             num_stages=ns,
             **pdl,

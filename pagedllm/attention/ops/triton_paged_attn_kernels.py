@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.triton_utils import pdl_enter
+from pagedllm.triton_utils import l2_prefetch, pdl_enter
 
 
 @triton.jit
@@ -153,6 +153,7 @@ def _paged_attn_kernel(
     key_limit_ptr,
     order_ptr,
     count_ptr,
+    pf_ptr,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -172,8 +173,11 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
+    NPF: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
+    if NPF > 0:  # weights of later GEMVs into L2 while this latency-bound kernel runs (`l2_prefetch` table)
+        l2_prefetch(pf_ptr, NPF)
     pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)

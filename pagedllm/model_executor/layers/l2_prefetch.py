@@ -1,0 +1,85 @@
+"""Weights asked into L2 ahead of the decode GEMV that reads them.
+
+A batch-1 decode step alternates weight-streaming GEMVs with small latency-bound kernels; during the attention
+(RoPE + cache write before it, ~9 us a layer of an 8B model on an H200, a few hundred KB of K/V) the memory bus
+is nearly idle. `link_attention_prefetch` gives each layer's attention a table of byte ranges that its decode
+launches ask L2 for (`triton_utils.l2_prefetch`, one `cp.async.bulk.prefetch.L2` a 4 KB chunk, issued before
+the kernel's PDL wait): "o" that layer's o_proj weights, "qkv" the next layer's q/k/v weights. The GEMVs load
+their weights with an evict-first policy, so lines asked for at normal priority outlive the streams between
+(an H200's L2 is 60 MB; a 4-bit 8B layer's o + qkv ~26 MB). `PAGEDLLM_ATTN_L2_PREFETCH` names the targets
+(empty: off; an experiment until measured, benchmarks/NOTES.md session 42).
+
+The table holds raw addresses: it is made after the weights reach their final place (after loading, or after a
+benchmark swaps them) and made again whenever they move.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+TARGETS = ("o", "qkv")
+
+
+def weight_tensors(linear: nn.Module) -> list[torch.Tensor]:
+    """The tensors a linear's decode GEMV streams: a GGUF method's packed parts (quants and scales), else its
+    weight."""
+    parts = getattr(getattr(linear, "quant_method", None), "parts", None)
+    if parts:
+        return [
+            t
+            for p in parts
+            for t in (
+                p.data,
+                getattr(p, "hi", None),
+                getattr(p, "d", None),
+                getattr(p, "dm", None),
+                getattr(p, "sc", None),
+                getattr(p, "mn", None),
+            )  # fmt: skip
+            if isinstance(t, torch.Tensor) and t.numel()
+        ]
+    w = getattr(linear, "weight", None)
+    return [w] if isinstance(w, torch.Tensor) and w.numel() else []
+
+
+def prefetch_table(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """int64 [N, 2] (address, bytes) of `tensors` on their device (contiguous ones; None when there is none)."""
+    rows = [[t.data_ptr(), t.numel() * t.element_size()] for t in tensors if t.is_contiguous()]
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.int64, device=tensors[0].device)
+
+
+def parse_targets(setting: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in setting.split(",") if s.strip())
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"PAGEDLLM_ATTN_L2_PREFETCH: unknown target(s) {unknown}; known: {', '.join(TARGETS)}")
+    return names
+
+
+def link_attention_prefetch(model: nn.Module, targets: tuple[str, ...]) -> int:
+    """Each decoder layer's attention backend gets the table of `targets` (see the module docstring); no
+    targets clears them. Layers are those with a `self_attn` holding `attn`, `qkv_proj` and `o_proj`, in
+    module order; backends without an `l2_prefetch` attribute are skipped. Returns the layers given a table."""
+    layers: list[Any] = [
+        m.self_attn
+        for m in model.modules()
+        if all(hasattr(getattr(m, "self_attn", None), a) for a in ("attn", "qkv_proj", "o_proj"))
+    ]
+    n = 0
+    for i, sa in enumerate(layers):
+        impl = sa.attn.impl
+        if not hasattr(impl, "l2_prefetch"):
+            continue
+        tensors: list[torch.Tensor] = []
+        if "o" in targets:
+            tensors += weight_tensors(sa.o_proj)
+        if "qkv" in targets and i + 1 < len(layers):
+            tensors += weight_tensors(layers[i + 1].qkv_proj)
+        impl.l2_prefetch = prefetch_table(tensors)
+        n += impl.l2_prefetch is not None
+    return n
