@@ -1,7 +1,7 @@
 """Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
 
     PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K] [--sweep]
-        [--profile] [--tuned SWEEP_JSON] [--skip-gemv] [--preload 0 1] [--l2-prefetch - o o,qkv]
+        [--profile] [--tuned SWEEP_JSON] [--skip-gemv] [--ab NAME=VALUE ...]
 
 1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
    head) per type, random packed weights made on the GPU: each checked against the dequantized float32
@@ -19,9 +19,10 @@
    graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
-   --preload / --l2-prefetch: W3 of each type again with those settings (PAGEDLLM_GGUF_GEMV_PRELOAD,
-   PAGEDLLM_ATTN_L2_PREFETCH), the decode graphs captured again, in the same process (A/B); every W3 keeps
-   its greedy tokens in the JSON (same weights: kernels that change no value give the same tokens).
+   --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
+   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_L2_PREFETCH=o,qkv, PAGEDLLM_ATTN_Q8_TWIN=1), the twins and the
+   prefetch linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
+   in the JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
@@ -236,6 +237,29 @@ def recapture_decode_graphs(runner: Any) -> None:
     runner.cuda_graphs.capture()
 
 
+def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int) -> tuple[float, list[int]]:
+    """W3 with one environment setting (NAME=VALUE) changed: the producers' twins and the attention's L2
+    prefetch linked again and the decode graphs captured again (both read settings), the old value restored
+    after (linked and captured again too)."""
+    key, _, value = setting.partition("=")
+    old = os.environ.get(key)
+
+    def apply(v: str | None) -> None:
+        if v is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = v
+        act_twin.link_producers(model)
+        link_attention_prefetch(model, parse_targets(envs.PAGEDLLM_ATTN_L2_PREFETCH))
+        recapture_decode_graphs(runner)
+
+    apply(value)
+    try:
+        return w3(llm, reps)
+    finally:
+        apply(old)
+
+
 def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
     """Every linear layer and the LM head get random packed `name` weights (dense weights dropped);
     returns the packed bytes."""
@@ -277,12 +301,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
     p.add_argument("--tuned", help="a --sweep JSON whose best launches replace gguf_triton.TUNED")
-    p.add_argument(
-        "--preload", type=int, nargs="+", help="W3 of each type at these PAGEDLLM_GGUF_GEMV_PRELOAD values too"
-    )
-    p.add_argument(
-        "--l2-prefetch", nargs="+", help='W3 of each type with these PAGEDLLM_ATTN_L2_PREFETCH targets too ("-": off)'
-    )
+    p.add_argument("--ab", nargs="+", metavar="NAME=VALUE", help="W3 of each type again under each setting")
     args = p.parse_args()
     if args.tuned:
         load_tuned(args.tuned)
@@ -336,19 +355,10 @@ def main() -> None:
                   f"{linked} producers writing q8 twins")  # fmt: skip
             if args.profile:
                 result["w3"][name]["profile"] = profile_w3(llm)
-            for targets in args.l2_prefetch or []:
-                linked = link_attention_prefetch(model, parse_targets("" if targets == "-" else targets))
-                recapture_decode_graphs(runner)
-                ms, toks = w3(llm, args.reps)
-                result["w3"][f"{name}@l2{targets}"] = dict(ms_per_token=ms, floor_ms=fl, x_floor=ms / fl, tokens=toks)
-                print(f"W3 {name} L2 prefetch {targets} ({linked} layers): {ms:.3f} ms/token, {ms / fl:.2f}x")
-            link_attention_prefetch(model, ())
-            for pre in args.preload or []:
-                os.environ["PAGEDLLM_GGUF_GEMV_PRELOAD"] = str(pre)
-                recapture_decode_graphs(runner)
-                ms, toks = w3(llm, args.reps)
-                result["w3"][f"{name}@preload{pre}"] = dict(ms_per_token=ms, floor_ms=fl, x_floor=ms / fl, tokens=toks)
-                print(f"W3 {name} PAGEDLLM_GGUF_GEMV_PRELOAD={pre}: {ms:.3f} ms/token, {ms / fl:.2f}x")
+            for setting in args.ab or []:
+                ms, toks = w3_with(llm, runner, model, setting, args.reps)
+                result["w3"][f"{name}@{setting}"] = dict(ms_per_token=ms, floor_ms=fl, x_floor=ms / fl, tokens=toks)
+                print(f"W3 {name} with {setting}: {ms:.3f} ms/token, {ms / fl:.2f}x")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 

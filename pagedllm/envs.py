@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
     PAGEDLLM_ATTN_L2_PREFETCH: str
+    PAGEDLLM_ATTN_Q8_TWIN: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -116,6 +117,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Small decode batches' attention asks L2 for the weights of GEMVs after it: "o" (that layer's o_proj),
     # "qkv" (the next layer's), comma-separated; empty: off (an experiment, model_executor/layers/l2_prefetch.py).
     "PAGEDLLM_ATTN_L2_PREFETCH": lambda: os.environ.get("PAGEDLLM_ATTN_L2_PREFETCH", ""),
+    # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (off until verified on a GPU,
+    # benchmarks/NOTES.md session 42).
+    "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "0"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
     # 1: the decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for

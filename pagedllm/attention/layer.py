@@ -5,17 +5,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionType, RotaryArgs
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.forward_context import get_attn_metadata, get_split_hook
+from pagedllm.model_executor.layers.quantization import act_twin
 
 
 class Attention(nn.Module):
     """`kv_cache` is bound by the model runner after it allocates the cache (None until then).
 
+    With `PAGEDLLM_ATTN_Q8_TWIN`, a producer of activation twins (quantization/act_twin.py) where the model
+    links it to its o_proj: for a GGUF o_proj on the int8 GEMV, a backend that can (`writes_q8_twin`) writes
+    the output's q8_1 twin.
+
     `prefix` must be unique per layer (e.g. "model.layers.3.self_attn.attn"): the model runner finds
     every Attention module by name to bind its cache and its per-step metadata.
     """
+
+    @property
+    def twin_kinds(self) -> tuple[str, ...]:
+        """The twins it can write (`act_twin.link_producers`): "q8", when switched on."""
+        return ("q8",) if envs.PAGEDLLM_ATTN_Q8_TWIN else ()
 
     def __init__(
         self,
@@ -74,5 +85,11 @@ class Attention(nn.Module):
         k3 = k.view(t, self.num_kv_heads, self.head_size)
         v3 = v.view(t, self.num_kv_heads, self.head_size)
         out3 = out.view(t, self.num_heads, self.head_size)
-        self.impl.forward(q3, k3, v3, self.kv_cache, get_attn_metadata(self.layer_name), out3, rotary)
+        md = get_attn_metadata(self.layer_name)
+        twin = None
+        if act_twin.wants_twin(self, out) == "q8" and self.impl.writes_q8_twin(md):
+            twin = act_twin.q8_buffers(t, out.shape[1], out.device)
+            self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary, q8_twin=twin)  # type: ignore[call-arg]
+            return act_twin.attach(out, twin)
+        self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary)
         return out

@@ -337,6 +337,37 @@ def test_split_kv_mixed_batch() -> None:
     run_case([50, 1, 1], [100, 333, 7], num_heads=6, num_kv_heads=2, num_splits=4, seed=11)
 
 
+@pytest.mark.parametrize("num_splits", [2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
+def test_split_kv_q8_twin(
+    heads: tuple[int, int, int], dtype: torch.dtype, num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split-KV merge's q8_1 twin of its output (o_proj's int8 GEMV input, `PAGEDLLM_ATTN_Q8_TWIN`) equals
+    the output quantized by the reference (`q8_activations`: d * q per group of 32, s = d * sum(q)), for groups
+    of 4 and of 3 query heads (a padded head in the merge's tile), decodes and a few-row request beside them."""
+    monkeypatch.setenv("PAGEDLLM_ATTN_Q8_TWIN", "1")
+    from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+
+    num_heads, num_kv_heads, head_size = heads
+    q_lens, ctx = [1, 1, 3, 1], [700, 5, 200, 64]
+    t, k = sum(q_lens), num_heads * head_size
+    twin = (
+        torch.full((t, k), 99, dtype=torch.int8, device=DEVICE),
+        torch.full((t, k // 32), float("nan"), device=DEVICE),
+        torch.full((t, k // 32), float("nan"), device=DEVICE),
+    )
+    got = run_case(
+        q_lens, ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+        num_splits=num_splits, seed=num_splits, q8_twin=twin,
+    )  # fmt: skip
+    out = got.to(dtype).view(t, k)
+    q, d, s = (x.cpu() for x in twin)
+    deq = (q.float().view(t, -1, 32) * d[:, :, None]).view(t, k)
+    assert torch.equal(deq, gt.q8_activations(out)), "the twin is not the output's quantization"
+    assert torch.equal(s, d * q.view(t, -1, 32).sum(-1).float())
+
+
 @pytest.mark.parametrize("num_splits", [1, 16])
 def test_l2_prefetch_changes_nothing(num_splits: int) -> None:
     """A decode launch asking L2 for byte ranges (layers/l2_prefetch.py; a hint, CUDA only) gives the output

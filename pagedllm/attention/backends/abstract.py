@@ -119,6 +119,11 @@ class AttentionImpl(ABC, Generic[M]):
     def configure(self) -> None:  # noqa: B027 - optional hook
         """Backend-specific set-up after the common fields are in place (e.g. reading A/B switches)."""
 
+    def writes_q8_twin(self, attn_metadata: M) -> bool:
+        """Whether `forward` for this step can also write its output's q8_1 twin (`forward(..., q8_twin=)`, for
+        an o_proj on the GGUF int8 GEMV: quantization/act_twin.py); only backends that can say so."""
+        return False
+
     @abstractmethod
     def forward(
         self,

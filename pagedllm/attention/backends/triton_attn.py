@@ -36,6 +36,7 @@ from pagedllm.attention.ops.triton_paged_attn import (
     request_order,
     reshape_and_cache,
     wants_request_order,
+    writes_q8_twin,
 )
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
 
@@ -105,6 +106,20 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         # Longest-first decode launches (`wants_request_order`; PAGEDLLM_ATTN_LONGEST_FIRST=0 turns them off).
         self.longest_first = envs.PAGEDLLM_ATTN_LONGEST_FIRST
 
+    def _num_splits(self, md: TritonAttentionMetadata, device: torch.device) -> int:
+        if md.num_splits is not None:
+            return md.num_splits
+        return choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, device)
+
+    def writes_q8_twin(self, attn_metadata: TritonAttentionMetadata) -> bool:
+        """Split-KV steps: the launch's merge writes the twin (`paged_attention`'s `q8_twin`)."""
+        md = attn_metadata
+        return (
+            self.attn_type == AttentionType.DECODER
+            and not md.kv_cache_free
+            and writes_q8_twin(self._num_splits(md, md.seq_lens.device), self.head_size)
+        )
+
     def forward(
         self,
         query: torch.Tensor,
@@ -114,6 +129,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
         rotary: RotaryArgs | None = None,
+        q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
@@ -131,9 +147,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping, kv_scales)
         else:
             apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
-        num_splits = md.num_splits
-        if num_splits is None:
-            num_splits = choose_num_splits(md.num_reqs, self.num_kv_heads, md.max_query_len, query.device)
+        num_splits = self._num_splits(md, query.device)
         req_order = None
         if self.longest_first and wants_request_order(
             md.num_reqs, self.num_kv_heads, md.num_decodes or 0, num_splits, query.device
@@ -165,6 +179,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             key_limit=md.key_limit,
             req_order=req_order,
             l2_prefetch=self.l2_prefetch if md.max_query_len == 1 and n <= PREFETCH_MAX_ROWS else None,
+            q8_twin=q8_twin,
         )
         return output
 

@@ -16,9 +16,9 @@ launches (every request one tile) use one program per request instead.
 
 With `num_splits > 1` (flash-decoding) the key range of every query tile is cut into that many
 segments, run by separate programs, each writing an unnormalised partial (acc, running max, sum); the
-last of a tile's programs to finish merges them (a per-tile arrival count, `_split_counts`). That path
-exists for batches with few (kv head, request) pairs and long contexts, where one program per pair cannot
-fill the GPU.
+last of a tile's programs to finish merges them (a per-tile arrival count, `_split_counts`), and may also
+write the output rows' q8_1 quantization for o_proj's int8 GEMV (`q8_twin`). That path exists for batches
+with few (kv head, request) pairs and long contexts, where one program per pair cannot fill the GPU.
 
 Importing this module never calls Triton (the kernels compile on first launch) and works without
 Triton installed (`HAS_TRITON` is then False and the launchers raise).
@@ -43,6 +43,7 @@ __all__ = [
     "request_order",
     "reshape_and_cache",
     "wants_request_order",
+    "writes_q8_twin",
 ]
 
 if HAS_TRITON:
@@ -164,6 +165,7 @@ def paged_attention(
     key_limit: torch.Tensor | None = None,
     req_order: torch.Tensor | None = None,
     l2_prefetch: torch.Tensor | None = None,
+    q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -178,6 +180,9 @@ def paged_attention(
     its requests (see `wants_request_order`); other launches ignore it. It changes no value of the output.
     `l2_prefetch` (int64 [N, 2] device table of (address, bytes), `layers.l2_prefetch`): byte ranges the
     programs ask L2 for before they start (the next GEMVs' weights; CUDA only, a hint that changes no value).
+    `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
+    float32; split-KV launches into an output of contiguous heads only, `writes_q8_twin`): the output rows
+    quantized as `quant_groups_q8` quantizes them, from the rows as stored (read back).
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -231,6 +236,11 @@ def paged_attention(
         part_out, part_m, part_l = bufs
     else:
         part_out = part_m = part_l = output  # unused by the kernel
+    if q8_twin is not None:
+        assert writes_q8_twin(num_splits, head_size) and output.stride(1) == head_size, "no q8 twin here"
+        tq, td, ts = q8_twin
+    else:
+        tq = td = ts = output  # (unread without TWIN)
     counts = output
     if num_splits > 1:
         tiles = max(num_reqs if filt == 1 else num_actual_tokens + num_reqs for _, filt in launches)
@@ -288,6 +298,11 @@ def paged_attention(
             req_order if ordered else seq_lens,  # (unread without ORDERED)
             counts,
             l2_prefetch if l2_prefetch is not None else counts,  # (unread without NPF)
+            tq,
+            td,
+            ts,
+            tq.stride(0),
+            td.stride(0),
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -307,12 +322,19 @@ def paged_attention(
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
+            TWIN=q8_twin is not None,
             NPF=l2_prefetch.shape[0] if l2_prefetch is not None and query.is_cuda else 0,
             num_warps=nw,
             num_stages=ns,
             **pdl,
         )
     return output
+
+
+def writes_q8_twin(num_splits: int, head_size: int) -> bool:
+    """Whether a launch can write o_proj's q8 twin: split-KV (the merge writes it), heads of whole groups of 32
+    (a group never spans two heads), and `PAGEDLLM_ATTN_Q8_TWIN` on."""
+    return envs.PAGEDLLM_ATTN_Q8_TWIN and num_splits > 1 and head_size % 32 == 0 and next_pow2(head_size) == head_size
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}

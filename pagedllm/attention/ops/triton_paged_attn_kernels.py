@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
 from pagedllm.triton_utils import l2_prefetch, pdl_enter
 
 
@@ -154,6 +155,11 @@ def _paged_attn_kernel(
     order_ptr,
     count_ptr,
     pf_ptr,
+    tq_ptr,
+    td_ptr,
+    ts_ptr,
+    stride_tq,
+    stride_td,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -174,6 +180,7 @@ def _paged_attn_kernel(
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
     NPF: tl.constexpr = 0,
+    TWIN: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     if NPF > 0:  # weights of later GEMVs into L2 while this latency-bound kernel runs (`l2_prefetch` table)
@@ -362,6 +369,9 @@ def _paged_attn_kernel(
                 part_out_ptr,
                 part_m_ptr,
                 part_l_ptr,
+                tq_ptr,
+                td_ptr,
+                ts_ptr,
                 q_start,
                 qb * BLOCK_Q,
                 tl.minimum(q_len, (qb + 1) * BLOCK_Q),
@@ -369,11 +379,14 @@ def _paged_attn_kernel(
                 num_heads,
                 stride_ot,
                 stride_oh,
+                stride_tq,
+                stride_td,
                 GROUP,
                 HEAD_SIZE,
                 HEAD_PAD,
                 NUM_SEGMENTS,
                 MERGE_HEADS,
+                TWIN,
             )
 
 
@@ -383,6 +396,9 @@ def _merge_tile(
     part_out_ptr,
     part_m_ptr,
     part_l_ptr,
+    tq_ptr,
+    td_ptr,
+    ts_ptr,
     q_start,
     t_begin,
     t_end,
@@ -390,15 +406,21 @@ def _merge_tile(
     num_heads,
     stride_ot,
     stride_oh,
+    stride_tq,
+    stride_td,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     MERGE_HEADS: tl.constexpr,
+    TWIN: tl.constexpr,
 ):
     """The split-KV segments' partials of tokens [t_begin, t_end) of a request (from `q_start`) for the GROUP
     query heads of kv head `kvh`, merged into the output, MERGE_HEADS heads at a time (a [heads, segments,
-    head] tile, its loads all in flight at once)."""
+    head] tile, its loads all in flight at once). TWIN: the rows' q8_1 quantization too (`quant_groups_q8`,
+    o_proj's int8 GEMV input; contiguous heads, HEAD_PAD == HEAD_SIZE), from the rows read back as stored:
+    quantized in registers, 16-bit rows did not equal the stored rows' quantization on an H200 (session 42).
+    """
     offs_h = tl.arange(0, MERGE_HEADS)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -424,6 +446,21 @@ def _merge_tile(
             o = o.to(out_ptr.dtype.element_ty)
             dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(dst, o, mask=h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
+            if TWIN:
+                col0 = (kvh * GROUP + h0) * HEAD_SIZE
+                n_cols = (kvh + 1) * GROUP * HEAD_SIZE
+                cols = col0 + tl.arange(0, MERGE_HEADS * HEAD_PAD)
+                tl.debug_barrier()  # every thread's rows stored before any thread reads them back
+                row = tl.load(out_ptr + tok * stride_ot + cols, mask=cols < n_cols, other=0.0, cache_modifier=".cg")
+                quant_groups_q8(
+                    row.to(tl.float32),
+                    tq_ptr + tok * stride_tq,
+                    td_ptr + tok * stride_td,
+                    ts_ptr + tok * stride_td,
+                    col0,
+                    n_cols,
+                    MERGE_HEADS * HEAD_PAD,
+                )
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -133,10 +133,7 @@ def _twin(kind: str | None, n_rows: int, n_cols: int, device: torch.device) -> t
     """Buffers of an output's twin of `kind` (quantization/act_twin.py): "fp8", e4m3 rows and one float32
     scale each; "q8", an `act_twin.Q8Act`; None: no twin."""
     if kind == "q8":
-        groups = torch.empty((n_rows, n_cols // 32), dtype=torch.float32, device=device)
-        return act_twin.Q8Act(
-            torch.empty((n_rows, n_cols), dtype=torch.int8, device=device), groups, torch.empty_like(groups)
-        )
+        return act_twin.q8_buffers(n_rows, n_cols, device)
     if kind is None:
         return None
     return (

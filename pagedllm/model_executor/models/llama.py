@@ -113,8 +113,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def twin_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
         """(producer, linear) pairs where the producer's output goes straight into the linear: the norms and the
-        SiLU-mul, which may write an FP8 twin of their output for it (quantization/act_twin.py)."""
+        SiLU-mul, which may write a twin of their output for it (quantization/act_twin.py), and the attention,
+        which may write o_proj's q8 twin (GGUF)."""
         pairs: list[tuple[nn.Module, nn.Module]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if self.attn_cls is LlamaAttention:
+            pairs.append((self.self_attn.attn, self.self_attn.o_proj))
         if type(self.mlp) is LlamaMLP:
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
             pairs.append((self.mlp.act_fn, self.mlp.down_proj))

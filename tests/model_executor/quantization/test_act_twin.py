@@ -4,6 +4,7 @@ returned carries its twin. The kernels are tested on the device (tests/gpu/test_
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -124,6 +125,21 @@ def test_link_producers_for_gguf_int8_linears() -> None:
     assert all(layer.mlp.act_fn.twin_kind == "q8" for layer in model.model.layers)
     assert act_twin.link_producers(gguf_model(q6_k, True)) == 0
     assert act_twin.link_producers(gguf_model(q4_1, False)) == 0
+
+
+def test_attention_links_o_proj_twin_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PAGEDLLM_ATTN_Q8_TWIN the attention is o_proj's q8 producer too (its split-KV merge writes it)."""
+    from pagedllm.model_executor.layers.linear import LinearBase
+    from pagedllm.model_executor.layers.quantization import gguf as gq
+
+    monkeypatch.setenv("PAGEDLLM_ATTN_Q8_TWIN", "1")
+    model = LlamaForCausalLM(CFG)
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            n, k = m.weight.shape
+            gq.install(m, [gq.GGUFTritonWeight(3, torch.empty(0, dtype=torch.uint8), n, k)])
+    assert act_twin.link_producers(model) == 8  # 2 layers x (the norms, the SiLU-mul, the attention)
+    assert all(layer.self_attn.attn.twin_kind == "q8" for layer in model.model.layers)
 
 
 class _CudaRows(_CudaLike):

@@ -49,6 +49,12 @@ class Q8Act(NamedTuple):
     s: torch.Tensor
 
 
+def q8_buffers(n_rows: int, n_cols: int, device: torch.device) -> Q8Act:
+    """Buffers for a q8 twin of [n_rows, n_cols] activations (n_cols a multiple of 32)."""
+    groups = torch.empty((n_rows, n_cols // 32), dtype=torch.float32, device=device)
+    return Q8Act(torch.empty((n_rows, n_cols), dtype=torch.int8, device=device), groups, torch.empty_like(groups))
+
+
 def attach(t: torch.Tensor, *twin: torch.Tensor | Q8Act) -> torch.Tensor:
     """`t` with its quantized twin: (q [rows, K] e4m3, scale [rows, 1] float32 per token), or a `Q8Act`."""
     setattr(t, _ATTR, twin[0] if len(twin) == 1 else tuple(twin))
@@ -93,13 +99,14 @@ def link_producers(model: nn.Module) -> int:
     """Mark the producers whose output feeds a linear that takes a twin directly; returns how many. A decoder
     layer names its (producer, consumer) pairs in `twin_pairs()` (it alone knows its data flow); a consumer's
     quant method names the kind it takes (`twin_kind`: "fp8" for FP8 weights with dynamic activation scales,
-    "q8" for GGUF weights on the GPU's int8 GEMV)."""
+    "q8" for GGUF weights on the GPU's int8 GEMV), a producer the kinds it can write (`twin_kinds`, default
+    both)."""
     n = 0
     for m in model.modules():
         pairs = getattr(m, "twin_pairs", None)
         for producer, consumer in pairs() if pairs is not None else ():
             kind = getattr(getattr(consumer, "quant_method", None), "twin_kind", None)
-            if kind is not None:
+            if kind is not None and kind in getattr(producer, "twin_kinds", ("fp8", "q8")):
                 producer.twin_kind = kind
                 n += 1
     return n
