@@ -364,30 +364,10 @@ def _paged_attn_kernel(
         count = count_ptr + pid_q * (num_heads // GROUP) + kvh
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
             tl.store(count, 0)
-            _merge_tile(
-                out_ptr,
-                part_out_ptr,
-                part_m_ptr,
-                part_l_ptr,
-                tq_ptr,
-                td_ptr,
-                ts_ptr,
-                q_start,
-                qb * BLOCK_Q,
-                tl.minimum(q_len, (qb + 1) * BLOCK_Q),
-                kvh,
-                num_heads,
-                stride_ot,
-                stride_oh,
-                stride_tq,
-                stride_td,
-                GROUP,
-                HEAD_SIZE,
-                HEAD_PAD,
-                NUM_SEGMENTS,
-                MERGE_HEADS,
-                TWIN,
-            )
+            t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
+            _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
+                        t_end, kvh, num_heads, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE, HEAD_PAD,
+                        NUM_SEGMENTS, MERGE_HEADS, TWIN)  # fmt: skip
 
 
 @triton.jit
