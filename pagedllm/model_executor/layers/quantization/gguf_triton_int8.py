@@ -163,7 +163,9 @@ if HAS_TRITON:
         instruction; a 4-bit word gives two words of nibbles, w & 0x0F0F0F0F with the group's first 16
         elements and (w >> 4) & 0x0F0F0F0F with the last 16), a group's word sums are scaled once:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
-        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel."""
+        the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
+        PRE: the first step's weights are read before the PDL wait, while the kernel before still runs (no
+        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42)."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         if not PRE:
