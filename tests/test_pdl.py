@@ -232,3 +232,24 @@ def test_attention_l2_prefetch_before_the_wait() -> None:
     assert sum("ld.global.b64" in op for op in ops) == 4, ops  # (address, bytes) of the two ranges
     assert all("ld.global.b64" in op or "cp.async.bulk.prefetch.L2.global" in op for op in ops), ops
     assert any("cp.async.bulk.prefetch.L2.global" in op for op in ops)
+
+
+@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+@pytest.mark.parametrize(
+    "name", ["gguf_q8_quant", "add_rms_norm_q8_twin", "silu_and_mul_q8_twin", "paged_attn_q8_twin"]
+)
+def test_q8_quantizer_rounds_the_product_first(name: str) -> None:
+    """`quant_groups_q8` splits v = x * (127 / amax) into trunc and fraction from the rounded product (roundf, as
+    `gguf_triton.q8_activations` and llama.cpp): on sm_90 a plain product feeding `v - t` became an FMA, which
+    turned exact halves of 16-bit inputs the other way (session 42's GPU twin test). Its `mul.rn` cannot fuse."""
+    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
+    try:
+        ptx = _ptx(fn, dict(consts, PDL=1), ptrs)
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    lines = ptx.splitlines()
+    cut = [i for i, line in enumerate(lines) if "cvt.rzi.s32.f32" in line]
+    assert cut, "no truncation: the quantizer is not in this kernel"
+    window = lines[cut[0] - 40 : cut[-1] + 40]
+    assert any("mul.rn" in line for line in window)
+    assert not any(re.search(r"\bfma\.rn(\.ftz)?\.f32", line) for line in window), "the fraction came from an FMA"

@@ -181,8 +181,8 @@ def paged_attention(
     `l2_prefetch` (int64 [N, 2] device table of (address, bytes), `layers.l2_prefetch`): byte ranges the
     programs ask L2 for before they start (the next GEMVs' weights; CUDA only, a hint that changes no value).
     `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
-    float32; split-KV launches into an output of contiguous heads only, `writes_q8_twin`): the output rows
-    quantized as `quant_groups_q8` quantizes them, from the rows as stored (read back).
+    float32; split-KV launches only, `writes_q8_twin`): the output rows quantized as `quant_groups_q8`
+    quantizes them.
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -237,7 +237,7 @@ def paged_attention(
     else:
         part_out = part_m = part_l = output  # unused by the kernel
     if q8_twin is not None:
-        assert writes_q8_twin(num_splits, head_size) and output.stride(1) == head_size, "no q8 twin here"
+        assert writes_q8_twin(num_splits, head_size), "no q8 twin here: split-KV and whole groups of 32 a head"
         tq, td, ts = q8_twin
     else:
         tq = td = ts = output  # (unread without TWIN)

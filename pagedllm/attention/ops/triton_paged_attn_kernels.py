@@ -398,9 +398,7 @@ def _merge_tile(
     """The split-KV segments' partials of tokens [t_begin, t_end) of a request (from `q_start`) for the GROUP
     query heads of kv head `kvh`, merged into the output, MERGE_HEADS heads at a time (a [heads, segments,
     head] tile, its loads all in flight at once). TWIN: the rows' q8_1 quantization too (`quant_groups_q8`,
-    o_proj's int8 GEMV input; contiguous heads, HEAD_PAD == HEAD_SIZE), from the rows read back as stored:
-    quantized in registers, 16-bit rows did not equal the stored rows' quantization on an H200 (session 42).
-    """
+    o_proj's int8 GEMV input; HEAD_PAD == HEAD_SIZE), of the 16-bit rows as stored."""
     offs_h = tl.arange(0, MERGE_HEADS)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -428,17 +426,13 @@ def _merge_tile(
             tl.store(dst, o, mask=h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
             if TWIN:
                 col0 = (kvh * GROUP + h0) * HEAD_SIZE
-                n_cols = (kvh + 1) * GROUP * HEAD_SIZE
-                cols = col0 + tl.arange(0, MERGE_HEADS * HEAD_PAD)
-                tl.debug_barrier()  # every thread's rows stored before any thread reads them back
-                row = tl.load(out_ptr + tok * stride_ot + cols, mask=cols < n_cols, other=0.0, cache_modifier=".cg")
                 quant_groups_q8(
-                    row.to(tl.float32),
+                    tl.reshape(o.to(tl.float32), [MERGE_HEADS * HEAD_PAD]),
                     tq_ptr + tok * stride_tq,
                     td_ptr + tok * stride_td,
                     ts_ptr + tok * stride_td,
                     col0,
-                    n_cols,
+                    (kvh + 1) * GROUP * HEAD_SIZE,
                     MERGE_HEADS * HEAD_PAD,
                 )
 

@@ -13,14 +13,21 @@ the GEMV's loop, the per-step reductions and layout conversions put barriers bet
 
 from __future__ import annotations
 
+import os
+
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
     from pagedllm.triton_utils import pdl_enter
+
+    # Under the interpreter (CPU tests) a plain product is already rounded; libdevice's mul_rn has no
+    # interpreter version.
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
@@ -57,7 +64,13 @@ if HAS_TRITON:
         amax = tl.max(tl.abs(x), axis=1)
         inv = tl.where(amax > 0.0, tl.div_rn(tl.full([GB], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
         d = tl.div_rn(amax, tl.full([GB], 127.0, tl.float32))
-        v = x * inv[:, None]
+        # v rounded before it is split: a plain product feeding `v - t` was contracted into an FMA on sm_90
+        # (the fraction taken from the unrounded product), which turns some exact halves of 16-bit inputs the
+        # other way (session 42; `mul.rn` is never contracted).
+        if _INTERPRETED:
+            v = x * inv[:, None]
+        else:
+            v = libdevice.mul_rn(x, tl.broadcast_to(inv[:, None], [GB, 32]))
         t = v.to(tl.int32)
         f = v - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
         q = t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
