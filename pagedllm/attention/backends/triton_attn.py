@@ -39,11 +39,10 @@ from pagedllm.attention.ops.triton_paged_attn import (
     writes_q8_twin,
 )
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
+from pagedllm.model_executor.layers.quantization import act_twin
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
-
-PREFETCH_MAX_ROWS = 8  # decode batches whose GEMVs stream their weights (gguf_triton.GEMV_MAX_M)
 
 
 @dataclass
@@ -178,7 +177,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             kv_scales=kv_scales,
             key_limit=md.key_limit,
             req_order=req_order,
-            l2_prefetch=self.l2_prefetch if md.max_query_len == 1 and n <= PREFETCH_MAX_ROWS else None,
+            # (decode batches whose GEMVs stream their weights: the int8 GEMV's rows)
+            l2_prefetch=self.l2_prefetch if md.max_query_len == 1 and n <= act_twin.Q8_MAX_ROWS else None,
             q8_twin=q8_twin,
         )
         return output

@@ -28,19 +28,7 @@ def weight_tensors(linear: nn.Module) -> list[torch.Tensor]:
     weight."""
     parts = getattr(getattr(linear, "quant_method", None), "parts", None)
     if parts:
-        return [
-            t
-            for p in parts
-            for t in (
-                p.data,
-                getattr(p, "hi", None),
-                getattr(p, "d", None),
-                getattr(p, "dm", None),
-                getattr(p, "sc", None),
-                getattr(p, "mn", None),
-            )  # fmt: skip
-            if isinstance(t, torch.Tensor) and t.numel()
-        ]
+        return [t for p in parts for t in p.tensors if t.numel()]
     w = getattr(linear, "weight", None)
     return [w] if isinstance(w, torch.Tensor) and w.numel() else []
 

@@ -38,8 +38,13 @@ class GGUFWeight:
         return PACKED_TYPES[self.qtype & ~TILED]
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weight holds (what a GEMV reads)."""
+        return [self.data]
+
+    @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 @dataclass
@@ -60,9 +65,5 @@ class GGUFTritonWeight(GGUFWeight):
     mn: torch.Tensor | None = None
 
     @property
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for t in (self.data, self.hi, self.d, self.dm, self.sc, self.mn)
-            if t is not None
-        )
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.data, self.hi, self.d, self.dm, self.sc, self.mn) if t is not None]
