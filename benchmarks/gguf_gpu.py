@@ -46,9 +46,8 @@ from typing import Any
 import torch
 from triton.testing import do_bench_cudagraph
 
-from pagedllm import envs
 from pagedllm.benchmarks import floors
-from pagedllm.model_executor.layers.l2_prefetch import link_attention_prefetch, parse_targets
+from pagedllm.model_executor.layers.l2_prefetch import link_from_env
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
@@ -250,7 +249,7 @@ def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: i
         else:
             os.environ[key] = v
         act_twin.link_producers(model)
-        link_attention_prefetch(model, parse_targets(envs.PAGEDLLM_ATTN_L2_PREFETCH))
+        link_from_env(model)
         recapture_decode_graphs(runner)
 
     apply(value)
@@ -343,7 +342,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             packed = swap_to_gguf(model, name, gen)
             linked = act_twin.link_producers(model)  # as a GGUF model's load does (worker/cuda_rewrites.py)
-            link_attention_prefetch(model, parse_targets(envs.PAGEDLLM_ATTN_L2_PREFETCH))  # (the new weights)
+            link_from_env(model)  # (the new weights)
             runner.capture_cuda_graphs()  # the old graphs ran the dense weights
             nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
             ms, toks = w3(llm, args.reps)

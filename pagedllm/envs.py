@@ -114,9 +114,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
     # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
-    # Small decode batches' attention asks L2 for the weights of GEMVs after it: "o" (that layer's o_proj),
-    # "qkv" (the next layer's), comma-separated; empty: off (an experiment, model_executor/layers/l2_prefetch.py).
+    # Small decode batches' latency-bound kernels ask L2 for the weights of GEMVs after them: the attention's "o"
+    # (that layer's o_proj), "qkv" (the next layer's), "norm" / "silu" (a prefix of the linear each norm /
+    # SiLU-mul feeds), comma-separated; empty: off (an experiment, model_executor/layers/l2_prefetch.py).
     "PAGEDLLM_ATTN_L2_PREFETCH": lambda: os.environ.get("PAGEDLLM_ATTN_L2_PREFETCH", ""),
+    # With "norm" / "silu" there: the MB of the next linear's weights each norm / SiLU-mul asks L2 for.
+    "PAGEDLLM_L2_PREFETCH_MB": lambda: float(os.environ.get("PAGEDLLM_L2_PREFETCH_MB", "8")),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (off until verified on a GPU,
     # benchmarks/NOTES.md session 42).
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "0"),

@@ -98,7 +98,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gemv = dict(HAS_BIAS=False, HAS_LORA=False, EVEN=True, EVEN_A=True, PUSH=False, GLU=False, BLOCK_N=1, BLOCK_K=512)
     norm_ptrs = dict(x_ptr=bf, res_ptr=bf, out_ptr=bf, res_out_ptr=bf, w_ptr=bf, eps="fp32", q_ptr="*fp8e4nv")
     norm_ptrs.update(qs_ptr="*fp32", recv_ptr="*i16", epoch_ptr="*i64", buf_ptrs="*u64", flag_ptrs="*u64")
-    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1, NPF=0)
     q8_ptrs = dict(norm_ptrs, q_ptr="*i8", qs_ptr="*fp32", qm_ptr="*fp32", d_ptr="*fp32", s_ptr="*fp32")
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
@@ -131,9 +131,9 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
             norm,
             norm_ptrs,
         ),
-        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=0), norm_ptrs),
-        ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1), norm_ptrs),
-        ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2), q8_ptrs),
+        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=0, NPF=0), norm_ptrs),
+        ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1, NPF=0), norm_ptrs),
+        ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2, NPF=0), q8_ptrs),
         ("add_rms_norm_q8_twin", triton_ops._rms_norm_kernel, dict(norm, QUANT=2), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
@@ -217,12 +217,13 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
-def test_attention_l2_prefetch_before_the_wait() -> None:
-    """The attention with an L2-prefetch table (layers/l2_prefetch.py) reads the table and issues bulk L2
-    prefetches before its wait, nothing else: no store, atomic or other load."""
-    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == "paged_attn")
+@pytest.mark.parametrize("name", ["paged_attn", "add_rms_norm_q8_twin", "silu_and_mul_q8_twin"])
+def test_l2_prefetch_before_the_wait(name: str) -> None:
+    """The attention / norm / SiLU-mul with an L2-prefetch table (layers/l2_prefetch.py) reads the table and
+    issues bulk L2 prefetches before its wait, nothing else: no store, atomic or other load."""
+    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
     try:
-        ptx = _ptx(fn, dict(consts, NPF=2, PDL=2), ptrs)
+        ptx = _ptx(fn, dict(consts, NPF=2, PDL=2), dict(ptrs, pf_ptr="*i64"))
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
         pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
     body = ptx[ptx.index("{", ptx.index(".entry")) :]

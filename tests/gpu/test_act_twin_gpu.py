@@ -159,3 +159,21 @@ def test_gguf_gemv_reads_the_q8_twin() -> None:
     assert torch.equal(gq.gguf_matmul(twin_x, [w]), plain)
     other = act_twin.attach(x.clone(), gt.quantize_q8(x * 2))
     assert not torch.allclose(gq.gguf_matmul(other, [w]).float(), plain.float(), rtol=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q8_quantizer_is_the_reference_at_exact_halves(dtype: torch.dtype) -> None:
+    """`_q8_quant_kernel` (and so every twin compared with it above) quantizes as `q8_activations` does,
+    bit for bit, on inputs made of exact halves (x = amax * (j + 0.5) / 127): the product rounds before its
+    fraction is taken (an FMA there rounded such halves the other way on sm_90, session 42)."""
+    from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    amax = torch.rand(64, 1, device="cuda", generator=g) * 4 + 0.25
+    j = torch.randint(-126, 126, (64, 32), device="cuda", generator=g).float()
+    x = (amax * (j + 0.5) / 127).to(dtype)
+    x[:, 0] = amax[:, 0].to(dtype)  # each group's amax as an element
+    x = x.reshape(8, 256)
+    a = gt.quantize_q8(x)
+    got = (a.q.float().view(8, -1, 32) * a.d.unsqueeze(-1)).view(8, 256)
+    assert torch.equal(got, gt.q8_activations(x))

@@ -7,7 +7,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from pagedllm.model_executor.layers.l2_prefetch import link_attention_prefetch, parse_targets, weight_tensors
+from pagedllm.model_executor.layers.l2_prefetch import (
+    link_attention_prefetch,
+    link_prefetch,
+    parse_targets,
+    prefetch_table,
+    table_for,
+    weight_tensors,
+)
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -66,5 +73,39 @@ def test_gguf_parts_give_their_quants_and_scales() -> None:
 def test_unknown_targets_are_refused() -> None:
     assert parse_targets(" o, qkv ") == ("o", "qkv")
     assert parse_targets("") == ()
+    assert parse_targets("norm,silu") == ("norm", "silu")
     with pytest.raises(ValueError, match="PAGEDLLM_ATTN_L2_PREFETCH"):
         parse_targets("o,down")
+
+
+def test_norms_and_silu_ask_for_a_prefix_of_the_linear_they_feed() -> None:
+    model = _model()
+    assert link_prefetch(model, ("norm", "silu"), prefix_bytes=1 << 12) == 3 * 3
+    for layer in model.model.layers:
+        for producer, linear in [
+            (layer.input_layernorm, layer.self_attn.qkv_proj),
+            (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            (layer.mlp.act_fn, layer.mlp.down_proj),
+        ]:
+            w = linear.weight
+            assert w.numel() * w.element_size() > 1 << 12  # (a prefix, not the whole)
+            assert producer.l2_prefetch.tolist() == [[w.data_ptr(), 1 << 12]]
+        assert layer.self_attn.attn.impl.l2_prefetch is None  # ("o" / "qkv" not named)
+    assert link_prefetch(model, ("silu",), prefix_bytes=1 << 12) == 3
+    assert all(layer.input_layernorm.l2_prefetch is None for layer in model.model.layers)
+    assert link_prefetch(model, ()) == 0
+    assert all(layer.mlp.act_fn.l2_prefetch is None for layer in model.model.layers)
+
+
+def test_a_prefix_takes_the_same_share_of_each_tensor() -> None:
+    a, b = torch.zeros(1000, dtype=torch.int32), torch.zeros(1000, dtype=torch.float16)  # 4000 + 2000 bytes
+    assert prefetch_table([a, b], prefix_bytes=3000).tolist() == [[a.data_ptr(), 2000], [b.data_ptr(), 992]]
+    assert prefetch_table([a, b], prefix_bytes=10**6).tolist() == [[a.data_ptr(), 4000], [b.data_ptr(), 2000]]
+
+
+def test_only_decode_batches_prefetch() -> None:
+    norm = _model().model.layers[0].input_layernorm
+    assert table_for(norm, torch.zeros(1, 64)) is None  # no table
+    norm.l2_prefetch = torch.zeros(1, 2, dtype=torch.int64)
+    assert table_for(norm, torch.zeros(8, 64)) is norm.l2_prefetch
+    assert table_for(norm, torch.zeros(9, 64)) is None  # a prefill: its GEMM reads the weights its own way
