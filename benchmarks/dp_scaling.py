@@ -44,10 +44,15 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
     for k in kernels:
         c = k.get("args", {}).get("correlation")
         (per_graph[c] if c in graph_corr else eager).append(k)
-    # A decode step's graph holds every layer; smaller graphs are piecewise prefill segments.
+    # A decode step's graph holds every layer; smaller graphs are piecewise prefill segments, and a whole-step
+    # graph far longer than the typical one is a prefill (its span > 3x the median).
     sizes = [len(v) for v in per_graph.values()]
     big = max(sizes) if sizes else 0
     steps = [v for v in per_graph.values() if len(v) >= big // 2]
+    if steps:
+        span_of = [max(k["ts"] + k["dur"] for k in v) - min(k["ts"] for k in v) for v in steps]
+        typical = statistics.median(span_of)
+        steps = [v for v, sp in zip(steps, span_of, strict=True) if sp <= 3 * typical]
     spans, busies = [], []
     by_name: dict[str, float] = defaultdict(float)
     # A kernel's share of the step's critical path: its end minus the previous kernel's (by end time). With
@@ -65,8 +70,11 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
             end = k["ts"] + k["dur"]
             crit[k["name"][:80]] += (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
             prev = end
+    gaps, between = _gaps(steps, eager + [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")])
     return {
         "decode_graphs": len(steps),
+        "decode_gap_ms_median": statistics.median(gaps) if gaps else None,
+        "decode_gap_work_ms_per_gap": between,
         "kernels_per_decode_graph": big,
         "decode_span_ms_median": statistics.median(spans) if spans else None,
         "decode_busy_ms_median": statistics.median(busies) if busies else None,
@@ -77,6 +85,21 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         "decode_top_kernels_ms_per_step": sorted(by_name.items(), key=lambda x: -x[1])[:top],
         "decode_critical_ms_per_step": sorted(crit.items(), key=lambda x: -x[1])[:top],
     }
+
+
+def _gaps(steps: list[list[dict[str, Any]]], others: list[dict[str, Any]]) -> tuple[list[float], list[Any]]:
+    """The device time between consecutive decode steps' graphs (ms, next start minus previous end) and the
+    eager kernels / copies that ran there, by name, ms per gap (the rest of a gap is idle: the host's)."""
+    bounds = sorted((min(k["ts"] for k in v), max(k["ts"] + k["dur"] for k in v)) for v in steps)
+    gaps = [(b0 - a1) / 1e3 for (_, a1), (b0, _) in zip(bounds, bounds[1:])]
+    work: dict[str, float] = defaultdict(float)
+    for e in others:
+        if "dur" not in e:
+            continue
+        t = e["ts"]
+        if any(a1 <= t < b0 for (_, a1), (b0, _) in zip(bounds, bounds[1:])):
+            work[e["name"][:80]] += e["dur"] / 1e3 / max(1, len(gaps))
+    return gaps, sorted(work.items(), key=lambda x: -x[1])[:8]
 
 
 def main() -> None:

@@ -188,6 +188,9 @@ def profile_w3(llm: Any) -> dict[str, Any]:
         return prof
     print(f"  decode step: span {prof['decode_span_ms_median']:.3f} ms, busy {prof['decode_busy_ms_median']:.3f} ms, "
           f"{prof['kernels_per_decode_graph']} kernels")  # fmt: skip
+    if prof["decode_gap_ms_median"] is not None:
+        print(f"  between steps: {prof['decode_gap_ms_median'] * 1e3:.1f} us (median), of which per gap: "
+              + ", ".join(f"{n} {ms * 1e3:.1f} us" for n, ms in prof["decode_gap_work_ms_per_gap"]))  # fmt: skip
     crit = dict(prof["decode_critical_ms_per_step"])
     for kname, ms in prof["decode_top_kernels_ms_per_step"]:
         print(f"    {ms * 1e3:8.1f} us/step ({crit.get(kname, 0.0) * 1e3:7.1f} on the critical path)  {kname}")

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
     PAGEDLLM_ATTN_L2_PREFETCH: str
     PAGEDLLM_ATTN_Q8_TWIN: bool
+    PAGEDLLM_L2_PREFETCH_EARLY: bool
+    PAGEDLLM_L2_PREFETCH_MB: float
+    PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -120,9 +123,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_ATTN_L2_PREFETCH": lambda: os.environ.get("PAGEDLLM_ATTN_L2_PREFETCH", ""),
     # With "norm" / "silu" there: the MB of the next linear's weights each norm / SiLU-mul asks L2 for.
     "PAGEDLLM_L2_PREFETCH_MB": lambda: float(os.environ.get("PAGEDLLM_L2_PREFETCH_MB", "8")),
-    # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (off until verified on a GPU,
-    # benchmarks/NOTES.md session 42).
-    "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "0"),
+    # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
+    "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
+    # 1: those kernels ask before their PDL wait (while the GEMV before them streams), 0: after it.
+    "PAGEDLLM_L2_PREFETCH_EARLY": _flag("PAGEDLLM_L2_PREFETCH_EARLY", "0"),
+    # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
+    # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
+    "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),
     # CPU decode steps of a packed-GGUF Llama run every layer in one C call (gguf_decode_stack.py).
     "PAGEDLLM_CPU_DECODE_STACK": _flag("PAGEDLLM_CPU_DECODE_STACK"),
     # 1: the decode stack in one OpenMP region per step with spinning barriers, where every linear is tiled for

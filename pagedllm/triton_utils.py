@@ -158,6 +158,14 @@ def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = ""
     return 2 if kernel in names or "all" in names else 1
 
 
+def prefetch_count(table: torch.Tensor | None, x: torch.Tensor) -> int:
+    """A kernel's NPF for an L2-prefetch table (`pdl_enter_prefetching`): its ranges, negative to ask before the
+    PDL wait (`PAGEDLLM_L2_PREFETCH_EARLY`); 0 without a table or off the GPU (a hint the interpreter lacks)."""
+    if table is None or not x.is_cuda:
+        return 0
+    return -table.shape[0] if envs.PAGEDLLM_L2_PREFETCH_EARLY else table.shape[0]
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -169,6 +177,17 @@ if HAS_TRITON:
             gdc_launch_dependents()
         if PDL:
             gdc_wait()
+
+    @triton.jit
+    def pdl_enter_prefetching(PDL: tl.constexpr, table_ptr, NPF: tl.constexpr):
+        """`pdl_enter` with the `l2_prefetch` of a table's |NPF| ranges after the wait (NPF > 0: the bus is the
+        kernel's alone then) or before it (NPF < 0: while the kernel before, a GEMV, still streams; slower on
+        an H200, benchmarks/NOTES.md session 43)."""
+        if NPF < 0:
+            l2_prefetch(table_ptr, -NPF)
+        pdl_enter(PDL)
+        if NPF > 0:
+            l2_prefetch(table_ptr, NPF)
 
     @triton.jit
     def l2_prefetch(table_ptr, N: tl.constexpr, BLOCK: tl.constexpr = 128, CHUNK: tl.constexpr = 4096):

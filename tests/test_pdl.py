@@ -217,19 +217,25 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("name", ["paged_attn", "add_rms_norm_q8_twin", "silu_and_mul_q8_twin"])
-def test_l2_prefetch_before_the_wait(name: str) -> None:
+def test_l2_prefetch_around_the_wait(name: str, early: bool) -> None:
     """The attention / norm / SiLU-mul with an L2-prefetch table (layers/l2_prefetch.py) reads the table and
-    issues bulk L2 prefetches before its wait, nothing else: no store, atomic or other load."""
+    issues bulk L2 prefetches: early (NPF < 0), before its wait and nothing else there (no store, atomic or other
+    load); late (NPF > 0), nothing at all before the wait, the prefetches after it."""
     _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
     try:
-        ptx = _ptx(fn, dict(consts, NPF=2, PDL=2), dict(ptrs, pf_ptr="*i64"))
+        ptx = _ptx(fn, dict(consts, NPF=-2 if early else 2, PDL=2), dict(ptrs, pf_ptr="*i64"))
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
         pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")
     assert wait >= 0
     ops = [line.strip() for line in body[:wait].splitlines() if _MEM.match(line) or "cp.async" in line]
+    if not early:
+        assert not ops, ops
+        assert "cp.async.bulk.prefetch.L2.global" in body[wait:]
+        return
     assert sum("ld.global.b64" in op for op in ops) == 4, ops  # (address, bytes) of the two ranges
     assert all("ld.global.b64" in op or "cp.async.bulk.prefetch.L2.global" in op for op in ops), ops
     assert any("cp.async.bulk.prefetch.L2.global" in op for op in ops)

@@ -15,7 +15,7 @@ from pagedllm.model_executor.layers.quantization import act_twin
 class Attention(nn.Module):
     """`kv_cache` is bound by the model runner after it allocates the cache (None until then).
 
-    With `PAGEDLLM_ATTN_Q8_TWIN`, a producer of activation twins (quantization/act_twin.py) where the model
+    With `PAGEDLLM_ATTN_Q8_TWIN` (default on), a producer of activation twins (quantization/act_twin.py) where the model
     links it to its o_proj: for a GGUF o_proj on the int8 GEMV, a backend that can (`writes_q8_twin`) writes
     the output's q8_1 twin.
 
@@ -25,7 +25,7 @@ class Attention(nn.Module):
 
     @property
     def twin_kinds(self) -> tuple[str, ...]:
-        """The twins it can write (`act_twin.link_producers`): "q8", when switched on."""
+        """The twins it can write (`act_twin.link_producers`): "q8", unless switched off."""
         return ("q8",) if envs.PAGEDLLM_ATTN_Q8_TWIN else ()
 
     def __init__(

@@ -31,7 +31,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
-from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton
+from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, prefetch_count, require_triton
 from pagedllm.utils import next_pow2
 
 __all__ = [
@@ -67,6 +67,8 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, devi
     """
     if max_query_len != 1 or device.type != "cuda":
         return 1
+    if envs.PAGEDLLM_ATTN_DECODE_SPLITS > 0:  # (a fixed count, for measurements)
+        return envs.PAGEDLLM_ATTN_DECODE_SPLITS
     sms = num_sms(device)
     ratio = (2 * sms) // max(1, num_reqs * num_kv_heads)
     if ratio < 2:
@@ -323,7 +325,7 @@ def paged_attention(
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
             TWIN=q8_twin is not None,
-            NPF=l2_prefetch.shape[0] if l2_prefetch is not None and query.is_cuda else 0,
+            NPF=prefetch_count(l2_prefetch, query),
             num_warps=nw,
             num_stages=ns,
             **pdl,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
-from pagedllm.triton_utils import l2_prefetch, pdl_enter
+from pagedllm.triton_utils import pdl_enter_prefetching
 
 
 @triton.jit
@@ -183,9 +183,8 @@ def _paged_attn_kernel(
     TWIN: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    if NPF > 0:  # weights of later GEMVs into L2 while this latency-bound kernel runs (`l2_prefetch` table)
-        l2_prefetch(pf_ptr, NPF)
-    pdl_enter(PDL)
+    # Weights of later GEMVs asked into L2 while this latency-bound kernel runs (`l2_prefetch` table).
+    pdl_enter_prefetching(PDL, pf_ptr, NPF)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
         num_kvh = num_heads // GROUP

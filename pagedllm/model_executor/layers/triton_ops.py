@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton, row_warps
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, prefetch_count, require_triton, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -30,7 +30,7 @@ if HAS_TRITON:
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
     from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
-    from pagedllm.triton_utils import l2_prefetch, pdl_enter
+    from pagedllm.triton_utils import pdl_enter_prefetching
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -64,9 +64,7 @@ if HAS_TRITON:
         NPF: tl.constexpr = 0,
         PDL: tl.constexpr = 0,
     ):
-        if NPF > 0:  # before the wait: weights no kernel of the step writes
-            l2_prefetch(pf_ptr, NPF)
-        pdl_enter(PDL)
+        pdl_enter_prefetching(PDL, pf_ptr, NPF)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -117,9 +115,7 @@ if HAS_TRITON:
         NPF: tl.constexpr = 0,
         PDL: tl.constexpr = 0,
     ):
-        if NPF > 0:
-            l2_prefetch(pf_ptr, NPF)
-        pdl_enter(PDL)
+        pdl_enter_prefetching(PDL, pf_ptr, NPF)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < d
@@ -160,7 +156,8 @@ def _twin_args(twin: tuple[torch.Tensor, ...] | None) -> dict[str, object]:
 
 def _prefetch_args(table: torch.Tensor | None, x: torch.Tensor) -> dict[str, object]:
     """The kernels' L2-prefetch keywords for a table (none under the interpreter: a GPU hint)."""
-    return dict(pf_ptr=table, NPF=table.shape[0]) if table is not None and x.is_cuda else {}
+    npf = prefetch_count(table, x)
+    return dict(pf_ptr=table, NPF=npf) if npf else {}
 
 
 def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, ...] | None) -> torch.Tensor:

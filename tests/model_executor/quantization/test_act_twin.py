@@ -103,9 +103,10 @@ def test_no_twins_off_cuda() -> None:
     assert not act_twin.wants_twin(norm, meta)
 
 
-def test_link_producers_for_gguf_int8_linears() -> None:
+def test_link_producers_for_gguf_int8_linears(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers whose linears hold GGUF parts prepared for the GPU's int8 GEMV link their producers as "q8";
-    Q6_K-only parts (the float GEMV) and the CPU's parts link none."""
+    Q6_K-only parts (the float GEMV) and the CPU's parts link none. (The attention, o_proj's producer, is
+    switched off here: the next test has it.)"""
     from pagedllm.model_executor.layers.linear import LinearBase
     from pagedllm.model_executor.layers.quantization import gguf as gq
 
@@ -118,6 +119,7 @@ def test_link_producers_for_gguf_int8_linears() -> None:
                 gq.install(m, [cls(qtype, torch.empty(0, dtype=torch.uint8), n, k)])
         return model
 
+    monkeypatch.setenv("PAGEDLLM_ATTN_Q8_TWIN", "0")
     q4_1, q6_k = 3, 14
     model = gguf_model(q4_1, True)
     assert act_twin.link_producers(model) == 6
@@ -127,8 +129,9 @@ def test_link_producers_for_gguf_int8_linears() -> None:
     assert act_twin.link_producers(gguf_model(q4_1, False)) == 0
 
 
-def test_attention_links_o_proj_twin_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With PAGEDLLM_ATTN_Q8_TWIN the attention is o_proj's q8 producer too (its split-KV merge writes it)."""
+def test_attention_links_o_proj_twin_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PAGEDLLM_ATTN_Q8_TWIN (default on) the attention is o_proj's q8 producer too (its split-KV merge
+    writes it); switched off, o_proj quantizes its input itself."""
     from pagedllm.model_executor.layers.linear import LinearBase
     from pagedllm.model_executor.layers.quantization import gguf as gq
 
@@ -140,6 +143,11 @@ def test_attention_links_o_proj_twin_when_switched_on(monkeypatch: pytest.Monkey
             gq.install(m, [gq.GGUFTritonWeight(3, torch.empty(0, dtype=torch.uint8), n, k)])
     assert act_twin.link_producers(model) == 8  # 2 layers x (the norms, the SiLU-mul, the attention)
     assert all(layer.self_attn.attn.twin_kind == "q8" for layer in model.model.layers)
+    monkeypatch.setenv("PAGEDLLM_ATTN_Q8_TWIN", "0")
+    for layer in model.model.layers:
+        layer.self_attn.attn.twin_kind = None
+    assert act_twin.link_producers(model) == 6
+    assert all(layer.self_attn.attn.twin_kind is None for layer in model.model.layers)
 
 
 class _CudaRows(_CudaLike):
