@@ -2,7 +2,7 @@
 (`gguf_triton_kernels`): a GEMV for decode (M <= `GEMV_MAX_M`) that streams every packed byte once, with
 int8 activations and IDP4A for 16-bit activations and the pair-layout types (`Q8A_TYPES`; the activations
 quantized by `quantize_q8` or handed over as their producer's twin, act_twin.py), with float products
-otherwise; and a dequant-GEMM (tensor cores) for prefill.
+otherwise; and for prefill the weights dequantized a chunk at a time and multiplied by cuBLAS.
 
 `prepare` turns a file's blocks ([rows, row_bytes] uint8, `gguf.GGUFWeight`) into a `GGUFTritonWeight`:
 the quants as int32 words, each row's words contiguous (a program's tile of a row is one run, loaded with
@@ -332,20 +332,50 @@ def gguf_gemv_triton(
     return out
 
 
-def gguf_gemm_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] (a view with unit column stride) = x [M, K] @ dequant(w).T with tensor cores."""
+_DEQ_ELEMS = 1 << 25  # weights dequantized at a time for the prefill GEMM (64 MB of bf16 scratch)
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dequant_scratch(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """A buffer of >= n elements for `gguf_gemm_triton`'s dequantized chunks, one per (device, dtype), made once
+    at its full size and never freed: CUDA graphs captured later (the piecewise prefill graphs) keep its
+    address. The first prefill (the start-up's profile run, eager) makes it, so the KV cache sizing sees it."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, _DEQ_ELEMS), dtype=dtype, device=device)
+        _SCRATCH[(device, dtype)] = buf  # (a larger one only for K > 2^19: an old one stays with its graphs)
+    return buf
+
+
+def dequantize_rows(w: GGUFTritonWeight, row0: int, out: torch.Tensor) -> torch.Tensor:
+    """out [R, K] (unit column stride) = the dequantized rows row0 .. row0 + R of w, in out's dtype."""
     require_triton()
+    rows, k = out.shape
+    bn, bk = 32, 128
+    ptrs, strides = _args(w)
+    grid = (triton.cdiv(rows, bn), triton.cdiv(k, bk))
+    kern._gguf_dequant_kernel[grid](
+        *ptrs, out, row0, rows, k, *strides, out.stride(0), QT=w.qtype, EPW=quants_per_word(w.qtype),
+        G=group_size(w.qtype), BN=bn, BK=bk, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def gguf_gemm_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] (a view with unit column stride) = x [M, K] @ dequant(w).T for prefill: the weight dequantized
+    to x's dtype a chunk of rows at a time (`_gguf_dequant_kernel`, ~2.6 bytes moved a weight) and multiplied
+    by cuBLAS. (A Triton GEMM dequantizing each tile in its loop redid the dequantization per 64 rows of x and
+    was bound by its gathers: a 128-token prefill of an 8B Q4_1 model took ~170 ms on an H200, session 43.)"""
     m, k = x.shape
     n = w.rows
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn, bk = 64, 64 if k % 64 == 0 else 32
-    ptrs, strides = _args(w)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    kern._gguf_gemm_kernel[grid](
-        x, *ptrs, out, m, n, k, x.stride(0), out.stride(0), *strides, QT=w.qtype, EPW=quants_per_word(w.qtype),
-        G=group_size(w.qtype), BM=bm, BN=bn, BK=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3,
-    )  # fmt: skip
+    if out.dtype != x.dtype:  # (float32 logits of 16-bit rows, e.g. prompt logprobs: float32 products)
+        x = x.float()
+    chunk = max(64, _DEQ_ELEMS // k // 64 * 64)
+    buf = _dequant_scratch(x.device, x.dtype, min(n, chunk) * k)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        wt = dequantize_rows(w, r0, buf[: (r1 - r0) * k].view(r1 - r0, k))
+        torch.matmul(x, wt.t(), out=out[:, r0:r1])
     return out
 
 

@@ -232,52 +232,39 @@ if HAS_TRITON:
         return s, m
 
     @triton.jit
-    def _gguf_gemm_kernel(a_ptr, lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, c_ptr, M, N, K, stride_am, stride_cm,
-                          stride_lo, stride_hi, stride_d, stride_sc, QT: tl.constexpr, EPW: tl.constexpr,
-                          G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr):  # fmt: skip
-        """c = a @ dequant(W).T with tensor cores: each [BK, BN] weight tile is dequantized in registers
-        to a's dtype (its words gathered per element; they are reread from L1) and fed to `tl.dot`."""
-        WPG: tl.constexpr = G // EPW
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_ok = offs_m < M
+    def _gguf_dequant_kernel(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, w_ptr, row0, N, K, stride_lo, stride_hi,
+                             stride_d, stride_sc, stride_w, QT: tl.constexpr, EPW: tl.constexpr, G: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        """w[n - row0, k] = dequant(W)[n, k] for rows row0 .. row0 + N of W, in w's dtype (float32 math, one
+        rounding): the prefill GEMM's operand for cuBLAS (`gguf_triton.gguf_gemm_triton`). A [BN, BK] tile a
+        program, each element's word and scales gathered (they are reread from L1), the stores coalesced."""
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        kk = tl.program_id(1) * BK + tl.arange(0, BK)
         n_ok = offs_n < N
-        r = offs_n.to(tl.int64)[None, :]
-        offs_k = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            a = tl.load(
-                a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            e = kk[:, None]
-            # The quant position of element e (word p // EPW, quant p % EPW): in order for Q8_0; 4-bit pair
-            # layout: byte e % 16 of the group, its high nibble for the second 16; word-major (Q5_K, Q6_K):
-            # word (e // G) * WPG + e % WPG, quant (e % G) // WPG.
-            if QT == 8:
-                p = e
-            elif QT == 13 or QT == 14:
-                p = (e // G) * G + (e % WPG) * EPW + (e % G) // WPG
-            else:
-                p = (e // G) * G + (e % 16) * 2 + (e % G) // 16
-            mask = k_ok[:, None] & n_ok[None, :]
-            wd = tl.load(lo_ptr + r * stride_lo + p // EPW, mask=mask, other=0)
-            if QT == 8:
-                u = ((wd >> ((p % 4) * 8)) & 0xFF) ^ 0x80
-            else:
-                u = (wd >> ((p % 8) * 4)) & 0xF
-                if QT == 13:
-                    h = tl.load(hi_ptr + r * stride_hi + p // 32, mask=mask, other=0)
-                    u = u | (((h >> (p % 32)) & 1) << 4)
-                elif QT == 14:
-                    h = tl.load(hi_ptr + r * stride_hi + p // 16, mask=mask, other=0)
-                    u = u | (((h >> ((p % 16) * 2)) & 3) << 4)
-            s, mt = _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT)
-            w = _u2f(u) * s + mt
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
-        c = acc.to(c_ptr.dtype.element_ty)
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=m_ok[:, None] & n_ok[None, :])
+        mask = n_ok[:, None] & (kk < K)[None, :]
+        r = (row0 + offs_n).to(tl.int64)[:, None]
+        e = kk[None, :]
+        # The quant position of element e (word p // EPW, quant p % EPW): in order for Q8_0; 4-bit pair layout:
+        # byte e % 16 of the group, its high nibble for the second 16; word-major (Q5_K, Q6_K): word
+        # (e // G) * WPG + e % WPG, quant (e % G) // WPG.
+        WPG: tl.constexpr = G // EPW
+        if QT == 8:
+            p = e
+        elif QT == 13 or QT == 14:
+            p = (e // G) * G + (e % WPG) * EPW + (e % G) // WPG
+        else:
+            p = (e // G) * G + (e % 16) * 2 + (e % G) // 16
+        wd = tl.load(lo_ptr + r * stride_lo + p // EPW, mask=mask, other=0)
+        if QT == 8:
+            u = ((wd >> ((p % 4) * 8)) & 0xFF) ^ 0x80
+        else:
+            u = (wd >> ((p % 8) * 4)) & 0xF
+            if QT == 13:
+                h = tl.load(hi_ptr + r * stride_hi + p // 32, mask=mask, other=0)
+                u = u | (((h >> (p % 32)) & 1) << 4)
+            elif QT == 14:
+                h = tl.load(hi_ptr + r * stride_hi + p // 16, mask=mask, other=0)
+                u = u | (((h >> ((p % 16) * 2)) & 3) << 4)
+        s, mt = _group_sm(d_ptr, dm_ptr, sc_ptr, mn_ptr, r, e, stride_d, stride_sc, mask, QT)
+        w = _u2f(u) * s + mt
+        tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + e, w.to(w_ptr.dtype.element_ty), mask=mask)
