@@ -20,8 +20,8 @@
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
    --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
-   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_L2_PREFETCH=o,qkv, PAGEDLLM_ATTN_Q8_TWIN=1), the twins and the
-   prefetch linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
+   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4), the twins linked
+   and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
    in the JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
@@ -47,7 +47,6 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from pagedllm.benchmarks import floors
-from pagedllm.model_executor.layers.l2_prefetch import link_from_env
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
@@ -241,9 +240,9 @@ def recapture_decode_graphs(runner: Any) -> None:
 
 
 def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int) -> dict[str, Any]:
-    """W3 with one environment setting (NAME=VALUE) changed: the producers' twins and the attention's L2
-    prefetch linked again and the decode graphs captured again (both read settings), the old value restored
-    after (linked and captured again too)."""
+    """W3 with one environment setting (NAME=VALUE) changed: the producers' twins linked again and the decode
+    graphs captured again (both read settings), the old value restored after (linked and captured again
+    too)."""
     key, _, value = setting.partition("=")
     old = os.environ.get(key)
 
@@ -253,7 +252,6 @@ def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: i
         else:
             os.environ[key] = v
         act_twin.link_producers(model)
-        link_from_env(model)
         recapture_decode_graphs(runner)
 
     apply(value)
@@ -345,7 +343,6 @@ def main() -> None:
             torch.cuda.empty_cache()
             packed = swap_to_gguf(model, name, gen)
             linked = act_twin.link_producers(model)  # as a GGUF model's load does (worker/cuda_rewrites.py)
-            link_from_env(model)  # (the new weights)
             runner.capture_cuda_graphs()  # the old graphs ran the dense weights
             nbytes = packed + floors.weight_read_bytes(model)  # + norms (the dense parameters left)
             r = w3(llm, args.reps)

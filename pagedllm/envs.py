@@ -25,10 +25,7 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
-    PAGEDLLM_ATTN_L2_PREFETCH: str
     PAGEDLLM_ATTN_Q8_TWIN: bool
-    PAGEDLLM_L2_PREFETCH_EARLY: bool
-    PAGEDLLM_L2_PREFETCH_MB: float
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
@@ -117,16 +114,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
     # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
-    # Small decode batches' latency-bound kernels ask L2 for the weights of GEMVs after them: the attention's "o"
-    # (that layer's o_proj), "qkv" (the next layer's), "norm" / "silu" (a prefix of the linear each norm /
-    # SiLU-mul feeds), comma-separated; empty: off (an experiment, model_executor/layers/l2_prefetch.py).
-    "PAGEDLLM_ATTN_L2_PREFETCH": lambda: os.environ.get("PAGEDLLM_ATTN_L2_PREFETCH", ""),
-    # With "norm" / "silu" there: the MB of the next linear's weights each norm / SiLU-mul asks L2 for.
-    "PAGEDLLM_L2_PREFETCH_MB": lambda: float(os.environ.get("PAGEDLLM_L2_PREFETCH_MB", "8")),
     # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
     "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
-    # 1: those kernels ask before their PDL wait (while the GEMV before them streams), 0: after it.
-    "PAGEDLLM_L2_PREFETCH_EARLY": _flag("PAGEDLLM_L2_PREFETCH_EARLY", "0"),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

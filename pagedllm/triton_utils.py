@@ -158,14 +158,6 @@ def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = ""
     return 2 if kernel in names or "all" in names else 1
 
 
-def prefetch_count(table: torch.Tensor | None, x: torch.Tensor) -> int:
-    """A kernel's NPF for an L2-prefetch table (`pdl_enter_prefetching`): its ranges, negative to ask before the
-    PDL wait (`PAGEDLLM_L2_PREFETCH_EARLY`); 0 without a table or off the GPU (a hint the interpreter lacks)."""
-    if table is None or not x.is_cuda:
-        return 0
-    return -table.shape[0] if envs.PAGEDLLM_L2_PREFETCH_EARLY else table.shape[0]
-
-
 if HAS_TRITON:
 
     @triton.jit
@@ -177,38 +169,3 @@ if HAS_TRITON:
             gdc_launch_dependents()
         if PDL:
             gdc_wait()
-
-    @triton.jit
-    def pdl_enter_prefetching(PDL: tl.constexpr, table_ptr, NPF: tl.constexpr):
-        """`pdl_enter` with the `l2_prefetch` of a table's |NPF| ranges after the wait (NPF > 0: the bus is the
-        kernel's alone then) or before it (NPF < 0: while the kernel before, a GEMV, still streams; slower on
-        an H200, benchmarks/NOTES.md session 43)."""
-        if NPF < 0:
-            l2_prefetch(table_ptr, -NPF)
-        pdl_enter(PDL)
-        if NPF > 0:
-            l2_prefetch(table_ptr, NPF)
-
-    @triton.jit
-    def l2_prefetch(table_ptr, N: tl.constexpr, BLOCK: tl.constexpr = 128, CHUNK: tl.constexpr = 4096):
-        """Ask L2 for the N byte ranges of `table_ptr` (int64 [N, 2]: address, bytes), this program's share of
-        them (chunks of CHUNK bytes, BLOCK at a time, strided over the grid): one `cp.async.bulk.prefetch.L2`
-        per chunk, no register or wait held. For weights a later kernel of the step reads; a kernel may run it
-        before its PDL wait (the ranges are never written by the step)."""
-        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        for i in tl.static_range(N):
-            base = tl.load(table_ptr + 2 * i)
-            n = tl.load(table_ptr + 2 * i + 1)
-            for c0 in range(pid * BLOCK, tl.cdiv(n, CHUNK), nprog * BLOCK):
-                off = (c0 + tl.arange(0, BLOCK)).to(tl.int64) * CHUNK
-                size = (tl.minimum(tl.maximum(n - off, 0), CHUNK) // 16 * 16).to(tl.int32)
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }",
-                    "=r,l,r",
-                    [base + off, size],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=1,
-                )

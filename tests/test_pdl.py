@@ -98,7 +98,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gemv = dict(HAS_BIAS=False, HAS_LORA=False, EVEN=True, EVEN_A=True, PUSH=False, GLU=False, BLOCK_N=1, BLOCK_K=512)
     norm_ptrs = dict(x_ptr=bf, res_ptr=bf, out_ptr=bf, res_out_ptr=bf, w_ptr=bf, eps="fp32", q_ptr="*fp8e4nv")
     norm_ptrs.update(qs_ptr="*fp32", recv_ptr="*i16", epoch_ptr="*i64", buf_ptrs="*u64", flag_ptrs="*u64")
-    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1, NPF=0)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1)
     q8_ptrs = dict(norm_ptrs, q_ptr="*i8", qs_ptr="*fp32", qm_ptr="*fp32", d_ptr="*fp32", s_ptr="*fp32")
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
@@ -111,11 +111,11 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     attn_ptrs = dict(out_ptr=bf, q_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, block_table_ptr="*i32")
     attn_ptrs.update(seq_lens_ptr="*i32", qsl_ptr="*i32", part_out_ptr="*fp32", part_m_ptr="*fp32")
     attn_ptrs.update(part_l_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", key_limit_ptr="*i32")
-    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32", pf_ptr="*i64")
+    attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32")
     attn_ptrs.update(tq_ptr="*i8", td_ptr="*fp32", ts_ptr="*fp32")
     attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
     attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
-    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, NPF=0, TWIN=False)
+    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, TWIN=False)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
     rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
     rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
@@ -131,9 +131,9 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
             norm,
             norm_ptrs,
         ),
-        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=0, NPF=0), norm_ptrs),
-        ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1, NPF=0), norm_ptrs),
-        ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2, NPF=0), q8_ptrs),
+        ("silu_and_mul", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=0), norm_ptrs),
+        ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1), norm_ptrs),
+        ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2), q8_ptrs),
         ("add_rms_norm_q8_twin", triton_ops._rms_norm_kernel, dict(norm, QUANT=2), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
@@ -214,31 +214,6 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     assert wait >= 0
     before = [m.group(0).strip() for m in _MEM.finditer(body[:wait])]
     assert before and all(re.search(r"\bld\.", op) for op in before), before
-
-
-@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
-@pytest.mark.parametrize("early", [True, False])
-@pytest.mark.parametrize("name", ["paged_attn", "add_rms_norm_q8_twin", "silu_and_mul_q8_twin"])
-def test_l2_prefetch_around_the_wait(name: str, early: bool) -> None:
-    """The attention / norm / SiLU-mul with an L2-prefetch table (layers/l2_prefetch.py) reads the table and
-    issues bulk L2 prefetches: early (NPF < 0), before its wait and nothing else there (no store, atomic or other
-    load); late (NPF > 0), nothing at all before the wait, the prefetches after it."""
-    _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
-    try:
-        ptx = _ptx(fn, dict(consts, NPF=-2 if early else 2, PDL=2), dict(ptrs, pf_ptr="*i64"))
-    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
-        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
-    body = ptx[ptx.index("{", ptx.index(".entry")) :]
-    wait = body.find("griddepcontrol.wait")
-    assert wait >= 0
-    ops = [line.strip() for line in body[:wait].splitlines() if _MEM.match(line) or "cp.async" in line]
-    if not early:
-        assert not ops, ops
-        assert "cp.async.bulk.prefetch.L2.global" in body[wait:]
-        return
-    assert sum("ld.global.b64" in op for op in ops) == 4, ops  # (address, bytes) of the two ranges
-    assert all("ld.global.b64" in op or "cp.async.bulk.prefetch.L2.global" in op for op in ops), ops
-    assert any("cp.async.bulk.prefetch.L2.global" in op for op in ops)
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")

@@ -51,11 +51,6 @@ def apply_cuda_rewrites(
 
         if linked := link_producers(model):
             logger.info("Activation twins: %d norms / SiLU-muls also write their output quantized", linked)
-    if targets := envs.PAGEDLLM_ATTN_L2_PREFETCH:
-        from pagedllm.model_executor.layers.l2_prefetch import link_from_env
-
-        n = link_from_env(model)
-        logger.info("L2 prefetch: %d kernels ask for the weights of %s", n, targets)
     if wants_fused_tp_norms(config, device, has_lora):
         from pagedllm.distributed.tp_fusion import fuse_model
 

@@ -368,20 +368,6 @@ def test_split_kv_q8_twin(
     assert torch.equal(s, d * q.view(t, -1, 32).sum(-1).float())
 
 
-@pytest.mark.parametrize("num_splits", [1, 16])
-def test_l2_prefetch_changes_nothing(num_splits: int) -> None:
-    """A decode launch asking L2 for byte ranges (layers/l2_prefetch.py; a hint, CUDA only) gives the output
-    bit for bit as without: ranges of odd sizes, one of fewer than 16 bytes (nothing asked)."""
-    from pagedllm.model_executor.layers.l2_prefetch import prefetch_table
-
-    w = [torch.empty(n, dtype=torch.uint8, device=DEVICE) for n in (3 << 20, 4097 * 3, 7)]
-    table = prefetch_table(w)
-    ctx = [700, 5, 200, 64]
-    kw = dict(num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, num_splits=num_splits, seed=5)
-    plain = run_case([1] * 4, ctx, **kw)  # type: ignore[arg-type]
-    assert torch.equal(run_case([1] * 4, ctx, l2_prefetch=table, **kw), plain)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peaked_scores(dtype: torch.dtype) -> None:
     """Scores with a wide range (running maxima that jump by more than 2^8 between key tiles) on prompts,

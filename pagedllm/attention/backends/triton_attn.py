@@ -39,7 +39,6 @@ from pagedllm.attention.ops.triton_paged_attn import (
     writes_q8_twin,
 )
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
-from pagedllm.model_executor.layers.quantization import act_twin
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
@@ -95,10 +94,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
-    l2_prefetch: torch.Tensor | None = None
-    """Byte ranges (int64 [N, 2] on the device: address, bytes) that the decode launches of small batches ask
-    L2 for: the weights of the GEMVs after the attention (`layers.l2_prefetch.link_attention_prefetch`)."""
-
     def configure(self) -> None:
         # RoPE fused with the KV-cache write (NOTES session 5 #1; PAGEDLLM_FUSED_ROPE_CACHE=0 turns it off).
         self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
@@ -177,8 +172,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             kv_scales=kv_scales,
             key_limit=md.key_limit,
             req_order=req_order,
-            # (decode batches whose GEMVs stream their weights: the int8 GEMV's rows)
-            l2_prefetch=self.l2_prefetch if md.max_query_len == 1 and n <= act_twin.Q8_MAX_ROWS else None,
             q8_twin=q8_twin,
         )
         return output

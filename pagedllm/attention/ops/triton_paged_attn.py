@@ -31,7 +31,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.ops.triton_kv_write import reshape_and_cache
 from pagedllm.model_executor.layers import batch_invariant
-from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, prefetch_count, require_triton
+from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton
 from pagedllm.utils import next_pow2
 
 __all__ = [
@@ -166,7 +166,6 @@ def paged_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_limit: torch.Tensor | None = None,
     req_order: torch.Tensor | None = None,
-    l2_prefetch: torch.Tensor | None = None,
     q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
@@ -180,8 +179,6 @@ def paged_attention(
     (`CommonAttentionMetadata.key_limit`); None compiles and runs the plain causal kernel.
     `req_order` (`request_order`'s [num_reqs] permutation): the order in which a one-segment decode launch runs
     its requests (see `wants_request_order`); other launches ignore it. It changes no value of the output.
-    `l2_prefetch` (int64 [N, 2] device table of (address, bytes), `layers.l2_prefetch`): byte ranges the
-    programs ask L2 for before they start (the next GEMVs' weights; CUDA only, a hint that changes no value).
     `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
     float32; split-KV launches only, `writes_q8_twin`): the output rows quantized as `quant_groups_q8`
     quantizes them.
@@ -299,7 +296,6 @@ def paged_attention(
             key_limit if key_limit is not None else seq_lens,  # (unread without KEY_LIMIT)
             req_order if ordered else seq_lens,  # (unread without ORDERED)
             counts,
-            l2_prefetch if l2_prefetch is not None else counts,  # (unread without NPF)
             tq,
             td,
             ts,
@@ -325,7 +321,6 @@ def paged_attention(
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
             TWIN=q8_twin is not None,
-            NPF=prefetch_count(l2_prefetch, query),
             num_warps=nw,
             num_stages=ns,
             **pdl,

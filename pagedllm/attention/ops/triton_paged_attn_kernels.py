@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
-from pagedllm.triton_utils import pdl_enter_prefetching
+from pagedllm.triton_utils import pdl_enter
 
 
 @triton.jit
@@ -154,7 +154,6 @@ def _paged_attn_kernel(
     key_limit_ptr,
     order_ptr,
     count_ptr,
-    pf_ptr,
     tq_ptr,
     td_ptr,
     ts_ptr,
@@ -179,12 +178,10 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
-    NPF: tl.constexpr = 0,
     TWIN: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    # Weights of later GEMVs asked into L2 while this latency-bound kernel runs (`l2_prefetch` table).
-    pdl_enter_prefetching(PDL, pf_ptr, NPF)
+    pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
         num_kvh = num_heads // GROUP
@@ -247,6 +244,12 @@ def _paged_attn_kernel(
     tile_hi = (kv_hi + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
         per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        # The segments that hold keys (at least one: an empty range still merges into zeros). The others leave
+        # now, and the tile's arrivals and merge count only these: at W3's contexts (<= 3 key tiles) 3 of 16
+        # segments, while long contexts still split 16 ways.
+        n_seg = tl.maximum((tile_hi - tile_lo + per_seg - 1) // tl.maximum(per_seg, 1), 1)
+        if seg >= n_seg:
+            return
         t0 = tile_lo + seg * per_seg
         t1 = tl.minimum(t0 + per_seg, tile_hi)
     else:
@@ -361,12 +364,12 @@ def _paged_attn_kernel(
         # 0 for the next layer's launch.
         tl.debug_barrier()
         count = count_ptr + pid_q * (num_heads // GROUP) + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_seg - 1:
             tl.store(count, 0)
             t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
             _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
-                        t_end, kvh, num_heads, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE, HEAD_PAD,
-                        NUM_SEGMENTS, MERGE_HEADS, TWIN)  # fmt: skip
+                        t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
+                        HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN)  # fmt: skip
 
 
 @triton.jit
@@ -383,6 +386,7 @@ def _merge_tile(
     t_end,
     kvh,
     num_heads,
+    n_seg,
     stride_ot,
     stride_oh,
     stride_tq,
@@ -394,10 +398,11 @@ def _merge_tile(
     MERGE_HEADS: tl.constexpr,
     TWIN: tl.constexpr,
 ):
-    """The split-KV segments' partials of tokens [t_begin, t_end) of a request (from `q_start`) for the GROUP
-    query heads of kv head `kvh`, merged into the output, MERGE_HEADS heads at a time (a [heads, segments,
-    head] tile, its loads all in flight at once). TWIN: the rows' q8_1 quantization too (`quant_groups_q8`,
-    o_proj's int8 GEMV input; HEAD_PAD == HEAD_SIZE), of the 16-bit rows as stored."""
+    """The split-KV segments' partials (the first `n_seg` of NUM_SEGMENTS: the others held no key) of tokens
+    [t_begin, t_end) of a request (from `q_start`) for the GROUP query heads of kv head `kvh`, merged into the
+    output, MERGE_HEADS heads at a time (a [heads, segments, head] tile, its loads all in flight at once).
+    TWIN: the rows' q8_1 quantization too (`quant_groups_q8`, o_proj's int8 GEMV input; HEAD_PAD == HEAD_SIZE),
+    of the 16-bit rows as stored."""
     offs_h = tl.arange(0, MERGE_HEADS)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -407,15 +412,16 @@ def _merge_tile(
             h_ok = h0 + offs_h < GROUP
             head = kvh * GROUP + h0 + offs_h
             part = (tok * num_heads + head)[:, None] * NUM_SEGMENTS + offs_s[None, :]  # [heads, segments]
-            m = tl.load(part_m_ptr + part, mask=h_ok[:, None], other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_l_ptr + part, mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
+            ok = h_ok[:, None] & (offs_s < n_seg)[None, :]
+            m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
             m_max = tl.max(m, 1)
             m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
             w = tl.math.exp2(m - m_use[:, None])  # empty segments: exp2(-inf) = 0
             l_tot = tl.sum(l_s * w, 1)
             acc = tl.load(
                 part_out_ptr + part[:, :, None] * HEAD_PAD + offs_d[None, None, :],
-                mask=h_ok[:, None, None],
+                mask=ok[:, :, None],
                 other=0.0,
                 cache_modifier=".cg",
             )

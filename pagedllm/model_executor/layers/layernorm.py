@@ -9,7 +9,6 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.model_executor.layers import cpu_ops, triton_ops
-from pagedllm.model_executor.layers.l2_prefetch import table_for
 from pagedllm.model_executor.layers.quantization import act_twin
 
 if TYPE_CHECKING:
@@ -31,7 +30,6 @@ class RMSNorm(nn.Module):
 
     tp_reduce: AllReduceNorm | None = None
     twin_kind: str | None = None  # the output feeds a quantized linear: decode rows may carry a twin (act_twin.py)
-    l2_prefetch: torch.Tensor | None = None  # weights of the linear after it, asked into L2 (layers/l2_prefetch.py)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -57,10 +55,9 @@ class RMSNorm(nn.Module):
         if triton_ops.use_triton_ops(x) and self.weight.dtype == x.dtype:
             # One fused kernel instead of ~8 elementwise/reduction launches (same rounding).
             twin = act_twin.wants_twin(self, x)
-            pf = table_for(self, x)
             if residual is None:
-                return triton_ops.rms_norm(x, self.weight, self.variance_epsilon, twin, pf)
-            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, twin, pf)
+                return triton_ops.rms_norm(x, self.weight, self.variance_epsilon, twin)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, twin)
         if residual is not None and x.dim() == residual.dim() + 1:
             x = x.sum(dim=-2)
         if cpu_ops.usable(x):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, prefetch_count, require_triton, row_warps
+from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton, row_warps
 from pagedllm.utils import next_pow2
 
 if HAS_TRITON:
@@ -30,7 +30,7 @@ if HAS_TRITON:
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
     from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
-    from pagedllm.triton_utils import pdl_enter_prefetching
+    from pagedllm.triton_utils import pdl_enter
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -60,11 +60,9 @@ if HAS_TRITON:
         qs_ptr=None,  # QUANT: [rows] float32 scales (1) / [rows, n_cols / 32] float32 d (2) out
         qm_ptr=None,  # QUANT 2: [rows, n_cols / 32] float32 d * sum(q) out
         QUANT: tl.constexpr = 0,  # also write the output quantized, 1: FP8, 2: q8 (quantization/act_twin.py)
-        pf_ptr=None,  # NPF: int64 [NPF, 2] byte ranges of later GEMVs' weights to ask L2 for (layers/l2_prefetch.py)
-        NPF: tl.constexpr = 0,
         PDL: tl.constexpr = 0,
     ):
-        pdl_enter_prefetching(PDL, pf_ptr, NPF)
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -111,11 +109,9 @@ if HAS_TRITON:
         qm_ptr=None,  # QUANT 2: [rows, d / 32] float32 d * sum(q) out
         # also write the output quantized (act_twin.py), 1: FP8, one program a row (BLOCK >= d); 2: q8 groups
         QUANT: tl.constexpr = 0,
-        pf_ptr=None,  # as `_rms_norm_kernel`'s
-        NPF: tl.constexpr = 0,
         PDL: tl.constexpr = 0,
     ):
-        pdl_enter_prefetching(PDL, pf_ptr, NPF)
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < d
@@ -154,43 +150,25 @@ def _twin_args(twin: tuple[torch.Tensor, ...] | None) -> dict[str, object]:
     return dict(q_ptr=twin[0], qs_ptr=twin[1], qm_ptr=twin[2] if q8 else None, QUANT=2 if q8 else 1)
 
 
-def _prefetch_args(table: torch.Tensor | None, x: torch.Tensor) -> dict[str, object]:
-    """The kernels' L2-prefetch keywords for a table (none under the interpreter: a GPU hint)."""
-    npf = prefetch_count(table, x)
-    return dict(pf_ptr=table, NPF=npf) if npf else {}
-
-
 def _with_twin(out: torch.Tensor, twin: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     if twin is None:
         return out
     return act_twin.attach(out, twin) if isinstance(twin, act_twin.Q8Act) else act_twin.attach(out, *twin)
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    twin_kind: str | None = None,
-    prefetch: torch.Tensor | None = None,
-) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, twin_kind: str | None = None) -> torch.Tensor:
     """`weight * norm(x)` over the last dim (float32 statistics), in x's dtype; `twin_kind` ("fp8" / "q8"):
-    the output also carries its quantization (quantization/act_twin.py); `prefetch`: a table of byte ranges
-    the kernel asks L2 for (layers/l2_prefetch.py)."""
+    the output also carries its quantization (quantization/act_twin.py)."""
     require_triton()
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     twin = _twin(twin_kind, x2.shape[0], x2.shape[1], x.device)
-    _launch_norm(x2, None, out, None, weight, eps, 1, twin, prefetch)
+    _launch_norm(x2, None, out, None, weight, eps, 1, twin)
     return _with_twin(out.view(x.shape), twin)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    twin_kind: str | None = None,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, twin_kind: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * norm(x + residual), x + residual)`: one read of x and residual, two writes.
 
@@ -207,7 +185,7 @@ def fused_add_rms_norm(
     out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(r2.shape, dtype=x.dtype, device=x.device)
     twin = _twin(twin_kind, r2.shape[0], r2.shape[1], x.device)
-    _launch_norm(x2, r2, out, res_out, weight, eps, parts, twin, prefetch)
+    _launch_norm(x2, r2, out, res_out, weight, eps, parts, twin)
     return _with_twin(out.view(residual.shape), twin), res_out.view(residual.shape)
 
 
@@ -220,7 +198,6 @@ def _launch_norm(
     eps: float,
     parts: int,
     twin: tuple[torch.Tensor, ...] | None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """`_rms_norm_kernel` over out's rows: with the residual `r2` (sum written to `res_out`) or without."""
     n_rows, n_cols = out.shape
@@ -246,15 +223,13 @@ def _launch_norm(
         PARTS=parts,
         num_warps=row_warps(block),
         **_twin_args(twin),
-        **_prefetch_args(prefetch, x2),
         **pdl_args(x2, "norm"),
     )
 
 
-def silu_and_mul(x: torch.Tensor, twin_kind: str | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, twin_kind: str | None = None) -> torch.Tensor:
     """`silu(x[..., :d]) * x[..., d:]` for x of width 2*d; `twin_kind`: the output also carries its
-    quantization (quantization/act_twin.py), "fp8" per token (one program a row) or "q8" per group of 32;
-    `prefetch` as `rms_norm`'s."""
+    quantization (quantization/act_twin.py), "fp8" per token (one program a row) or "q8" per group of 32."""
     require_triton()
     x2 = _rows(x)
     n_rows, width = x2.shape
@@ -266,6 +241,6 @@ def silu_and_mul(x: torch.Tensor, twin_kind: str | None = None, prefetch: torch.
         block = next_pow2(d) if one else min(1024, next_pow2(d))
         _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=row_warps(block) if one else 4,
-            **_twin_args(twin), **_prefetch_args(prefetch, x2), **pdl_args(x2, "silu"),
+            **_twin_args(twin), **pdl_args(x2, "silu"),
         )  # fmt: skip
     return _with_twin(out.view(*x.shape[:-1], d), twin)
