@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
     PAGEDLLM_ATTN_Q8_TWIN: bool
     PAGEDLLM_ATTN_DECODE_SPLITS: int
+    PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -116,6 +117,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
     # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
     "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
+    # Decode steps: RoPE and the new token's K/V cache write inside the attention launch (one launch a layer
+    # fewer; triton_paged_attn.DecodeRope); 0: the RoPE kernel does them before it.
+    "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

@@ -112,10 +112,11 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     attn_ptrs.update(seq_lens_ptr="*i32", qsl_ptr="*i32", part_out_ptr="*fp32", part_m_ptr="*fp32")
     attn_ptrs.update(part_l_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", key_limit_ptr="*i32")
     attn_ptrs.update(order_ptr="*i32", qk_scale="fp32", softcap="fp32", count_ptr="*i32")
-    attn_ptrs.update(tq_ptr="*i8", td_ptr="*fp32", ts_ptr="*fp32")
+    attn_ptrs.update(tq_ptr="*i8", td_ptr="*fp32", ts_ptr="*fp32", pos_ptr="*i64", cos_sin_ptr="*fp32")
+    attn_ptrs.update(knew_ptr=bf, vnew_ptr=bf, slot_ptr="*i64")
     attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
     attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
-    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, TWIN=False)
+    attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, TWIN=False, ROPE=False)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
     rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
     rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
@@ -151,6 +152,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ("paged_attn", attn._paged_attn_kernel, attn_c, attn_ptrs),
         ("paged_attn_one_segment", attn._paged_attn_kernel, dict(attn_c, NUM_SEGMENTS=1), attn_ptrs),
         ("paged_attn_q8_twin", attn._paged_attn_kernel, dict(attn_c, TWIN=True), attn_ptrs),
+        ("paged_attn_rope", attn._paged_attn_kernel, dict(attn_c, ROPE=True, TWIN=True), attn_ptrs),
+        ("paged_attn_rope_one_segment", attn._paged_attn_kernel, dict(attn_c, ROPE=True, NUM_SEGMENTS=1), attn_ptrs),
     ]
 
 

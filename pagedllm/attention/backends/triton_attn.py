@@ -31,6 +31,7 @@ from pagedllm.attention.backends.abstract import (
 )
 from pagedllm.attention.ops.triton_paged_attn import (
     HAS_TRITON,
+    DecodeRope,
     choose_num_splits,
     paged_attention,
     request_order,
@@ -99,6 +100,25 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
         # Longest-first decode launches (`wants_request_order`; PAGEDLLM_ATTN_LONGEST_FIRST=0 turns them off).
         self.longest_first = envs.PAGEDLLM_ATTN_LONGEST_FIRST
+        # Decode steps: that RoPE and cache write inside the attention launch (`DecodeRope`).
+        self.rope_in_attention = self.fuses_rotary and envs.PAGEDLLM_ATTN_FUSED_ROPE
+
+    def _decode_rope(
+        self, rotary: RotaryArgs, key: torch.Tensor, value: torch.Tensor, md: TritonAttentionMetadata
+    ) -> DecodeRope | None:
+        """The decode step's RoPE + cache write for the attention launch to do, where it can: one query token a
+        request, no q/k norm, the whole head rotary (a power of two), a 16/32-bit cache (the caller's check)."""
+        hs = self.head_size
+        if not (
+            self.rope_in_attention
+            and md.max_query_len == 1
+            and rotary.q_weight is None
+            and rotary.rotary_dim == hs
+            and hs & (hs - 1) == 0
+            and rotary.positions.dim() == 1
+        ):
+            return None
+        return DecodeRope(rotary.positions, rotary.cos_sin_cache, key, value, md.slot_mapping)
 
     def _num_splits(self, md: TritonAttentionMetadata, device: torch.device) -> int:
         if md.num_splits is not None:
@@ -137,9 +157,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if rotary is not None and kv_scales is not None:  # the fused RoPE + write stores 16-bit values
             apply_rotary_(rotary, query, key, self.head_size)
             rotary = None
+        rope = self._decode_rope(rotary, key, value, md) if rotary is not None else None
         if rotary is None:
             reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping, kv_scales)
-        else:
+        elif rope is None:
             apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))
         num_splits = self._num_splits(md, query.device)
         req_order = None
@@ -173,6 +194,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             key_limit=md.key_limit,
             req_order=req_order,
             q8_twin=q8_twin,
+            rope=rope,
         )
         return output
 

@@ -26,6 +26,8 @@ Triton installed (`HAS_TRITON` is then False and the launchers raise).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedllm import envs
@@ -36,6 +38,7 @@ from pagedllm.utils import next_pow2
 
 __all__ = [
     "HAS_TRITON",
+    "DecodeRope",
     "choose_num_splits",
     "launch_config",
     "one_tile_rows",
@@ -52,6 +55,21 @@ if HAS_TRITON:
     from pagedllm.attention.ops import triton_paged_attn_kernels as kern
 
 _LOG2E = 1.4426950408889634
+
+
+@dataclass
+class DecodeRope:
+    """What a decode launch (one query token a request) also does before attending, instead of
+    `rotary_embedding_`'s launch: RoPE on q (as read) and on the new k, and the new k / v written to their cache
+    slots (`slot_mapping`, -1: nothing), by the program whose key tiles hold the new position. Neox RoPE over the
+    whole head (`cos_sin_cache` float32 [positions, head_size]: cos halves, then sin halves), a 16-bit or
+    float32 cache. `key` / `value` [T, kv_heads * head_size] (or [T, kv_heads, head_size]) with packed heads."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
@@ -167,6 +185,7 @@ def paged_attention(
     key_limit: torch.Tensor | None = None,
     req_order: torch.Tensor | None = None,
     q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -181,7 +200,8 @@ def paged_attention(
     its requests (see `wants_request_order`); other launches ignore it. It changes no value of the output.
     `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
     float32; split-KV launches only, `writes_q8_twin`): the output rows quantized as `quant_groups_q8`
-    quantizes them.
+    quantizes them. `rope` (decode steps, `max_query_len` 1): q and the new k rotated and the new k / v cached
+    in this launch (`DecodeRope`); query is then the unrotated q.
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -200,6 +220,16 @@ def paged_attention(
     kv_fp8 = k_cache.element_size() == 1
     assert not kv_fp8 or kv_scales is not None, "an FP8 cache needs the layer's k/v scales"
     k_scale, v_scale = kv_scales if kv_fp8 else (seq_lens, seq_lens)  # type: ignore[misc]
+    if rope is not None:
+        assert max_query_len == 1 and not kv_fp8 and head_pad == head_size, "fused RoPE: decode, 16/32-bit cache"
+        assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape[-1] == head_size
+        knew = rope.key.reshape(rope.key.shape[0], -1)
+        vnew = rope.value.reshape(rope.value.shape[0], -1)
+        assert knew.stride(-1) == 1 and vnew.stride(-1) == 1
+        rope_args = (rope.positions.reshape(-1), rope.cos_sin_cache, rope.cos_sin_cache.stride(0), knew, vnew,
+                     knew.stride(0), vnew.stride(0), rope.slot_mapping)  # fmt: skip
+    else:
+        rope_args = (seq_lens, seq_lens, 0, seq_lens, seq_lens, 0, 0, seq_lens)  # (unread without ROPE)
 
     # Mixed batch with known decode count: decodes get the 16-row decode tiles, chunks the big prefill
     # tiles (one launch each; each skips the other's requests). Otherwise one launch for everything.
@@ -301,6 +331,7 @@ def paged_attention(
             ts,
             tq.stride(0),
             td.stride(0),
+            *rope_args,
             GROUP=group,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
@@ -321,6 +352,7 @@ def paged_attention(
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
             TWIN=q8_twin is not None,
+            ROPE=rope is not None,
             num_warps=nw,
             num_stages=ns,
             **pdl,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.attention.ops.triton_rope_cache import rope_rows
 from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
 from pagedllm.triton_utils import pdl_enter
 
@@ -159,6 +160,14 @@ def _paged_attn_kernel(
     ts_ptr,
     stride_tq,
     stride_td,
+    pos_ptr,
+    cos_sin_ptr,
+    stride_cs,
+    knew_ptr,
+    vnew_ptr,
+    stride_knt,
+    stride_vnt,
+    slot_ptr,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -179,6 +188,7 @@ def _paged_attn_kernel(
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
     TWIN: tl.constexpr = False,
+    ROPE: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_enter(PDL)
@@ -219,11 +229,16 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     tok_g = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    if ROPE:  # q as loaded from the qkv output, rotated here (`rope_rows`; HEAD_PAD == HEAD_SIZE, all rotary)
+        pos = tl.load(pos_ptr + tok_g, mask=row_ok, other=0).to(tl.int64)
+        q_rows = q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
+        q = rope_rows(q_rows, offs_d, row_ok[:, None], cos_sin_ptr, pos, stride_cs, HEAD_SIZE // 2)
+    else:
+        q = tl.load(
+            q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
     q_pos = ctx + tok
     if KEY_LIMIT:  # per token, the last key it may see (>= its position: an image's tokens see the image)
         q_lim = tl.load(key_limit_ptr + tok_g, mask=row_ok, other=0)
@@ -255,6 +270,10 @@ def _paged_attn_kernel(
     else:
         t0 = tile_lo
         t1 = tile_hi
+    if ROPE:  # decode launches: the new token's rotated k and its v into the cache, before any tile is read
+        _write_new_kv(knew_ptr, vnew_ptr, stride_knt, stride_vnt, slot_ptr, pos_ptr, cos_sin_ptr, stride_cs,
+                      k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      q_start, q_len, ctx, t0, t1, kvh, offs_d, HEAD_SIZE, BLOCK_SIZE, TILE_N)  # fmt: skip
 
     if KV_FP8:  # cache = fp8(x / scale): the K scale joins the score scale, the V scale the output
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -370,6 +389,34 @@ def _paged_attn_kernel(
             _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
                         t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
                         HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN)  # fmt: skip
+
+
+@triton.jit
+def _write_new_kv(knew_ptr, vnew_ptr, stride_knt, stride_vnt, slot_ptr, pos_ptr, cos_sin_ptr, stride_cs, k_cache_ptr,
+                  v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, q_start, q_len, ctx,
+                  t0, t1, kvh, offs_d, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE_N: tl.constexpr):  # fmt: skip
+    """A decode request's new token (position ctx in its cache) for kv head `kvh`: its k rotated (`rope_rows`)
+    and its v written to the token's cache slot (-1: padding, nothing) by the one program whose key tiles
+    [t0, t1) hold that position, which then reads it back with its tiles (a CTA barrier between: no other
+    program reads that key). What `rotary_embedding_`'s cache write does, without its launch."""
+    t_new = ctx // TILE_N
+    if (q_len == 1) & (t0 <= t_new) & (t_new < t1):
+        tok = q_start.to(tl.int64)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:
+            pos = tl.load(pos_ptr + tok + tl.zeros([1], dtype=tl.int64)).to(tl.int64)
+            k_row = knew_ptr + (tok * stride_knt + kvh * HEAD_SIZE + tl.zeros([1, 1], dtype=tl.int64))
+            d_ok = (offs_d < HEAD_SIZE)[None, :]
+            k = rope_rows(k_row, offs_d, d_ok, cos_sin_ptr, pos, stride_cs, HEAD_SIZE // 2)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            k_dst = k_cache_ptr + blk * stride_kb + off * stride_kt + kvh * stride_kh + offs_d[None, :]
+            tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+            v = tl.load(vnew_ptr + tok * stride_vnt + kvh * HEAD_SIZE + offs_d, mask=offs_d < HEAD_SIZE)
+            v_dst = v_cache_ptr + blk * stride_vb + off * stride_vt + kvh * stride_vh + offs_d
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+        tl.debug_barrier()  # the stores before this program's tile loads
 
 
 @triton.jit

@@ -63,6 +63,23 @@ if HAS_TRITON:
         tl.store(p1, o1.to(dt), mask=mask)
         tl.store(p2, o2.to(dt), mask=mask)
 
+    @triton.jit
+    def rope_rows(rows_ptr, offs_d, mask, cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr):
+        """Rows of whole heads (rows_ptr [R, 1] pointers to each head's start, offs_d [D] = 0 .. 2 * HALF, the
+        rotary dims the whole head) at positions pos [R], loaded and rotated as `_rope_heads` rotates them (the
+        same roundings: each product in the activation dtype), in that dtype. For kernels that rotate what they
+        read (the decode attention, `triton_paged_attn_kernels`) instead of a launch of their own."""
+        dt = rows_ptr.dtype.element_ty
+        j = offs_d % HALF
+        x = tl.load(rows_ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(rows_ptr + ((offs_d + HALF) % (2 * HALF))[None, :], mask=mask, other=0.0).to(tl.float32)
+        cs = cos_sin_ptr + pos[:, None] * stride_cs + j[None, :]
+        cos = tl.load(cs, mask=mask, other=0.0).to(dt).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dt).to(tl.float32)
+        a = (x * cos).to(dt).to(tl.float32)
+        b = (xp * sin).to(dt).to(tl.float32)
+        return tl.where(offs_d[None, :] < HALF, a - b, a + b).to(dt)
+
     # n_cache (the step's token count) changes every step: no "== 1" / "divisible by 16" variants of it.
     @triton.jit(do_not_specialize=["n_cache"])
     def _rope_kernel(
