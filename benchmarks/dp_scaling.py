@@ -44,10 +44,11 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
     for k in kernels:
         c = k.get("args", {}).get("correlation")
         (per_graph[c] if c in graph_corr else eager).append(k)
-    # A decode step's graph holds every layer; smaller graphs are piecewise prefill segments, and a whole-step
-    # graph far longer than the typical one is a prefill (its span > 3x the median).
+    # A decode step's graph holds every layer (its kernel count the most common one); much smaller graphs are
+    # piecewise prefill segments, and a whole-step graph far longer than the typical one is a prefill (its span
+    # > 3x the median).
     sizes = [len(v) for v in per_graph.values()]
-    big = max(sizes) if sizes else 0
+    big = statistics.mode(sizes) if sizes else 0  # (the decode steps' count: a prefill graph may hold more)
     steps = [v for v in per_graph.values() if len(v) >= big // 2]
     if steps:
         span_of = [max(k["ts"] + k["dur"] for k in v) - min(k["ts"] for k in v) for v in steps]

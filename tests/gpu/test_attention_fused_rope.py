@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 require_triton_device()
 
-from pagedllm.attention.ops.triton_paged_attn import DecodeRope, paged_attention  # noqa: E402
+from pagedllm.attention.ops.triton_paged_attn import DecodeRope, paged_attention, request_order  # noqa: E402
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, rotary_embedding_  # noqa: E402
 from tests.gpu.test_triton_attention import Batch  # noqa: E402
 
@@ -31,29 +31,33 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 16, "ordered"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(4, 2, 64), (32, 8, 128)])
 def test_decode_rope_in_the_attention(
-    dtype: torch.dtype, num_splits: int, heads: int, kv_heads: int, head_size: int
+    dtype: torch.dtype, num_splits: int | str, heads: int, kv_heads: int, head_size: int
 ) -> None:
+    """ "ordered": one segment, the programs in longest-first order (large decode batches' launch)."""
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("the Triton 3.6 interpreter truncates float32 -> bfloat16 (GPU only)")
     ctx = [0, 5, 16, 130, 700, 37]
-    b = Batch([1] * len(ctx), ctx, heads, kv_heads, head_size, 16, dtype, seed=head_size + num_splits)
+    ordered = num_splits == "ordered"
+    b = Batch([1] * len(ctx), ctx, heads, kv_heads, head_size, 16, dtype, seed=head_size + len(str(num_splits)))
     slots = b.slot_mapping.clone()
     slots[-1] = -1  # a padded row (CUDA graphs): nothing written, its key reads the poisoned cache
     positions = torch.tensor(ctx, dtype=torch.int64, device=DEVICE)
     cos_sin = _cos_sin(head_size, 1024)
+    seq_lens = torch.tensor(b.seq_lens, dtype=torch.int32, device=DEVICE)
     kw = dict(
         block_table=b.block_table.to(DEVICE),
-        seq_lens=torch.tensor(b.seq_lens, dtype=torch.int32, device=DEVICE),
+        seq_lens=seq_lens,
         query_start_loc=b.query_start_loc.to(DEVICE),
         num_actual_tokens=b.num_tokens,
         num_reqs=len(ctx),
         max_query_len=1,
         scale=head_size**-0.5,
-        num_splits=num_splits,
+        num_splits=1 if ordered else num_splits,
         num_decodes=len(ctx),
+        req_order=request_order(seq_lens, len(ctx)) if ordered else None,
     )
     results = []
     for fused in (False, True):

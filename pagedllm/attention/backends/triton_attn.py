@@ -100,18 +100,17 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         self.fuses_rotary = self.attn_type == AttentionType.DECODER and envs.PAGEDLLM_FUSED_ROPE_CACHE
         # Longest-first decode launches (`wants_request_order`; PAGEDLLM_ATTN_LONGEST_FIRST=0 turns them off).
         self.longest_first = envs.PAGEDLLM_ATTN_LONGEST_FIRST
-        # Decode steps: that RoPE and cache write inside the attention launch (`DecodeRope`).
-        self.rope_in_attention = self.fuses_rotary and envs.PAGEDLLM_ATTN_FUSED_ROPE
 
     def _decode_rope(
         self, rotary: RotaryArgs, key: torch.Tensor, value: torch.Tensor, md: TritonAttentionMetadata
     ) -> DecodeRope | None:
-        """The decode step's RoPE + cache write for the attention launch to do, where it can: one query token a
-        request, no q/k norm, the whole head rotary (a power of two), a 16/32-bit cache (the caller's check)."""
+        """The decode step's RoPE + cache write for the attention launch to do (`PAGEDLLM_ATTN_FUSED_ROPE`), where
+        it can: one query token a request, no q/k norm, the whole head rotary (a power of two), a 16/32-bit cache
+        (the caller's check)."""
         hs = self.head_size
         if not (
-            self.rope_in_attention
-            and md.max_query_len == 1
+            md.max_query_len == 1
+            and envs.PAGEDLLM_ATTN_FUSED_ROPE  # (read here: decode graphs captured again see a change)
             and rotary.q_weight is None
             and rotary.rotary_dim == hs
             and hs & (hs - 1) == 0

@@ -351,8 +351,16 @@ def dequantize_rows(w: GGUFTritonWeight, row0: int, out: torch.Tensor) -> torch.
     """out [R, K] (unit column stride) = the dequantized rows row0 .. row0 + R of w, in out's dtype."""
     require_triton()
     rows, k = out.shape
-    bn, bk = 32, 128
     ptrs, strides = _args(w)
+    if w.qtype in Q8A_TYPES:  # the pair layout: whole groups at a time
+        bn, gb = 16, 8
+        grid = (triton.cdiv(rows, bn), triton.cdiv(k, 32 * gb))
+        kern._gguf_dequant_pair_kernel[grid](
+            ptrs[0], *ptrs[2:], out, row0, rows, k, strides[0], *strides[2:], out.stride(0), QT=w.qtype, BN=bn,
+            GB=gb, num_warps=4,
+        )  # fmt: skip
+        return out
+    bn, bk = 32, 128
     grid = (triton.cdiv(rows, bn), triton.cdiv(k, bk))
     kern._gguf_dequant_kernel[grid](
         *ptrs, out, row0, rows, k, *strides, out.stride(0), QT=w.qtype, EPW=quants_per_word(w.qtype),

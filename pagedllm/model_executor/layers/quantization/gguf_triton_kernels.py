@@ -232,6 +232,46 @@ if HAS_TRITON:
         return s, m
 
     @triton.jit
+    def _gguf_dequant_pair_kernel(lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, w_ptr, row0, N, K, stride_lo, stride_d,
+                                  stride_sc, stride_w, QT: tl.constexpr, BN: tl.constexpr,
+                                  GB: tl.constexpr):  # fmt: skip
+        """`_gguf_dequant_kernel` for the pair-layout types (Q4_0 / Q4_1 / Q4_K / Q8_0), vectorized: a program
+        takes [BN rows, GB groups of 32], loads each group's words at once (4, Q8_0 8) and its scales once,
+        splits the words into their bytes / nibbles in registers (4-bit: word w's low nibbles are elements
+        4w..4w+3, its high ones 16 + 4w..), and stores the [BN, GB * 32] tile in row order."""
+        WPG: tl.constexpr = 8 if QT == 8 else 4
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        g = tl.program_id(1) * GB + tl.arange(0, GB)
+        ok = (offs_n < N)[:, None] & (g * 32 < K)[None, :]  # [BN, GB]
+        r = (row0 + offs_n).to(tl.int64)[:, None]
+        words = tl.load(lo_ptr + (r * stride_lo + g[None, :] * WPG)[:, :, None] + tl.arange(0, WPG)[None, None, :],
+                        mask=ok[:, :, None], other=0)  # fmt: skip
+        shift = (tl.arange(0, 4) * 8)[None, None, None, :]
+        if QT == 8:
+            b = (words[:, :, :, None] >> shift) & 0xFF  # [BN, GB, 8, 4]: byte b of word w is element 4w + b
+            u = tl.reshape(((b ^ 0x80) - 128).to(tl.float32), [BN, GB, 32])
+        else:
+            lo4 = tl.reshape((words[:, :, :, None] >> shift) & 0xF, [BN, GB, 16])
+            hi4 = tl.reshape((words[:, :, :, None] >> (shift + 4)) & 0xF, [BN, GB, 16])
+            u = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 1, 3, 2)), [BN, GB, 32]).to(tl.float32)
+        if QT == 12:
+            big = tl.load(d_ptr + r * stride_d + (g // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
+            dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
+            s = big * tl.load(sc_ptr + r * stride_sc + g[None, :], mask=ok, other=0).to(tl.float32)
+            m = -dmin * tl.load(mn_ptr + r * stride_sc + g[None, :], mask=ok, other=0).to(tl.float32)
+        else:
+            s = tl.load(d_ptr + r * stride_d + g[None, :], mask=ok, other=0.0).to(tl.float32)
+            if QT == 3:
+                m = tl.load(dm_ptr + r * stride_d + g[None, :], mask=ok, other=0.0).to(tl.float32)
+            elif QT == 2:
+                m = -8.0 * s
+            else:
+                m = 0.0 * s
+        w = u * s[:, :, None] + m[:, :, None]
+        dst = (offs_n.to(tl.int64)[:, None] * stride_w + g[None, :] * 32)[:, :, None] + tl.arange(0, 32)[None, None, :]
+        tl.store(w_ptr + dst, w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+    @triton.jit
     def _gguf_dequant_kernel(lo_ptr, hi_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, w_ptr, row0, N, K, stride_lo, stride_hi,
                              stride_d, stride_sc, stride_w, QT: tl.constexpr, EPW: tl.constexpr, G: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
