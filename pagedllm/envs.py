@@ -118,8 +118,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
     "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
     # Decode steps: RoPE and the new token's K/V cache write inside the attention launch (one launch a layer
-    # fewer; triton_paged_attn.DecodeRope); 0: the RoPE kernel does them before it.
-    "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "1"),
+    # fewer; triton_paged_attn.DecodeRope; W3 Q4_1 -0.014 ms on an H200). Off until its GPU test (the same bits
+    # as the RoPE kernel's path) passes: it failed on FMAs in both RoPEs, fixed after (benchmarks/NOTES.md s43).
+    "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

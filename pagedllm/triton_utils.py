@@ -4,6 +4,7 @@ import `triton` only when `HAS_TRITON`, so importing them never fails and never 
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Any
 
@@ -159,6 +160,23 @@ def pdl_mode_of(setting: str, supported: bool, kernel: str = "", early: str = ""
 
 
 if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    # Under the interpreter (CPU tests) a plain product is already rounded; libdevice's mul_rn has no
+    # interpreter version.
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+    @triton.jit
+    def mul_rn(a, b):
+        """a * b rounded to float32 on its own (`mul.rn`, which is never contracted into an FMA): for arithmetic
+        that must round each product as its reference does. With fusion on, a product feeding an add or a
+        subtraction became an FMA on sm_90 even across a cast to 16 bits (LLVM then multiplies in half
+        precision): the q8 quantizer's exact halves (session 42) and RoPE's `x1 * cos - x2 * sin` (session 43)."""
+        a, b = tl.broadcast(a, b)
+        if _INTERPRETED:
+            return a * b
+        else:
+            return libdevice.mul_rn(a, b)
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):

@@ -238,3 +238,33 @@ def test_q8_quantizer_rounds_the_product_first(name: str) -> None:
     window = lines[cut[0] - 40 : cut[-1] + 40]
     assert any("mul.rn" in line for line in window)
     assert not any(re.search(r"\bfma\.rn(\.ftz)?\.f32", line) for line in window), "the fraction came from an FMA"
+
+
+@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
+@pytest.mark.parametrize("dt", ["*bf16", "*fp16", "*fp32"])
+def test_rope_rounds_each_product(dt: str) -> None:
+    """RoPE's `x1 * cos - x2 * sin` rounds each product as the PyTorch reference does (`triton_utils.mul_rn`):
+    with plain products the sm_90 code of the RoPE kernel held FMAs (16-bit: half-precision FMAs, the first
+    product unrounded; session 43's GPU test of the attention's own RoPE found them as 1-ulp key differences).
+    The RoPE kernel has no FMA left; the attention's RoPE adds none to the attention's."""
+    import re
+
+    ks = {k[0]: k for k in _kernels()}
+
+    def fmas(name: str) -> int:
+        _, fn, consts, ptrs = ks[name]
+        typed = {k: (dt if v == "*bf16" else v) for k, v in ptrs.items()}
+        return len(
+            re.findall(
+                r"\bfma\.rn\.", _ptx(fn, dict(consts, PDL=1, **({"TWIN": False} if "attn" in name else {})), typed)
+            )
+        )
+
+    try:
+        assert fmas("rope_cache") == 0
+    except Exception as e:
+        if isinstance(e, AssertionError):
+            raise
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    assert fmas("paged_attn_rope_one_segment") == fmas("paged_attn_one_segment")
+    assert fmas("paged_attn_rope") == fmas("paged_attn")

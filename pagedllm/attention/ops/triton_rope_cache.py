@@ -24,7 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.triton_utils import pdl_enter
+    from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
     def _rope_heads(
@@ -57,9 +57,10 @@ if HAS_TRITON:
             w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
             x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        # The reference multiplies in the activation dtype: round each product before combining.
-        o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-        o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        # The reference multiplies in the activation dtype: round each product before combining (`mul_rn`: a
+        # plain product became a half-precision FMA on sm_90, the first product unrounded; session 43).
+        o1 = mul_rn(x1, cos).to(dt).to(tl.float32) - mul_rn(x2, sin).to(dt).to(tl.float32)
+        o2 = mul_rn(x2, cos).to(dt).to(tl.float32) + mul_rn(x1, sin).to(dt).to(tl.float32)
         tl.store(p1, o1.to(dt), mask=mask)
         tl.store(p2, o2.to(dt), mask=mask)
 
@@ -76,8 +77,8 @@ if HAS_TRITON:
         cs = cos_sin_ptr + pos[:, None] * stride_cs + j[None, :]
         cos = tl.load(cs, mask=mask, other=0.0).to(dt).to(tl.float32)
         sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dt).to(tl.float32)
-        a = (x * cos).to(dt).to(tl.float32)
-        b = (xp * sin).to(dt).to(tl.float32)
+        a = mul_rn(x, cos).to(dt).to(tl.float32)
+        b = mul_rn(xp, sin).to(dt).to(tl.float32)
         return tl.where(offs_d[None, :] < HALF, a - b, a + b).to(dt)
 
     # n_cache (the step's token count) changes every step: no "== 1" / "divisible by 16" variants of it.

@@ -13,21 +13,14 @@ the GEMV's loop, the per-step reductions and layout conversions put barriers bet
 
 from __future__ import annotations
 
-import os
-
 from pagedllm.triton_utils import HAS_TRITON
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
-    from pagedllm.triton_utils import pdl_enter
-
-    # Under the interpreter (CPU tests) a plain product is already rounded; libdevice's mul_rn has no
-    # interpreter version.
-    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+    from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
@@ -67,10 +60,7 @@ if HAS_TRITON:
         # v rounded before it is split: a plain product feeding `v - t` was contracted into an FMA on sm_90
         # (the fraction taken from the unrounded product), which turns some exact halves of 16-bit inputs the
         # other way (session 42; `mul.rn` is never contracted).
-        if _INTERPRETED:
-            v = x * inv[:, None]
-        else:
-            v = libdevice.mul_rn(x, tl.broadcast_to(inv[:, None], [GB, 32]))
+        v = mul_rn(x, inv[:, None])
         t = v.to(tl.int32)
         f = v - t.to(tl.float32)  # exact: roundf (half away from zero) as trunc plus the sign at >= 0.5
         q = t + (f >= 0.5).to(tl.int32) - (f <= -0.5).to(tl.int32)
