@@ -98,7 +98,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gemv = dict(HAS_BIAS=False, HAS_LORA=False, EVEN=True, EVEN_A=True, PUSH=False, GLU=False, BLOCK_N=1, BLOCK_K=512)
     norm_ptrs = dict(x_ptr=bf, res_ptr=bf, out_ptr=bf, res_out_ptr=bf, w_ptr=bf, eps="fp32", q_ptr="*fp8e4nv")
     norm_ptrs.update(qs_ptr="*fp32", recv_ptr="*i16", epoch_ptr="*i64", buf_ptrs="*u64", flag_ptrs="*u64")
-    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1)
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, PARTS=1, QUANT=1, SPLIT=1)
     q8_ptrs = dict(norm_ptrs, q_ptr="*i8", qs_ptr="*fp32", qm_ptr="*fp32", d_ptr="*fp32", s_ptr="*fp32")
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
@@ -136,6 +136,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ("silu_and_mul_fp8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=16384, QUANT=1), norm_ptrs),
         ("silu_and_mul_q8_twin", triton_ops._silu_and_mul_kernel, dict(BLOCK=1024, QUANT=2), q8_ptrs),
         ("add_rms_norm_q8_twin", triton_ops._rms_norm_kernel, dict(norm, QUANT=2), q8_ptrs),
+        ("add_rms_norm_q8_twin_split", triton_ops._rms_norm_kernel, dict(norm, QUANT=2, SPLIT=8), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
         ("gguf_gemv_float", gguf_kern._gguf_gemv_kernel, gguf_f, gguf_ptrs),

@@ -61,6 +61,33 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, n_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [2, 8])
+@pytest.mark.parametrize(("n_tokens", "hidden"), [(1, 4096), (8, 576), (9, 1024)])
+def test_rms_norm_split_rows_are_the_same(
+    dtype: torch.dtype, split: int, n_tokens: int, hidden: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PAGEDLLM_NORM_COL_SPLIT`: decode rows normalized by several programs each give the one-program results bit
+    for bit (the statistics summed in the same order), q8 twin included; 9 rows stay one program a row."""
+    from pagedllm.model_executor.layers.quantization import act_twin
+
+    g = torch.Generator().manual_seed(hidden + n_tokens + split)
+    norm = _norm_module(hidden, dtype, g)
+    x = (3.0 * torch.randn(n_tokens, hidden, generator=g)).to(DEVICE, dtype)
+    res = torch.randn(n_tokens, hidden, generator=g).to(DEVICE, dtype)
+    twin = "q8" if dtype != torch.float32 else None
+    runs = []
+    for s in (1, split):
+        monkeypatch.setenv("PAGEDLLM_NORM_COL_SPLIT", str(s))
+        out, new_res = triton_ops.fused_add_rms_norm(x, res, norm.weight, norm.variance_epsilon, twin)
+        runs.append((triton_ops.rms_norm(x, norm.weight, norm.variance_epsilon, twin), out, new_res))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+        ta, tb = act_twin.twin_of(a), act_twin.twin_of(b)
+        assert (ta is None) == (tb is None)
+        assert all(torch.equal(u, v) for u, v in zip(ta or (), tb or (), strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_rows(dtype: torch.dtype) -> None:
     """Rows that are views into a wider tensor (the per-head q of a fused qkv)."""
     g = torch.Generator().manual_seed(5)

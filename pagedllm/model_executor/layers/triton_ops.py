@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.triton_utils import HAS_TRITON, pdl_args, require_triton, row_warps
 from pagedllm.utils import next_pow2
@@ -60,31 +61,48 @@ if HAS_TRITON:
         qs_ptr=None,  # QUANT: [rows] float32 scales (1) / [rows, n_cols / 32] float32 d (2) out
         qm_ptr=None,  # QUANT 2: [rows, n_cols / 32] float32 d * sum(q) out
         QUANT: tl.constexpr = 0,  # also write the output quantized, 1: FP8, 2: q8 (quantization/act_twin.py)
+        SPLIT: tl.constexpr = 1,  # programs a row: each reads the whole row for the statistics, writes 1/SPLIT
         PDL: tl.constexpr = 0,
     ):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
+        x = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL, PARTS)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        rstd = 1.0 / tl.sqrt(var + eps)
+        SB: tl.constexpr = BLOCK // SPLIT
+        col0 = 0
+        if SPLIT > 1:  # this program's columns, read again (L1 / L2) and summed the same way
+            col0 = tl.program_id(1) * SB
+            offs = col0 + tl.arange(0, SB)
+            mask = offs < n_cols
+            x = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL, PARTS)
+            xf = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (w * normed).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, col0, offs, mask, n_cols, QUANT, SB)
+
+    @triton.jit
+    def _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL: tl.constexpr,
+                    PARTS: tl.constexpr):  # fmt: skip
+        """The norm's input at columns `offs` of a row: x (the sum of its PARTS rows, rounded: a MoE block's k
+        expert outputs) plus the residual, rounded to the activation dtype as the reference adds."""
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if PARTS > 1:  # x holds PARTS rows per token (a MoE block's k expert outputs): their sum, rounded
+        if PARTS > 1:
             xs = x.to(tl.float32)
             for p in tl.static_range(1, PARTS):
                 xs += tl.load(x_ptr + row * stride_x + p * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
             x = xs.to(x_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            # The reference adds in the activation dtype: round the sum before using it.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / n_cols
-        rstd = 1.0 / tl.sqrt(var + eps)
-        normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * normed).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-        _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, 0, offs, mask, n_cols, QUANT, BLOCK)
+        return x
 
     @triton.jit
     def _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, col0, offs, mask, n_cols, QUANT: tl.constexpr, BLOCK: tl.constexpr):
@@ -206,7 +224,8 @@ def _launch_norm(
     r2 = x2 if r2 is None else r2  # (unread without HAS_RESIDUAL)
     res = out if res_out is None else res_out
     block = next_pow2(n_cols)
-    _rms_norm_kernel[(n_rows,)](
+    split = _norm_split(n_rows, block, twin)
+    _rms_norm_kernel[(n_rows, split)](
         x2,
         r2,
         out,
@@ -221,10 +240,21 @@ def _launch_norm(
         HAS_RESIDUAL=res_out is not None,
         BLOCK=block,
         PARTS=parts,
-        num_warps=row_warps(block),
+        SPLIT=split,
+        num_warps=row_warps(block),  # (the same with a split: the statistics summed in the same order)
         **_twin_args(twin),
         **pdl_args(x2, "norm"),
     )
+
+
+def _norm_split(n_rows: int, block: int, twin: tuple[torch.Tensor, ...] | None) -> int:
+    """Programs a row of the norm (`PAGEDLLM_NORM_COL_SPLIT`, a power of two): decode batches only (one program a
+    row is a latency chain there: load, reduce, normalize, quantize), no per-row FP8 twin (its scale is the
+    whole row's), at least 32 columns (a q8 group) a program."""
+    s = envs.PAGEDLLM_NORM_COL_SPLIT
+    if s <= 1 or s & (s - 1) or n_rows > act_twin.Q8_MAX_ROWS or block < 32 * s:
+        return 1
+    return 1 if twin is not None and not isinstance(twin, act_twin.Q8Act) else s
 
 
 def silu_and_mul(x: torch.Tensor, twin_kind: str | None = None) -> torch.Tensor:
