@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
+    PAGEDLLM_ATTN_MERGE_CHUNK: int
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -125,6 +126,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Programs a row of the RMSNorm kernel for decode batches (1: one; an experiment until measured,
     # model_executor/layers/triton_ops.py `_norm_split`).
     "PAGEDLLM_NORM_COL_SPLIT": lambda: int(os.environ.get("PAGEDLLM_NORM_COL_SPLIT", "1")),
+    # Segments the split-KV merge takes at a time, merged online (0: all at once, a [heads, segments, head] tile
+    # in registers; an experiment until measured, benchmarks/NOTES.md session 43).
+    "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "0")),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

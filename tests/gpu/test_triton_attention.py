@@ -320,6 +320,20 @@ def test_split_kv_decode(num_splits: int, dtype: torch.dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_merge_in_chunks(chunk: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PAGEDLLM_ATTN_MERGE_CHUNK`: the merge takes the segments a chunk at a time, merged online (contexts
+    whose 16 segments all hold keys, and short ones with a few), within the reference's bound and close to
+    the one-pass merge; a few-row request beside the decodes."""
+    ctx, q_lens = [2000, 1, 15, 300, 4100], [1, 1, 1, 3, 1]
+    kw = dict(num_heads=16, num_kv_heads=8, head_size=128, dtype=dtype, num_splits=16, seed=chunk)
+    one_pass = run_case(q_lens, ctx, **kw)  # type: ignore[arg-type]
+    monkeypatch.setenv("PAGEDLLM_ATTN_MERGE_CHUNK", str(chunk))
+    chunked = run_case(q_lens, ctx, **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(chunked, one_pass, rtol=REL_TOL[dtype], atol=REL_TOL[dtype])
+
+
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q", [5, 8, 10])

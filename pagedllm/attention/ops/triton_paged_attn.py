@@ -274,9 +274,12 @@ def paged_attention(
     if num_splits > 1:
         tiles = max(num_reqs if filt == 1 else num_actual_tokens + num_reqs for _, filt in launches)
         counts = _split_counts(tiles * num_kv_heads, query.device)
-    # The merge takes a [heads, segments, head] tile of partials at a time: at most 8,192 values.
+    # The merge takes a [heads, segments, head] tile of partials at a time: at most 8,192 values; the segments
+    # all at once or `PAGEDLLM_ATTN_MERGE_CHUNK` at a time.
+    chunk = envs.PAGEDLLM_ATTN_MERGE_CHUNK
+    seg_chunk = min(num_splits, next_pow2(chunk)) if chunk > 0 else num_splits
     merge_heads = next_pow2(group)
-    while merge_heads > 1 and merge_heads * num_splits * head_pad > 8192:
+    while merge_heads > 1 and merge_heads * seg_chunk * head_pad > 8192:
         merge_heads //= 2
 
     pdl = pdl_args(query, "attn")
@@ -351,6 +354,7 @@ def paged_attention(
             KEY_LIMIT=key_limit is not None,
             ORDERED=ordered,
             MERGE_HEADS=merge_heads,
+            SEG_CHUNK=seg_chunk,
             TWIN=q8_twin is not None,
             ROPE=rope is not None,
             num_warps=nw,

@@ -187,6 +187,7 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     FP8_F16: tl.constexpr = False,
     MERGE_HEADS: tl.constexpr = 1,
+    SEG_CHUNK: tl.constexpr = 1,  # segments the merge takes at a time (NUM_SEGMENTS: all at once)
     TWIN: tl.constexpr = False,
     ROPE: tl.constexpr = False,
     PDL: tl.constexpr = 0,
@@ -388,7 +389,7 @@ def _paged_attn_kernel(
             t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
             _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
                         t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
-                        HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN)  # fmt: skip
+                        HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN, SEG_CHUNK)  # fmt: skip
 
 
 @triton.jit
@@ -444,35 +445,45 @@ def _merge_tile(
     NUM_SEGMENTS: tl.constexpr,
     MERGE_HEADS: tl.constexpr,
     TWIN: tl.constexpr,
+    SEG_CHUNK: tl.constexpr,
 ):
     """The split-KV segments' partials (the first `n_seg` of NUM_SEGMENTS: the others held no key) of tokens
     [t_begin, t_end) of a request (from `q_start`) for the GROUP query heads of kv head `kvh`, merged into the
-    output, MERGE_HEADS heads at a time (a [heads, segments, head] tile, its loads all in flight at once).
-    TWIN: the rows' q8_1 quantization too (`quant_groups_q8`, o_proj's int8 GEMV input; HEAD_PAD == HEAD_SIZE),
-    of the 16-bit rows as stored."""
+    output, MERGE_HEADS heads and SEG_CHUNK segments at a time (a [heads, segments, head] tile, its loads all in
+    flight at once; chunks of segments merged online, a chunk as many as NUM_SEGMENTS: one pass, the tile in
+    registers whatever n_seg). TWIN: the rows' q8_1 quantization too (`quant_groups_q8`, o_proj's int8 GEMV
+    input; HEAD_PAD == HEAD_SIZE), of the 16-bit rows as stored."""
     offs_h = tl.arange(0, MERGE_HEADS)
-    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_c = tl.arange(0, SEG_CHUNK)
     offs_d = tl.arange(0, HEAD_PAD)
     for t in range(t_begin, t_end):
         tok = (q_start + t).to(tl.int64)
         for h0 in range(0, GROUP, MERGE_HEADS):
             h_ok = h0 + offs_h < GROUP
             head = kvh * GROUP + h0 + offs_h
-            part = (tok * num_heads + head)[:, None] * NUM_SEGMENTS + offs_s[None, :]  # [heads, segments]
-            ok = h_ok[:, None] & (offs_s < n_seg)[None, :]
-            m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-            m_max = tl.max(m, 1)
-            m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-            w = tl.math.exp2(m - m_use[:, None])  # empty segments: exp2(-inf) = 0
-            l_tot = tl.sum(l_s * w, 1)
-            acc = tl.load(
-                part_out_ptr + part[:, :, None] * HEAD_PAD + offs_d[None, None, :],
-                mask=ok[:, :, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            o = tl.sum(acc * w[:, :, None], 1) / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+            m_run = tl.full([MERGE_HEADS], float("-inf"), dtype=tl.float32)
+            l_tot = tl.zeros([MERGE_HEADS], dtype=tl.float32)
+            acc_run = tl.zeros([MERGE_HEADS, HEAD_PAD], dtype=tl.float32)
+            for s0 in range(0, n_seg, SEG_CHUNK):
+                offs_s = s0 + offs_c
+                part = (tok * num_heads + head)[:, None] * NUM_SEGMENTS + offs_s[None, :]  # [heads, segments]
+                ok = h_ok[:, None] & (offs_s < n_seg)[None, :]
+                m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(part_l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+                acc = tl.load(
+                    part_out_ptr + part[:, :, None] * HEAD_PAD + offs_d[None, None, :],
+                    mask=ok[:, :, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_new = tl.maximum(m_run, tl.max(m, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_run - m_use)  # the chunks before (none: exp2(-inf) = 0, the sums exact)
+                w = tl.math.exp2(m - m_use[:, None])  # empty segments: exp2(-inf) = 0
+                l_tot = l_tot * alpha + tl.sum(l_s * w, 1)
+                acc_run = acc_run * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+                m_run = m_new
+            o = acc_run / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
             o = o.to(out_ptr.dtype.element_ty)
             dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(dst, o, mask=h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :])
