@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
+    PAGEDLLM_GGUF_GLU: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -126,6 +127,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Programs a row of the RMSNorm kernel for decode batches (1: one; an experiment until measured,
     # model_executor/layers/triton_ops.py `_norm_split`).
     "PAGEDLLM_NORM_COL_SPLIT": lambda: int(os.environ.get("PAGEDLLM_NORM_COL_SPLIT", "1")),
+    # GGUF gate/up on the GPU's int8 GEMV with the SiLU-mul (and its q8 twin) in its epilogue for decode rows
+    # (gguf_triton.gguf_glu_gemv; an experiment until measured, benchmarks/NOTES.md session 43).
+    "PAGEDLLM_GGUF_GLU": _flag("PAGEDLLM_GGUF_GLU", "0"),
     # Segments the split-KV merge takes at a time, merged online (0: all at once, a [heads, segments, head] tile
     # in registers; an experiment until measured, benchmarks/NOTES.md session 43).
     "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "0")),

@@ -103,7 +103,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
     gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False, GLU=False)
+    glu_ptrs = dict(gguf_ptrs, tq_ptr="*i8", td_ptr="*fp32", ts_ptr="*fp32")
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -140,6 +141,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ("add_rms_norm_q8_twin_split", triton_ops._rms_norm_kernel, dict(norm, QUANT=2, SPLIT=8), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
+        ("gguf_gemv_int8_glu", gguf_int8._gguf_gemv_q8a_kernel, dict(gguf8, GLU=True), glu_ptrs),
         ("gguf_gemv_float", gguf_kern._gguf_gemv_kernel, gguf_f, gguf_ptrs),
         ("w8a8_gemv", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=True, PIPE=3, PRE=False), w8_ptrs),
         ("w8a8_gemv_pre", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=False, PIPE=3, PRE=True), w8_ptrs),
@@ -177,19 +179,25 @@ def _ptx(fn: Any, consts: dict[str, Any], ptrs: dict[str, str]) -> str:
     return str(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
 
 
+def _ptx_or_skip(fn: Any, consts: dict[str, Any], ptrs: dict[str, str]) -> str:
+    """`_ptx`, the test skipped where this Triton build cannot compile for sm_90 (no ptxas, no NVIDIA backend);
+    a kernel that does not compile fails it."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        return _ptx(fn, consts, ptrs)
+    except CompilationError:
+        raise
+    except Exception as e:
+        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+
+
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("name", [k[0] for k in _kernels()] if HAS_TRITON else [])
 def test_wait_comes_first(name: str, mode: int) -> None:
     _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
-    from triton.compiler.errors import CompilationError
-
-    try:
-        ptx = _ptx(fn, dict(consts, PDL=mode), ptrs)
-    except CompilationError:
-        raise
-    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
-        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    ptx = _ptx_or_skip(fn, dict(consts, PDL=mode), ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")
     assert wait >= 0, "the kernel never waits for its predecessor"
@@ -209,12 +217,8 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     bf = "*bf16"
     ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
-    try:
-        ptx = _ptx(
-            gguf_int8._gguf_gemv_q8a_kernel, dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1), ptrs
-        )
-    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
-        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, GLU=False, PDL=1)
+    ptx = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, consts, ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")
     assert wait >= 0
@@ -231,10 +235,7 @@ def test_q8_quantizer_rounds_the_product_first(name: str) -> None:
     `gguf_triton.q8_activations` and llama.cpp): on sm_90 a plain product feeding `v - t` became an FMA, which
     turned exact halves of 16-bit inputs the other way (session 42's GPU twin test). Its `mul.rn` cannot fuse."""
     _, fn, consts, ptrs = next(k for k in _kernels() if k[0] == name)
-    try:
-        ptx = _ptx(fn, dict(consts, PDL=1), ptrs)
-    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton build
-        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    ptx = _ptx_or_skip(fn, dict(consts, PDL=1), ptrs)
     lines = ptx.splitlines()
     cut = [i for i, line in enumerate(lines) if "cvt.rzi.s32.f32" in line]
     assert cut, "no truncation: the quantizer is not in this kernel"
@@ -257,17 +258,9 @@ def test_rope_rounds_each_product(dt: str) -> None:
     def fmas(name: str) -> int:
         _, fn, consts, ptrs = ks[name]
         typed = {k: (dt if v == "*bf16" else v) for k, v in ptrs.items()}
-        return len(
-            re.findall(
-                r"\bfma\.rn\.", _ptx(fn, dict(consts, PDL=1, **({"TWIN": False} if "attn" in name else {})), typed)
-            )
-        )
+        ptx = _ptx_or_skip(fn, dict(consts, PDL=1, **({"TWIN": False} if "attn" in name else {})), typed)
+        return len(re.findall(r"\bfma\.rn\.", ptx))
 
-    try:
-        assert fmas("rope_cache") == 0
-    except Exception as e:
-        if isinstance(e, AssertionError):
-            raise
-        pytest.skip(f"no sm_90 compile here: {type(e).__name__}: {str(e)[:200]}")
+    assert fmas("rope_cache") == 0
     assert fmas("paged_attn_rope_one_segment") == fmas("paged_attn_one_segment")
     assert fmas("paged_attn_rope") == fmas("paged_attn")
