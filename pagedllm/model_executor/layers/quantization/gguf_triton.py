@@ -357,10 +357,9 @@ def gguf_glu_gemv(x: torch.Tensor, w: GGUFTritonWeight, q8: Q8Act | None = None)
     require_triton()
     m, k = x.shape
     inter = w.rows // 2
-    bn = gemv_config(w.qtype, m, w.rows, k).bn
-    bn = max(2, bn - bn % 2)  # (even: half gate rows, half up rows)
-    bk = max(64, min(gemv_config(w.qtype, m, w.rows, k).bk, triton.next_power_of_2(k)))
-    nw = gemv_config(w.qtype, m, w.rows, k).warps
+    cfg = gemv_config(w.qtype, m, w.rows, k)
+    bn = min(64, max(2, cfg.bn - cfg.bn % 2))  # half gate rows, half up rows; outputs a program divide 32
+    bk = max(64, min(cfg.bk, triton.next_power_of_2(k)))
     q8 = q8 if q8 is not None else quantize_q8(x)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     twin = act_twin.q8_buffers(m, inter, x.device)
@@ -372,7 +371,7 @@ def gguf_glu_gemv(x: torch.Tensor, w: GGUFTritonWeight, q8: Q8Act | None = None)
         xq, q8.d, q8.s, ptrs[0], *ptrs[2:], out, out, cnt, m, inter, k, xq.stride(0), q8.d.stride(0),
         out.stride(0), strides[0], *strides[2:], k, 1, QT=w.qtype, BN=bn, BK=bk, EVEN_K=k % bk == 0,
         ASM=x.is_cuda, PRE=bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD, tq_ptr=twin.q, td_ptr=twin.d,
-        ts_ptr=twin.s, stride_tq=twin.q.stride(0), stride_td=twin.d.stride(0), GLU=True, num_warps=nw, **pdl,
+        ts_ptr=twin.s, stride_tq=twin.q.stride(0), stride_td=twin.d.stride(0), GLU=True, num_warps=cfg.warps, **pdl,
     )  # fmt: skip
     return act_twin.attach(out, twin)
 
