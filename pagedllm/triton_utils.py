@@ -31,6 +31,11 @@ if HAS_TRITON:
         pass
 
 
+def interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1: CPU tensors, the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def require_triton() -> None:
     """Raised by the kernel launchers when Triton is missing (callers check `HAS_TRITON` first)."""
     if not HAS_TRITON:
@@ -164,7 +169,7 @@ if HAS_TRITON:
 
     # Under the interpreter (CPU tests) a plain product is already rounded; libdevice's mul_rn has no
     # interpreter version.
-    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+    _INTERPRETED = tl.constexpr(interpreted())
 
     @triton.jit
     def mul_rn(a, b):
@@ -177,6 +182,13 @@ if HAS_TRITON:
             return a * b
         else:
             return libdevice.mul_rn(a, b)
+
+    @triton.jit
+    def silu_mul(g, u, dt: tl.constexpr):
+        """silu(g) * u for float32 g and u that hold `dt` values, rounded as the PyTorch reference (`SiluAndMul`
+        in `dt`) rounds it: the SiLU to dt, then the product. The SiLU-mul kernel's and the GLU GEMVs'."""
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        return (act * u).to(dt)
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):

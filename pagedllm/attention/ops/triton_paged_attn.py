@@ -276,7 +276,7 @@ def paged_attention(
         counts = _split_counts(tiles * num_kv_heads, query.device)
     # The merge takes a [heads, segments, head] tile of partials at a time: at most 8,192 values; the segments
     # all at once or `PAGEDLLM_ATTN_MERGE_CHUNK` at a time.
-    chunk = envs.PAGEDLLM_ATTN_MERGE_CHUNK
+    chunk = envs.PAGEDLLM_ATTN_MERGE_CHUNK if num_splits > 1 else 0
     seg_chunk = min(num_splits, next_pow2(chunk)) if chunk > 0 else num_splits
     merge_heads = next_pow2(group)
     while merge_heads > 1 and merge_heads * seg_chunk * head_pad > 8192:

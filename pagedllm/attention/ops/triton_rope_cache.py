@@ -27,6 +27,11 @@ if HAS_TRITON:
     from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
+    def _product_in(x, c, dt: tl.constexpr):
+        """x * c rounded to `dt` (as float32), as the reference multiplies in the activation dtype."""
+        return mul_rn(x, c).to(dt).to(tl.float32)
+
+    @triton.jit
     def _rope_heads(
         base_ptr,
         w_ptr,
@@ -59,8 +64,8 @@ if HAS_TRITON:
             x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         # The reference multiplies in the activation dtype: round each product before combining (`mul_rn`: a
         # plain product became a half-precision FMA on sm_90, the first product unrounded; session 43).
-        o1 = mul_rn(x1, cos).to(dt).to(tl.float32) - mul_rn(x2, sin).to(dt).to(tl.float32)
-        o2 = mul_rn(x2, cos).to(dt).to(tl.float32) + mul_rn(x1, sin).to(dt).to(tl.float32)
+        o1 = _product_in(x1, cos, dt) - _product_in(x2, sin, dt)
+        o2 = _product_in(x2, cos, dt) + _product_in(x1, sin, dt)
         tl.store(p1, o1.to(dt), mask=mask)
         tl.store(p2, o2.to(dt), mask=mask)
 
@@ -77,8 +82,8 @@ if HAS_TRITON:
         cs = cos_sin_ptr + pos[:, None] * stride_cs + j[None, :]
         cos = tl.load(cs, mask=mask, other=0.0).to(dt).to(tl.float32)
         sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dt).to(tl.float32)
-        a = mul_rn(x, cos).to(dt).to(tl.float32)
-        b = mul_rn(xp, sin).to(dt).to(tl.float32)
+        a = _product_in(x, cos, dt)
+        b = _product_in(xp, sin, dt)
         return tl.where(offs_d[None, :] < HALF, a - b, a + b).to(dt)
 
     # n_cache (the step's token count) changes every step: no "== 1" / "divisible by 16" variants of it.

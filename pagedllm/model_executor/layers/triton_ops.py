@@ -31,7 +31,7 @@ if HAS_TRITON:
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
     from pagedllm.model_executor.layers.quantization.w8a8_ops import quant_row_e4m3
-    from pagedllm.triton_utils import pdl_enter
+    from pagedllm.triton_utils import pdl_enter, silu_mul
 
 
 def use_triton_ops(x: torch.Tensor) -> bool:
@@ -135,8 +135,7 @@ if HAS_TRITON:
         mask = offs < d
         g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (act * u).to(out_ptr.dtype.element_ty)
+        y = silu_mul(g, u, out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
         _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, tl.program_id(1) * BLOCK, offs, mask, d, QUANT, BLOCK)
 
@@ -251,8 +250,10 @@ def _norm_split(n_rows: int, block: int, twin: tuple[torch.Tensor, ...] | None) 
     """Programs a row of the norm (`PAGEDLLM_NORM_COL_SPLIT`, a power of two): decode batches only (one program a
     row is a latency chain there: load, reduce, normalize, quantize), no per-row FP8 twin (its scale is the
     whole row's), at least 32 columns (a q8 group) a program."""
+    if n_rows > act_twin.Q8_MAX_ROWS:
+        return 1
     s = envs.PAGEDLLM_NORM_COL_SPLIT
-    if s <= 1 or s & (s - 1) or n_rows > act_twin.Q8_MAX_ROWS or block < 32 * s:
+    if s <= 1 or s & (s - 1) or block < 32 * s:
         return 1
     return 1 if twin is not None and not isinstance(twin, act_twin.Q8Act) else s
 

@@ -197,21 +197,19 @@ def glu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of a merged gate/up layer held in one GPU part, in one launch (`gguf_triton.gguf_glu_gemv`,
     `PAGEDLLM_GGUF_GLU`; decode rows [M, K], no bias), carrying its q8 twin for the down GEMV; None where that
     does not apply (the caller runs the layer and the SiLU-mul)."""
-    from pagedllm import envs
-
     qm = getattr(layer, "quant_method", None)
-    if not (envs.PAGEDLLM_GGUF_GLU and isinstance(qm, GGUFLinearMethod) and len(qm.parts) == 1 and x.dim() == 2):
-        return None
-    part = qm.parts[0]
-    if not isinstance(part, GGUFTritonWeight) or getattr(layer, "bias", None) is not None:
-        return None
+    if not (isinstance(qm, GGUFLinearMethod) and len(qm.parts) == 1 and isinstance(qm.parts[0], GGUFTritonWeight)):
+        return None  # (checked first: the cheap test that every other model fails)
+    from pagedllm import envs
     from pagedllm.model_executor.layers.quantization import gguf_triton
-    from pagedllm.model_executor.layers.quantization.act_twin import Q8Act, twin_of
+    from pagedllm.triton_utils import interpreted
 
-    if not ((x.is_cuda or gguf_triton.interpreted()) and gguf_triton.glu_gemv_usable(x, part)):
+    part = qm.parts[0]
+    if not (envs.PAGEDLLM_GGUF_GLU and x.dim() == 2 and getattr(layer, "bias", None) is None):
         return None
-    twin = twin_of(x)
-    return gguf_triton.gguf_glu_gemv(x, part, twin if isinstance(twin, Q8Act) and twin.q.shape == x.shape else None)
+    if not ((x.is_cuda or interpreted()) and gguf_triton.glu_gemv_usable(x, part)):
+        return None
+    return gguf_triton.gguf_glu_gemv(x, part, gguf_triton.q8_twin_of(x, x))
 
 
 def install(layer: LinearBase, parts: list[GGUFWeight]) -> None:

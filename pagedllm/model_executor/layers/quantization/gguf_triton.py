@@ -17,7 +17,6 @@ layout-independent reference of the same decoding, checked against the `gguf` pa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization.act_twin import Q8Act
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from pagedllm.triton_utils import HAS_TRITON, num_sms, pdl_args, require_triton, split_counters
+from pagedllm.triton_utils import HAS_TRITON, interpreted, num_sms, pdl_args, require_triton, split_counters
 
 if HAS_TRITON:
     import triton
@@ -332,9 +331,10 @@ def gguf_gemv_triton(
     return out
 
 
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter (CPU tensors: the tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def q8_twin_of(x: torch.Tensor, rows: torch.Tensor) -> Q8Act | None:
+    """The q8 twin x's producer wrote with it (act_twin.py), if it quantizes these very rows ([M, K] `rows`)."""
+    q8 = act_twin.twin_of(x)
+    return q8 if isinstance(q8, Q8Act) and q8.q.shape == rows.shape else None
 
 
 def glu_gemv_usable(x: torch.Tensor, w: GGUFTritonWeight) -> bool:
@@ -452,9 +452,7 @@ def gguf_matmul_triton(
             raise RuntimeError("gguf: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
         sms = num_sms(x2.device) if x2.is_cuda else 4
         start = 0
-        q8 = act_twin.twin_of(x)  # the producer's quantization of these very rows, if it wrote one
-        if not (isinstance(q8, Q8Act) and q8.q.shape == x2.shape):
-            q8 = None
+        q8 = q8_twin_of(x, x2)
         for p in parts:
             if not isinstance(p, GGUFTritonWeight):
                 raise TypeError("gguf: parts for the Triton kernels must come from gguf_triton.prepare")

@@ -20,7 +20,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
-    from pagedllm.triton_utils import mul_rn, pdl_enter
+    from pagedllm.triton_utils import mul_rn, pdl_enter, silu_mul
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
@@ -235,10 +235,7 @@ if HAS_TRITON:
         (.cg) and writes its q8 twin (`quant_groups_q8`), the down GEMV's input, as the SiLU-mul's twin."""
         dt = out_ptr.dtype.element_ty
         g, u = tl.split(tl.trans(tl.reshape(res, [2, B])))
-        g = g.to(dt).to(tl.float32)
-        u = u.to(dt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = (act * u).to(dt)
+        y = silu_mul(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
         col0 = pid_n * B
         row = out_ptr + m_row * stride_om
         tl.store(row + col0 + tl.arange(0, B), y)

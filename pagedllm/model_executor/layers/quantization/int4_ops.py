@@ -13,11 +13,9 @@ GEMV for decode (M <= 8) that reads each packed weight once. CPU: the dequantize
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from pagedllm.triton_utils import HAS_TRITON, num_sms, split_counters
+from pagedllm.triton_utils import HAS_TRITON, interpreted, num_sms, split_counters
 
 if HAS_TRITON:
     import triton
@@ -86,7 +84,7 @@ def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return HAS_TRITON and (x.is_cuda or interpreted())
 
 
 if HAS_TRITON:

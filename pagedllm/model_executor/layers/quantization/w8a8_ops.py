@@ -8,14 +8,13 @@ in float32 (quantized values times their scales), which is what the tests check 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
 from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
-from pagedllm.triton_utils import HAS_TRITON, pdl_args, row_warps
+from pagedllm.triton_utils import HAS_TRITON, interpreted, pdl_args, row_warps
 
 if HAS_TRITON:
     import triton
@@ -259,7 +258,7 @@ def quantize_rows(
     x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] in `dtype`, scale [M, 1] float32): per-token amax scales, or `static_scale`."""
-    use_triton = HAS_TRITON and (x.is_cuda or _interpret()) and x.shape[1] <= 32768
+    use_triton = HAS_TRITON and (x.is_cuda or interpreted()) and x.shape[1] <= 32768
     if not use_triton or x.shape[0] == 0:
         return _quantize_rows_torch(x, dtype, static_scale)
     m, k = x.shape
@@ -275,10 +274,6 @@ def quantize_rows(
         STATIC=static_scale is not None, BLOCK=block, num_warps=row_warps(block),
     )  # fmt: skip
     return q, s
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _emulated(
@@ -304,7 +299,7 @@ def w8a8_linear(
     twin = act_twin.twin_of(x) if envs.PAGEDLLM_FP8_ACT_TWIN else None
     if isinstance(twin, act_twin.Q8Act):  # (a GGUF int8 GEMV's: not an e4m3 row)
         twin = None
-    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or _interpret()):
+    if HAS_TRITON and 0 < m <= GEMV_MAX_M and (x.is_cuda or interpreted()):
         return w8a8_gemv(x2.contiguous(), w, w_scale, input_scale, bias, twin).view(*lead, n)
     if twin is not None and input_scale is None and w.dtype == FP8_DTYPE and twin[0].shape == (m, k):
         xq, xs = twin  # the producer's quantization of these very rows (act_twin.py): no pass of our own
