@@ -20,7 +20,7 @@
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
    --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
-   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4), the twins linked
+   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4; several joined by commas), the twins linked
    and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
    in the JSON (same weights: kernels that change no value give the same tokens).
 
@@ -240,21 +240,22 @@ def recapture_decode_graphs(runner: Any) -> None:
 
 
 def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int) -> dict[str, Any]:
-    """W3 with one environment setting (NAME=VALUE) changed: the producers' twins linked again and the decode
-    graphs captured again (both read settings), the old value restored after (linked and captured again
-    too)."""
-    key, _, value = setting.partition("=")
-    old = os.environ.get(key)
+    """W3 with environment settings changed (NAME=VALUE, several joined by commas): the producers' twins linked
+    again and the decode graphs captured again (both read settings), the old values restored after (linked and
+    captured again too)."""
+    pairs = [part.partition("=")[::2] for part in setting.split(",")]
+    old = {key: os.environ.get(key) for key, _ in pairs}
 
-    def apply(v: str | None) -> None:
-        if v is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = v
+    def apply(values: dict[str, str | None]) -> None:
+        for key, v in values.items():
+            if v is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = v
         act_twin.link_producers(model)
         recapture_decode_graphs(runner)
 
-    apply(value)
+    apply(dict(pairs))
     try:
         return w3(llm, reps)
     finally:
