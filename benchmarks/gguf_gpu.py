@@ -20,9 +20,9 @@
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
    --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
-   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4; several joined by commas), the twins linked
-   and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
-   in the JSON (same weights: kernels that change no value give the same tokens).
+   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4; several joined by
+   commas), the twins linked and the decode graphs captured again, in the same process; every W3 keeps its
+   greedy tokens in the JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
