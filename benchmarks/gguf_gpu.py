@@ -20,9 +20,10 @@
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
    --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
-   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4; several joined by
-   commas), the twins linked and the decode graphs captured again, in the same process; every W3 keeps its
-   greedy tokens in the JSON (same weights: kernels that change no value give the same tokens).
+   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4) or decode-GEMV launch
+   (TUNED:Q4_1:6144x4096=4/4096/4/1/1, a `gguf_triton.TUNED` entry), several joined by commas, the twins
+   linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens in the
+   JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
@@ -240,26 +241,47 @@ def recapture_decode_graphs(runner: Any) -> None:
 
 
 def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int) -> dict[str, Any]:
-    """W3 with environment settings changed (NAME=VALUE, several joined by commas): the producers' twins linked
-    again and the decode graphs captured again (both read settings), the old values restored after (linked and
-    captured again too)."""
+    """W3 with settings changed, several joined by commas: environment variables (NAME=VALUE) and decode-GEMV
+    launches (TUNED:TYPE:NxK=BN/BK/WARPS/STAGES/SPLIT, a `gguf_triton.TUNED` entry); the producers' twins
+    linked again and the decode graphs captured again (both read settings), the old values restored after
+    (linked and captured again too)."""
     pairs = [part.partition("=")[::2] for part in setting.split(",")]
-    old = {key: os.environ.get(key) for key, _ in pairs}
+    env = {key: v for key, v in pairs if not key.startswith("TUNED:")}
+    tuned = {}
+    for key, v in pairs:
+        if key.startswith("TUNED:"):
+            _, qtype, shape = key.split(":")
+            n, k = (int(x) for x in shape.split("x"))
+            tuned[(qtype, n, k)] = gt.GemvConfig(*(int(x) for x in v.split("/")))
+    old_env = {key: os.environ.get(key) for key in env}
+    old_tuned = {key: gt.TUNED.get(key) for key in tuned}
 
-    def apply(values: dict[str, str | None]) -> None:
+    def apply(values: dict[str, str | None], configs: dict[tuple[str, int, int], Any]) -> None:
         for key, v in values.items():
             if v is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = v
+        for key, c in configs.items():
+            if c is None:
+                gt.TUNED.pop(key, None)
+            else:
+                gt.TUNED[key] = c
         act_twin.link_producers(model)
         recapture_decode_graphs(runner)
 
-    apply(dict(pairs))
+    apply(env, tuned)
     try:
         return w3(llm, reps)
     finally:
-        apply(old)
+        apply(old_env, old_tuned)
+
+
+def applies(setting: str, qtype: str) -> bool:
+    """Whether an --ab setting changes anything for `qtype`: it names an environment variable or one of that
+    type's launches (another type's TUNED entries alone change nothing)."""
+    keys = [part.partition("=")[0] for part in setting.split(",")]
+    return any(not k.startswith("TUNED:") or k.split(":")[1] == qtype for k in keys)
 
 
 def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
@@ -354,6 +376,8 @@ def main() -> None:
             if args.profile:
                 result["w3"][name]["profile"] = profile_w3(llm)
             for setting in args.ab or []:
+                if not applies(setting, name):
+                    continue
                 r = w3_with(llm, runner, model, setting, args.reps)
                 ms = r["ms_per_token"]
                 result["w3"][f"{name}@{setting}"] = dict(r, floor_ms=fl, x_floor=ms / fl)

@@ -76,7 +76,8 @@ def _num_sms(index: int) -> int:
 # Programmatic dependent launch (PDL, sm_90+). A kernel launched with it is scheduled as its predecessor in the
 # stream finishes (once every program of the predecessor has exited, or called `gdc_launch_dependents`) instead of
 # after the predecessor's completion has been processed, and waits for that completion and its memory inside the
-# kernel (`gdc_wait`), first thing, before it reads or writes anything. "Early" kernels also announce their
+# kernel (`gdc_wait`), first thing, before it reads or writes anything (but weights, which no kernel of a
+# step writes: the GGUF GEMV's first step, the norms' weight vectors). "Early" kernels also announce their
 # successor at their start: its programs are placed on the SMs and wait there, starting the moment this kernel
 # completes. Each kernel boundary of a CUDA-graph decode step then costs less.
 #

@@ -64,6 +64,13 @@ if HAS_TRITON:
         SPLIT: tl.constexpr = 1,  # programs a row: each reads the whole row for the statistics, writes 1/SPLIT
         PDL: tl.constexpr = 0,
     ):
+        SB: tl.constexpr = BLOCK // SPLIT
+        col0 = tl.program_id(1) * SB if SPLIT > 1 else 0
+        own = col0 + tl.arange(0, SB)  # this program's columns
+        own_ok = own < n_cols
+        # The weights before the PDL wait (no kernel of a step writes them): their load overlaps the kernel
+        # before instead of following the reduction.
+        w = tl.load(w_ptr + own, mask=own_ok, other=0.0)
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -72,19 +79,15 @@ if HAS_TRITON:
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
-        SB: tl.constexpr = BLOCK // SPLIT
-        col0 = 0
         if SPLIT > 1:  # this program's columns, read again (L1 / L2) and summed the same way
-            col0 = tl.program_id(1) * SB
-            offs = col0 + tl.arange(0, SB)
-            mask = offs < n_cols
+            offs = own
+            mask = own_ok
             x = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL, PARTS)
             xf = x.to(tl.float32)
         if HAS_RESIDUAL:
             tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
         normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * normed).to(out_ptr.dtype.element_ty)
+        y = (w.to(tl.float32) * normed).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
         _twin_out(y, q_ptr, qs_ptr, qm_ptr, row, col0, offs, mask, n_cols, QUANT, SB)
 
