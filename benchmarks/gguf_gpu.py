@@ -19,11 +19,11 @@
    graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
    share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
-   --ab NAME=VALUE ...: W3 of each type again under each environment setting (e.g.
-   PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_Q8_TWIN=0, PAGEDLLM_ATTN_DECODE_SPLITS=4) or decode-GEMV launch
-   (TUNED:Q4_1:6144x4096=4/4096/4/1/1, a `gguf_triton.TUNED` entry), several joined by commas, the twins
-   linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens in the
-   JSON (same weights: kernels that change no value give the same tokens).
+   --ab NAME=VALUE ...: W3 of each type (bf16 too, for settings of the environment alone) again under each
+   environment setting (e.g. PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_DECODE_SPLITS=4) or decode-GEMV
+   launch (TUNED:Q4_1:6144x4096=4/4096/4/1/1, a `gguf_triton.TUNED` entry), several joined by commas, the
+   twins linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
+   in the JSON (same weights: kernels that change no value give the same tokens).
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
@@ -360,6 +360,11 @@ def main() -> None:
               f"first token {r['first_token_ms']:.1f} ms")  # fmt: skip
         if args.profile:
             result["w3"]["bf16"]["profile"] = profile_w3(llm)
+        for setting in args.ab or []:
+            if applies(setting, "bf16"):
+                r = w3_with(llm, runner, model, setting, args.reps)
+                result["w3"][f"bf16@{setting}"] = dict(r, floor_ms=fl, x_floor=r["ms_per_token"] / fl)
+                print(f"W3 bf16 with {setting}: {r['ms_per_token']:.3f} ms/token, {r['ms_per_token'] / fl:.2f}x")
         gen = torch.Generator(device="cuda").manual_seed(1)
         for name in args.types:
             runner.cuda_graphs = None

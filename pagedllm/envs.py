@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
-    PAGEDLLM_GGUF_GLU: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -121,18 +120,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
     "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
     # Decode steps: RoPE and the new token's K/V cache write inside the attention launch (one launch a layer
-    # fewer; triton_paged_attn.DecodeRope; W3 Q4_1 -0.014 ms on an H200). Off until its GPU test (the same bits
-    # as the RoPE kernel's path) passes: it failed on FMAs in both RoPEs, fixed after (benchmarks/NOTES.md s43).
+    # fewer; triton_paged_attn.DecodeRope). Off: its GPU test passes (the same bits as the RoPE kernel's path,
+    # since the FMA fix of session 43), but W3 moved by -0.001 to -0.003 ms only (H200, NOTES.md session 44).
     "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
-    # Programs a row of the RMSNorm kernel for decode batches (1: one; an experiment until measured,
-    # model_executor/layers/triton_ops.py `_norm_split`).
-    "PAGEDLLM_NORM_COL_SPLIT": lambda: int(os.environ.get("PAGEDLLM_NORM_COL_SPLIT", "1")),
-    # GGUF gate/up on the GPU's int8 GEMV with the SiLU-mul (and its q8 twin) in its epilogue for decode rows
-    # (gguf_triton.gguf_glu_gemv; an experiment until measured, benchmarks/NOTES.md session 43).
-    "PAGEDLLM_GGUF_GLU": _flag("PAGEDLLM_GGUF_GLU", "0"),
+    # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py
+    # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
+    # benchmarks/NOTES.md session 44).
+    "PAGEDLLM_NORM_COL_SPLIT": lambda: int(os.environ.get("PAGEDLLM_NORM_COL_SPLIT", "4")),
     # Segments the split-KV merge takes at a time, merged online (0: all at once, a [heads, segments, head] tile
-    # in registers; an experiment until measured, benchmarks/NOTES.md session 43).
-    "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "0")),
+    # in registers; benchmarks/NOTES.md sessions 43-44).
+    "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "4")),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

@@ -187,7 +187,7 @@ if HAS_TRITON:
     @triton.jit
     def silu_mul(g, u, dt: tl.constexpr):
         """silu(g) * u for float32 g and u that hold `dt` values, rounded as the PyTorch reference (`SiluAndMul`
-        in `dt`) rounds it: the SiLU to dt, then the product. The SiLU-mul kernel's and the GLU GEMVs'."""
+        in `dt`) rounds it: the SiLU to dt, then the product. (The SiLU-mul kernel's.)"""
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         return (act * u).to(dt)
 

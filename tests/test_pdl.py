@@ -108,8 +108,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
     gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False, GLU=False)
-    glu_ptrs = dict(gguf_ptrs, tq_ptr="*i8", td_ptr="*fp32", ts_ptr="*fp32")
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -146,7 +145,6 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ("add_rms_norm_q8_twin_split", triton_ops._rms_norm_kernel, dict(norm, QUANT=2, SPLIT=8), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
-        ("gguf_gemv_int8_glu", gguf_int8._gguf_gemv_q8a_kernel, dict(gguf8, GLU=True), glu_ptrs),
         ("gguf_gemv_float", gguf_kern._gguf_gemv_kernel, gguf_f, gguf_ptrs),
         ("w8a8_gemv", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=True, PIPE=3, PRE=False), w8_ptrs),
         ("w8a8_gemv_pre", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=False, PIPE=3, PRE=True), w8_ptrs),
@@ -226,7 +224,7 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     bf = "*bf16"
     ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
-    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, GLU=False, PDL=1)
+    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1)
     ptx = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, consts, ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")

@@ -150,12 +150,3 @@ def test_engine_packed_on_cuda_matches_dequantized(
     dense = LLM(smollm2_path, gguf_dequantize=True, **kw)
     ref = [list(o.outputs[0].token_ids) for o in dense.generate(prompts, sp, use_tqdm=False)]
     assert ours == ref
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_glu_gemv_is_the_gemv_then_silu_mul(dtype: torch.dtype) -> None:
-    """The GLU int8 GEMV (`PAGEDLLM_GGUF_GLU`) is the merged gate/up GEMV then the SiLU-mul and its q8 twin, bit
-    for bit, on the device (`gguf_glu_check.py`, which CI runs under the interpreter)."""
-    from tests.model_executor.gguf_glu_check import check
-
-    check("cuda", dtype, inter=1024, k=4096)

@@ -328,6 +328,7 @@ def test_split_kv_merge_in_chunks(chunk: int, dtype: torch.dtype, monkeypatch: p
     the one-pass merge; a few-row request beside the decodes."""
     ctx, q_lens = [2000, 1, 15, 300, 4100], [1, 1, 1, 3, 1]
     kw = dict(num_heads=16, num_kv_heads=8, head_size=128, dtype=dtype, num_splits=16, seed=chunk)
+    monkeypatch.setenv("PAGEDLLM_ATTN_MERGE_CHUNK", "0")
     one_pass = run_case(q_lens, ctx, **kw)  # type: ignore[arg-type]
     monkeypatch.setenv("PAGEDLLM_ATTN_MERGE_CHUNK", str(chunk))
     chunked = run_case(q_lens, ctx, **kw)  # type: ignore[arg-type]

@@ -86,9 +86,3 @@ def test_cuda_packing_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_GGUF_CUDA_PACKED", "1")
     assert _gguf_packed(cfg, "cuda")  # type: ignore[arg-type]
     assert _gguf_packed(cfg, "cpu")  # type: ignore[arg-type]
-
-
-def test_glu_gemv_is_the_gemv_then_silu_mul() -> None:
-    """`gguf_triton.gguf_glu_gemv` (`PAGEDLLM_GGUF_GLU`) gives the merged gate/up GEMV followed by the SiLU-mul
-    with its q8 twin, bit for bit, under the interpreter (`gguf_glu_check.py`)."""
-    assert run_interpreted(CHECK.with_name("gguf_glu_check.py")) == "ok"

@@ -22,7 +22,7 @@ from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.fused_linear import MergedColumnParallelLinear
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import RowParallelLinear, plain_row_gemv_weight
-from pagedllm.model_executor.layers.quantization import act_twin, gguf
+from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.model_loader.weight_utils import default_weight_loader
 from pagedllm.model_executor.models.llama_attention import LlamaAttention
@@ -64,8 +64,6 @@ class LlamaMLP(nn.Module):
         if n == 1 and (gate_up_weight := plain_row_gemv_weight(self.gate_up_proj, x)) is not None:
             # Batch-1 decode on CUDA: gate/up GEMV and SiLU-mul in one launch (same rounding, one kernel less)
             return self.down_proj(triton_gemv.row_gemv(x, gate_up_weight, glu=True))
-        if (act := gguf.glu(self.gate_up_proj, x)) is not None:  # the same for GGUF decode rows (and the twin)
-            return self.down_proj(act)
         if c <= 0 or n <= c:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         out: torch.Tensor | None = None

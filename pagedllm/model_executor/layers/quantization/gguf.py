@@ -193,25 +193,6 @@ class GGUFLinearMethod(LinearMethodBase):
         return sum(p.nbytes for p in self.parts)
 
 
-def glu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of a merged gate/up layer held in one GPU part, in one launch (`gguf_triton.gguf_glu_gemv`,
-    `PAGEDLLM_GGUF_GLU`; decode rows [M, K], no bias), carrying its q8 twin for the down GEMV; None where that
-    does not apply (the caller runs the layer and the SiLU-mul)."""
-    qm = getattr(layer, "quant_method", None)
-    if not (isinstance(qm, GGUFLinearMethod) and len(qm.parts) == 1 and isinstance(qm.parts[0], GGUFTritonWeight)):
-        return None  # (checked first: the cheap test that every other model fails)
-    from pagedllm import envs
-    from pagedllm.model_executor.layers.quantization import gguf_triton
-    from pagedllm.triton_utils import interpreted
-
-    part = qm.parts[0]
-    if not (envs.PAGEDLLM_GGUF_GLU and x.dim() == 2 and getattr(layer, "bias", None) is None):
-        return None
-    if not ((x.is_cuda or interpreted()) and gguf_triton.glu_gemv_usable(x, part)):
-        return None
-    return gguf_triton.gguf_glu_gemv(x, part, gguf_triton.q8_twin_of(x, x))
-
-
 def install(layer: LinearBase, parts: list[GGUFWeight]) -> None:
     """Makes `layer` multiply with `parts`, dropping its dense weight parameter."""
     layer._parameters.pop("weight", None)

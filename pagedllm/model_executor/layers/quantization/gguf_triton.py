@@ -337,45 +337,6 @@ def q8_twin_of(x: torch.Tensor, rows: torch.Tensor) -> Q8Act | None:
     return q8 if isinstance(q8, Q8Act) and q8.q.shape == rows.shape else None
 
 
-def glu_gemv_usable(x: torch.Tensor, w: GGUFTritonWeight) -> bool:
-    """Whether `gguf_glu_gemv` takes x [M, K] and the merged gate/up weight w: decode rows of 16-bit activations
-    on the int8 GEMV, an intermediate size of whole q8 groups."""
-    return (
-        0 < x.shape[0] <= GEMV_MAX_M
-        and int8_activations(w.qtype, x.dtype)
-        and w.rows % 64 == 0
-        and w.cols == x.shape[-1]
-        and w.cols % 32 == 0
-    )
-
-
-def gguf_glu_gemv(x: torch.Tensor, w: GGUFTritonWeight, q8: Q8Act | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for the merged [gate; up] weight w [2I, K] and decode rows x [M, K]: the
-    int8 GEMV with the SiLU-mul in its epilogue (`GLU`), the result [M, I] carrying its q8 twin (the down
-    GEMV's input, act_twin.py), in one launch instead of the GEMV and `silu_and_mul`. The result is the two
-    launches' bit for bit (`glu_gemv_usable` rows)."""
-    require_triton()
-    m, k = x.shape
-    inter = w.rows // 2
-    cfg = gemv_config(w.qtype, m, w.rows, k)
-    bn = min(64, max(2, cfg.bn - cfg.bn % 2))  # half gate rows, half up rows; outputs a program divide 32
-    bk = max(64, min(cfg.bk, triton.next_power_of_2(k)))
-    q8 = q8 if q8 is not None else quantize_q8(x)
-    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    twin = act_twin.q8_buffers(m, inter, x.device)
-    cnt = split_counters(x.device, max(m * inter // 32, 1 << 16))  # (the GEMVs' counters: zero between launches)
-    ptrs, strides = _args(w)
-    xq = q8.q.view(torch.int32)
-    pdl = pdl_args(x, "gemv")
-    int8._gguf_gemv_q8a_kernel[(inter // (bn // 2), m, 1)](
-        xq, q8.d, q8.s, ptrs[0], *ptrs[2:], out, out, cnt, m, inter, k, xq.stride(0), q8.d.stride(0),
-        out.stride(0), strides[0], *strides[2:], k, 1, QT=w.qtype, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-        ASM=x.is_cuda, PRE=bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD, tq_ptr=twin.q, td_ptr=twin.d,
-        ts_ptr=twin.s, stride_tq=twin.q.stride(0), stride_td=twin.d.stride(0), GLU=True, num_warps=cfg.warps, **pdl,
-    )  # fmt: skip
-    return act_twin.attach(out, twin)
-
-
 _DEQ_ELEMS = 1 << 25  # weights dequantized at a time for the prefill GEMM (64 MB of bf16 scratch)
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 

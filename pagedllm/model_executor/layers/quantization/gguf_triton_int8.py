@@ -20,7 +20,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
-    from pagedllm.triton_utils import mul_rn, pdl_enter, silu_mul
+    from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
@@ -158,8 +158,7 @@ if HAS_TRITON:
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
-                              tq_ptr=None, td_ptr=None, ts_ptr=None, stride_tq=0, stride_td=0,
-                              GLU: tl.constexpr = False, PDL: tl.constexpr = 0):  # fmt: skip
+                              PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -169,17 +168,12 @@ if HAS_TRITON:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
         the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
         PRE: the first step's weights are read before the PDL wait, while the kernel before still runs (no
-        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42).
-        GLU (`_glu_store`): W is a merged [gate; up] of 2N rows, the output silu(gate) * up [M, N] and its q8
-        twin (tq / td / ts), SPLIT 1."""
+        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42)."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         if not PRE:
             pdl_enter(PDL)
-        if GLU:  # BN // 2 outputs a program: its first half of rows gate rows, the second the same up rows
-            pid_n, m_row, split, offs_n, n_ok, r = _glu_program(N, BN)
-        else:
-            pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
+        pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_g = tl.arange(0, GS)
         offs_i = tl.arange(0, 4)
         gw = (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]  # [1, GS, 4]: words of the step's groups
@@ -208,42 +202,5 @@ if HAS_TRITON:
                                             QT, EVEN_K, WPG, GS)  # fmt: skip
             xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS)
             acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
-        if GLU:
-            _glu_store(tl.sum(acc, axis=1), out_ptr, cnt_ptr, tq_ptr, td_ptr, ts_ptr, N, stride_om, stride_tq,
-                       stride_td, m_row, pid_n, BN // 2)  # fmt: skip
-        else:
-            _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
-                         offs_n, n_ok, SPLIT, BN)  # fmt: skip
-
-    @triton.jit
-    def _glu_program(N, BN: tl.constexpr):
-        """`_gemv_program` of a GLU launch: program p computes outputs p * BN / 2 .. + BN / 2 (N % (BN / 2) == 0)
-        from gate rows (its first BN / 2 rows) and up rows N + the same (its last)."""
-        B: tl.constexpr = BN // 2
-        pid_n = tl.program_id(0)
-        i = tl.arange(0, BN)
-        col = pid_n * B + i % B
-        r = tl.where(i < B, col, N + col).to(tl.int64)[:, None]
-        return pid_n, tl.program_id(1), tl.program_id(2), col, col < N, r
-
-    @triton.jit
-    def _glu_store(res, out_ptr, cnt_ptr, tq_ptr, td_ptr, ts_ptr, N, stride_om, stride_tq, stride_td, m_row, pid_n,
-                   B: tl.constexpr):  # fmt: skip
-        """A GLU program's [2B] sums (B gate, then B up): out = silu(gate) * up rounded as `_silu_and_mul_kernel`
-        rounds it (gate and up first rounded to the output dtype, as the unfused path stores them). The group of
-        32 outputs' last program to finish (an arrival count per (row, group) it resets) reads the group back
-        (.cg) and writes its q8 twin (`quant_groups_q8`), the down GEMV's input, as the SiLU-mul's twin."""
-        dt = out_ptr.dtype.element_ty
-        g, u = tl.split(tl.trans(tl.reshape(res, [2, B])))
-        y = silu_mul(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), dt)
-        col0 = pid_n * B
-        row = out_ptr + m_row * stride_om
-        tl.store(row + col0 + tl.arange(0, B), y)
-        grp = col0 // 32
-        tl.debug_barrier()  # every thread's outputs are written before the count moves
-        cnt = cnt_ptr + m_row * (N // 32) + grp
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == 32 // B - 1:
-            tl.store(cnt, 0)
-            vals = tl.load(row + grp * 32 + tl.arange(0, 32), cache_modifier=".cg").to(tl.float32)
-            quant_groups_q8(vals, tq_ptr + m_row * stride_tq, td_ptr + m_row * stride_td, ts_ptr + m_row * stride_td,
-                            grp * 32, N, 32)  # fmt: skip
+        _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n,
+                     n_ok, SPLIT, BN)  # fmt: skip
