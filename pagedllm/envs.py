@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
+    PAGEDLLM_ATTN_EARLY: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
     PAGEDLLM_CPU_DECODE_ONE_REGION: bool
     PAGEDLLM_TP_ALLREDUCE: str
@@ -130,6 +131,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Segments the split-KV merge takes at a time, merged online (0: all at once, a [heads, segments, head] tile
     # in registers; benchmarks/NOTES.md sessions 43-44).
     "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "4")),
+    # PDL decode attention launches read the step's lengths and first block ids before the wait, and segments
+    # past the keys leave without waiting (`EARLY` of triton_paged_attn_kernels; 0: after the wait, for A/B).
+    "PAGEDLLM_ATTN_EARLY": _flag("PAGEDLLM_ATTN_EARLY", "1"),
     # The split-KV merge also writes o_proj's q8 twin for a GGUF int8 GEMV (one quantizer launch a layer fewer:
     # W3 Q4_1 1.943 -> 1.922 ms on an H200, benchmarks/NOTES.md session 43); 0: o_proj quantizes its input.
     "PAGEDLLM_ATTN_Q8_TWIN": _flag("PAGEDLLM_ATTN_Q8_TWIN", "1"),

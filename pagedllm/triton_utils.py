@@ -196,7 +196,17 @@ if HAS_TRITON:
         """A PDL kernel's first step (no-op for PDL=0): an early kernel's (2) successor may launch from now on;
         then it waits for its predecessor's completion. Every program runs it before any early return: a kernel
         whose programs skipped the wait could complete before its predecessor."""
+        pdl_trigger(PDL)
+        pdl_wait(PDL)
+
+    @triton.jit
+    def pdl_trigger(PDL: tl.constexpr):
+        """`pdl_enter`'s first half: an early kernel's (2) successor may launch from now on."""
         if PDL == 2:
             gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """`pdl_enter`'s second half: the wait for the predecessor's completion (and its memory)."""
         if PDL:
             gdc_wait()

@@ -335,6 +335,20 @@ def test_split_kv_merge_in_chunks(chunk: int, dtype: torch.dtype, monkeypatch: p
     torch.testing.assert_close(chunked, one_pass, rtol=REL_TOL[dtype], atol=REL_TOL[dtype])
 
 
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_early_metadata(dtype: torch.dtype, num_splits: int, window: int | None) -> None:
+    """`EARLY` (PDL decode launches: lengths, key range and first block ids read before the wait, segments past
+    the keys leaving at once, block ids read a tile ahead): the plain launch's output bit for bit, over contexts of
+    one to many key tiles per segment."""
+    ctx, q_lens = [0, 5, 127, 128, 300, 1000, 2100], [1] * 7
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype, num_splits=num_splits, window=window)
+    plain = run_case(q_lens, ctx, seed=num_splits, early=False, **kw)  # type: ignore[arg-type]
+    early = run_case(q_lens, ctx, seed=num_splits, early=True, **kw)  # type: ignore[arg-type]
+    assert torch.equal(plain, early)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q", [5, 8, 10])

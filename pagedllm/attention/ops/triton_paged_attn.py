@@ -186,6 +186,7 @@ def paged_attention(
     req_order: torch.Tensor | None = None,
     q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rope: DecodeRope | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's paged K/V (see the module docstring).
 
@@ -201,7 +202,8 @@ def paged_attention(
     `q8_twin` (an `act_twin.Q8Act`'s q [T, heads * head_size] int8, d and s [T, heads * head_size / 32]
     float32; split-KV launches only, `writes_q8_twin`): the output rows quantized as `quant_groups_q8`
     quantizes them. `rope` (decode steps, `max_query_len` 1): q and the new k rotated and the new k / v cached
-    in this launch (`DecodeRope`); query is then the unrotated q.
+    in this launch (`DecodeRope`); query is then the unrotated q. `early` (tests): whether a one-tile decode launch
+    reads its lengths and first block ids before the PDL wait (None: in PDL launches, see the kernel's `EARLY`).
     """
     require_triton()
     if num_actual_tokens == 0 or num_reqs == 0:
@@ -297,6 +299,10 @@ def paged_attention(
         if ordered and not overridden and not batch_invariant.enabled():
             tn = ordered_tile_n(tn, num_reqs * num_kv_heads, query.device)
         grid = (num_q_tiles * num_kv_heads, 1, 1) if ordered else (num_q_tiles, num_kv_heads, num_splits)
+        # PDL decode launches read the step's lengths and first block ids before waiting (`EARLY`): only inputs
+        # uploaded before the step (no request order, which a kernel of the step computes; no key limits).
+        early_ok = direct and not ordered and key_limit is None and filt == 0
+        use_early = early_ok and (bool(pdl) and envs.PAGEDLLM_ATTN_EARLY if early is None else early)
         kern._paged_attn_kernel[grid](
             output,
             query,
@@ -357,6 +363,7 @@ def paged_attention(
             SEG_CHUNK=seg_chunk,
             TWIN=q8_twin is not None,
             ROPE=rope is not None,
+            EARLY=use_early,
             num_warps=nw,
             num_stages=ns,
             **pdl,

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from pagedllm.attention.ops.triton_rope_cache import rope_rows
 from pagedllm.model_executor.layers.quantization.gguf_triton_int8 import quant_groups_q8
-from pagedllm.triton_utils import pdl_enter
+from pagedllm.triton_utils import pdl_enter, pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -38,9 +38,9 @@ def _attn_tiles(
     acc,
     q,
     q_pos,
-    q_lim,
     t_begin,
     t_end,
+    q_lim,
     kv_hi,
     window,
     qk_scale,
@@ -64,10 +64,14 @@ def _attn_tiles(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    blk_next,
+    BT_AHEAD: tl.constexpr,
 ):
     """Online-softmax over key tiles [t_begin, t_end); MASKED=False skips all key masking. SOFTCAP:
     scores = softcap * tanh(scores / softcap), `softcap` given in the log2 domain (cap * log2 e).
-    Causal: a row sees keys up to `q_lim` (its position, or with key limits the end of its image)."""
+    Causal: a row sees keys up to `q_lim` (its position, or with key limits the end of its image).
+    BT_AHEAD: `blk_next` holds tile t_begin's cache blocks (`_tile_blocks`), each tile reads the next one's during
+    its own; returned with the sums (the next call's first; without BT_AHEAD, returned as given)."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -75,6 +79,10 @@ def _attn_tiles(
         k_pos = t * TILE_N + offs_n
         if MASKED:
             k_ok = k_pos < kv_hi
+        if BT_AHEAD:
+            blk = blk_next
+            blk_next = _tile_blocks(bt_row, t + 1, kv_hi, BLOCK_SIZE, TILE_N)
+        elif MASKED:
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         else:
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
@@ -116,7 +124,14 @@ def _attn_tiles(
             v = tl.load(v_ptrs)
         v = v.to(q.dtype)
         acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_i, l_i, acc
+    return m_i, l_i, acc, blk_next
+
+
+@triton.jit
+def _tile_blocks(bt_row, t, kv_hi, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The cache block of each key of tile t (0 past kv_hi), from the request's block-table row."""
+    k_pos = t * TILE_N + tl.arange(0, TILE_N)
+    return tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_pos < kv_hi, other=0).to(tl.int64)
 
 
 # num_reqs and stride_bt (an eager step's block-table width) change from step to step: without
@@ -190,9 +205,17 @@ def _paged_attn_kernel(
     SEG_CHUNK: tl.constexpr = 1,  # segments the merge takes at a time (NUM_SEGMENTS: all at once)
     TWIN: tl.constexpr = False,
     ROPE: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    pdl_enter(PDL)
+    # EARLY (PDL decode launches, `early_metadata`): the request's lengths, the key range and the segment's
+    # share of it are read before the PDL wait (the step's inputs, uploaded before its first kernel: no kernel
+    # of the step writes them), and segments past the keys leave without waiting. Program (0, 0, 0) always
+    # waits (segment 0 holds keys), so the launch still completes after its predecessor.
+    if EARLY:
+        pdl_trigger(PDL)
+    else:
+        pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
         pair = tl.program_id(0)
         num_kvh = num_heads // GROUP
@@ -230,16 +253,6 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     tok_g = (q_start + tok).to(tl.int64)
-    if ROPE:  # q as loaded from the qkv output, rotated here (`rope_rows`; HEAD_PAD == HEAD_SIZE, all rotary)
-        pos = tl.load(pos_ptr + tok_g, mask=row_ok, other=0).to(tl.int64)
-        q_rows = q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
-        q = rope_rows(q_rows, offs_d, row_ok[:, None], cos_sin_ptr, pos, stride_cs, HEAD_SIZE // 2)
-    else:
-        q = tl.load(
-            q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
     q_pos = ctx + tok
     if KEY_LIMIT:  # per token, the last key it may see (>= its position: an image's tokens see the image)
         q_lim = tl.load(key_limit_ptr + tok_g, mask=row_ok, other=0)
@@ -271,6 +284,21 @@ def _paged_attn_kernel(
     else:
         t0 = tile_lo
         t1 = tile_hi
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    blk_pre = seq_len  # (EARLY: the first tile's cache blocks)
+    if EARLY:
+        blk_pre = _tile_blocks(bt_row, t0, kv_hi, BLOCK_SIZE, TILE_N)
+        pdl_wait(PDL)
+    if ROPE:  # q as loaded from the qkv output, rotated here (`rope_rows`; HEAD_PAD == HEAD_SIZE, all rotary)
+        pos = tl.load(pos_ptr + tok_g, mask=row_ok, other=0).to(tl.int64)
+        q_rows = q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
+        q = rope_rows(q_rows, offs_d, row_ok[:, None], cos_sin_ptr, pos, stride_cs, HEAD_SIZE // 2)
+    else:
+        q = tl.load(
+            q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
     if ROPE:  # decode launches: the new token's rotated k and its v into the cache, before any tile is read
         _write_new_kv(knew_ptr, vnew_ptr, stride_knt, stride_vnt, slot_ptr, pos_ptr, cos_sin_ptr, stride_cs,
                       k_cache_ptr, v_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -288,7 +316,6 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Tiles below t_mid are wholly visible to every row of this tile (all keys < kv_hi and, if causal,
     # <= the first row's position): they skip every mask. Only the diagonal / last tiles are masked.
     if USE_WINDOW:
@@ -297,72 +324,15 @@ def _paged_attn_kernel(
         t_mid = tl.minimum(tl.maximum((ctx + qb * BLOCK_Q + 1) // TILE_N, t0), t1)
     else:
         t_mid = tl.minimum(tl.maximum(kv_hi // TILE_N, t0), t1)
-    m_i, l_i, acc = _attn_tiles(
-        m_i,
-        l_i,
-        acc,
-        q,
-        q_pos,
-        q_lim,
-        t0,
-        t_mid,
-        kv_hi,
-        window,
-        qk_scale,
-        softcap,
-        bt_row,
-        k_cache_ptr,
-        v_cache_ptr,
-        kvh,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        HEAD_SIZE,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        CAUSAL,
-        USE_WINDOW,
-        False,
-        DOT_PREC,
-        SOFTCAP,
-    )
-    m_i, l_i, acc = _attn_tiles(
-        m_i,
-        l_i,
-        acc,
-        q,
-        q_pos,
-        q_lim,
-        t_mid,
-        t1,
-        kv_hi,
-        window,
-        qk_scale,
-        softcap,
-        bt_row,
-        k_cache_ptr,
-        v_cache_ptr,
-        kvh,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        HEAD_SIZE,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        CAUSAL,
-        USE_WINDOW,
-        True,
-        DOT_PREC,
-        SOFTCAP,
-    )
+    common = (q_lim, kv_hi, window, qk_scale, softcap, bt_row, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_kt,
+              stride_kh, stride_vb, stride_vt, stride_vh)  # fmt: skip
+    # EARLY: the block ids a tile ahead, the first read before the wait
+    m_i, l_i, acc, blk_pre = _attn_tiles(m_i, l_i, acc, q, q_pos, t0, t_mid, *common, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                         TILE_N, CAUSAL, USE_WINDOW, False, DOT_PREC, SOFTCAP, blk_pre,
+                                         EARLY)  # fmt: skip
+    m_i, l_i, acc, blk_pre = _attn_tiles(m_i, l_i, acc, q, q_pos, t_mid, t1, *common, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                         TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC, SOFTCAP, blk_pre,
+                                         EARLY)  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 

@@ -24,7 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.triton_utils import mul_rn, pdl_enter
+    from pagedllm.triton_utils import mul_rn, pdl_trigger, pdl_wait
 
     @triton.jit
     def _product_in(x, c, dt: tl.constexpr):
@@ -121,7 +121,9 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         PDL: tl.constexpr = 0,
     ):
-        pdl_enter(PDL)
+        pdl_trigger(PDL)
+        # The position, its cos / sin and the cache slot before the PDL wait: the step's inputs (uploaded before
+        # its first kernel) and a constant table, which no kernel of the step writes.
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_HALF)
@@ -133,6 +135,11 @@ if HAS_TRITON:
         sin = sin.to(dt).to(tl.float32)
         cos = cos[None, :]
         sin = sin[None, :]
+        if WRITE_CACHE:
+            slot = tl.load(slot_ptr + t, mask=t < n_cache, other=-1).to(tl.int64)
+        else:
+            slot = -1
+        pdl_wait(PDL)
         # Program (t, 0) rotates the token's q heads, (t, 1) its k heads and writes the cache: two short
         # dependent chains side by side instead of one long one (W6 at 256 tokens: 4.5 us a layer in one).
         if tl.program_id(1) == 0:
@@ -143,7 +150,6 @@ if HAS_TRITON:
             k_ptr + t * stride_kt, kw_ptr, num_kv_heads, cos, sin, eps, HEAD_SIZE, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM
         )
         if WRITE_CACHE:  # the token's rotated k and its v go to their paged-cache slot, as reshape_and_cache
-            slot = tl.load(slot_ptr + t, mask=t < n_cache, other=-1).to(tl.int64)
             if slot >= 0:  # slot -1: padding (CUDA graphs), nothing written
                 # Whole heads (partial rotary leaves the tail as is): re-read k after this program's stores.
                 tl.debug_barrier()
@@ -200,7 +206,11 @@ def rotary_embedding_(
     n_tokens = query.shape[0]
     if n_tokens == 0:
         return
+    given = positions.data_ptr()
     positions = positions.reshape(-1).contiguous()
+    # The kernel reads the positions before its PDL wait: a copy made just now (a kernel that may still run)
+    # takes an ordinary launch.
+    pdl = pdl_args(query, "rope") if positions.data_ptr() == given else {}
     q2 = query.view(n_tokens, -1)
     k2 = key.view(n_tokens, -1)
     assert q2.stride(-1) == 1 and k2.stride(-1) == 1, "q/k rows must be contiguous"
@@ -254,7 +264,7 @@ def rotary_embedding_(
         CACHE_BLOCK=block_size,
         BLOCK_D=next_pow2(head_size),
         num_warps=4 if block_h * block_half <= 2048 else 8,
-        **pdl_args(query, "rope"),
+        **pdl,
     )
 
 
