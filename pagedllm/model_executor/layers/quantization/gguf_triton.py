@@ -216,11 +216,14 @@ class GemvConfig(NamedTuple):
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
 # (type name, N, K); any other shape takes `_DEFAULT`, the float GEMV `_FLOAT_DEFAULT`. NVIDIA H200, Llama-3.1-8B
 # shapes, M = 1, bf16 activations (session 41, results/s41/call6/sweep.json): a row or a few a program, whole
-# rows (no split-K), 1-2 warps; (BN, BK, warps, stages, split).
+# rows (no split-K), 1-2 warps; (BN, BK, warps, stages, split). Three changed by W3 in context (session 44,
+# `gguf_gpu.py --ab TUNED:...`, benchmarks/NOTES.md): whole 4096-weight rows in one step (the step read before the
+# PDL wait) for Q4_1 o_proj and gate/up (-0.07 ms together, repeated in two calls) and Q4_K o_proj (-0.013 /
+# -0.016 ms); the same for qkv, down or the other types' gate/up was slower.
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q4_1", 6144, 4096): GemvConfig(4, 1024, 2, 1, 1),
-    ("Q4_1", 4096, 4096): GemvConfig(4, 1024, 2, 1, 1),
-    ("Q4_1", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1),
+    ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1),
+    ("Q4_1", 28672, 4096): GemvConfig(2, 4096, 2, 1, 1),
     ("Q4_1", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_1", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
     ("Q8_0", 6144, 4096): GemvConfig(2, 2048, 4, 1, 1),
@@ -229,7 +232,7 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q8_0", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q8_0", 128256, 4096): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_K", 6144, 4096): GemvConfig(4, 512, 1, 1, 1),
-    ("Q4_K", 4096, 4096): GemvConfig(4, 1024, 2, 1, 1),
+    ("Q4_K", 4096, 4096): GemvConfig(4, 4096, 4, 1, 1),
     ("Q4_K", 28672, 4096): GemvConfig(4, 512, 1, 1, 1),
     ("Q4_K", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_K", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
