@@ -246,27 +246,27 @@ def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: i
     linked again and the decode graphs captured again (both read settings), the old values restored after
     (linked and captured again too)."""
     pairs = [part.partition("=")[::2] for part in setting.split(",")]
-    env = {key: v for key, v in pairs if not key.startswith("TUNED:")}
-    tuned = {}
+    env: dict[str, str | None] = {key: v for key, v in pairs if not key.startswith("TUNED:")}
+    tuned: dict[tuple[str, int, int], gt.GemvConfig | None] = {}
     for key, v in pairs:
         if key.startswith("TUNED:"):
             _, qtype, shape = key.split(":")
             n, k = (int(x) for x in shape.split("x"))
             tuned[(qtype, n, k)] = gt.GemvConfig(*(int(x) for x in v.split("/")))
     old_env = {key: os.environ.get(key) for key in env}
-    old_tuned = {key: gt.TUNED.get(key) for key in tuned}
+    old_tuned = {launch: gt.TUNED.get(launch) for launch in tuned}
 
-    def apply(values: dict[str, str | None], configs: dict[tuple[str, int, int], Any]) -> None:
-        for key, v in values.items():
-            if v is None:
+    def apply(values: dict[str, str | None], configs: dict[tuple[str, int, int], gt.GemvConfig | None]) -> None:
+        for key, value in values.items():
+            if value is None:
                 os.environ.pop(key, None)
             else:
-                os.environ[key] = v
-        for key, c in configs.items():
+                os.environ[key] = value
+        for launch, c in configs.items():
             if c is None:
-                gt.TUNED.pop(key, None)
+                gt.TUNED.pop(launch, None)
             else:
-                gt.TUNED[key] = c
+                gt.TUNED[launch] = c
         act_twin.link_producers(model)
         recapture_decode_graphs(runner)
 
