@@ -13,8 +13,9 @@
    (the same-run baseline), then every linear layer and the LM head swapped for random packed weights of
    each type (the dense weights dropped) and the decode graphs captured again. Floor = bytes a decode step
    reads (packed weights + the remaining parameters but the input embedding) / the copy bandwidth measured
-   in this run (`pagedllm.benchmarks.floors`). The target is <= 1.4x. Take W3 figures from `--skip-gemv` runs:
-   after section 1 every W3 of the process ran 0.05-0.09 ms slower (session 44, calls 4 and 5).
+   in this run (`pagedllm.benchmarks.floors`). The target is <= 1.4x. Compare W3 figures between runs of the same
+   kind: after section 1 the packed W3s ran 0.05-0.09 ms slower than in a `--skip-gemv` run (bf16 the same; two
+   machines, cause not found; session 44, calls 4 and 5).
 
    With --profile, one more 64-token request per model under the torch profiler: each decode step's (CUDA
    graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
