@@ -83,7 +83,7 @@ def _attn_tiles(
             blk = blk_next
             blk_next = _tile_blocks(bt_row, t + 1, kv_hi, BLOCK_SIZE, TILE_N)
         elif MASKED:
-            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            blk = _tile_blocks(bt_row, t, kv_hi, BLOCK_SIZE, TILE_N)
         else:
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         in_blk = k_pos % BLOCK_SIZE
@@ -208,7 +208,7 @@ def _paged_attn_kernel(
     EARLY: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
-    # EARLY (PDL decode launches, `early_metadata`): the request's lengths, the key range and the segment's
+    # EARLY (PDL decode launches; `paged_attention`'s `early`): the request's lengths, the key range and the segment's
     # share of it are read before the PDL wait (the step's inputs, uploaded before its first kernel: no kernel
     # of the step writes them), and segments past the keys leave without waiting. Program (0, 0, 0) always
     # waits (segment 0 holds keys), so the launch still completes after its predecessor.
