@@ -60,6 +60,8 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
     # PDL a kernel starts early and waits, so its duration overstates it; the gap before a late start (the
     # launch) counts to the kernel that waited for it.
     crit: dict[str, float] = defaultdict(float)
+    # The same shares per launch shape (kernel and grid): a layer's GEMVs apart (qkv, o_proj, gate/up, down)
+    crit_launch: dict[str, float] = defaultdict(float)
     for v in steps:
         ivs = [(k["ts"], k["ts"] + k["dur"]) for k in v]
         spans.append((max(b for _, b in ivs) - min(a for a, _ in ivs)) / 1e3)
@@ -69,7 +71,9 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         prev = None
         for k in sorted(v, key=lambda k: k["ts"] + k["dur"]):
             end = k["ts"] + k["dur"]
-            crit[k["name"][:80]] += (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
+            share = (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
+            crit[k["name"][:80]] += share
+            crit_launch[f"{k['name'][:40]} grid {k.get('args', {}).get('grid')}"] += share
             prev = end
     gaps, between = _gaps(steps, eager + [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")])
     return {
@@ -85,6 +89,7 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         "eager_kernels": len(eager),
         "decode_top_kernels_ms_per_step": sorted(by_name.items(), key=lambda x: -x[1])[:top],
         "decode_critical_ms_per_step": sorted(crit.items(), key=lambda x: -x[1])[:top],
+        "decode_critical_ms_per_launch_shape": sorted(crit_launch.items(), key=lambda x: -x[1])[:2 * top],
     }
 
 

@@ -53,6 +53,7 @@ from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+from pagedllm import triton_utils
 
 MODEL = "benchmarks/workloads/llama-3.1-8b"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -196,6 +197,9 @@ def profile_w3(llm: Any) -> dict[str, Any]:
     crit = dict(prof["decode_critical_ms_per_step"])
     for kname, ms in prof["decode_top_kernels_ms_per_step"]:
         print(f"    {ms * 1e3:8.1f} us/step ({crit.get(kname, 0.0) * 1e3:7.1f} on the critical path)  {kname}")
+    print("  critical path per launch shape (kernel, grid):")
+    for key, ms in prof["decode_critical_ms_per_launch_shape"]:
+        print(f"    {ms * 1e3:8.1f} us/step  {key}")
     return prof
 
 
@@ -269,6 +273,8 @@ def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: i
                 gt.TUNED.pop(launch, None)
             else:
                 gt.TUNED[launch] = c
+        triton_utils._pdl_kwargs.cache_clear()  # (PAGEDLLM_PDL* are read once per kernel name)
+        triton_utils._pdl_switches.cache_clear()
         act_twin.link_producers(model)
         recapture_decode_graphs(runner)
 
