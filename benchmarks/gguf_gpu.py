@@ -49,11 +49,11 @@ from typing import Any
 import torch
 from triton.testing import do_bench_cudagraph
 
+from pagedllm import triton_utils
 from pagedllm.benchmarks import floors
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
-from pagedllm import triton_utils
 
 MODEL = "benchmarks/workloads/llama-3.1-8b"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
