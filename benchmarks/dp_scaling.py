@@ -89,7 +89,7 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         "eager_kernels": len(eager),
         "decode_top_kernels_ms_per_step": sorted(by_name.items(), key=lambda x: -x[1])[:top],
         "decode_critical_ms_per_step": sorted(crit.items(), key=lambda x: -x[1])[:top],
-        "decode_critical_ms_per_launch_shape": sorted(crit_launch.items(), key=lambda x: -x[1])[:2 * top],
+        "decode_critical_ms_per_launch_shape": sorted(crit_launch.items(), key=lambda x: -x[1])[: 2 * top],
     }
 
 
