@@ -20,7 +20,7 @@ import random
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,11 +69,19 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
         for k in v:
             by_name[k["name"][:80]] += k["dur"] / 1e3 / len(steps)
         prev = None
-        for k in sorted(v, key=lambda k: k["ts"] + k["dur"]):
+        shapes = [f"{k['name'][:40]} grid {k.get('args', {}).get('grid')}" for k in v]
+        count = Counter(shapes)
+        layers = sum(n for key, n in count.items() if "attn" in key) or 1
+        seen: Counter[str] = Counter()
+        for shape, k in sorted(zip(shapes, v, strict=True), key=lambda sk: sk[1]["ts"] + sk[1]["dur"]):
             end = k["ts"] + k["dur"]
             share = (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
             crit[k["name"][:80]] += share
-            crit_launch[f"{k['name'][:40]} grid {k.get('args', {}).get('grid')}"] += share
+            # A shape launched several times a layer (e.g. the ring GEMV's fixed grid): its launches apart by
+            # their place in the layer
+            period = max(1, round(count[shape] / layers))
+            crit_launch[shape if period == 1 else f"{shape} #{seen[shape] % period}"] += share
+            seen[shape] += 1
             prev = end
     gaps, between = _gaps(steps, eager + [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")])
     return {

@@ -246,7 +246,9 @@ def recapture_decode_graphs(runner: Any) -> None:
     runner.cuda_graphs.capture()
 
 
-def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int) -> dict[str, Any]:
+def w3_with(
+    llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: int, profile: bool = False
+) -> dict[str, Any]:
     """W3 with settings changed, several joined by commas: environment variables (NAME=VALUE) and decode-GEMV
     launches (TUNED:TYPE:NxK=BN/BK/WARPS/STAGES/SPLIT, a `gguf_triton.TUNED` entry); the producers' twins
     linked again and the decode graphs captured again (both read settings), the old values restored after
@@ -280,7 +282,10 @@ def w3_with(llm: Any, runner: Any, model: torch.nn.Module, setting: str, reps: i
 
     apply(env, tuned)
     try:
-        return w3(llm, reps)
+        r = w3(llm, reps)
+        if profile:
+            r["profile"] = profile_w3(llm)
+        return r
     finally:
         apply(old_env, old_tuned)
 
@@ -289,7 +294,14 @@ def applies(setting: str, qtype: str) -> bool:
     """Whether an --ab setting changes anything for `qtype`: it names an environment variable or one of that
     type's launches (another type's TUNED entries alone change nothing)."""
     keys = [part.partition("=")[0] for part in setting.split(",")]
+    if qtype == "bf16":
+        return any(not k.startswith(("TUNED:", "PAGEDLLM_GGUF_")) for k in keys)
     return any(not k.startswith("TUNED:") or k.split(":")[1] == qtype for k in keys)
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """Greedy tokens two runs share before their first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def swap_to_gguf(model: torch.nn.Module, name: str, gen: torch.Generator) -> int:
@@ -333,6 +345,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the decode-GEMV launch candidates only (3.)")
     p.add_argument("--profile", action="store_true", help="W3's decode step per kernel, per model (2.)")
     p.add_argument("--tuned", help="a --sweep JSON whose best launches replace gguf_triton.TUNED")
+    p.add_argument("--profile-ab", action="store_true", help="profile each --ab run of the packed types too")
     p.add_argument("--ab", nargs="+", metavar="NAME=VALUE", help="W3 of each type again under each setting")
     args = p.parse_args()
     if args.tuned:
@@ -391,10 +404,12 @@ def main() -> None:
             for setting in args.ab or []:
                 if not applies(setting, name):
                     continue
-                r = w3_with(llm, runner, model, setting, args.reps)
+                r = w3_with(llm, runner, model, setting, args.reps, profile=args.profile_ab)
                 ms = r["ms_per_token"]
                 result["w3"][f"{name}@{setting}"] = dict(r, floor_ms=fl, x_floor=ms / fl)
-                print(f"W3 {name} with {setting}: {ms:.3f} ms/token, {ms / fl:.2f}x")
+                same = same_prefix(r["tokens"], result["w3"][name]["tokens"])
+                print(f"W3 {name} with {setting}: {ms:.3f} ms/token, {ms / fl:.2f}x; first {same} of "
+                      f"{len(r['tokens'])} greedy tokens as without")  # fmt: skip
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 
