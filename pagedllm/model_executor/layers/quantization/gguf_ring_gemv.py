@@ -86,7 +86,8 @@ if HAS_GLUON:
                     CL: gl.constexpr):  # fmt: skip
         """cp.async of rows r0.. (clamped to n_rows - 1) x columns col0 + [0, C) of a row-major plane into `smem`
         [R, C] (nothing read, zeros written, where `ok` is false)."""
-        r = gl.minimum(r0 + gl.arange(0, R, layout=gl.SliceLayout(1, CL)), n_rows - 1).to(gl.int64)
+        # (32-bit offsets: the largest plane a ring GEMV reads, the LM head's words, has 65.7 M elements)
+        r = gl.minimum(r0 + gl.arange(0, R, layout=gl.SliceLayout(1, CL)), n_rows - 1)
         c = gl.arange(0, C, layout=gl.SliceLayout(0, CL))
         ptr = base + gl.expand_dims(r * stride, 1) + col0 + gl.expand_dims(c, 0)
         _async_copy(smem, ptr, mask=gl.expand_dims(c >= 0, 0) & ok)
@@ -185,11 +186,6 @@ if HAS_GLUON:
         for j in range(J):
             cp.wait_group(S - 2)  # this thread's copies of stage j are in
             _cta_barrier()  # everyone's are; and everyone is done with slot (j - 1) % S
-            _issue(j + S - 1, J, pid, P, N, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, stride_lo, stride_d, stride_sc,
-                   w_s, d_s, dm_s, sc_s, mn_s, QT, BN, GS, STEPS, S, CLW, CLD, CLS)  # fmt: skip
-            if TRIG == 2:
-                if j + S - 1 == J - 1:
-                    gdc_launch_dependents()
             slot = j % S
             ks = j % STEPS
             w = w_s.index(slot).reshape([BN, SB, 8, 4]).load(L4)
@@ -213,6 +209,13 @@ if HAS_GLUON:
                 else:
                     mt = -8.0 * s
             acc += tg * s * dx + mt * sx
+            # The refill of slot (j - 1) % S after this stage's reads: the barrier above already separates it
+            # from every read of that slot and the next one from this stage's, so the compiler adds none
+            _issue(j + S - 1, J, pid, P, N, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, stride_lo, stride_d, stride_sc,
+                   w_s, d_s, dm_s, sc_s, mn_s, QT, BN, GS, STEPS, S, CLW, CLD, CLS)  # fmt: skip
+            if TRIG == 2:
+                if j + S - 1 == J - 1:
+                    gdc_launch_dependents()
             if ks == STEPS - 1:  # the tile's last stage: its rows' sums out
                 r = (pid + (j // STEPS) * P) * BN + rows
                 res = gl.sum(gl.sum(acc, axis=2), axis=1)
