@@ -45,13 +45,16 @@ RING_TYPES = (2, 3, 12)
 
 class RingConfig(NamedTuple):
     """A ring GEMV launch: rows a tile (BN), weights a row a stage (BK, a multiple of 1024), ring stages (S),
-    warps, and programs per SM (the grid is at most this many per SM, each a fixed share of the tiles)."""
+    warps, programs per SM (the grid is at most this many per SM, each a fixed share of the tiles), and the
+    stages copied before the PDL wait (-1: all S - 1 the ring holds ahead). The default: the fastest of
+    session 45's W3 sweep (H200, benchmarks/NOTES.md)."""
 
-    bn: int = 8
-    bk: int = 1024
-    stages: int = 8
-    warps: int = 4
+    bn: int = 16
+    bk: int = 2048
+    stages: int = 4
+    warps: int = 8
     per_sm: int = 2
+    pre: int = -1
 
 
 if HAS_GLUON:
@@ -80,6 +83,13 @@ if HAS_GLUON:
     def _u2f(bits):
         """int32 0 <= bits < 2^23 -> float32, exactly."""
         return (bits | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+
+    @gluon.jit
+    def _pdl_wait_trigger(TRIG: gl.constexpr):
+        """The PDL wait, and with TRIG 1 the dependents' launch right after it."""
+        gdc_wait()
+        if TRIG == 1:
+            gdc_launch_dependents()
 
     @gluon.jit
     def _copy_plane(smem, base, stride, r0, n_rows, col0, ok, R: gl.constexpr, C: gl.constexpr,
@@ -120,13 +130,14 @@ if HAS_GLUON:
                                stride_lo, stride_d, stride_sc, K: gl.constexpr, QT: gl.constexpr,
                                BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, L4: gl.constexpr,
                                CLW: gl.constexpr, CLD: gl.constexpr, CLS: gl.constexpr, CLX: gl.constexpr,
-                               CLG: gl.constexpr, PDL: gl.constexpr, TRIG: gl.constexpr):  # fmt: skip
+                               CLG: gl.constexpr, PDL: gl.constexpr, TRIG: gl.constexpr,
+                               PRE: gl.constexpr):  # fmt: skip
         """out[0, :N] = q8(x) @ dequant(W).T, one activation row. Program pid takes row tiles pid, pid + P, ...
         (P programs), each tile STEPS stages of BN rows x BK weights. L4: the compute layout of a stage
         [BN, SB, 8, 4] (rows, 8-group blocks, groups, words); CLW / CLD / CLS: the copy layouts of the weight
         words, the fp16 scales and the u8 scales (16-byte copies where the rows allow); CLX / CLG: the activations'
         words / groups of a stage (1-D).
-        PDL: 0 ordinary launch, else the weights' first S - 1 stages are copied before the wait. TRIG: the
+        PDL: 0 ordinary launch, else the weights' first PRE (<= S - 1) stages are copied before the wait. TRIG: the
         dependents' launch: 0 at the end, 1 after the wait, 2 once the program issued its last copies."""
         GS: gl.constexpr = BK // 32  # groups a stage
         SB: gl.constexpr = GS // 8
@@ -163,23 +174,28 @@ if HAS_GLUON:
         xd_s = gl.allocate_shared_memory(gl.float32, [STEPS, GS], flat2)
         xs_s = gl.allocate_shared_memory(gl.float32, [STEPS, GS], flat2)
 
-        for j0 in gl.static_range(S - 1):  # weights only: no kernel of the step writes them
+        # The first S - 1 stages' weights, PRE of them before the wait (no kernel of a step writes weights)
+        for j0 in gl.static_range(S - 1):
+            if PDL and j0 == PRE:
+                _pdl_wait_trigger(TRIG)
             _issue(j0, J, pid, P, N, lo_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, stride_lo, stride_d, stride_sc,
                    w_s, d_s, dm_s, sc_s, mn_s, QT, BN, GS, STEPS, S, CLW, CLD, CLS)  # fmt: skip
-        if PDL:
-            gdc_wait()
-            if TRIG == 1:
-                gdc_launch_dependents()
+        if PDL and PRE >= S - 1:
+            _pdl_wait_trigger(TRIG)
 
-        # The activation row's q8 words, low / high halves of each group apart, and its d, d * sum(q).
+        # The activation row's q8 words (low / high halves of each group apart), d and d * sum(q), copied as one
+        # more group: all of its copies in flight at once, then every group waited for (the weights' first
+        # stages were issued long before)
         cx = gl.arange(0, GS * 4, layout=CLX)
         xw = (cx // 4) * 8 + cx % 4
         cg = gl.arange(0, GS, layout=CLG)
         for st in gl.static_range(STEPS):
-            xl_s.index(st).store(gl.load(xq_ptr + st * (GS * 8) + xw))
-            xh_s.index(st).store(gl.load(xq_ptr + st * (GS * 8) + 4 + xw))
-            xd_s.index(st).store(gl.load(xd_ptr + st * GS + cg))
-            xs_s.index(st).store(gl.load(xs_ptr + st * GS + cg))
+            _async_copy(xl_s.index(st), xq_ptr + st * (GS * 8) + xw)
+            _async_copy(xh_s.index(st), xq_ptr + st * (GS * 8) + 4 + xw)
+            _async_copy(xd_s.index(st), xd_ptr + st * GS + cg)
+            _async_copy(xs_s.index(st), xs_ptr + st * GS + cg)
+        cp.commit_group()
+        cp.wait_group(0)
 
         rows = gl.arange(0, BN, layout=S123)
         acc = gl.zeros([BN, SB, 8], gl.float32, layout=S3)
@@ -269,7 +285,7 @@ def gguf_ring_gemv(
 ) -> torch.Tensor:
     """out [1, n] = the q8 activations (xq int32 words, xd, xs of one row) @ dequant(W).T; `planes` /
     `strides` as `gguf_triton._args` gives them (lo, hi, d, dm, sc, mn; lo, hi, d, sc)."""
-    bn, bk, stages, warps, per_sm = config
+    bn, bk, stages, warps, per_sm, pre = config
     if k % bk:
         bk = 1024
     gs = bk // 32
@@ -282,7 +298,8 @@ def gguf_ring_gemv(
         xq, xd, xs, lo, d, dm, sc, mn, out, n, strides[0], strides[2], strides[3], K=k, QT=qtype, BN=bn, BK=bk,
         S=stages, L4=l4, CLW=_copy_layout(bn, gs * 4, 4, warps), CLD=cld, CLS=_copy_layout(bn, gs, 1, warps),
         CLX=gl.BlockedLayout([4], [32], [warps], [0]), CLG=gl.BlockedLayout([1], [32], [warps], [0]),
-        PDL=pdl.get("PDL", 0), TRIG=trigger if pdl.get("PDL", 0) else 0, num_warps=warps,
+        PDL=pdl.get("PDL", 0), TRIG=trigger if pdl.get("PDL", 0) else 0,
+        PRE=stages - 1 if pre < 0 else min(pre, stages - 1), num_warps=warps,
         launch_pdl=bool(pdl),
     )  # fmt: skip
     return out
