@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
-    PAGEDLLM_GGUF_GEMV_TAIL_TRIGGER: bool
     PAGEDLLM_GGUF_RING: str
     PAGEDLLM_GGUF_RING_TRIGGER: int
     PAGEDLLM_ATTN_Q8_TWIN: bool
@@ -121,9 +120,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
     # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
-    # The GGUF int8 decode GEMV under PDL lets its successor launch once each program has read its weights (0: at
-    # its completion, as the other GEMVs).
-    "PAGEDLLM_GGUF_GEMV_TAIL_TRIGGER": _flag("PAGEDLLM_GGUF_GEMV_TAIL_TRIGGER", "0"),
     # One-row decode GEMVs of 4-bit GGUF weights through the ring GEMV (gguf_ring_gemv.py: persistent programs,
     # weights copied into shared memory stages ahead, the first ones before the PDL wait): 0 off, 1 on with
     # its default launch, or a launch "BN/BK/STAGES/WARPS/PER_SM" for every shape (sweeps).

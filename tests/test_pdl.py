@@ -112,7 +112,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
     gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False, TAIL=False)
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -231,30 +231,13 @@ def test_gguf_preload_only_reads_before_the_wait() -> None:
     bf = "*bf16"
     ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
-    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1, TAIL=False)
+    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1)
     ptx = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, consts, ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")
     assert wait >= 0
     before = [m.group(0).strip() for m in _MEM.finditer(body[:wait])]
     assert before and all(re.search(r"\bld\.", op) for op in before), before
-
-
-@pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
-def test_gguf_tail_trigger_after_the_wait() -> None:
-    """TAIL (PAGEDLLM_GGUF_GEMV_TAIL_TRIGGER): the dependents' trigger comes after the wait and after the
-    weights' loads, and only with the option."""
-    from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as gguf_int8
-
-    ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
-    ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr="*bf16", cnt_ptr="*i32")
-    consts = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1)
-    body = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, dict(consts, TAIL=True), ptrs)
-    wait, trig = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
-    assert 0 <= wait < trig
-    loads = [m.start() for m in re.finditer(r"ld\.global\.L1::evict_first", body)]  # the weights' loads
-    assert loads and max(loads) < trig, "a weight load after the trigger"
-    assert "launch_dependents" not in _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, dict(consts, TAIL=False), ptrs)
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")

@@ -349,8 +349,7 @@ def gguf_gemv_triton(
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
-            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, TAIL=bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_TAIL_TRIGGER,
-            num_warps=nw, num_stages=ns, **pdl,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](

@@ -20,7 +20,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
-    from pagedllm.triton_utils import mul_rn, pdl_enter, pdl_trigger
+    from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr):
@@ -158,7 +158,7 @@ if HAS_TRITON:
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
-                              PDL: tl.constexpr = 0, TAIL: tl.constexpr = False):  # fmt: skip
+                              PDL: tl.constexpr = 0):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -168,10 +168,7 @@ if HAS_TRITON:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
         the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
         PRE: the first step's weights are read before the PDL wait, while the kernel before still runs (no
-        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42).
-        TAIL (under PDL): each program lets the successor launch once it has read its weights, so the successor
-        (a norm, RoPE or SiLU-mul, which waits for this kernel's completion anyway) and through it the next GEMV
-        are placed while the last wave finishes (a trigger at the start put them beside every wave)."""
+        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42)."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
         if not PRE:
@@ -205,7 +202,5 @@ if HAS_TRITON:
                                             QT, EVEN_K, WPG, GS)  # fmt: skip
             xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS)
             acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
-        if TAIL:
-            pdl_trigger(PDL * 2)
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n,
                      n_ok, SPLIT, BN)  # fmt: skip
