@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     PAGEDLLM_CPU_PACKED_GEMM: bool
     PAGEDLLM_GGUF_CUDA_PACKED: bool
     PAGEDLLM_GGUF_GEMV_PRELOAD: bool
-    PAGEDLLM_GGUF_RING: str
-    PAGEDLLM_GGUF_RING_TRIGGER: int
     PAGEDLLM_ATTN_Q8_TWIN: bool
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
@@ -120,13 +118,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The GGUF int8 decode GEMV under PDL reads its first K step's weights before waiting for the kernel before
     # it (0: after; benchmarks/NOTES.md, session 42: more steps were slower).
     "PAGEDLLM_GGUF_GEMV_PRELOAD": _flag("PAGEDLLM_GGUF_GEMV_PRELOAD", "1"),
-    # One-row decode GEMVs of 4-bit GGUF weights through the ring GEMV (gguf_ring_gemv.py: persistent programs,
-    # weights copied into shared memory stages ahead, the first ones before the PDL wait): 0 off, 1 on with
-    # its default launch, or a launch "BN/BK/STAGES/WARPS/PER_SM" for every shape (sweeps).
-    "PAGEDLLM_GGUF_RING": lambda: os.environ.get("PAGEDLLM_GGUF_RING", "0"),
-    # When the ring GEMV lets its successor launch: 0 at its end, 1 after its wait, 2 once a program issued
-    # its last copies.
-    "PAGEDLLM_GGUF_RING_TRIGGER": lambda: int(os.environ.get("PAGEDLLM_GGUF_RING_TRIGGER", "0")),
     # Split-KV segments of pure-decode attention launches (0: `choose_num_splits`'s choice by the batch shape).
     "PAGEDLLM_ATTN_DECODE_SPLITS": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_SPLITS", "0")),
     # Decode steps: RoPE and the new token's K/V cache write inside the attention launch (one launch a layer

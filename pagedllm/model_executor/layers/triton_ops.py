@@ -76,13 +76,17 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL, PARTS)
+        if SPLIT > 1:
+            # This program's columns, read again (in its own layout) and summed the same way: issued with the
+            # whole row's loads, not after the reduction (one L2 round trip off the chain; the same values)
+            x_own = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, own, own_ok, n_cols, HAS_RESIDUAL, PARTS)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
         rstd = 1.0 / tl.sqrt(var + eps)
-        if SPLIT > 1:  # this program's columns, read again (L1 / L2) and summed the same way
+        if SPLIT > 1:
             offs = own
             mask = own_ok
-            x = _norm_input(x_ptr, res_ptr, row, stride_x, stride_r, offs, mask, n_cols, HAS_RESIDUAL, PARTS)
+            x = x_own
             xf = x.to(tl.float32)
         if HAS_RESIDUAL:
             tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)

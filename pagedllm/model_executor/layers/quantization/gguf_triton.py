@@ -26,7 +26,6 @@ from pagedllm import envs
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization.act_twin import Q8Act
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
-from pagedllm.model_executor.layers.quantization.gguf_ring_gemv import RingConfig, gguf_ring_gemv, ring_supported
 from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 from pagedllm.triton_utils import HAS_TRITON, interpreted, num_sms, pdl_args, require_triton, split_counters
 
@@ -188,21 +187,10 @@ def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTrit
                 f["hi"] = _pack_bits(u >> 4, 2)
         for k, v in f.items():
             planes.setdefault(k, []).append(v.contiguous())
-    t = {k: _row_aligned(torch.cat(v) if len(v) > 1 else v[0]) for k, v in planes.items()}
+    t = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in planes.items()}
     return GGUFTritonWeight(
         w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"), mn=t.get("mn")
     )
-
-
-def _row_aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` [rows, cols] with a row stride of a multiple of 16 elements (a view of a padded buffer where cols
-    is not: Q4_K's d / dm at K = 14,336 have 56): Triton then knows each row's alignment (it specializes
-    integer arguments divisible by 16), and the ring GEMV copies the rows 8 or 16 bytes at a time."""
-    if t.dim() != 2 or t.shape[1] % 16 == 0:
-        return t
-    buf = torch.zeros(t.shape[0], -(-t.shape[1] // 16) * 16, dtype=t.dtype, device=t.device)
-    buf[:, : t.shape[1]] = t
-    return buf[:, : t.shape[1]]
 
 
 def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
@@ -274,15 +262,6 @@ def gemv_config(qtype: int, m: int, n: int, k: int, int8_act: bool = True) -> Ge
     return TUNED.get((PACKED_TYPES[qtype], n, k), _DEFAULT) if int8_act else _FLOAT_DEFAULT
 
 
-def ring_config(qtype: int, m: int, n: int, k: int, x: torch.Tensor) -> RingConfig | None:
-    """The ring GEMV's launch for this one-row decode GEMV under `PAGEDLLM_GGUF_RING` (None: the Triton
-    kernel's): "1" its default launch, "BN/BK/STAGES/WARPS/PER_SM" that launch."""
-    setting = envs.PAGEDLLM_GGUF_RING.strip()
-    if setting in ("", "0") or not ring_supported(qtype, m, k, x):
-        return None
-    return RingConfig() if setting == "1" else RingConfig(*(int(v) for v in setting.split("/")))
-
-
 def _auto_split(m: int, n_blocks: int, k_steps: int, num_sms: int) -> int:
     """Split K until about PROGRAMS_PER_SM programs per SM exist (enough loads in flight to cover the
     memory latency), never below one K step per program."""
@@ -342,10 +321,6 @@ def gguf_gemv_triton(
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)
-        ring = ring_config(w.qtype, m, n, k, x) if config is None else None
-        if ring is not None:
-            return gguf_ring_gemv(xq, q8.d, q8.s, ptrs, strides, w.qtype, n, k, out, num_sms, ring, pdl,
-                                  envs.PAGEDLLM_GGUF_RING_TRIGGER)  # fmt: skip
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
