@@ -90,19 +90,6 @@ if HAS_TRITON:
         return g, gm
 
     @triton.jit
-    def _ld(ptr, mask, other, EVEN_K: tl.constexpr, STREAM: tl.constexpr = False):
-        """A load of whole steps (EVEN_K) unmasked: a masked load zero-fills its registers first (a CS2R a
-        register pair in the sm_90a loop, `gguf_sass_census.py`), and `mask` is all true there. STREAM: read
-        once (the weights), evict first."""
-        if EVEN_K:
-            if STREAM:
-                return tl.load(ptr, eviction_policy="evict_first")
-            return tl.load(ptr)
-        if STREAM:
-            return tl.load(ptr, mask=mask, other=other, eviction_policy="evict_first")
-        return tl.load(ptr, mask=mask, other=other)
-
-    @triton.jit
     def _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
                    QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
         """The weights the step at k0 reads: the words [BN, GS, 4] (Q8_0: each group's first and second 4; the
@@ -111,20 +98,20 @@ if HAS_TRITON:
         g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
         kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
         wm = gm[:, :, None]
-        words = _ld(lo_rows + kw, wm, 0, EVEN_K, True)
+        words = tl.load(lo_rows + kw, mask=wm, other=0, eviction_policy="evict_first")
         words2 = words
         if QT == 8:
-            words2 = _ld(lo_rows + kw + 4, wm, 0, EVEN_K, True)
+            words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
         if QT == 12:
-            a = _ld(d_rows + (g // 8)[None, :], gm, 0.0, EVEN_K)
-            b = _ld(dm_rows + (g // 8)[None, :], gm, 0.0, EVEN_K)
-            c = _ld(sc_rows + g[None, :], gm, 0, EVEN_K)
-            e = _ld(mn_rows + g[None, :], gm, 0, EVEN_K)
+            a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
+            b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
+            c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
+            e = tl.load(mn_rows + g[None, :], mask=gm, other=0)
         else:
-            a = _ld(d_rows + g[None, :], gm, 0.0, EVEN_K)
+            a = tl.load(d_rows + g[None, :], mask=gm, other=0.0)
             b = a
             if QT == 3:
-                b = _ld(dm_rows + g[None, :], gm, 0.0, EVEN_K)
+                b = tl.load(dm_rows + g[None, :], mask=gm, other=0.0)
             c = a
             e = a
         return words, words2, a, b, c, e
@@ -137,12 +124,12 @@ if HAS_TRITON:
         g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
         kx = tl.multiple_of(k0 // 4, 8 * GS)
         wm = gm[:, :, None]
-        xl = _ld(xq_row + kx + xw, wm, 0, EVEN_K)
-        xh = _ld(xq_row + kx + 4 + xw, wm, 0, EVEN_K)
-        dx = _ld(xd_row + g[None, :], gm, 0.0, EVEN_K)
+        xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
+        xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
+        dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
         sx = dx
         if QT != 8:
-            sx = _ld(xs_row + g[None, :], gm, 0.0, EVEN_K)
+            sx = tl.load(xs_row + g[None, :], mask=gm, other=0.0)
         return xl, xh, dx, sx
 
     @triton.jit
