@@ -1,7 +1,7 @@
 """Issue 20, acceptance 4: GGUF weights kept packed on the GPU (Triton kernels, `quantization.gguf_triton`).
 
     PYTHONPATH=. python3 benchmarks/gguf_gpu.py --json $OUT/gguf.json [--types Q4_1 Q8_0 Q4_K] [--sweep]
-        [--profile] [--tuned SWEEP_JSON] [--skip-gemv] [--ab NAME=VALUE ...]
+        [--profile [--profile-ab]] [--tuned SWEEP_JSON] [--skip-gemv] [--ab NAME=VALUE ...]
 
 1. Per-layer decode GEMVs (M = 1, bf16 activations) of Llama-3.1-8B's shapes (qkv, o, gate_up, down, LM
    head) per type, random packed weights made on the GPU: each checked against the dequantized float32
@@ -20,12 +20,15 @@
    With --profile, one more 64-token request per model under the torch profiler: each decode step's (CUDA
    graph's) device span and the kernels it spends it on (`dp_scaling.graph_steps`), so the GEMVs' share and
    the fixed rest (attention, norms, RoPE, sampling) are read apart: per kernel its summed durations and its
-   share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait).
+   share of the step's critical path (end minus the previous kernel's end; PDL kernels start early and wait),
+   and the same shares per launch shape (kernel and grid; a shape launched several times a layer apart by its
+   place in the layer), which tells a layer's GEMVs apart. --profile-ab profiles every --ab run too.
    --ab NAME=VALUE ...: W3 of each type (bf16 too, for settings of the environment alone) again under each
    environment setting (e.g. PAGEDLLM_GGUF_GEMV_PRELOAD=0, PAGEDLLM_ATTN_DECODE_SPLITS=4) or decode-GEMV
    launch (TUNED:Q4_1:6144x4096=4/4096/4/1/1, a `gguf_triton.TUNED` entry), several joined by commas, the
    twins linked and the decode graphs captured again, in the same process; every W3 keeps its greedy tokens
-   in the JSON (same weights: kernels that change no value give the same tokens).
+   in the JSON (same weights: kernels that change no value give the same tokens), and the A/B line says how
+   many of them agree with the run without.
 
 3. --sweep (instead of 1 and 2): per type and shape, a bounded set of decode-GEMV launches (`sweep_configs`:
    tile BN x BK, warps, split-K) each checked once against the reference and timed in a CUDA graph
