@@ -77,8 +77,8 @@ def graph_steps(path: str, top: int = 10) -> dict[str, Any]:
             end = k["ts"] + k["dur"]
             share = (end - (k["ts"] if prev is None else prev)) / 1e3 / len(steps)
             crit[k["name"][:80]] += share
-            # A shape launched several times a layer (e.g. the ring GEMV's fixed grid): its launches apart by
-            # their place in the layer
+            # A shape launched several times a layer (a layer's two norms; o_proj and down where their grids
+            # are equal): its launches apart by their place in the layer
             period = max(1, round(count[shape] / layers))
             crit_launch[shape if period == 1 else f"{shape} #{seen[shape] % period}"] += share
             seen[shape] += 1
