@@ -145,7 +145,9 @@ def test_idle_budget_changes_no_logprob(packed_llm: LLM, smollm2_path: str, smol
     attention's sub-tiles start at the same positions (multiples of 32 from the prompt's start)."""
     assert packed_llm.llm_engine.engine_core.engine_core.scheduler.config.idle_max_num_batched_tokens == 1024
     ids = smollm2_tokenizer.encode(TEXT.read_text())
-    small = LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=64 << 20,
+    # (128 MiB: one 2,048-token sequence needs 129 blocks, 95 MiB of a float32 cache, the CPU's cache dtype
+    # for float32 weights; 64 MiB held only a bfloat16 cache)
+    small = LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=128 << 20,
                 max_num_batched_tokens=256)  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, logprobs=2)
     a, b = (llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0] for llm in (packed_llm, small))
