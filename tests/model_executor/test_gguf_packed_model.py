@@ -145,8 +145,8 @@ def test_idle_budget_changes_no_logprob(packed_llm: LLM, smollm2_path: str, smol
     attention's sub-tiles start at the same positions (multiples of 32 from the prompt's start)."""
     assert packed_llm.llm_engine.engine_core.engine_core.scheduler.config.idle_max_num_batched_tokens == 1024
     ids = smollm2_tokenizer.encode(TEXT.read_text())
-    # (128 MiB: one 2,048-token sequence needs 129 blocks, 95 MiB of a float32 cache, the CPU's cache dtype
-    # for float32 weights; 64 MiB held only a bfloat16 cache)
+    # (128 MiB: one 2,048-token sequence needs 129 blocks, 95 MiB as a float32 cache, the cache dtype of
+    # float32 weights on a CPU without native bf16; the 64 MiB before fit it only as bfloat16)
     small = LLM(smollm2_path, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=128 << 20,
                 max_num_batched_tokens=256)  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, logprobs=2)
