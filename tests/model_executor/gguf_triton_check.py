@@ -36,8 +36,16 @@ CASES += ["mixed-parts-2", "mixed-parts-19", "fp16-gemv", "fp16-gemm", "layer-di
 # The stages-2 configurations: more launches over 2-5 K steps a program (stages change no kernel's code).
 GEMV_CONFIGS = {
     "32": [(16, 128, 4, 1, 1), (32, 256, 4, 1, 3), (32, 128, 4, 2, 2), (16, 256, 4, 2, 1)],
-    "256": [(16, 256, 4, 1, 1), (16, 512, 4, 1, 2), (16, 256, 4, 2, 1), (16, 512, 4, 2, 1)],
+    "256": [
+        (16, 256, 4, 1, 1),
+        (16, 512, 4, 1, 2),
+        (16, 256, 4, 2, 1),
+        (16, 512, 4, 2, 1),
+        (16, 512, 4, 1, 2, 2),
+        (16, 256, 4, 1, 1, 3),
+    ],
 }
+# (a sixth field: `GemvConfig.flags`; Q4_K's KPACK scale planes, OPQ a no-op under the interpreter)
 CASES += [f"cfg-{t}-" + "x".join(map(str, c)) for t in TYPES for c in GEMV_CONFIGS["256" if t.endswith("_K") else "32"]]
 CASES += [f"{c}-fp16" for c in CASES if c.startswith("cfg-")]
 # The int8 GEMV reading its first step's weights before the PDL wait (the CUDA default; a no-op wait here).

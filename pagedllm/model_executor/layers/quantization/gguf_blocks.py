@@ -63,6 +63,11 @@ class GGUFTritonWeight(GGUFWeight):
     dm: torch.Tensor | None = None
     sc: torch.Tensor | None = None
     mn: torch.Tensor | None = None
+    dd: torch.Tensor | None = None
+    """Q4_K: d | dmin << 16 as int32 [rows, cols / 256] (the int8 GEMV's KPACK variant; the same values as
+    d and dm, not counted in `tensors`)."""
+    sm: torch.Tensor | None = None
+    """Q4_K: sc | mn << 8 as int16 [rows, cols / 32] (KPACK; the same values as sc and mn)."""
 
     @property
     def tensors(self) -> list[torch.Tensor]:

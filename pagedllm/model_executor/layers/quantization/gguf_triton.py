@@ -188,9 +188,14 @@ def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTrit
         for k, v in f.items():
             planes.setdefault(k, []).append(v.contiguous())
     t = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in planes.items()}
+    dd = sm = None
+    if w.qtype == Q4_K:  # the packed scale planes of the int8 GEMV's KPACK variant
+        dd = torch.stack([t["d"], t["dm"]], dim=-1).contiguous().view(torch.int32).squeeze(-1)
+        sm = torch.stack([t["sc"], t["mn"]], dim=-1).contiguous().view(torch.int16).squeeze(-1)
     return GGUFTritonWeight(
-        w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"), mn=t.get("mn")
-    )
+        w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"),
+        mn=t.get("mn"), dd=dd, sm=sm,
+    )  # fmt: skip
 
 
 def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
@@ -211,6 +216,13 @@ class GemvConfig(NamedTuple):
     warps: int
     stages: int
     split: int = 0
+    flags: int = 0
+    """Int8 GEMV variants, bits: `OPQ` (its scale loads indexed through an opaque identity, so Triton loads them
+    in the layout that uses them, not vectorized and then moved between threads by shuffles) and `KPACK` (Q4_K's
+    scales read from the packed planes, `GGUFTritonWeight.dd` / `sm`: two loads a group instead of four)."""
+
+
+OPQ, KPACK = 1, 2
 
 
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
@@ -305,7 +317,7 @@ def gguf_gemv_triton(
     n = w.rows
     q8a = int8_activations(w.qtype, x.dtype)
     g, epw = group_size(w.qtype), quants_per_word(w.qtype)
-    bn, bk, nw, ns, split = config or gemv_config(w.qtype, m, n, k, q8a)
+    bn, bk, nw, ns, split, flags = config or gemv_config(w.qtype, m, n, k, q8a)
     bk = max(64, min(bk, triton.next_power_of_2(k)))
     n_blocks = triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
@@ -321,10 +333,16 @@ def gguf_gemv_triton(
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)
+        kpack = bool(flags & KPACK) and w.dd is not None
+        if kpack:  # (dd, sm) in the d / sc slots
+            assert w.dd is not None and w.sm is not None
+            ptrs = [ptrs[0], ptrs[1], w.dd, w.dd, w.sm, w.sm]
+            strides = [strides[0], strides[1], w.dd.stride(0), w.sm.stride(0)]
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
-            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, num_warps=nw, num_stages=ns, **pdl,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, KPACK=kpack, OPQ=bool(flags & OPQ) and x.is_cuda,
+            num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](

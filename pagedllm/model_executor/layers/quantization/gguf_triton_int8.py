@@ -80,6 +80,13 @@ if HAS_TRITON:
         quant_groups_q8(x, q_ptr + row * stride_qm, d_ptr + row * stride_dm, s_ptr + row * stride_dm, col0, K, BLOCK)
 
     @triton.jit
+    def _opaque(x):
+        """x, through an identity the compiler cannot see into (the GPU only): a load indexed by it is not known
+        contiguous, so Triton loads it in its user's layout instead of a vectorized load whose values then
+        move between threads by shuffles (sm_90a census, Q4_K (4, 512, 1): 195 -> 174 instructions a step)."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
     def _q8a_groups(k0, k_end, offs_g, EVEN_K: tl.constexpr):
         """The step at k0's groups and their mask [1, GS] (K is a multiple of 32: whole groups)."""
         g = k0 // 32 + offs_g
@@ -91,7 +98,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
-                   QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+                   QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
+                   KPACK: tl.constexpr = False, OPQ: tl.constexpr = False):  # fmt: skip
         """The weights the step at k0 reads: the words [BN, GS, 4] (Q8_0: each group's first and second 4; the
         4-bit types: the 4, twice) and the scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d;
         the unused ones repeat d)."""
@@ -102,7 +110,14 @@ if HAS_TRITON:
         words2 = words
         if QT == 8:
             words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
-        if QT == 12:
+        if OPQ:
+            g = _opaque(g)
+        if QT == 12 and KPACK:  # d | dmin << 16 a super-block, sc | mn << 8 a group: two loads
+            a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0)
+            b = a
+            c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
+            e = c
+        elif QT == 12:
             a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
             b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
             c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
@@ -118,7 +133,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT: tl.constexpr, EVEN_K: tl.constexpr,
-                   GS: tl.constexpr):  # fmt: skip
+                   GS: tl.constexpr, OPQ: tl.constexpr = False):  # fmt: skip
         """The activations the step at k0 reads: the int8 words matching the weight words [BN, GS, 4] (low and
         high halves of each group), d and d * sum(q) [1, GS]."""
         g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
@@ -126,6 +141,8 @@ if HAS_TRITON:
         wm = gm[:, :, None]
         xl = tl.load(xq_row + kx + xw, mask=wm, other=0)
         xh = tl.load(xq_row + kx + 4 + xw, mask=wm, other=0)
+        if OPQ:
+            g = _opaque(g)
         dx = tl.load(xd_row + g[None, :], mask=gm, other=0.0)
         sx = dx
         if QT != 8:
@@ -133,7 +150,8 @@ if HAS_TRITON:
         return xl, xh, dx, sx
 
     @triton.jit
-    def _q8a_step(acc, words, words2, a, b, c, e, xl, xh, dx, sx, zero, QT: tl.constexpr, ASM: tl.constexpr):
+    def _q8a_step(acc, words, words2, a, b, c, e, xl, xh, dx, sx, zero, QT: tl.constexpr, ASM: tl.constexpr,
+                  KPACK: tl.constexpr = False):  # fmt: skip
         """acc [BN, GS] plus one step's products: IDP4A word sums scaled once a group."""
         if QT == 8:
             p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
@@ -141,7 +159,14 @@ if HAS_TRITON:
             p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
             p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
         tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-        if QT == 12:
+        if QT == 12 and KPACK:
+            dd = a.to(tl.uint32, bitcast=True)
+            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            sm = c.to(tl.int32) & 0xFFFF
+            s = d * _u2f(sm & 0xFF)
+            mt = -dmin * _u2f(sm >> 8)
+        elif QT == 12:
             s = a.to(tl.float32) * _u2f(c.to(tl.int32))
             mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
         else:
@@ -158,7 +183,8 @@ if HAS_TRITON:
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
-                              PDL: tl.constexpr = 0):  # fmt: skip
+                              PDL: tl.constexpr = 0, KPACK: tl.constexpr = False,
+                              OPQ: tl.constexpr = False):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -192,15 +218,16 @@ if HAS_TRITON:
         acc = tl.zeros([BN, GS], dtype=tl.float32)
         k_first = k_begin
         if PRE:  # the first step's weights, read before the wait: no kernel of the step writes them
-            pw = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k_begin, k_end, offs_g, QT, EVEN_K, WPG, GS)
+            pw = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k_begin, k_end, offs_g, QT, EVEN_K, WPG, GS,
+                            KPACK, OPQ)  # fmt: skip
             pdl_enter(PDL)
-            px = _q8a_xload(xq_row, xd_row, xs_row, xw, k_begin, k_end, offs_g, QT, EVEN_K, GS)
-            acc = _q8a_step(acc, *pw, *px, zero, QT, ASM)
+            px = _q8a_xload(xq_row, xd_row, xs_row, xw, k_begin, k_end, offs_g, QT, EVEN_K, GS, OPQ)
+            acc = _q8a_step(acc, *pw, *px, zero, QT, ASM, KPACK)
             k_first = k_begin + BK
         for k0 in range(k_first, k_end, BK):
             w0, w1, a, b, c, e = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
-                                            QT, EVEN_K, WPG, GS)  # fmt: skip
-            xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS)
-            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
+                                            QT, EVEN_K, WPG, GS, KPACK, OPQ)  # fmt: skip
+            xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS, OPQ)
+            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM, KPACK)
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n,
                      n_ok, SPLIT, BN)  # fmt: skip
