@@ -219,10 +219,11 @@ class GemvConfig(NamedTuple):
     flags: int = 0
     """Int8 GEMV variants, bits: `OPQ` (its scale loads indexed through an opaque identity, so Triton loads them
     in the layout that uses them, not vectorized and then moved between threads by shuffles) and `KPACK` (Q4_K's
-    scales read from the packed planes, `GGUFTritonWeight.dd` / `sm`: two loads a group instead of four)."""
+    scales read from the packed planes, `GGUFTritonWeight.dd` / `sm`: two loads a group instead of four) and
+    `NOPRE` (no read before the PDL wait for this launch, whatever PAGEDLLM_GGUF_GEMV_PRELOAD says)."""
 
 
-OPQ, KPACK = 1, 2
+OPQ, KPACK, NOPRE = 1, 2, 4
 
 
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
@@ -329,7 +330,7 @@ def gguf_gemv_triton(
     ptrs, strides = _args(w)
     grid = (n_blocks, m, split)
     pdl = pdl_args(x, "gemv")
-    pre = bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD if preload is None else preload
+    pre = bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD and not flags & NOPRE if preload is None else preload
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)

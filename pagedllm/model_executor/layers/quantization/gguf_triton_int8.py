@@ -174,6 +174,8 @@ if HAS_TRITON:
             mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
         if QT == 8:
             acc += tg * s * dx
+        elif QT == 12:  # each product rounded: the same bits whichever way ptxas would contract (`flags`)
+            acc += mul_rn(mul_rn(tg, s), dx) + mul_rn(mt, sx)
         else:
             acc += tg * s * dx + mt * sx
         return acc
