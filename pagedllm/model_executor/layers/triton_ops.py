@@ -247,17 +247,10 @@ def _launch_norm(
         BLOCK=block,
         PARTS=parts,
         SPLIT=split,
-        num_warps=_norm_warps(block, split),
+        num_warps=row_warps(block),  # (the same with a split: the statistics summed in the same order)
         **_twin_args(twin),
         **pdl_args(x2, "norm"),
     )
-
-
-def _norm_warps(block: int, split: int) -> int:
-    """The norm's warps: the one-program norm's with a split too (the statistics summed in the same order),
-    unless PAGEDLLM_NORM_SPLIT_WARPS sets the split programs' own."""
-    w = envs.PAGEDLLM_NORM_SPLIT_WARPS
-    return w if split > 1 and w > 0 else row_warps(block)
 
 
 def _norm_split(n_rows: int, block: int, twin: tuple[torch.Tensor, ...] | None) -> int:
