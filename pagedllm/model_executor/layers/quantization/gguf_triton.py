@@ -232,12 +232,13 @@ OPQ, KPACK, NOPRE = 1, 2, 4
 # rows (no split-K), 1-2 warps; (BN, BK, warps, stages, split). Three changed by W3 in context (session 44,
 # `gguf_gpu.py --ab TUNED:...`, benchmarks/NOTES.md): whole 4096-weight rows in one step (the step read before the
 # PDL wait) for Q4_1 o_proj and gate/up (-0.07 ms together, repeated in two calls) and Q4_K o_proj (-0.013 /
-# -0.016 ms); the same for qkv, down or the other types' gate/up was slower. Two Q4_K launches changed by W3 in
-# context (session 46): qkv (2, 1024, 2) and gate/up (4, 1024, 2) with the OPQ | KPACK variant (-0.052 and
-# -0.024 ms alone); the variants were slower or equal for Q4_1 / Q8_0 and the other Q4_K launches.
+# -0.016 ms); the same for qkv, down or the other types' gate/up was slower. Session 46 (W3 in context, the
+# `flags` variants, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up (2, 1024, 2) with OPQ | KPACK and
+# o_proj (2, 4096, 2) with KPACK (-0.08 ms for the first two as (4, 1024, 2), then gate/up -0.058, o -0.014);
+# Q4_1 qkv (2, 1024, 2) with OPQ (-0.007) and o_proj without its early read (NOPRE: -0.012 in two calls).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
-    ("Q4_1", 6144, 4096): GemvConfig(4, 1024, 2, 1, 1),
-    ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1),
+    ("Q4_1", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
+    ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, NOPRE),
     ("Q4_1", 28672, 4096): GemvConfig(2, 4096, 2, 1, 1),
     ("Q4_1", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_1", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
@@ -247,8 +248,8 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q8_0", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q8_0", 128256, 4096): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_K", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ | KPACK),
-    ("Q4_K", 4096, 4096): GemvConfig(4, 4096, 4, 1, 1),
-    ("Q4_K", 28672, 4096): GemvConfig(4, 1024, 2, 1, 1, OPQ | KPACK),
+    ("Q4_K", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, KPACK),
+    ("Q4_K", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ | KPACK),
     ("Q4_K", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_K", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
 }
