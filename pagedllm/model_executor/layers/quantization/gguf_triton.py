@@ -235,11 +235,12 @@ OPQ, KPACK, NOPRE = 1, 2, 4
 # -0.016 ms); the same for qkv, down or the other types' gate/up was slower. Session 46 (W3 in context, the
 # `flags` variants, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up (2, 1024, 2) with OPQ | KPACK and
 # o_proj (2, 4096, 2) with KPACK (-0.08 ms for the first two as (4, 1024, 2), then gate/up -0.058, o -0.014);
-# Q4_1 qkv (2, 1024, 2) with OPQ (-0.007) and o_proj without its early read (NOPRE: -0.012 in two calls).
+# Q4_1 qkv (2, 1024, 2) with OPQ (-0.007), o_proj without its early read (NOPRE: -0.012 in two calls) and gate/up
+# (2, 1024, 2) with OPQ (-0.027; without OPQ +0.035).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q4_1", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
     ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, NOPRE),
-    ("Q4_1", 28672, 4096): GemvConfig(2, 4096, 2, 1, 1),
+    ("Q4_1", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
     ("Q4_1", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_1", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
     ("Q8_0", 6144, 4096): GemvConfig(2, 2048, 4, 1, 1),
