@@ -32,20 +32,18 @@ POINTERS = {
     "d_ptr": "*fp16", "dm_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8", "part_ptr": "*fp32", "out_ptr": "*bf16",
     "cnt_ptr": "*i32",
 }  # fmt: skip
-KPACK_POINTERS = {"d_ptr": "*i32", "sc_ptr": "*i16"}  # Q4_K's packed scale planes (`--kpack`)
+Q4K_POINTERS = {"d_ptr": "*i32", "dm_ptr": "*i32", "sc_ptr": "*i16", "mn_ptr": "*i16"}  # its packed planes
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_gemv(
-    qtype: int, bn: int, bk: int, warps: int, use_float: bool, kpack: bool = False, opq: bool = False
-) -> bytes:
+def compile_gemv(qtype: int, bn: int, bk: int, warps: int, use_float: bool, opq: bool = False) -> bytes:
     """The cubin of one GEMV launch (pointers and strides given Triton's divisible-by-16 specialization)."""
     if use_float:
         fn = kern._gguf_gemv_kernel
         consts = dict(QT=qtype, EPW=4 if qtype == 8 else 8, G=16 if qtype == 14 else 32, BN=bn, BK=bk, EVEN_K=True)
     else:
         fn = int8._gguf_gemv_q8a_kernel
-        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=False, KPACK=kpack, OPQ=opq)
+        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=False, OPQ=opq)
     consts["PDL"] = 0
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -54,8 +52,8 @@ def compile_gemv(
             constexprs[(i,)] = consts[name]
             continue
         signature[name] = POINTERS.get(name, "i32")
-        if kpack and name in KPACK_POINTERS:
-            signature[name] = KPACK_POINTERS[name]
+        if qtype == 12 and name in Q4K_POINTERS:
+            signature[name] = Q4K_POINTERS[name]
         if name in POINTERS or name.startswith("stride") or name in ("K", "K_SPLIT"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -88,12 +86,11 @@ def main() -> None:
                     help="BNxBKxWARPS")  # fmt: skip
     ap.add_argument("--float", action="store_true", help="the float GEMV instead of the int8 one")
     ap.add_argument("--opq", action="store_true", help="scale loads indexed through an opaque identity (OPQ)")
-    ap.add_argument("--kpack", action="store_true", help="Q4_K's scales in two packed planes (KPACK)")
     args = ap.parse_args()
     for name in args.types:
         for tile in args.tiles:
             bn, bk, warps = (int(v) for v in tile.split("x"))
-            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.float, args.kpack, args.opq))
+            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.float, args.opq))
             per_weight = len(loop) * warps * 32 / (bn * bk)
             mix = ", ".join(f"{k} {v}" for k, v in Counter(loop).most_common(8))
             print(f"{name} BN {bn:3d} BK {bk:4d} warps {warps}: {len(loop):4d} instructions a thread-step, "

@@ -223,7 +223,7 @@ def test_wait_comes_first(name: str, mode: int) -> None:
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
-@pytest.mark.parametrize("variant", ["Q4_1", "Q4_1-opq", "Q4_K-kpack-opq"])
+@pytest.mark.parametrize("variant", ["Q4_1", "Q4_1-opq", "Q4_K-opq"])
 def test_gguf_preload_only_reads_before_the_wait(variant: str) -> None:
     """The int8 GGUF GEMV's PRE variant (the CUDA default) reads its first step's weights before waiting:
     loads only (weights no kernel of the step writes), no store or atomic, and the wait still comes; with the
@@ -231,13 +231,12 @@ def test_gguf_preload_only_reads_before_the_wait(variant: str) -> None:
     from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as gguf_int8
 
     bf = "*bf16"
-    kpack = "kpack" in variant
     ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
-    if kpack:
-        ptrs.update(d_ptr="*i32", dm_ptr="*i32", sc_ptr="*i16", mn_ptr="*i16")
     qt = 12 if variant.startswith("Q4_K") else 3
-    consts = dict(QT=qt, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1, KPACK=kpack, OPQ="opq" in variant)
+    if qt == 12:  # its packed scale planes
+        ptrs.update(d_ptr="*i32", dm_ptr="*i32", sc_ptr="*i16", mn_ptr="*i16")
+    consts = dict(QT=qt, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1, OPQ="opq" in variant)
     ptx = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, consts, ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")

@@ -111,15 +111,13 @@ VARIANT_LAUNCHES = [(4, 512, 1, 1, 1), (2, 4096, 2, 1, 1), (2, 1024, 2, 1, 3)]
 @pytest.mark.parametrize("launch", VARIANT_LAUNCHES, ids=["x".join(map(str, c)) for c in VARIANT_LAUNCHES])
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K"])
 def test_int8_gemv_variants_same_bits(name: str, launch: tuple[int, ...], preload: bool) -> None:
-    """The int8 GEMV's `GemvConfig.flags` variants (OPQ: scale loads in their users' layout; KPACK: Q4_K's
-    packed scale planes) do the same arithmetic in the same order: bit for bit the plain launch, M = 1 and 3,
-    N odd, split-K too."""
+    """The int8 GEMV's OPQ variant (`GemvConfig.flags`: scale loads in their users' layout) does the same
+    arithmetic in the same order: bit for bit the plain launch, M = 1 and 3, N odd, split-K too."""
     w, _ = _weight(name, 1031, 4096)
-    variants = (gt.OPQ, gt.KPACK, gt.OPQ | gt.KPACK) if name == "Q4_K" else (gt.OPQ,)
     for m in (1, 3):
         x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
         outs = []
-        for flags in (0, *variants):
+        for flags in (0, gt.OPQ):
             out = torch.full((m, 1031), float("nan"), device="cuda")
             gt.gguf_gemv_triton(x, w, out, config=gt.GemvConfig(*launch, flags), preload=preload)
             outs.append(out)

@@ -60,7 +60,7 @@ def test_dequantize_matches_gguf(name: str) -> None:
 @pytest.mark.parametrize("name", TYPES)
 def test_prepared_layout(name: str) -> None:
     """The planes' shapes and bytes: the file's bytes, but for the K-quants' 6-bit scales decoded to one
-    byte each (4 more bytes per 256 weights)."""
+    byte each (4 more bytes per 256 weights); Q4_K's scale fields in its two packed planes."""
     rng = np.random.default_rng(1)
     qtype = GGMLQuantizationType[name]
     qk, nbytes = GGML_QUANT_SIZES[qtype]
@@ -71,6 +71,15 @@ def test_prepared_layout(name: str) -> None:
     assert p.data.shape == (rows, cols // (4 if name == "Q8_0" else 8))
     extra = 4 * cols // 256 * rows if name in ("Q4_K", "Q5_K") else 0
     assert p.nbytes == raw.size + extra
+    if name == "Q4_K":  # d | dmin << 16, sc | mn << 8: the unpacked fields' bits
+        assert p.dm is None and p.mn is None and p.d is not None and p.sc is not None
+        assert p.d.dtype == torch.int32 and p.d.shape == (rows, cols // 256)
+        assert p.sc.dtype == torch.int16 and p.sc.shape == (rows, cols // 32)
+        _, f = gt._unpack(int(qtype), torch.from_numpy(raw), cols)
+        d = p.d.view(torch.int16).view(rows, -1, 2)
+        assert torch.equal(d[..., 0], f["d"].view(torch.int16)) and torch.equal(d[..., 1], f["dm"].view(torch.int16))
+        sm = p.sc.view(torch.uint8).view(rows, -1, 2)
+        assert torch.equal(sm[..., 0], f["sc"]) and torch.equal(sm[..., 1], f["mn"])
 
 
 def test_cuda_packing_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,18 +56,15 @@ class GGUFTritonWeight(GGUFWeight):
     of word w is element 4j + w of its group, 2j + w for Q6_K: `gguf_triton._word_major`), `hi` the Q5_K
     (1 bit) / Q6_K (2 bits) high bits in the word-major order, `d`
     and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
-    (Q6_K: int8) sub-block scales and mins. Same information and about the same bytes as the file's blocks."""
+    (Q6_K: int8) sub-block scales and mins; Q4_K packs them in two planes, one load each a group: `d` holds
+    d | dmin << 16 (their float16 bits) as int32 per 256 elements, `sc` sc | mn << 8 as int16 per 32 (`dm`
+    and `mn` None). Same information and about the same bytes as the file's blocks."""
 
     hi: torch.Tensor | None = None
     d: torch.Tensor | None = None
     dm: torch.Tensor | None = None
     sc: torch.Tensor | None = None
     mn: torch.Tensor | None = None
-    dd: torch.Tensor | None = None
-    """Q4_K: d | dmin << 16 as int32 [rows, cols / 256] (the int8 GEMV's KPACK variant; the same values as
-    d and dm, not counted in `tensors`)."""
-    sm: torch.Tensor | None = None
-    """Q4_K: sc | mn << 8 as int16 [rows, cols / 32] (KPACK; the same values as sc and mn)."""
 
     @property
     def tensors(self) -> list[torch.Tensor]:

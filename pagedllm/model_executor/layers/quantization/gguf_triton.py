@@ -9,10 +9,10 @@ the quants as int32 words, each row's words contiguous (a program's tile of a ro
 16-byte loads), inside each group in the "pair" layout of the int8 GEMV (Q4_0 / Q4_1 / Q4_K / Q8_0) or
 word-major (Q5_K / Q6_K; `gguf_triton_kernels` describes both), the high bits of Q5_K / Q6_K in their own
 planes in the word-major order, and the scale fields in separate tensors with the K-quants' 6-bit scales
-and mins decoded to bytes. The bytes are the file's but for that decoding (Q4_K 148 per 256 weights instead
-of 144, Q5_K 180 instead of 176; the others equal). `dequantize` (torch, any device) is the
-layout-independent reference of the same decoding, checked against the `gguf` package's in the tests;
-`q8_activations` the reference of the int8 GEMV's activations.
+and mins decoded to bytes (Q4_K's packed two to a field: `GGUFTritonWeight`). The bytes are the file's but
+for that decoding (Q4_K 148 per 256 weights instead of 144, Q5_K 180 instead of 176; the others equal).
+`dequantize` (torch, any device) is the layout-independent reference of the same decoding, checked against
+the `gguf` package's in the tests; `q8_activations` the reference of the int8 GEMV's activations.
 """
 
 from __future__ import annotations
@@ -188,14 +188,12 @@ def prepare(w: GGUFWeight, device: torch.device | str | None = None) -> GGUFTrit
         for k, v in f.items():
             planes.setdefault(k, []).append(v.contiguous())
     t = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in planes.items()}
-    dd = sm = None
-    if w.qtype == Q4_K:  # the packed scale planes of the int8 GEMV's KPACK variant
-        dd = torch.stack([t["d"], t["dm"]], dim=-1).contiguous().view(torch.int32).squeeze(-1)
-        sm = torch.stack([t["sc"], t["mn"]], dim=-1).contiguous().view(torch.int16).squeeze(-1)
+    if w.qtype == Q4_K:  # two planes, one load each a group: d | dmin << 16 as int32, sc | mn << 8 as int16
+        t["d"] = torch.stack([t["d"], t.pop("dm")], dim=-1).view(torch.int32).squeeze(-1)
+        t["sc"] = torch.stack([t["sc"], t.pop("mn")], dim=-1).view(torch.int16).squeeze(-1)
     return GGUFTritonWeight(
-        w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"),
-        mn=t.get("mn"), dd=dd, sm=sm,
-    )  # fmt: skip
+        w.qtype, t["lo"], w.rows, w.cols, hi=t.get("hi"), d=t["d"], dm=t.get("dm"), sc=t.get("sc"), mn=t.get("mn")
+    )
 
 
 def _args(w: GGUFTritonWeight) -> tuple[list[torch.Tensor], list[int]]:
@@ -218,12 +216,11 @@ class GemvConfig(NamedTuple):
     split: int = 0
     flags: int = 0
     """Int8 GEMV variants, bits: `OPQ` (its scale loads indexed through an opaque identity, so Triton loads them
-    in the layout that uses them, not vectorized and then moved between threads by shuffles) and `KPACK` (Q4_K's
-    scales read from the packed planes, `GGUFTritonWeight.dd` / `sm`: two loads a group instead of four) and
-    `NOPRE` (no read before the PDL wait for this launch, whatever PAGEDLLM_GGUF_GEMV_PRELOAD says)."""
+    in the layout that uses them, not vectorized and then moved between threads by shuffles) and `NOPRE` (no
+    read before the PDL wait for this launch, whatever PAGEDLLM_GGUF_GEMV_PRELOAD says)."""
 
 
-OPQ, KPACK, NOPRE = 1, 2, 4
+OPQ, NOPRE = 1, 4
 
 
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
@@ -233,8 +230,9 @@ OPQ, KPACK, NOPRE = 1, 2, 4
 # `gguf_gpu.py --ab TUNED:...`, benchmarks/NOTES.md): whole 4096-weight rows in one step (the step read before the
 # PDL wait) for Q4_1 o_proj and gate/up (-0.07 ms together, repeated in two calls) and Q4_K o_proj (-0.013 /
 # -0.016 ms); the same for qkv, down or the other types' gate/up was slower. Session 46 (W3 in context, the
-# `flags` variants, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up (2, 1024, 2) with OPQ | KPACK and
-# o_proj (2, 4096, 2) with KPACK (-0.08 ms for the first two as (4, 1024, 2), then gate/up -0.058, o -0.014);
+# `flags` variants and Q4_K's packed scale planes, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up
+# (2, 1024, 2) with OPQ and o_proj (2, 4096, 2) (-0.08 ms for the first two as (4, 1024, 2), then gate/up
+# -0.058, o -0.014);
 # Q4_1 qkv (2, 1024, 2) with OPQ (-0.007), o_proj without its early read (NOPRE: -0.012 in two calls) and gate/up
 # (2, 1024, 2) with OPQ (-0.027; without OPQ +0.035).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
@@ -248,9 +246,9 @@ TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q8_0", 28672, 4096): GemvConfig(1, 2048, 2, 1, 1),
     ("Q8_0", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q8_0", 128256, 4096): GemvConfig(1, 2048, 2, 1, 1),
-    ("Q4_K", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ | KPACK),
-    ("Q4_K", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, KPACK),
-    ("Q4_K", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ | KPACK),
+    ("Q4_K", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
+    ("Q4_K", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1),
+    ("Q4_K", 28672, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
     ("Q4_K", 4096, 14336): GemvConfig(1, 2048, 2, 1, 1),
     ("Q4_K", 128256, 4096): GemvConfig(4, 512, 1, 1, 1),
 }
@@ -338,15 +336,10 @@ def gguf_gemv_triton(
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
         xq = q8.q.view(torch.int32)
-        kpack = bool(flags & KPACK) and w.dd is not None
-        if kpack:  # (dd, sm) in the d / sc slots
-            assert w.dd is not None and w.sm is not None
-            ptrs = [ptrs[0], ptrs[1], w.dd, w.dd, w.sm, w.sm]
-            strides = [strides[0], strides[1], w.dd.stride(0), w.sm.stride(0)]
         int8._gguf_gemv_q8a_kernel[grid](
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
-            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, KPACK=kpack, OPQ=bool(flags & OPQ) and x.is_cuda,
+            EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, OPQ=bool(flags & OPQ) and x.is_cuda,
             num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     else:

@@ -19,7 +19,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import _gemv_program, _store_split, _u2f
+    from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import (
+        _gemv_program,
+        _k4_scales,
+        _store_split,
+    )
     from pagedllm.triton_utils import mul_rn, pdl_enter
 
     @triton.jit
@@ -99,10 +103,10 @@ if HAS_TRITON:
     @triton.jit
     def _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
                    QT: tl.constexpr, EVEN_K: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
-                   KPACK: tl.constexpr = False, OPQ: tl.constexpr = False):  # fmt: skip
+                   OPQ: tl.constexpr = False):  # fmt: skip
         """The weights the step at k0 reads: the words [BN, GS, 4] (Q8_0: each group's first and second 4; the
-        4-bit types: the 4, twice) and the scale fields [BN, GS] (Q4_K: d, dmin, sc, mn; Q4_1: d, m; else d;
-        the unused ones repeat d)."""
+        4-bit types: the 4, twice) and the scale fields [BN, GS] (Q4_K: its packed d | dmin, sc | mn; Q4_1: d, m;
+        else d; the unused ones repeat d)."""
         g, gm = _q8a_groups(k0, k_end, offs_g, EVEN_K)
         kw = tl.multiple_of(k0 // (32 // WPG), 4 * GS)
         wm = gm[:, :, None]
@@ -112,16 +116,11 @@ if HAS_TRITON:
             words2 = tl.load(lo_rows + kw + 4, mask=wm, other=0, eviction_policy="evict_first")
         if OPQ:
             g = _opaque(g)
-        if QT == 12 and KPACK:  # d | dmin << 16 a super-block, sc | mn << 8 a group: two loads
+        if QT == 12:  # the packed scale planes: d | dmin << 16 a super-block, sc | mn << 8 a group
             a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0)
             b = a
             c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
             e = c
-        elif QT == 12:
-            a = tl.load(d_rows + (g // 8)[None, :], mask=gm, other=0.0)
-            b = tl.load(dm_rows + (g // 8)[None, :], mask=gm, other=0.0)
-            c = tl.load(sc_rows + g[None, :], mask=gm, other=0)
-            e = tl.load(mn_rows + g[None, :], mask=gm, other=0)
         else:
             a = tl.load(d_rows + g[None, :], mask=gm, other=0.0)
             b = a
@@ -150,8 +149,7 @@ if HAS_TRITON:
         return xl, xh, dx, sx
 
     @triton.jit
-    def _q8a_step(acc, words, words2, a, b, c, e, xl, xh, dx, sx, zero, QT: tl.constexpr, ASM: tl.constexpr,
-                  KPACK: tl.constexpr = False):  # fmt: skip
+    def _q8a_step(acc, words, words2, a, b, c, e, xl, xh, dx, sx, zero, QT: tl.constexpr, ASM: tl.constexpr):
         """acc [BN, GS] plus one step's products: IDP4A word sums scaled once a group."""
         if QT == 8:
             p = _dp4a(words, xl, _dp4a(words2, xh, zero, ASM, True), ASM, True)
@@ -159,16 +157,8 @@ if HAS_TRITON:
             p = _dp4a((words >> 4) & 0x0F0F0F0F, xh, zero, ASM, False)
             p = _dp4a(words & 0x0F0F0F0F, xl, p, ASM, False)
         tg = tl.sum(p, axis=2).to(tl.float32)  # [BN, GS]: each group's sum of u * q
-        if QT == 12 and KPACK:
-            dd = a.to(tl.uint32, bitcast=True)
-            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            sm = c.to(tl.int32) & 0xFFFF
-            s = d * _u2f(sm & 0xFF)
-            mt = -dmin * _u2f(sm >> 8)
-        elif QT == 12:
-            s = a.to(tl.float32) * _u2f(c.to(tl.int32))
-            mt = -b.to(tl.float32) * _u2f(e.to(tl.int32))
+        if QT == 12:
+            s, mt = _k4_scales(a, c)
         else:
             s = a.to(tl.float32)
             mt = b.to(tl.float32) if QT == 3 else -8.0 * s  # (Q8_0: unused)
@@ -185,8 +175,7 @@ if HAS_TRITON:
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
-                              PDL: tl.constexpr = 0, KPACK: tl.constexpr = False,
-                              OPQ: tl.constexpr = False):  # fmt: skip
+                              PDL: tl.constexpr = 0, OPQ: tl.constexpr = False):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -221,15 +210,15 @@ if HAS_TRITON:
         k_first = k_begin
         if PRE:  # the first step's weights, read before the wait: no kernel of the step writes them
             pw = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k_begin, k_end, offs_g, QT, EVEN_K, WPG, GS,
-                            KPACK, OPQ)  # fmt: skip
+                            OPQ)  # fmt: skip
             pdl_enter(PDL)
             px = _q8a_xload(xq_row, xd_row, xs_row, xw, k_begin, k_end, offs_g, QT, EVEN_K, GS, OPQ)
-            acc = _q8a_step(acc, *pw, *px, zero, QT, ASM, KPACK)
+            acc = _q8a_step(acc, *pw, *px, zero, QT, ASM)
             k_first = k_begin + BK
         for k0 in range(k_first, k_end, BK):
             w0, w1, a, b, c, e = _q8a_wload(lo_rows, d_rows, dm_rows, sc_rows, mn_rows, k0, k_end, offs_g,
-                                            QT, EVEN_K, WPG, GS, KPACK, OPQ)  # fmt: skip
+                                            QT, EVEN_K, WPG, GS, OPQ)  # fmt: skip
             xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS, OPQ)
-            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM, KPACK)
+            acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
         _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n,
                      n_ok, SPLIT, BN)  # fmt: skip

@@ -51,6 +51,16 @@ if HAS_TRITON:
         return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _k4_scales(dd, sm):
+        """Q4_K's (s, m) of a group from its packed scale fields (`gguf_triton.prepare`): dd, the super-block's
+        d | dmin << 16 (two float16 bit patterns in an int32), and sm, the group's sc | mn << 8 (int16)."""
+        dd = dd.to(tl.uint32, bitcast=True)
+        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        sm = sm.to(tl.int32) & 0xFFFF
+        return d * _u2f(sm & 0xFF), -dmin * _u2f(sm >> 8)
+
+    @triton.jit
     def _quant(words, hi16, hb, exp0, J: tl.constexpr, QT: tl.constexpr):
         """Quant J of every word as float32 u - c (see the module docstring). `hi16` is words >> 12,
         `hb` the Q5_K / Q6_K high bits of the word (bit / bit pair J)."""
@@ -151,7 +161,10 @@ if HAS_TRITON:
                 g_ok = (g >= 0)[None, :]
             else:
                 g_ok = (g * G < k_end)[None, :]
-            if QT == 12 or QT == 13 or QT == 14:
+            if QT == 12:
+                s, mt = _k4_scales(tl.load(d_rows + (g // 8)[None, :], mask=g_ok, other=0),
+                                   tl.load(sc_ptr + r * stride_sc + g[None, :], mask=g_ok, other=0))  # fmt: skip
+            elif QT == 13 or QT == 14:
                 big = tl.load(d_rows + (g // (256 // G))[None, :], mask=g_ok, other=0.0).to(tl.float32)
                 sc = tl.load(sc_ptr + r * stride_sc + g[None, :], mask=g_ok, other=0)
                 if QT == 14:
@@ -166,7 +179,7 @@ if HAS_TRITON:
                 xg = tl.sum(tl.reshape(xw, [GS, WPG]), axis=1)[None, :]
                 if QT == 3:
                     mt = tl.load(dm_ptr + r * stride_d + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
-                else:
+                elif QT == 13:
                     dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=g_ok, other=0.0).to(tl.float32)
                     mn = tl.load(mn_ptr + r * stride_sc + g[None, :], mask=g_ok, other=0)
                     mt = -dmin * _u2f(mn.to(tl.int32))
@@ -213,7 +226,10 @@ if HAS_TRITON:
             big = tl.load(d_ptr + r * stride_d + e // 256, mask=mask, other=0.0).to(tl.float32)
             s = big * tl.load(sc_ptr + r * stride_sc + e // 16, mask=mask, other=0).to(tl.float32)
             m = -32.0 * s
-        elif QT == 12 or QT == 13:  # Q4_K, Q5_K
+        elif QT == 12:  # Q4_K: the packed scale planes
+            s, m = _k4_scales(tl.load(d_ptr + r * stride_d + e // 256, mask=mask, other=0),
+                              tl.load(sc_ptr + r * stride_sc + e // 32, mask=mask, other=0))  # fmt: skip
+        elif QT == 13:  # Q5_K
             off = r * stride_d + e // 256
             big = tl.load(d_ptr + off, mask=mask, other=0.0).to(tl.float32)
             dmin = tl.load(dm_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -255,10 +271,8 @@ if HAS_TRITON:
             hi4 = tl.reshape((words[:, :, :, None] >> (shift + 4)) & 0xF, [BN, GB, 16])
             u = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 1, 3, 2)), [BN, GB, 32]).to(tl.float32)
         if QT == 12:
-            big = tl.load(d_ptr + r * stride_d + (g // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
-            dmin = tl.load(dm_ptr + r * stride_d + (g // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
-            s = big * tl.load(sc_ptr + r * stride_sc + g[None, :], mask=ok, other=0).to(tl.float32)
-            m = -dmin * tl.load(mn_ptr + r * stride_sc + g[None, :], mask=ok, other=0).to(tl.float32)
+            s, m = _k4_scales(tl.load(d_ptr + r * stride_d + (g // 8)[None, :], mask=ok, other=0),
+                              tl.load(sc_ptr + r * stride_sc + g[None, :], mask=ok, other=0))  # fmt: skip
         else:
             s = tl.load(d_ptr + r * stride_d + g[None, :], mask=ok, other=0.0).to(tl.float32)
             if QT == 3:
