@@ -231,10 +231,9 @@ OPQ, NOPRE = 1, 4
 # PDL wait) for Q4_1 o_proj and gate/up (-0.07 ms together, repeated in two calls) and Q4_K o_proj (-0.013 /
 # -0.016 ms); the same for qkv, down or the other types' gate/up was slower. Session 46 (W3 in context, the
 # `flags` variants and Q4_K's packed scale planes, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up
-# (2, 1024, 2) with OPQ and o_proj (2, 4096, 2) (-0.08 ms for the first two as (4, 1024, 2), then gate/up
-# -0.058, o -0.014);
-# Q4_1 qkv (2, 1024, 2) with OPQ (-0.007), o_proj without its early read (NOPRE: -0.012 in two calls) and gate/up
-# (2, 1024, 2) with OPQ (-0.027; without OPQ +0.035).
+# (2, 1024, 2) with OPQ and o_proj (2, 4096, 2) (1.850 -> 1.702 ms against the old three in one process); Q4_1
+# qkv (2, 1024, 2) with OPQ (-0.007), o_proj without its early read (NOPRE: -0.012 in two calls) and gate/up
+# (2, 1024, 2) with OPQ (-0.027; without OPQ +0.018).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q4_1", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
     ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, NOPRE),
