@@ -233,7 +233,7 @@ OPQ, NOPRE = 1, 4
 # `flags` variants and Q4_K's packed scale planes, benchmarks/NOTES.md): Q4_K qkv (2, 1024, 2) and gate/up
 # (2, 1024, 2) with OPQ and o_proj (2, 4096, 2) (1.850 -> 1.702 ms against the old three in one process); Q4_1
 # qkv (2, 1024, 2) with OPQ (-0.007), o_proj without its early read (NOPRE: -0.012 in two calls) and gate/up
-# (2, 1024, 2) with OPQ (-0.027; without OPQ +0.018).
+# (2, 1024, 2) with OPQ (-0.027; without OPQ +0.035).
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("Q4_1", 6144, 4096): GemvConfig(2, 1024, 2, 1, 1, OPQ),
     ("Q4_1", 4096, 4096): GemvConfig(2, 4096, 2, 1, 1, NOPRE),
