@@ -50,3 +50,48 @@ def test_graph_decodes_match_hf(variant: str, tmp_path) -> None:  # noqa: ANN001
     runner, _ = graph_decodes_vs_hf(hf, str(tmp_path))
     if "sliding" in variant:
         assert len(runner.kv_cache_config.groups) == 2
+
+
+def test_graph_logits_equal_the_eager_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """PAGEDLLM_GRAPH_LOGITS: decode graphs of up to 32 requests run the LM head too and hand over its logits; the
+    greedy tokens and their logprobs are those of the eager head (the same kernels on the same rows), with
+    padded graph steps and shrinking batches."""
+    import gc
+
+    make_tiny_hf_model("llama", tmp_path)
+    rng = random.Random(2)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 40))]) for _ in range(20)
+    ]
+    sps = [
+        SamplingParams(temperature=0.0, max_tokens=8 + (i * 5) % 25, ignore_eos=True, detokenize=False, logprobs=2)
+        for i in range(20)
+    ]
+    runs = {}
+    for rows in (0, 32):
+        monkeypatch.setenv("PAGEDLLM_GRAPH_LOGITS", str(rows))
+        llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+                  kv_cache_memory_bytes=64 << 20)  # fmt: skip
+        graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs
+        assert graphs is not None and graphs.head_rows == rows
+        taken: list[bool] = []
+        real_take = graphs.take_logits
+
+        def take(real=real_take, seen=taken):  # noqa: ANN001, ANN202
+            lg = real()
+            seen.append(lg is not None)
+            return lg
+
+        graphs.take_logits = take  # type: ignore[method-assign]
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        assert any(taken) == (rows > 0)
+        runs[rows] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        del llm, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    for (toks0, lps0), (toks1, lps1) in zip(runs[0], runs[32], strict=True):
+        assert toks1 == toks0
+        for a, b in zip(lps0, lps1, strict=True):
+            assert a.keys() == b.keys()
+            for tid in a:
+                assert abs(a[tid].logprob - b[tid].logprob) <= 1e-5
