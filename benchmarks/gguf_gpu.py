@@ -244,7 +244,7 @@ def recapture_decode_graphs(runner: Any) -> None:
     torch.cuda.empty_cache()
     runner.cuda_graphs = CudaGraphRunner(
         runner.model, runner.kv_cache_config.groups, runner.builders, runner.max_num_reqs,
-        cdiv(runner.max_model_len, runner.block_size), runner.max_model_len, runner.device, **runner.graph_head(),
+        cdiv(runner.max_model_len, runner.block_size), runner.max_model_len, runner.device,
     )  # fmt: skip
     runner.cuda_graphs.capture()
 

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
-    PAGEDLLM_GRAPH_LOGITS: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
     PAGEDLLM_ATTN_EARLY: bool
     PAGEDLLM_CPU_DECODE_STACK: bool
@@ -129,10 +128,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
     # benchmarks/NOTES.md session 44).
     "PAGEDLLM_NORM_COL_SPLIT": lambda: int(os.environ.get("PAGEDLLM_NORM_COL_SPLIT", "4")),
-    # Decode CUDA graphs of up to this many requests also run the LM head and hand over the logits (the LM
-    # head's launches off the host's step and no gap before them; worker/cuda_graph.py). 0: off (not measured
-    # yet against the eager LM head: benchmarks/NOTES.md, session 46).
-    "PAGEDLLM_GRAPH_LOGITS": lambda: int(os.environ.get("PAGEDLLM_GRAPH_LOGITS", "0")),
     # Segments the split-KV merge takes at a time, merged online (0: all at once, a [heads, segments, head] tile
     # in registers; benchmarks/NOTES.md sessions 43-44).
     "PAGEDLLM_ATTN_MERGE_CHUNK": lambda: int(os.environ.get("PAGEDLLM_ATTN_MERGE_CHUNK", "4")),

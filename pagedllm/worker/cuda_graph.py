@@ -3,10 +3,6 @@ n decodes pads up to the next captured size and replays it after copying its inp
 persistent buffers. Padded rows get seq_len 0 (the attention kernel yields zeros) and slot -1 (nothing
 is written to the KV cache). Prefill and mixed steps run eagerly.
 
-With a `head` (the model's `compute_logits`, PAGEDLLM_GRAPH_LOGITS), the graphs of up to `head_rows` requests run
-it too and `take_logits` hands over the replayed step's logits: the LM head is then one more kernel of the
-graph instead of eager launches after it.
-
 With `query_len` q > 1 (speculative decoding's verification steps: a request's last token plus up to q - 1
 proposals), every request gets q query rows: a request with fewer tokens is padded at its end with rows
 whose slot is -1 and whose outputs are dropped. Its seq_len counts the padded rows, so each real row keeps
@@ -32,13 +28,12 @@ from pagedllm.worker.attn_inputs import metadata_by_layer
 logger = init_logger(__name__)
 
 
-GraphEntry = tuple[torch.cuda.CUDAGraph, Any, dict[str, Any]]
-"""A captured size: its graph, its output buffer (or the model callable's outputs) and the metadata it was
-captured with."""
+GraphEntry = tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, Any]]
+"""A captured size: its graph, its output buffer and the metadata it was captured with."""
 
 
 def capture_ladder(
-    model: Callable[[torch.Tensor, torch.Tensor], Any],
+    model: torch.nn.Module,
     sizes: list[int],
     rows: Callable[[int], int],
     metadata: Callable[[int], dict[str, Any]],
@@ -127,16 +122,10 @@ class CudaGraphRunner:
         query_len: int = 1,
         pool: Any = None,
         extra: int = 0,
-        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        head_rows: int = 0,
     ) -> None:
         """`extra`: int64 words more in the uploaded header (`self.extra`, host `self.extra_host`) for a user's
-        per-step device inputs (`spec_decode.fused_graph`). `head`: hidden states -> logits, captured in the
-        graphs of up to `head_rows` rows (see the module docstring)."""
+        per-step device inputs (`spec_decode.fused_graph`)."""
         self.model = model
-        self.head = head
-        self.head_rows = head_rows if head is not None else 0
-        self._logits: torch.Tensor | None = None
         self.q = query_len
         self.groups = groups
         self.builders = builders
@@ -200,7 +189,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         q = self.q
         self.graphs, self.pool = capture_ladder(
-            self._forward, self.sizes, lambda size: size * q, self._metadata, self.input_ids, self.positions, self.pool
+            self.model, self.sizes, lambda size: size * q, self._metadata, self.input_ids, self.positions, self.pool
         )
         logger.info(
             "Captured CUDA graphs for %d batch sizes (1..%d) of %d query token(s) per request in %.2f s",
@@ -209,24 +198,6 @@ class CudaGraphRunner:
             self.q,
             time.perf_counter() - t0,
         )
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> Any:
-        """What a graph runs: the model, and the head for up to `head_rows` rows ((hidden, logits) then)."""
-        hidden = self.model(ids, pos)
-        return (hidden, self.head(hidden)) if self.head is not None and ids.shape[0] <= self.head_rows else hidden
-
-    def _outputs(self, out: Any, rows: int) -> torch.Tensor:
-        """A replayed graph's hidden states for `rows` rows; its logits kept for `take_logits`."""
-        if isinstance(out, tuple):
-            self._logits = out[1][:rows]
-            return out[0][:rows]
-        self._logits = None
-        return out[:rows]
-
-    def take_logits(self) -> torch.Tensor | None:
-        """The logits of the last `run`, once (None when that graph has no head)."""
-        logits, self._logits = self._logits, None
-        return logits
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.max_size
@@ -250,7 +221,7 @@ class CudaGraphRunner:
         upload_inputs(self._header, self._header_host, self.input_ids, patch, self.block_tables, block_tables, n)
         graph, out, _ = self.graphs[size]
         graph.replay()
-        return self._outputs(out, n)
+        return out[:n]
 
     def can_run_padded(self, cu: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether a step of requests with cu-delimited query rows fits these graphs (q > 1): few enough

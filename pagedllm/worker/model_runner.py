@@ -150,10 +150,9 @@ class ModelRunner(ModelRunnerSetupMixin):
         sample_idx = np.nonzero(x.seq_lens >= batch.num_tokens[x.rows])[0]
         step = PendingStep(x.req_ids, sample_idx, prompt_logprobs_done=prompt_lp_done)
         logits = md = None
-        graph_logits = self.cuda_graphs.take_logits() if self.cuda_graphs is not None else None
         if len(sample_idx):
             if len(sample_idx) == x.num_tokens:  # every token samples (all decodes): its hidden rows in order
-                logits = graph_logits if graph_logits is not None else model.compute_logits(hidden[: x.num_tokens])
+                logits = model.compute_logits(hidden[: x.num_tokens])
             else:
                 logits_idx = torch.from_numpy(x.cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
                 logits = model.compute_logits(hidden[logits_idx])

@@ -11,12 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionBackend, AttentionMetadataBuilder
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_utils import KVCacheConfig, KVCacheSpec, group_layers_by_spec
-from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.logger import init_logger
 from pagedllm.utils import cdiv
 from pagedllm.worker import warmup
@@ -193,15 +191,6 @@ class ModelRunnerSetupMixin:
             assert self.model is not None
             warmup.warm_up_kernels(logits, self.device, t0, self.model, self.max_num_tokens)
 
-    def graph_head(self) -> dict[str, Any]:
-        """The decode graphs' LM head (`CudaGraphRunner`'s head, head_rows): PAGEDLLM_GRAPH_LOGITS rows, one rank,
-        no LoRA or speculative decoding (their steps take the hidden states elsewhere)."""
-        rows = envs.PAGEDLLM_GRAPH_LOGITS
-        if rows <= 0 or self.lora is not None or self.spec is not None or get_tensor_model_parallel_world_size() > 1:
-            return {}
-        assert self.model is not None
-        return dict(head=self.model.compute_logits, head_rows=rows)
-
     def capture_cuda_graphs(self) -> None:
         """Pure-decode CUDA graphs: GPU only, not with enforce_eager, and only with a backend that supports them."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.attn_layers:
@@ -216,9 +205,8 @@ class ModelRunnerSetupMixin:
         max_blocks = cdiv(self.max_model_len, self.block_size)
         groups = self.kv_cache_config.groups
         self.cuda_graphs = CudaGraphRunner(
-            self.model, groups, self.builders, self.max_num_reqs, max_blocks, self.max_model_len, self.device,
-            **self.graph_head(),
-        )  # fmt: skip
+            self.model, groups, self.builders, self.max_num_reqs, max_blocks, self.max_model_len, self.device
+        )
         self.cuda_graphs.capture()
         if self.spec is not None and self.lora is None:  # (LoRA's per-token slots follow the flat rows)
             from pagedllm.spec_decode.fused_graph import extra_words
