@@ -220,7 +220,7 @@ class GemvConfig(NamedTuple):
     read before the PDL wait for this launch, whatever PAGEDLLM_GGUF_GEMV_PRELOAD says)."""
 
 
-OPQ, NOPRE = 1, 4
+OPQ, NOPRE = 1, 4  # (bit 2 was KPACK, Q4_K's packed scale planes as a variant: the layout now; NOTES session 46)
 
 
 # Sweep winners of the int8-activation GEMV (`benchmarks/gguf_gpu.py --sweep` prints these lines), keyed by
