@@ -43,7 +43,7 @@ def compile_gemv(qtype: int, bn: int, bk: int, warps: int, use_float: bool, opq:
         consts = dict(QT=qtype, EPW=4 if qtype == 8 else 8, G=16 if qtype == 14 else 32, BN=bn, BK=bk, EVEN_K=True)
     else:
         fn = int8._gguf_gemv_q8a_kernel
-        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=False, OPQ=opq)
+        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=False, OPQ=opq, HEAD=0, CACHE_BLOCK=1)
     consts["PDL"] = 0
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):

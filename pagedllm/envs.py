@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_Q8_TWIN: bool
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
+    PAGEDLLM_QKV_ROPE: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
     PAGEDLLM_ATTN_EARLY: bool
@@ -124,6 +125,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # fewer; triton_paged_attn.DecodeRope). Off: its GPU test passes (the same bits as the RoPE kernel's path,
     # since the FMA fix of session 43), but W3 moved by -0.001 to -0.003 ms only (H200, NOTES.md session 44).
     "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
+    # Decode steps: RoPE and the new token's K/V cache write in the qkv projection's epilogue where its kernel
+    # can (the GGUF int8 GEMV; triton_rope_cache.QKVRope): one launch a layer fewer, no launch's worth of work
+    # added to another's chain.
+    "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "0"),
     # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py
     # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
     # benchmarks/NOTES.md session 44).

@@ -185,6 +185,11 @@ if HAS_TRITON:
             return libdevice.mul_rn(a, b)
 
     @triton.jit
+    def product_in(x, c, dt: tl.constexpr):
+        """x * c rounded to `dt` (as float32), as a reference multiplying in the activation dtype does (RoPE)."""
+        return mul_rn(x, c).to(dt).to(tl.float32)
+
+    @triton.jit
     def silu_mul(g, u, dt: tl.constexpr):
         """silu(g) * u for float32 g and u that hold `dt` values, rounded as the PyTorch reference (`SiluAndMul`
         in `dt`) rounds it: the SiLU to dt, then the product. (The SiLU-mul kernel's.)"""

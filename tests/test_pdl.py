@@ -87,6 +87,7 @@ _EARLY_EXITS = {"paged_attn_early", "paged_attn_early_rope"}
 """Kernels whose programs may leave before the wait (the decode attention's segments past the keys: segment 0 of
 the first request always waits, so the launch cannot complete before its predecessor)."""
 _PRELOADS = {"add_rms_norm_twin", "add_rms_norm_q8_twin", "add_rms_norm_q8_twin_split", "rope_cache"} | _EARLY_EXITS
+_PRELOADS |= {"gguf_gemv_int8_rope"}
 """Kernels that read before the wait what no kernel of a step writes: weights (the norms'), the step's uploaded
 inputs (positions, slots, query starts, lengths, block tables) and constant tables (RoPE's cos / sin)."""
 
@@ -111,8 +112,8 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     q8_ptrs = dict(norm_ptrs, q_ptr="*i8", qs_ptr="*fp32", qm_ptr="*fp32", d_ptr="*fp32", s_ptr="*fp32")
     gguf_ptrs = dict(x_ptr=bf, xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32")
     gguf_ptrs.update(d_ptr="*fp16", dm_ptr="*fp16", sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf)
-    gguf_ptrs.update(cnt_ptr="*i32")
-    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False)
+    gguf_ptrs.update(cnt_ptr="*i32", pos_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64", kv_ptr=bf)
+    gguf8 = dict(QT=3, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=False, HEAD=0, CACHE_BLOCK=1)
     gguf_f = dict(QT=14, EPW=8, G=16, BN=64, BK=256, EVEN_K=True)
     w8_ptrs = dict(x_ptr=bf, w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=bf, xq_ptr="*fp8e4nv", xs_ptr="*fp32")
     w8_ptrs.update(static_ptr="*fp32", bias_ptr="*fp32")
@@ -149,6 +150,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         ("add_rms_norm_q8_twin_split", triton_ops._rms_norm_kernel, dict(norm, QUANT=2, SPLIT=8), q8_ptrs),
         ("gguf_q8_quant", gguf_int8._q8_quant_kernel, dict(BLOCK=1024), q8_ptrs),
         ("gguf_gemv_int8", gguf_int8._gguf_gemv_q8a_kernel, gguf8, gguf_ptrs),
+        ("gguf_gemv_int8_rope", gguf_int8._gguf_gemv_q8a_kernel, dict(gguf8, HEAD=128, CACHE_BLOCK=16), gguf_ptrs),
         ("gguf_gemv_float", gguf_kern._gguf_gemv_kernel, gguf_f, gguf_ptrs),
         ("w8a8_gemv", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=True, PIPE=3, PRE=False), w8_ptrs),
         ("w8a8_gemv_pre", w8a8_ops._w8a8_gemv_kernel, dict(w8, EVEN=False, PIPE=3, PRE=True), w8_ptrs),
@@ -223,20 +225,23 @@ def test_wait_comes_first(name: str, mode: int) -> None:
 
 
 @pytest.mark.skipif(not (HAS_TRITON and HAS_GDC), reason="needs a Triton with grid dependency control")
-@pytest.mark.parametrize("variant", ["Q4_1", "Q4_1-opq", "Q4_K-opq"])
+@pytest.mark.parametrize("variant", ["Q4_1", "Q4_1-opq", "Q4_K-opq", "Q4_1-opq-rope", "Q4_K-opq-rope"])
 def test_gguf_preload_only_reads_before_the_wait(variant: str) -> None:
     """The int8 GGUF GEMV's PRE variant (the CUDA default) reads its first step's weights before waiting:
     loads only (weights no kernel of the step writes), no store or atomic, and the wait still comes; with the
-    `GemvConfig.flags` variants too."""
+    `GemvConfig.flags` variants too, and with the RoPE epilogue (its positions, cos / sin and slots read early
+    too: the step's inputs and a constant table)."""
     from pagedllm.model_executor.layers.quantization import gguf_triton_int8 as gguf_int8
 
     bf = "*bf16"
     ptrs = dict(xq_ptr="*i32", xd_ptr="*fp32", xs_ptr="*fp32", lo_ptr="*i32", d_ptr="*fp16", dm_ptr="*fp16")
     ptrs.update(sc_ptr="*u8", mn_ptr="*u8", part_ptr="*fp32", out_ptr=bf, cnt_ptr="*i32")
+    ptrs.update(pos_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64", kv_ptr=bf)
     qt = 12 if variant.startswith("Q4_K") else 3
     if qt == 12:  # its packed scale planes
         ptrs.update(d_ptr="*i32", dm_ptr="*i32", sc_ptr="*i16", mn_ptr="*i16")
     consts = dict(QT=qt, BN=2, BK=1024, EVEN_K=True, ASM=True, PRE=True, PDL=1, OPQ="opq" in variant)
+    consts.update(HEAD=128 if variant.endswith("rope") else 0, CACHE_BLOCK=16)
     ptx = _ptx_or_skip(gguf_int8._gguf_gemv_q8a_kernel, consts, ptrs)
     body = ptx[ptx.index("{", ptx.index(".entry")) :]
     wait = body.find("griddepcontrol.wait")

@@ -63,7 +63,10 @@ class _ScaleCalculation:
     def __init__(self, layer: Any) -> None:
         self.layer = layer
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Any = None) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Any = None, kv_written: bool = False
+    ) -> torch.Tensor:
+        assert not kv_written, "an FP8 cache is never written by the projection (TritonAttentionImpl.qkv_rope)"
         layer = self.layer
         if k.shape[0]:
             if rotary is not None:  # the cache stores rotated keys: rotate first (in place, as the layer would)

@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionType, RotaryArgs
+from pagedllm.attention.qkv_rope import QKVRope
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.forward_context import get_attn_metadata, get_split_hook
 from pagedllm.model_executor.layers.quantization import act_twin
@@ -59,20 +60,41 @@ class Attention(nn.Module):
         self.impl.kv_scales = (k_scale, v_scale)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryArgs | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q: [T, num_heads*head_size], k/v: [T, num_kv_heads*head_size] -> [T, num_heads*head_size].
 
         With `rotary`, q and k (row views whose heads are packed) are rotated in place first -- by the
-        backend together with its cache write where it can (`impl.fuses_rotary`), else here.
+        backend together with its cache write where it can (`impl.fuses_rotary`), else here. `kv_written`:
+        the projection did both already (`qkv_rope`).
         """
         hook = get_split_hook()
         if hook is not None:  # a piecewise CUDA-graph capture ends its segment here
+            assert not kv_written, "qkv_rope is never offered under a piecewise capture"
             return hook(self, q, k, v, rotary)
-        return self.attend(q, k, v, rotary, q.new_empty(q.shape))
+        return self.attend(q, k, v, rotary, q.new_empty(q.shape), kv_written)
+
+    def qkv_rope(self, rotary: RotaryArgs) -> QKVRope | None:
+        """This step's RoPE and new K / V cache write for the qkv projection's kernel to do instead (then
+        `forward(..., kv_written=True)`), where the backend offers it (`impl.qkv_rope`): decode steps outside
+        piecewise captures, with the cache bound."""
+        if get_split_hook() is not None or self.kv_cache is None:
+            return None
+        return self.impl.qkv_rope(rotary, self.kv_cache, get_attn_metadata(self.layer_name))
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: RotaryArgs | None, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryArgs | None,
+        out: torch.Tensor,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """`forward` into `out` ([T, num_heads*head_size]): the part a piecewise CUDA graph runs eagerly."""
         t = q.shape[0]
@@ -89,7 +111,7 @@ class Attention(nn.Module):
         twin = None
         if act_twin.wants_twin(self, out) == "q8" and self.impl.writes_q8_twin(md):
             twin = act_twin.q8_buffers(t, out.shape[1], out.device)
-            self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary, q8_twin=twin)  # type: ignore[call-arg]
+            self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary, kv_written, q8_twin=twin)  # type: ignore[call-arg]
             return act_twin.attach(out, twin)
-        self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary)
+        self.impl.forward(q3, k3, v3, self.kv_cache, md, out3, rotary, kv_written)
         return out

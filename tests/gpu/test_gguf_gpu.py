@@ -27,6 +27,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from pagedllm.model_executor.layers.quantization import gguf as gq  # noqa: E402
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt  # noqa: E402
+from tests.model_executor.gguf_qkv_rope_check import GPU_CASES as ROPE_CASES  # noqa: E402
+from tests.model_executor.gguf_qkv_rope_check import run_case as run_rope_case  # noqa: E402
 from tests.model_executor.gguf_triton_check import TYPES, random_blocks, reference  # noqa: E402
 
 SHAPES = [(1, 4096, 4096), (1, 1027, 14336), (5, 333, 2048), (33, 515, 1024), (300, 1000, 2304)]  # (M, N, K)
@@ -124,6 +126,14 @@ def test_int8_gemv_variants_same_bits(name: str, launch: tuple[int, ...], preloa
         assert not outs[0].isnan().any()
         for out in outs[1:]:
             torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", [(0, False), (gt.OPQ, True)], ids=["plain", "opq-pre"])
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_qkv_rope_epilogue_same_bits(case: str, variant: tuple[int, bool]) -> None:
+    """The int8 qkv GEMV with RoPE and the K / V cache write in its epilogue: bit for bit the GEMV followed by the
+    RoPE launch, output and cache (`gguf_qkv_rope_check`; also under the interpreter in CI)."""
+    assert run_rope_case(case, "cuda", *variant) == {"out": 0, "cache": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

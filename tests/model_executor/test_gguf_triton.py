@@ -95,3 +95,18 @@ def test_cuda_packing_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_GGUF_CUDA_PACKED", "1")
     assert _gguf_packed(cfg, "cuda")  # type: ignore[arg-type]
     assert _gguf_packed(cfg, "cpu")  # type: ignore[arg-type]
+
+
+QKV_ROPE_CHECK = Path(__file__).with_name("gguf_qkv_rope_check.py")
+
+
+def test_qkv_rope_epilogue_same_bits() -> None:
+    """RoPE and the K / V cache write in the int8 qkv GEMV's epilogue leave the output and the cache bit for bit
+    as the GEMV and the RoPE launch do (Q4_1 and Q4_K, 1 and 2 pairs a program, fp16 and bf16, a padded token
+    and one past num_tokens), under the interpreter; every int8 type at Llama's heads on the GPU."""
+    from tests.model_executor.gguf_qkv_rope_check import CASES as ROPE_CASES
+
+    res = json.loads(run_interpreted(QKV_ROPE_CHECK))
+    assert sorted(res) == sorted(ROPE_CASES)
+    bad = {c: r for c, r in res.items() if r != {"out": 0, "cache": 0}}
+    assert not bad, f"elements that differ: {bad}"

@@ -10,9 +10,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm.attention.qkv_rope import QKVRope
 
 
 class AttentionType(str, enum.Enum):
@@ -119,6 +122,11 @@ class AttentionImpl(ABC, Generic[M]):
     def configure(self) -> None:  # noqa: B027 - optional hook
         """Backend-specific set-up after the common fields are in place (e.g. reading A/B switches)."""
 
+    def qkv_rope(self, rotary: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: M) -> QKVRope | None:
+        """The step's RoPE and K / V cache write for the qkv projection's kernel to do (`QKVRope`), where this
+        backend reads a cache so written (`forward(..., kv_written=True)`); only backends that can say so."""
+        return None
+
     def writes_q8_twin(self, attn_metadata: M) -> bool:
         """Whether `forward` for this step can also write its output's q8_1 twin (`forward(..., q8_twin=)`, for
         an o_proj on the GGUF int8 GEMV: quantization/act_twin.py); only backends that can say so."""
@@ -134,6 +142,7 @@ class AttentionImpl(ABC, Generic[M]):
         attn_metadata: M,
         output: torch.Tensor,  # [T, num_heads, head_size], written in place
         rotary: RotaryArgs | None = None,  # only given to impls with fuses_rotary
+        kv_written: bool = False,  # q rotated and the new K / V in the cache already (`qkv_rope`)
     ) -> torch.Tensor: ...
 
 

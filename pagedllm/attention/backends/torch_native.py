@@ -222,8 +222,10 @@ class TorchNativeAttentionImpl(AttentionImpl[TorchNativeMetadata]):
             off += b.numel()
         cpu_prefill_attn.prefill(query, k, v, spans, output, self.scale, self.sliding_window)
 
-    def forward(self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None):
-        assert rotary is None, "this backend does not fuse RoPE (fuses_rotary is False)"
+    def forward(
+        self, query, key, value, kv_cache, attn_metadata: TorchNativeMetadata, output, rotary=None, kv_written=False
+    ):
+        assert rotary is None and not kv_written, "this backend does not fuse RoPE (fuses_rotary, qkv_rope)"
         n = attn_metadata.num_actual_tokens
         if attn_metadata.kv_cache_free and self.attn_type != AttentionType.ENCODER_ONLY:
             return output.zero_()  # the start-up memory profile: no kernel (`CommonAttentionMetadata.kv_cache_free`)

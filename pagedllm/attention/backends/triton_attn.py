@@ -40,6 +40,7 @@ from pagedllm.attention.ops.triton_paged_attn import (
     writes_q8_twin,
 )
 from pagedllm.attention.ops.triton_rope_cache import KVCacheWrite, apply_rotary_
+from pagedllm.attention.qkv_rope import QKVRope
 
 if not HAS_TRITON:
     raise ImportError("the Triton attention backend needs the triton package")
@@ -119,6 +120,33 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return None
         return DecodeRope(rotary.positions, rotary.cos_sin_cache, key, value, md.slot_mapping)
 
+    def qkv_rope(
+        self, rotary: RotaryArgs, kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata
+    ) -> QKVRope | None:
+        """Decode steps (`PAGEDLLM_QKV_ROPE`): the whole head rotary, no q/k norm, a 16-bit cache."""
+        md = attn_metadata
+        if not (
+            envs.PAGEDLLM_QKV_ROPE  # (read here: decode graphs captured again see a change)
+            and self.attn_type == AttentionType.DECODER
+            and md.max_query_len == 1
+            and not md.kv_cache_free
+            and kv_cache.element_size() == 2
+            and rotary.q_weight is None
+            and rotary.rotary_dim == self.head_size
+            and rotary.cos_sin_cache.dtype == torch.float32
+        ):
+            return None
+        return QKVRope(
+            rotary.positions,
+            rotary.cos_sin_cache,
+            md.slot_mapping,
+            kv_cache,
+            md.num_actual_tokens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+        )
+
     def _num_splits(self, md: TritonAttentionMetadata, device: torch.device) -> int:
         if md.num_splits is not None:
             return md.num_splits
@@ -142,6 +170,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         attn_metadata: TritonAttentionMetadata,
         output: torch.Tensor,
         rotary: RotaryArgs | None = None,
+        kv_written: bool = False,
         q8_twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
@@ -157,7 +186,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             apply_rotary_(rotary, query, key, self.head_size)
             rotary = None
         rope = self._decode_rope(rotary, key, value, md) if rotary is not None else None
-        if rotary is None:
+        if kv_written:
+            assert rotary is None, "kv_written: RoPE was applied with the cache write (qkv_rope)"
+        elif rotary is None:
             reshape_and_cache(key[:n], value[:n], k_cache, v_cache, md.slot_mapping, kv_scales)
         elif rope is None:
             apply_rotary_(rotary, query, key, self.head_size, KVCacheWrite(value, k_cache, v_cache, md.slot_mapping, n))

@@ -24,12 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedllm.triton_utils import mul_rn, pdl_trigger, pdl_wait
-
-    @triton.jit
-    def _product_in(x, c, dt: tl.constexpr):
-        """x * c rounded to `dt` (as float32), as the reference multiplies in the activation dtype."""
-        return mul_rn(x, c).to(dt).to(tl.float32)
+    from pagedllm.triton_utils import pdl_trigger, pdl_wait, product_in
 
     @triton.jit
     def _rope_heads(
@@ -64,8 +59,8 @@ if HAS_TRITON:
             x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         # The reference multiplies in the activation dtype: round each product before combining (`mul_rn`: a
         # plain product became a half-precision FMA on sm_90, the first product unrounded; session 43).
-        o1 = _product_in(x1, cos, dt) - _product_in(x2, sin, dt)
-        o2 = _product_in(x2, cos, dt) + _product_in(x1, sin, dt)
+        o1 = product_in(x1, cos, dt) - product_in(x2, sin, dt)
+        o2 = product_in(x2, cos, dt) + product_in(x1, sin, dt)
         tl.store(p1, o1.to(dt), mask=mask)
         tl.store(p2, o2.to(dt), mask=mask)
 
@@ -82,8 +77,8 @@ if HAS_TRITON:
         cs = cos_sin_ptr + pos[:, None] * stride_cs + j[None, :]
         cos = tl.load(cs, mask=mask, other=0.0).to(dt).to(tl.float32)
         sin = tl.load(cs + HALF, mask=mask, other=0.0).to(dt).to(tl.float32)
-        a = _product_in(x, cos, dt)
-        b = _product_in(xp, sin, dt)
+        a = product_in(x, cos, dt)
+        b = product_in(xp, sin, dt)
         return tl.where(offs_d[None, :] < HALF, a - b, a + b).to(dt)
 
     # n_cache (the step's token count) changes every step: no "== 1" / "divisible by 16" variants of it.

@@ -6,10 +6,13 @@ that shard bookkeeping is their own."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.attention.qkv_rope import QKVRope
 
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, LinearMethodBase, _copy_checked, divide
@@ -108,6 +111,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             prefix,
             output_sizes=[q_size, kv_size, kv_size],
         )
+
+    def forward_rope(self, x: torch.Tensor, rope: QKVRope) -> torch.Tensor | None:
+        """The projection with RoPE applied and the new K / V written to the paged cache by its own kernel
+        (`QKVRope`), or None where its weight's kernel cannot (then `forward`, and RoPE as usual). Never with a
+        bias or forward hooks (LoRA adds its deltas by hooks, to the output before RoPE)."""
+        fn = getattr(self.quant_method, "apply_rope", None)
+        if fn is None or self.bias is not None or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        return fn(self, x, rope)
 
     def _partition_sizes(self) -> list[int]:
         return [

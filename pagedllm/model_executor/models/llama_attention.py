@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.attention.backends.abstract import RotaryArgs
 from pagedllm.attention.layer import Attention
+from pagedllm.attention.qkv_rope import QKVRope
 from pagedllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers import triton_ops
 from pagedllm.model_executor.layers.fused_linear import QKVParallelLinear
@@ -97,7 +98,26 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        rope = self._qkv_rope(positions, hidden_states)
+        if rope is not None:
+            qkv = self.qkv_proj.forward_rope(hidden_states, rope)
+            if qkv is not None:  # rotated, and the new K / V in the cache
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                return self.o_proj(self.attn(q, k, v, kv_written=True))
         return self.forward_qkv(positions, self.qkv_proj(hidden_states))
+
+    def _qkv_rope(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> QKVRope | None:
+        """RoPE and the cache write for the projection's kernel to do (`Attention.qkv_rope`): the plain layer
+        (no q/k norm, `forward_qkv` not overridden) on the Triton path, where the backend offers it."""
+        rope = self.rotary_emb
+        if (
+            self.qk_norm
+            or type(self).forward_qkv is not LlamaAttention.forward_qkv
+            or not triton_ops.use_triton_ops(hidden_states)
+            or rope.cos_sin_cache.dtype != torch.float32
+        ):
+            return None
+        return self.attn.qkv_rope(RotaryArgs(positions, rope.cos_sin_cache, rope.rotary_dim))
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """The layer after its q/k/v projection (`qkv` [T, q_size + 2 * kv_size])."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.attention.qkv_rope import QKVRope
 
 from pagedllm import csrc
 from pagedllm.model_executor.layers.linear import LinearBase, LinearMethodBase
@@ -178,6 +181,15 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_matmul(x, self.parts, bias)
+
+    def apply_rope(self, layer: nn.Module, x: torch.Tensor, rope: QKVRope) -> torch.Tensor | None:
+        """A qkv projection with RoPE and the K / V cache write in the int8 GEMV's epilogue
+        (`QKVParallelLinear.forward_rope`), or None where the launch cannot take it (`gguf_triton.rope_fits`)."""
+        if not (self.parts and isinstance(self.parts[0], GGUFTritonWeight)):
+            return None
+        from pagedllm.model_executor.layers.quantization.gguf_triton import gguf_matmul_triton, rope_fits
+
+        return gguf_matmul_triton(x, self.parts, rope=rope) if rope_fits(x, self.parts, rope) else None
 
     @property
     def twin_kind(self) -> str | None:

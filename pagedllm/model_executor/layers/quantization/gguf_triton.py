@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from pagedllm import envs
+from pagedllm.attention.qkv_rope import QKVRope
 from pagedllm.model_executor.layers.quantization import act_twin
 from pagedllm.model_executor.layers.quantization.act_twin import Q8Act
 from pagedllm.model_executor.layers.quantization.gguf_blocks import _BLOCK, PACKED_TYPES, GGUFTritonWeight, GGUFWeight
@@ -308,12 +309,14 @@ def gguf_gemv_triton(
     config: GemvConfig | None = None,
     q8: Q8Act | None = None,
     preload: bool | None = None,
+    rope: QKVRope | None = None,
 ) -> torch.Tensor:
     """out [M <= 8, N] (a view with unit column stride) = x [M, K] @ dequant(w).T, written in place;
     `config` overrides `gemv_config` (the sweep). 16-bit activations and a pair-layout type take the int8
     GEMV, on `q8` (x quantized by `quantize_q8`) if given, else quantizing x first. `preload`: the int8
     GEMV reads its first step's weights before its PDL wait (None: under PDL unless
-    PAGEDLLM_GGUF_GEMV_PRELOAD=0)."""
+    PAGEDLLM_GGUF_GEMV_PRELOAD=0). `rope`: the qkv projection's RoPE and K / V cache write done in the int8
+    GEMV's epilogue (`rope_fits` says where it can)."""
     require_triton()
     m, k = x.shape
     n = w.rows
@@ -324,6 +327,13 @@ def gguf_gemv_triton(
     n_blocks = triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
     split = min(split, steps) if split > 0 else _auto_split(m, n_blocks, steps, num_sms)
+    rope_kw: dict = {}
+    if rope is not None:
+        if not (q8a and _rope_tile_fits(bn, n, rope)):
+            raise ValueError(f"gguf: no RoPE epilogue for a {w.type_name} [{n}, {k}] GEMV of {bn} rows a program")
+        split = 1  # (whole rows a program: the epilogue rotates finished sums)
+        rope_kw = dict(zip(_ROPE_ARGS, rope.kernel_args(), strict=True))
+        rope_kw.update(HEAD=rope.head_size, CACHE_BLOCK=rope.kv_cache.shape[2])
     k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
@@ -339,7 +349,7 @@ def gguf_gemv_triton(
             xq, q8.d, q8.s, ptrs[0], *ptrs[2:], part, out, cnt, m, n, k, xq.stride(0), q8.d.stride(0),
             out.stride(0), strides[0], *strides[2:], k_split, split, QT=w.qtype, BN=bn, BK=bk,
             EVEN_K=k % bk == 0, ASM=x.is_cuda, PRE=pre, OPQ=bool(flags & OPQ) and x.is_cuda,
-            num_warps=nw, num_stages=ns, **pdl,
+            num_warps=nw, num_stages=ns, **pdl, **rope_kw,
         )  # fmt: skip
     else:
         kern._gguf_gemv_kernel[grid](
@@ -347,6 +357,29 @@ def gguf_gemv_triton(
             QT=w.qtype, EPW=epw, G=g, BN=bn, BK=bk, EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns, **pdl,
         )  # fmt: skip
     return out
+
+
+_ROPE_ARGS = ("pos_ptr", "cos_sin_ptr", "slot_ptr", "kv_ptr", "stride_cs", "v_off", "stride_cb", "stride_ct",
+              "stride_ch", "n_tok", "q_heads", "kv_heads")  # fmt: skip
+
+
+def _rope_tile_fits(bn: int, n: int, rope: QKVRope) -> bool:
+    """Whether programs of bn rows can each hold whole rotation pairs of one head (`rope_pair_rows`)."""
+    hs = rope.head_size
+    return bn % 2 == 0 and (hs // 2) % (bn // 2) == 0 and hs % 2 == 0 and n == (rope.q_heads + 2 * rope.kv_heads) * hs
+
+
+def rope_fits(x: torch.Tensor, parts: Sequence[GGUFWeight], rope: QKVRope) -> bool:
+    """Whether `gguf_matmul_triton(x, parts, rope=rope)` can do the RoPE epilogue: one part on the int8 GEMV,
+    its launch of whole pairs (`_rope_tile_fits`), positions as a 1-D tensor."""
+    if len(parts) != 1 or not isinstance(parts[0], GGUFTritonWeight):
+        return False
+    w, m, k = parts[0], x.numel() // x.shape[-1], x.shape[-1]
+    if not (0 < m <= GEMV_MAX_M and w.qtype in PACKED_TYPES and int8_activations(w.qtype, x.dtype)):
+        return False
+    bn = gemv_config(w.qtype, m, w.rows, k).bn
+    pos = rope.positions
+    return _rope_tile_fits(bn, w.rows, rope) and pos.dim() == 1 and pos.is_contiguous() and pos.shape[0] >= m
 
 
 def q8_twin_of(x: torch.Tensor, rows: torch.Tensor) -> Q8Act | None:
@@ -411,11 +444,18 @@ def gguf_gemm_triton(x: torch.Tensor, w: GGUFTritonWeight, out: torch.Tensor) ->
 
 
 def gguf_matmul_triton(
-    x: torch.Tensor, parts: Sequence[GGUFWeight], bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    parts: Sequence[GGUFWeight],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    rope: QKVRope | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype): each
     part writes its columns of one output (the GEMV for M <= 8 rows, else the dequant-GEMM). CUDA tensors,
-    or CPU tensors under TRITON_INTERPRET=1 (the tests). No host synchronization: graph-capturable."""
+    or CPU tensors under TRITON_INTERPRET=1 (the tests). No host synchronization: graph-capturable. `rope`
+    (where `rope_fits`, no bias): RoPE and the K / V cache write in the GEMV's epilogue."""
+    if rope is not None and (bias is not None or not rope_fits(x, parts, rope)):
+        raise ValueError("gguf: this projection cannot take the RoPE epilogue (see rope_fits)")
     lead, k = x.shape[:-1], x.shape[-1]
     n = sum(p.rows for p in parts)
     out_dtype = out_dtype or x.dtype
@@ -441,7 +481,7 @@ def gguf_matmul_triton(
             if m <= GEMV_MAX_M:
                 if q8 is None and int8_activations(p.qtype, x2.dtype):
                     q8 = quantize_q8(x2)  # once for every int8-GEMV part
-                gguf_gemv_triton(x2, p, dst, sms, q8=q8)
+                gguf_gemv_triton(x2, p, dst, sms, q8=q8, rope=rope)
             else:
                 gguf_gemm_triton(x2, p, dst)
             start += p.rows

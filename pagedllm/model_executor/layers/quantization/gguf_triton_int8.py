@@ -19,6 +19,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedllm.attention.qkv_rope import rope_pair_inputs, rope_pair_rows, rope_pair_store
     from pagedllm.model_executor.layers.quantization.gguf_triton_kernels import (
         _gemv_program,
         _k4_scales,
@@ -175,7 +176,10 @@ if HAS_TRITON:
                               cnt_ptr, M, N, K, stride_xq, stride_xd, stride_om, stride_lo, stride_d, stride_sc,
                               K_SPLIT, SPLIT, QT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                               EVEN_K: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr = False,
-                              PDL: tl.constexpr = 0, OPQ: tl.constexpr = False):  # fmt: skip
+                              PDL: tl.constexpr = 0, OPQ: tl.constexpr = False, pos_ptr=None, cos_sin_ptr=None,
+                              slot_ptr=None, kv_ptr=None, stride_cs=0, v_off=0, stride_cb=0, stride_ct=0,
+                              stride_ch=0, n_tok=0, q_heads=0, kv_heads=0, HEAD: tl.constexpr = 0,
+                              CACHE_BLOCK: tl.constexpr = 1):  # fmt: skip
         """out[m, n-block] = q8(x[m]) @ dequant(W[n-block, k-slice]).T for Q4_0 / Q4_1 / Q4_K / Q8_0 weights in
         the pair layout (`gguf_triton.prepare`), split-K over programs, from the activations quantized by
         `_q8_quant_kernel` (xq: int8 quants as int32 words, xd: d, xs: d * sum(q), per group of 32). Each weight
@@ -185,12 +189,22 @@ if HAS_TRITON:
         d_x * s * sum(u q) + m * s_x. The activations are loaded in the weight tile's own layout (each thread
         the words of its groups, from L1): no shared memory, no barrier in the loop, as the float kernel.
         PRE: the first step's weights are read before the PDL wait, while the kernel before still runs (no
-        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42)."""
+        kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42).
+        HEAD > 0: a qkv projection whose epilogue applies RoPE and writes the new K / V to the paged cache
+        (`triton_rope_cache.QKVRope`; no split-K): a program takes rotation pairs of one head, their inputs read
+        before the PDL wait."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
+        if HEAD > 0:
+            head, pj, offs_n = rope_pair_rows(tl.program_id(0), BN, HEAD)
+            pid_n, m_row, split, n_ok = tl.program_id(0), tl.program_id(1), 0, offs_n < N
+            r = offs_n.to(tl.int64)[:, None]
+            cos, sin, slot = rope_pair_inputs(pos_ptr, cos_sin_ptr, stride_cs, slot_ptr, m_row, n_tok, pj, HEAD // 2,
+                                              out_ptr.dtype.element_ty)  # fmt: skip
+        else:
+            pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         if not PRE:
             pdl_enter(PDL)
-        pid_n, m_row, split, offs_n, n_ok, r = _gemv_program(N, BN)
         offs_g = tl.arange(0, GS)
         offs_i = tl.arange(0, 4)
         gw = (offs_g[:, None] * WPG + offs_i[None, :])[None, :, :]  # [1, GS, 4]: words of the step's groups
@@ -220,5 +234,9 @@ if HAS_TRITON:
                                             QT, EVEN_K, WPG, GS, OPQ)  # fmt: skip
             xl, xh, dx, sx = _q8a_xload(xq_row, xd_row, xs_row, xw, k0, k_end, offs_g, QT, EVEN_K, GS, OPQ)
             acc = _q8a_step(acc, w0, w1, a, b, c, e, xl, xh, dx, sx, zero, QT, ASM)
-        _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split, offs_n,
-                     n_ok, SPLIT, BN)  # fmt: skip
+        if HEAD > 0:
+            rope_pair_store(tl.sum(acc, axis=1), out_ptr + m_row * stride_om, head, pj, cos, sin, slot, kv_ptr, v_off,
+                            stride_cb, stride_ct, stride_ch, q_heads, kv_heads, BN, HEAD, CACHE_BLOCK)  # fmt: skip
+        else:
+            _store_split(tl.sum(acc, axis=1), part_ptr, out_ptr, cnt_ptr, M, N, stride_om, m_row, pid_n, split,
+                         offs_n, n_ok, SPLIT, BN)  # fmt: skip
