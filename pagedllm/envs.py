@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_QKV_ROPE: bool
+    PAGEDLLM_ATTN_SEG_MIN_TILES: int
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
     PAGEDLLM_ATTN_EARLY: bool
@@ -129,6 +130,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # can (the GGUF int8 GEMV; triton_rope_cache.QKVRope): one launch a layer fewer, no launch's worth of work
     # added to another's chain.
     "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "0"),
+    # Split-KV decode launches: at least this many key tiles a segment, so short contexts take fewer segments
+    # and one takes none to merge (its own partials read back, no arrival count); long ones still split.
+    "PAGEDLLM_ATTN_SEG_MIN_TILES": lambda: int(os.environ.get("PAGEDLLM_ATTN_SEG_MIN_TILES", "1")),
     # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py
     # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
     # benchmarks/NOTES.md session 44).

@@ -90,9 +90,10 @@ def _num_sms(index: int) -> int:
 # kernels are early: PAGEDLLM_PDL_EARLY; the GEMVs stay late (early ones made tp=1 W3 4.29 against 4.18 ms).
 # Measured on two H200s, W3 at tp=1 4.199 ms, tp=2 2.533 (without PDL 4.24-4.28 and 2.71-2.78).
 
-KERNELS = ("norm", "silu", "rope", "attn", "gemv", "push", "recv", "pull", "w8a8")
+KERNELS = ("norm", "silu", "rope", "attn", "gemv", "push", "recv", "pull", "w8a8", "qkv_rope")
 """The names launchers pass to `pdl_args` (`push`: the row GEMV that sends its partial sum to the tp=2 peer;
-`recv` / `pull`: the tp=2 reductions that add the peer's partial sum; `w8a8`: the FP8 / INT8 decode GEMV)."""
+`recv` / `pull`: the tp=2 reductions that add the peer's partial sum; `w8a8`: the FP8 / INT8 decode GEMV;
+`qkv_rope`: the GGUF qkv GEMV with RoPE and the cache write in its epilogue, `attention/qkv_rope.py`)."""
 
 
 def pdl_args(x: torch.Tensor, kernel: str, rows: int | None = None) -> dict[str, Any]:

@@ -364,6 +364,7 @@ def paged_attention(
             TWIN=q8_twin is not None,
             ROPE=rope is not None,
             EARLY=use_early,
+            SEG_MIN=max(1, envs.PAGEDLLM_ATTN_SEG_MIN_TILES) if filt == 1 or direct else 1,
             num_warps=nw,
             num_stages=ns,
             **pdl,

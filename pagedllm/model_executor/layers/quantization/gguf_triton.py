@@ -340,7 +340,7 @@ def gguf_gemv_triton(
     cnt = split_counters(x.device, max(m * n_blocks, 1 << 16))
     ptrs, strides = _args(w)
     grid = (n_blocks, m, split)
-    pdl = pdl_args(x, "gemv")
+    pdl = pdl_args(x, "gemv" if rope is None else "qkv_rope")
     pre = bool(pdl) and envs.PAGEDLLM_GGUF_GEMV_PRELOAD and not flags & NOPRE if preload is None else preload
     if q8a:
         q8 = q8 if q8 is not None else quantize_q8(x)
