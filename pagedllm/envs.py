@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_QKV_ROPE: bool
     PAGEDLLM_ATTN_SEG_MIN_TILES: int
+    PAGEDLLM_ATTN_LATE_TRIGGER: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
     PAGEDLLM_ATTN_EARLY: bool
@@ -133,6 +134,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Split-KV decode launches: at least this many key tiles a segment, so short contexts take fewer segments
     # and one takes none to merge (its own partials read back, no arrival count); long ones still split.
     "PAGEDLLM_ATTN_SEG_MIN_TILES": lambda: int(os.environ.get("PAGEDLLM_ATTN_SEG_MIN_TILES", "1")),
+    # Early PDL decode attention: its successor (o_proj) may launch once the key tiles are read, not at the start.
+    "PAGEDLLM_ATTN_LATE_TRIGGER": _flag("PAGEDLLM_ATTN_LATE_TRIGGER", "0"),
     # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py
     # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
     # benchmarks/NOTES.md session 44).

@@ -365,6 +365,7 @@ def paged_attention(
             ROPE=rope is not None,
             EARLY=use_early,
             SEG_MIN=max(1, envs.PAGEDLLM_ATTN_SEG_MIN_TILES) if filt == 1 or direct else 1,
+            LATE_TRIGGER=use_early and envs.PAGEDLLM_ATTN_LATE_TRIGGER,
             num_warps=nw,
             num_stages=ns,
             **pdl,

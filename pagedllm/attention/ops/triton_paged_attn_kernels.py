@@ -207,14 +207,18 @@ def _paged_attn_kernel(
     ROPE: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     SEG_MIN: tl.constexpr = 1,
+    LATE_TRIGGER: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     # EARLY (PDL decode launches; `paged_attention`'s `early`): the request's lengths, the key range and the segment's
     # share of it are read before the PDL wait (the step's inputs, uploaded before its first kernel: no kernel
     # of the step writes them), and segments past the keys leave without waiting. Program (0, 0, 0) always
-    # waits (segment 0 holds keys), so the launch still completes after its predecessor.
+    # waits (segment 0 holds keys), so the launch still completes after its predecessor. LATE_TRIGGER (EARLY
+    # only): an early kernel's successor may launch once this program has read its key tiles, not at its start
+    # (the successor's own early reads then do not compete with them).
     if EARLY:
-        pdl_trigger(PDL)
+        if not LATE_TRIGGER:
+            pdl_trigger(PDL)
     else:
         pdl_enter(PDL)
     if ORDERED:  # DIRECT only: program i runs (order[i // kv heads], i % kv heads), longest requests first
@@ -336,6 +340,8 @@ def _paged_attn_kernel(
     m_i, l_i, acc, blk_pre = _attn_tiles(m_i, l_i, acc, q, q_pos, t_mid, t1, *common, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                                          TILE_N, CAUSAL, USE_WINDOW, True, DOT_PREC, SOFTCAP, blk_pre,
                                          EARLY)  # fmt: skip
+    if LATE_TRIGGER:
+        pdl_trigger(PDL)
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -357,13 +363,13 @@ def _paged_attn_kernel(
         # 0 for the next layer's launch.
         tl.debug_barrier()
         count = count_ptr + pid_q * (num_heads // GROUP) + kvh
-        t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
-        if n_seg == 1:  # the only segment: no arrival to count (its partials read back by its own threads)
-            _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
-                        t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
-                        HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN, SEG_CHUNK)  # fmt: skip
-        elif tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_seg - 1:
-            tl.store(count, 0)
+        merge = n_seg == 1  # the only segment: no arrival to count (its partials read back by its own threads)
+        if n_seg > 1:
+            merge = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_seg - 1
+            if merge:
+                tl.store(count, 0)
+        if merge:
+            t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
             _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
                         t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
                         HEAD_PAD, NUM_SEGMENTS, MERGE_HEADS, TWIN, SEG_CHUNK)  # fmt: skip
