@@ -127,7 +127,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
     attn_c = dict(GROUP=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, CAUSAL=True)
     attn_c.update(USE_WINDOW=False, NUM_SEGMENTS=16, DOT_PREC="tf32", FILTER=1, DIRECT=True, SOFTCAP=False)
     attn_c.update(KV_FP8=False, KEY_LIMIT=False, ORDERED=False, FP8_F16=False, MERGE_HEADS=4, TWIN=False, ROPE=False)
-    attn_c.update(SEG_CHUNK=16, EARLY=False, SEG_MIN=1, LATE_TRIGGER=False)
+    attn_c.update(SEG_CHUNK=16, EARLY=False, LATE_TRIGGER=False)
     rope_ptrs = dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cos_sin_ptr="*fp32", qw_ptr=bf, kw_ptr=bf, eps="fp32")
     rope_ptrs.update(v_ptr=bf, slot_ptr="*i64", k_cache_ptr=bf, v_cache_ptr=bf)
     rope_c = dict(HEAD_SIZE=128, HALF=64, BLOCK_H=32, BLOCK_KH=8, BLOCK_HALF=64, HAS_NORM=False, WRITE_CACHE=True)
@@ -172,7 +172,7 @@ def _kernels() -> list[tuple[str, Any, dict[str, Any], dict[str, str]]]:
         (
             "paged_attn_early_late",
             attn._paged_attn_kernel,
-            dict(attn_c, EARLY=True, TWIN=True, LATE_TRIGGER=True, SEG_MIN=4),
+            dict(attn_c, EARLY=True, TWIN=True, LATE_TRIGGER=True),
             attn_ptrs,
         ),
         ("paged_attn_early_rope", attn._paged_attn_kernel, dict(attn_c, EARLY=True, ROPE=True), attn_ptrs),

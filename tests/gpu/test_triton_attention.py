@@ -335,34 +335,22 @@ def test_split_kv_merge_in_chunks(chunk: int, dtype: torch.dtype, monkeypatch: p
     torch.testing.assert_close(chunked, one_pass, rtol=REL_TOL[dtype], atol=REL_TOL[dtype])
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["", "late"])
 @pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_early_metadata(dtype: torch.dtype, num_splits: int, window: int | None) -> None:
+def test_decode_early_metadata(
+    dtype: torch.dtype, num_splits: int, window: int | None, late: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`EARLY` (PDL decode launches: lengths, key range and first block ids read before the wait, segments past
     the keys leaving at once, block ids read a tile ahead): the plain launch's output bit for bit, over contexts of
-    one to many key tiles per segment."""
+    one to many key tiles per segment; with the successor's launch after the key tiles too (`LATE_TRIGGER`)."""
+    monkeypatch.setenv("PAGEDLLM_ATTN_LATE_TRIGGER", "1" if late else "0")
     ctx, q_lens = [0, 5, 127, 128, 300, 1000, 2100], [1] * 7
     kw = dict(num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype, num_splits=num_splits, window=window)
     plain = run_case(q_lens, ctx, seed=num_splits, early=False, **kw)  # type: ignore[arg-type]
     early = run_case(q_lens, ctx, seed=num_splits, early=True, **kw)  # type: ignore[arg-type]
     assert torch.equal(plain, early)
-
-
-@pytest.mark.parametrize("seg_min", [2, 4, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_segment_min_tiles(dtype: torch.dtype, seg_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`PAGEDLLM_ATTN_SEG_MIN_TILES`: split-KV decodes of at least that many key tiles a segment (one segment:
-    merged by its own program, no arrival count), against the float64 reference, early and plain launches, a
-    sliding window too; then the default again (the counts left at zero)."""
-    ctx, q_lens = [0, 5, 127, 128, 300, 1000, 2100, 4000], [1] * 8
-    kw = dict(num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype, num_splits=16)
-    monkeypatch.setenv("PAGEDLLM_ATTN_SEG_MIN_TILES", str(seg_min))
-    for early in (False, True):
-        run_case(q_lens, ctx, seed=seg_min, early=early, **kw)  # type: ignore[arg-type]
-    run_case(q_lens, ctx, seed=seg_min, window=200, **kw)  # type: ignore[arg-type]
-    monkeypatch.setenv("PAGEDLLM_ATTN_SEG_MIN_TILES", "1")
-    run_case(q_lens, ctx, seed=seg_min + 1, **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
@@ -382,20 +370,16 @@ def test_split_kv_mixed_batch() -> None:
     run_case([50, 1, 1], [100, 333, 7], num_heads=6, num_kv_heads=2, num_splits=4, seed=11)
 
 
-@pytest.mark.parametrize("seg_min", [1, 3])
 @pytest.mark.parametrize("num_splits", [2, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
 def test_split_kv_q8_twin(
-    heads: tuple[int, int, int], dtype: torch.dtype, num_splits: int, seg_min: int, monkeypatch: pytest.MonkeyPatch
+    heads: tuple[int, int, int], dtype: torch.dtype, num_splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The split-KV merge's q8_1 twin of its output (o_proj's int8 GEMV input, `PAGEDLLM_ATTN_Q8_TWIN`) equals
     the output quantized by the reference (`q8_activations`: d * q per group of 32, s = d * sum(q)), for groups
-    of 4 and of 3 query heads (a padded head in the merge's tile), decodes and a few-row request beside them;
-    with at least 3 key tiles a segment too (`PAGEDLLM_ATTN_SEG_MIN_TILES`: the short contexts in one segment,
-    merged without an arrival count, the 700-key one in two)."""
+    of 4 and of 3 query heads (a padded head in the merge's tile), decodes and a few-row request beside them."""
     monkeypatch.setenv("PAGEDLLM_ATTN_Q8_TWIN", "1")
-    monkeypatch.setenv("PAGEDLLM_ATTN_SEG_MIN_TILES", str(seg_min))
     from pagedllm.model_executor.layers.quantization import gguf_triton as gt
 
     num_heads, num_kv_heads, head_size = heads

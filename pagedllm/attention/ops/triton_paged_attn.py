@@ -150,7 +150,7 @@ def launch_config(head_size: int, group: int, dtype: torch.dtype, max_query_len:
     if one_tile is not None:  # decode-dominated: a single tile per request
         # Big key tiles keep many bytes in flight (NOTES, tuning figures); one K tile at most 32 KB so two
         # stages of K and V fit in shared memory.
-        tile_n = max(16, min(128, 32768 // (head_pad * elem)))
+        tile_n = envs.PAGEDLLM_ATTN_DECODE_TILE_N or max(16, min(128, 32768 // (head_pad * elem)))
         return one_tile, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
@@ -364,7 +364,6 @@ def paged_attention(
             TWIN=q8_twin is not None,
             ROPE=rope is not None,
             EARLY=use_early,
-            SEG_MIN=max(1, envs.PAGEDLLM_ATTN_SEG_MIN_TILES) if filt == 1 or direct else 1,
             LATE_TRIGGER=use_early and envs.PAGEDLLM_ATTN_LATE_TRIGGER,
             num_warps=nw,
             num_stages=ns,

@@ -206,7 +206,6 @@ def _paged_attn_kernel(
     TWIN: tl.constexpr = False,
     ROPE: tl.constexpr = False,
     EARLY: tl.constexpr = False,
-    SEG_MIN: tl.constexpr = 1,
     LATE_TRIGGER: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
@@ -278,8 +277,6 @@ def _paged_attn_kernel(
     tile_hi = (kv_hi + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
         per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-        if SEG_MIN > 1:  # at least SEG_MIN key tiles a segment: short contexts take fewer segments (or one)
-            per_seg = tl.maximum(per_seg, SEG_MIN)
         # The segments that hold keys (at least one: an empty range still merges into zeros). The others leave
         # now, and the tile's arrivals and merge count only these: at W3's contexts (<= 3 key tiles) 3 of 16
         # segments, while long contexts still split 16 ways.
@@ -363,12 +360,8 @@ def _paged_attn_kernel(
         # 0 for the next layer's launch.
         tl.debug_barrier()
         count = count_ptr + pid_q * (num_heads // GROUP) + kvh
-        merge = n_seg == 1  # the only segment: no arrival to count (its partials read back by its own threads)
-        if n_seg > 1:
-            merge = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_seg - 1
-            if merge:
-                tl.store(count, 0)
-        if merge:
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_seg - 1:
+            tl.store(count, 0)
             t_end = tl.minimum(q_len, (qb + 1) * BLOCK_Q)
             _merge_tile(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, tq_ptr, td_ptr, ts_ptr, q_start, qb * BLOCK_Q,
                         t_end, kvh, num_heads, n_seg, stride_ot, stride_oh, stride_tq, stride_td, GROUP, HEAD_SIZE,
