@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     PAGEDLLM_ATTN_DECODE_SPLITS: int
     PAGEDLLM_ATTN_FUSED_ROPE: bool
     PAGEDLLM_QKV_ROPE: bool
-    PAGEDLLM_ATTN_DECODE_TILE_N: int
+    PAGEDLLM_ATTN_ONE_ROW_TILE_N: int
     PAGEDLLM_ATTN_LATE_TRIGGER: bool
     PAGEDLLM_NORM_COL_SPLIT: int
     PAGEDLLM_ATTN_MERGE_CHUNK: int
@@ -131,8 +131,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # can (the GGUF int8 GEMV; triton_rope_cache.QKVRope): one launch a layer fewer, no launch's worth of work
     # added to another's chain.
     "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "0"),
-    # Keys a tile of decode attention launches (0: `launch_config`'s, 128 at 16-bit head size 128).
-    "PAGEDLLM_ATTN_DECODE_TILE_N": lambda: int(os.environ.get("PAGEDLLM_ATTN_DECODE_TILE_N", "0")),
+    # Keys a tile of the decode attention of a single request (0: `launch_config`'s, 128 at 16-bit head size 128).
+    "PAGEDLLM_ATTN_ONE_ROW_TILE_N": lambda: int(os.environ.get("PAGEDLLM_ATTN_ONE_ROW_TILE_N", "0")),
     # Early PDL decode attention: its successor (o_proj) may launch once the key tiles are read, not at the start.
     "PAGEDLLM_ATTN_LATE_TRIGGER": _flag("PAGEDLLM_ATTN_LATE_TRIGGER", "0"),
     # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py

@@ -353,6 +353,16 @@ def test_decode_early_metadata(
     assert torch.equal(plain, early)
 
 
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_tile(dtype: torch.dtype, tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PAGEDLLM_ATTN_ONE_ROW_TILE_N`: a single request's decode with smaller key tiles (more split-KV segments)
+    against the float64 reference, contexts of one to many tiles a segment."""
+    monkeypatch.setenv("PAGEDLLM_ATTN_ONE_ROW_TILE_N", str(tile))
+    for ctx in (0, 5, 127, 300, 2100):
+        run_case([1], [ctx], num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype, num_splits=16, seed=ctx + tile)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q", [5, 8, 10])

@@ -150,7 +150,7 @@ def launch_config(head_size: int, group: int, dtype: torch.dtype, max_query_len:
     if one_tile is not None:  # decode-dominated: a single tile per request
         # Big key tiles keep many bytes in flight (NOTES, tuning figures); one K tile at most 32 KB so two
         # stages of K and V fit in shared memory.
-        tile_n = envs.PAGEDLLM_ATTN_DECODE_TILE_N or max(16, min(128, 32768 // (head_pad * elem)))
+        tile_n = max(16, min(128, 32768 // (head_pad * elem)))
         return one_tile, tile_n, 4, 2
     if elem == 4 or head_pad > 128:  # bigger per-row footprint: smaller tiles
         return max(min_m, 64), 32, 8, 2
@@ -242,6 +242,10 @@ def paged_attention(
         ]
     else:
         cfg = launch_config(head_size, group, query.dtype, max_query_len)
+        one_row_tile = envs.PAGEDLLM_ATTN_ONE_ROW_TILE_N
+        if one_row_tile and num_reqs == 1 and max_query_len == 1 and not overridden:
+            # One decoding request: its parallelism is the key segments' alone, and smaller key tiles make more.
+            cfg = (cfg[0], one_row_tile, cfg[2], cfg[3])
         cfg = tuple(o or c for o, c in zip((block_m, tile_n, num_warps, num_stages), cfg))  # type: ignore[assignment]
         launches = [(cfg, 0)]
 
