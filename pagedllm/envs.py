@@ -128,13 +128,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # since the FMA fix of session 43), but W3 moved by -0.001 to -0.003 ms only (H200, NOTES.md session 44).
     "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
     # Decode steps: RoPE and the new token's K/V cache write in the qkv projection's epilogue where its kernel
-    # can (the GGUF int8 GEMV; triton_rope_cache.QKVRope): one launch a layer fewer, no launch's worth of work
-    # added to another's chain.
-    "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "0"),
-    # Keys a tile of the decode attention of a single request (0: `launch_config`'s, 128 at 16-bit head size 128).
-    "PAGEDLLM_ATTN_ONE_ROW_TILE_N": lambda: int(os.environ.get("PAGEDLLM_ATTN_ONE_ROW_TILE_N", "0")),
+    # can (the GGUF int8 GEMV; attention/qkv_rope.py): one launch a layer fewer. W3 -0.018 / -0.019 / -0.008 ms
+    # Q4_1 / Q4_K / Q8_0 with the two settings below (H200, benchmarks/NOTES.md session 47).
+    "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "1"),
+    # Keys a tile of the decode attention of a single request (0: `launch_config`'s, 128 at 16-bit head size 128):
+    # 32 makes more split-KV segments at W3's contexts; W3 -0.03 to -0.05 ms on every type, bf16 too (H200,
+    # benchmarks/NOTES.md session 47).
+    "PAGEDLLM_ATTN_ONE_ROW_TILE_N": lambda: int(os.environ.get("PAGEDLLM_ATTN_ONE_ROW_TILE_N", "32")),
     # Early PDL decode attention: its successor (o_proj) may launch once the key tiles are read, not at the start.
-    "PAGEDLLM_ATTN_LATE_TRIGGER": _flag("PAGEDLLM_ATTN_LATE_TRIGGER", "0"),
+    "PAGEDLLM_ATTN_LATE_TRIGGER": _flag("PAGEDLLM_ATTN_LATE_TRIGGER", "1"),
     # Programs a row of the RMSNorm kernel for decode batches (1: one; model_executor/layers/triton_ops.py
     # `_norm_split`). 4 with chunk-4 merges below: W3 -0.018 to -0.020 ms on every GGUF type (H200,
     # benchmarks/NOTES.md session 44).

@@ -182,7 +182,7 @@ def test_engine_on_quantized_checkpoint_matches_reference(case: str, tmp_path) -
 
 # ---- FP8 KV cache: the cache write quantizes, the attention kernel dequantizes ----------------------
 
-KV_CASES = [([1, 1, 1], [5, 40, 17]), ([7, 1, 20], [0, 33, 9])]
+KV_CASES = [([1, 1, 1], [5, 40, 17]), ([7, 1, 20], [0, 33, 9]), ([1], [150])]  # (one request: 32-key tiles)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -111,7 +111,8 @@ class LlamaAttention(nn.Module):
         (no q/k norm, `forward_qkv` not overridden) on the Triton path, where the backend offers it."""
         rope = self.rotary_emb
         if (
-            self.qk_norm
+            hidden_states.shape[0] > 8  # (decode batches only: no GEMV kernel takes more rows)
+            or self.qk_norm
             or type(self).forward_qkv is not LlamaAttention.forward_qkv
             or not triton_ops.use_triton_ops(hidden_states)
             or rope.cos_sin_cache.dtype != torch.float32
