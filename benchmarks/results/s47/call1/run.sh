@@ -1,0 +1,7 @@
+. benchmarks/device_wheels.sh && install_wheels .whl >/dev/null 2>&1; export PYTHONPATH=.:$PYTHONPATH
+nvidia-smi --query-gpu=name --format=csv,noheader; uptime
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gguf_gpu.py -k qkv_rope > $OUT/t.log 2>&1
+echo "test rc=$?"; tail -3 $OUT/t.log
+timeout 400 python3 benchmarks/gguf_gpu.py --skip-gemv --profile --profile-ab --types Q4_1 Q4_K Q8_0 --json $OUT/w3.json --ab PAGEDLLM_QKV_ROPE=1 > $OUT/w3.log 2>&1
+echo "w3 rc=$?"; grep "^W3\|copy" $OUT/w3.log
+cp .device_s47.sh $OUT/run.sh
