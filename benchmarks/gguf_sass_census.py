@@ -32,18 +32,22 @@ POINTERS = {
     "d_ptr": "*fp16", "dm_ptr": "*fp16", "sc_ptr": "*u8", "mn_ptr": "*u8", "part_ptr": "*fp32", "out_ptr": "*bf16",
     "cnt_ptr": "*i32",
 }  # fmt: skip
+ROPE_POINTERS = {"pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "kv_ptr": "*bf16"}  # (--rope)
 Q4K_POINTERS = {"d_ptr": "*i32", "dm_ptr": "*i32", "sc_ptr": "*i16", "mn_ptr": "*i16"}  # its packed planes
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_gemv(qtype: int, bn: int, bk: int, warps: int, use_float: bool, opq: bool = False) -> bytes:
+def compile_gemv(
+    qtype: int, bn: int, bk: int, warps: int, use_float: bool, opq: bool = False, rope: bool = False, pre: bool = False
+) -> bytes:
     """The cubin of one GEMV launch (pointers and strides given Triton's divisible-by-16 specialization)."""
     if use_float:
         fn = kern._gguf_gemv_kernel
         consts = dict(QT=qtype, EPW=4 if qtype == 8 else 8, G=16 if qtype == 14 else 32, BN=bn, BK=bk, EVEN_K=True)
     else:
         fn = int8._gguf_gemv_q8a_kernel
-        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=False, OPQ=opq, HEAD=0, CACHE_BLOCK=1)
+        consts = dict(QT=qtype, BN=bn, BK=bk, EVEN_K=True, ASM=True, PRE=pre, OPQ=opq, HEAD=128 if rope else 0)
+        consts["CACHE_BLOCK"] = 16
     consts["PDL"] = 0
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -54,6 +58,8 @@ def compile_gemv(qtype: int, bn: int, bk: int, warps: int, use_float: bool, opq:
         signature[name] = POINTERS.get(name, "i32")
         if qtype == 12 and name in Q4K_POINTERS:
             signature[name] = Q4K_POINTERS[name]
+        if name in ROPE_POINTERS:
+            signature[name] = ROPE_POINTERS[name]
         if name in POINTERS or name.startswith("stride") or name in ("K", "K_SPLIT"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -86,11 +92,13 @@ def main() -> None:
                     help="BNxBKxWARPS")  # fmt: skip
     ap.add_argument("--float", action="store_true", help="the float GEMV instead of the int8 one")
     ap.add_argument("--opq", action="store_true", help="scale loads indexed through an opaque identity (OPQ)")
+    ap.add_argument("--rope", action="store_true", help="the qkv launch's RoPE epilogue (attention/qkv_rope.py)")
+    ap.add_argument("--pre", action="store_true", help="the first step read before the PDL wait (the CUDA default)")
     args = ap.parse_args()
     for name in args.types:
         for tile in args.tiles:
             bn, bk, warps = (int(v) for v in tile.split("x"))
-            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.float, args.opq))
+            loop, regs = census(compile_gemv(TYPES[name], bn, bk, warps, args.float, args.opq, args.rope, args.pre))
             per_weight = len(loop) * warps * 32 / (bn * bk)
             mix = ", ".join(f"{k} {v}" for k, v in Counter(loop).most_common(8))
             print(f"{name} BN {bn:3d} BK {bk:4d} warps {warps}: {len(loop):4d} instructions a thread-step, "
