@@ -12,14 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(script: Path, timeout: float = 600) -> str:
-    """The last line `script` printed, run with TRITON_INTERPRET=1 and this checkout first on the path (an
-    AssertionError with the end of its stderr if it failed)."""
+def run_interpreted(script: Path, timeout: float = 600, args: list[str] | None = None) -> str:
+    """The last line `script` printed (run with `args`), with TRITON_INTERPRET=1 and this checkout first on the
+    path (an AssertionError with the end of its stderr if it failed)."""
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, str(script), *(args or [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout.strip().splitlines()[-1]

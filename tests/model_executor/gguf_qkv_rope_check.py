@@ -80,7 +80,64 @@ def run_case(case: str, device: str, flags: int = 0, preload: bool | None = None
     }
 
 
+def model_case(device: str, qtype: str = "Q8_0") -> dict[str, float]:
+    """A tiny float16 Llama with `qtype`-packed linears on the Triton path (the CUDA dispatch forced onto CPU
+    tensors under the interpreter): a 4-token prefill and 3 decodes, `PAGEDLLM_QKV_ROPE` on and off. Returns the
+    largest logit difference between the two (0: the same bits), how many qkv launches took the epilogue with it
+    on and with it off. (~3 min under the interpreter: a slow test.)"""
+    import tempfile
+
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagedllm.model_executor.layers import triton_ops
+    from pagedllm.model_executor.layers.linear import LinearBase
+    from pagedllm.model_executor.layers.quantization import gguf as gq
+    from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+    from pagedllm.model_executor.model_loader import load_model
+    from tests.utils_model import VOCAB, PagedModelRunner, make_model_config, make_tiny_hf_model
+
+    os.environ["PAGEDLLM_ATTENTION_BACKEND"] = "TRITON"
+    if device == "cpu":
+        triton_ops.use_triton_ops = lambda x: True  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as d:
+        hf = make_tiny_hf_model("llama", d)
+        model = load_model(make_model_config(d, hf.config, torch.float16), "auto", torch.device(device))
+    qt = GGMLQuantizationType[qtype]
+    for m in model.modules():
+        if isinstance(m, LinearBase) and "weight" in m._parameters:
+            w = m.weight.detach().float().cpu().numpy()
+            raw = torch.from_numpy(quantize(w, qt))
+            gq.install(m, [gt.prepare(gq.GGUFWeight(int(qt), raw, w.shape[0], w.shape[1]), device)])
+    launches: list[bool] = []
+    real = gt.gguf_gemv_triton
+
+    def spy(*args: object, **kw: object) -> object:
+        launches.append(kw.get("rope") is not None)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    gt.gguf_gemv_triton = spy  # type: ignore[assignment]
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(5))
+    res: dict[str, float] = {}
+    logits = {}
+    for flag in ("1", "0"):
+        os.environ["PAGEDLLM_QKV_ROPE"] = flag
+        launches.clear()
+        runner = PagedModelRunner(model, num_blocks=4, block_size=16)
+        out = [runner.step(ids[:4])] + [runner.step(ids[i : i + 1]) for i in range(4, 7)]
+        logits[flag] = torch.cat(out).cpu()
+        res[f"epilogue_launches_{flag}"] = sum(launches)
+    gt.gguf_gemv_triton = real  # type: ignore[assignment]
+    res["max_diff"] = float((logits["1"] - logits["0"]).abs().max())
+    res["finite"] = float(bool(torch.isfinite(logits["1"]).all()))
+    return res
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    print(json.dumps({c: run_case(c, "cpu") for c in CASES}))
+    if sys.argv[1:] == ["model"]:
+        print(json.dumps(model_case("cpu")))
+    else:
+        print(json.dumps({c: run_case(c, "cpu") for c in CASES}))

@@ -110,3 +110,14 @@ def test_qkv_rope_epilogue_same_bits() -> None:
     assert sorted(res) == sorted(ROPE_CASES)
     bad = {c: r for c, r in res.items() if r != {"out": 0, "cache": 0}}
     assert not bad, f"elements that differ: {bad}"
+
+
+@pytest.mark.slow
+def test_qkv_rope_model_same_logits() -> None:
+    """The whole path (`LlamaAttention` -> the Triton backend's `qkv_rope` -> the GGUF linear's `apply_rope` -> the
+    attention skipping its cache write) on a tiny float16 Llama with Q8_0-packed linears, under the interpreter:
+    every decode's qkv launch takes the epilogue with `PAGEDLLM_QKV_ROPE` on and none with it off, and the logits
+    are the same bits."""
+    res = json.loads(run_interpreted(QKV_ROPE_CHECK, args=["model"]))
+    assert res["epilogue_launches_1"] == 3 * 2 and res["epilogue_launches_0"] == 0, res  # 3 decodes x 2 layers
+    assert res["max_diff"] == 0.0 and res["finite"] == 1.0, res
