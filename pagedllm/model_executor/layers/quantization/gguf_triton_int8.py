@@ -191,7 +191,7 @@ if HAS_TRITON:
         PRE: the first step's weights are read before the PDL wait, while the kernel before still runs (no
         kernel of a step writes weights): W3 Q4_1 2.000 -> 1.915 ms on an H200 (benchmarks/NOTES.md, session 42).
         HEAD > 0: a qkv projection whose epilogue applies RoPE and writes the new K / V to the paged cache
-        (`triton_rope_cache.QKVRope`; no split-K): a program takes rotation pairs of one head, their inputs read
+        (`attention/qkv_rope.py`; no split-K): a program takes rotation pairs of one head, their inputs read
         before the PDL wait."""
         GS: tl.constexpr = BK // 32
         WPG: tl.constexpr = 8 if QT == 8 else 4  # weight words a group
