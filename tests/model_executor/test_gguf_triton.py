@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.model_executor.layers.quantization import gguf as gq
 from pagedllm.model_executor.layers.quantization import gguf_triton as gt
+from pagedllm.model_executor.layers.quantization import gguf_triton_layout
 from tests.interpreted import run_interpreted
 from tests.model_executor.gguf_triton_check import CASES, TOL, TOL_FP16, TYPES, random_blocks, reference
 
@@ -75,7 +76,7 @@ def test_prepared_layout(name: str) -> None:
         assert p.dm is None and p.mn is None and p.d is not None and p.sc is not None
         assert p.d.dtype == torch.int32 and p.d.shape == (rows, cols // 256)
         assert p.sc.dtype == torch.int16 and p.sc.shape == (rows, cols // 32)
-        _, f = gt._unpack(int(qtype), torch.from_numpy(raw), cols)
+        _, f = gguf_triton_layout._unpack(int(qtype), torch.from_numpy(raw), cols)
         d = p.d.view(torch.int16).view(rows, -1, 2)
         assert torch.equal(d[..., 0], f["d"].view(torch.int16)) and torch.equal(d[..., 1], f["dm"].view(torch.int16))
         sm = p.sc.view(torch.uint8).view(rows, -1, 2)

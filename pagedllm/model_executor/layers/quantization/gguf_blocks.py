@@ -52,8 +52,8 @@ class GGUFTritonWeight(GGUFWeight):
     """A packed weight re-laid for the Triton kernels (`gguf_triton.prepare`, run once at load on the GPU):
     `data` is the low quant bits as int32 words, each group's words (G = 32 elements, 16 for Q6_K) in turn;
     inside a group the int8 GEMV's pair layout for Q4_0 / Q4_1 / Q4_K / Q8_0 (4-bit: byte i holds elements i
-    and 16 + i; Q8_0: the bytes in order: `gguf_triton._pair_layout`), word-major for Q5_K / Q6_K (nibble j
-    of word w is element 4j + w of its group, 2j + w for Q6_K: `gguf_triton._word_major`), `hi` the Q5_K
+    and 16 + i; Q8_0: the bytes in order: `gguf_triton_layout._pair_layout`), word-major for Q5_K / Q6_K (nibble j
+    of word w is element 4j + w of its group, 2j + w for Q6_K: `gguf_triton_layout._word_major`), `hi` the Q5_K
     (1 bit) / Q6_K (2 bits) high bits in the word-major order, `d`
     and `dm` the float16 scales and Q4_1 mins / K-quant dmins, `sc` and `mn` the K-quants' decoded 6-bit
     (Q6_K: int8) sub-block scales and mins; Q4_K packs them in two planes, one load each a group: `d` holds
