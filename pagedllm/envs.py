@@ -128,7 +128,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # since the FMA fix of session 43), but W3 moved by -0.001 to -0.003 ms only (H200, NOTES.md session 44).
     "PAGEDLLM_ATTN_FUSED_ROPE": _flag("PAGEDLLM_ATTN_FUSED_ROPE", "0"),
     # Decode steps: RoPE and the new token's K/V cache write in the qkv projection's epilogue where its kernel
-    # can (the GGUF int8 GEMV; attention/qkv_rope.py): one launch a layer fewer. W3 -0.018 / -0.019 / -0.008 ms
+    # can (the GGUF int8 GEMV; attention/qkv_rope.py): one launch a layer fewer. W3 -0.019 / -0.018 / -0.008 ms
     # Q4_1 / Q4_K / Q8_0 with the two settings below (H200, benchmarks/NOTES.md session 47).
     "PAGEDLLM_QKV_ROPE": _flag("PAGEDLLM_QKV_ROPE", "1"),
     # Keys a tile of the decode attention of a single request (0: `launch_config`'s, 128 at 16-bit head size 128):
