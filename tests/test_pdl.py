@@ -86,8 +86,13 @@ _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.(
 _EARLY_EXITS = {"paged_attn_early", "paged_attn_early_rope", "paged_attn_early_late"}
 """Kernels whose programs may leave before the wait (the decode attention's segments past the keys: segment 0 of
 the first request always waits, so the launch cannot complete before its predecessor)."""
-_PRELOADS = {"add_rms_norm_twin", "add_rms_norm_q8_twin", "add_rms_norm_q8_twin_split", "rope_cache"} | _EARLY_EXITS
-_PRELOADS |= {"gguf_gemv_int8_rope"}
+_PRELOADS = {
+    "add_rms_norm_twin",
+    "add_rms_norm_q8_twin",
+    "add_rms_norm_q8_twin_split",
+    "rope_cache",
+    "gguf_gemv_int8_rope",
+} | _EARLY_EXITS
 """Kernels that read before the wait what no kernel of a step writes: weights (the norms'), the step's uploaded
 inputs (positions, slots, query starts, lengths, block tables) and constant tables (RoPE's cos / sin)."""
 

@@ -295,10 +295,11 @@ def gguf_matmul_triton(
     """x [..., K] @ concat(parts).T (+ bias) -> [..., sum(rows)] in `out_dtype` (default x's dtype): each
     part writes its columns of one output (the GEMV for M <= 8 rows, else the dequant-GEMM). CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1 (the tests). No host synchronization: graph-capturable. `rope`
-    (where `rope_fits`, no bias): RoPE and the K / V cache write in the GEMV's epilogue."""
-    if rope is not None and (bias is not None or not rope_fits(x, parts, rope)):
-        raise ValueError("gguf: this projection cannot take the RoPE epilogue (see rope_fits)")
+    (where `rope_fits`, which its caller asks first; no bias): RoPE and the K / V cache write in the GEMV's
+    epilogue."""
     lead, k = x.shape[:-1], x.shape[-1]
+    if rope is not None and (bias is not None or len(parts) != 1 or x.numel() // k > GEMV_MAX_M):
+        raise ValueError("gguf: this projection cannot take the RoPE epilogue (see rope_fits)")
     n = sum(p.rows for p in parts)
     out_dtype = out_dtype or x.dtype
     x2 = x.reshape(-1, k)
